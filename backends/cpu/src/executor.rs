@@ -1,0 +1,496 @@
+//! Runs one graph: binds sources (inputs, weights, constants), evaluates nodes in order with the
+//! kernels, recycles intermediate storage as soon as its last reader has run, and copies the outputs
+//! out. Every shape mismatch is an error naming the node, never a panic.
+
+use std::borrow::Cow;
+
+use mlxcel_plugin_api::{slice_from, ComputeArgs, DType, Node, OpCode, PluginError};
+
+use crate::buffer::{as_f32, as_i32, as_u16, Buffer};
+use crate::isa::Isa;
+use crate::kernels::attention::{self, AttentionShape, PagedLayout};
+use crate::kernels::elementwise::{self as ew, binary, unary};
+use crate::kernels::quantized::{self, QuantMatrix};
+use crate::kernels::{matmul, norm, rope, Floats};
+
+/// A backend context: worker pool, kernel path, and recycled scratch.
+pub struct CpuContext {
+    pub pool: rayon::ThreadPool,
+    pub isa: Isa,
+    pub threads: usize,
+    scratch: Vec<Vec<f32>>,
+}
+
+impl CpuContext {
+    pub fn new(threads: usize, isa: Isa) -> Result<CpuContext, String> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("mlxcel-cpu-{i}"))
+            .build()
+            .map_err(|e| format!("cannot start {threads} worker threads: {e}"))?;
+        Ok(CpuContext { pool, isa, threads, scratch: Vec::new() })
+    }
+
+    fn take(&mut self, n: usize) -> Vec<f32> {
+        let best = self
+            .scratch
+            .iter()
+            .enumerate()
+            .filter(|(_, v)| v.capacity() >= n)
+            .min_by_key(|(_, v)| v.capacity())
+            .map(|(i, _)| i);
+        let mut v = match best {
+            Some(i) => self.scratch.swap_remove(i),
+            None => Vec::with_capacity(n),
+        };
+        v.clear();
+        v.resize(n, 0.0);
+        v
+    }
+
+    fn give(&mut self, v: Vec<f32>) {
+        if self.scratch.len() < 64 {
+            self.scratch.push(v);
+        }
+    }
+}
+
+enum Val<'a> {
+    Act(Vec<f32>),
+    Raw(&'a [u8], DType),
+    Freed,
+}
+
+fn bad(i: usize, node: &Node, msg: impl std::fmt::Display) -> PluginError {
+    let op = node.opcode().map_or_else(|| format!("op {}", node.op), |o| format!("{o:?}"));
+    PluginError::invalid(format!("node {i} ({op}): {msg}"))
+}
+
+fn floats<'a>(v: &'a Val, what: &str) -> Result<Floats<'a>, String> {
+    match v {
+        Val::Act(a) => Ok(Floats::F32(a)),
+        Val::Raw(b, DType::F32) => Ok(Floats::F32(as_f32(b))),
+        Val::Raw(b, DType::F16) => Ok(Floats::F16(as_u16(b))),
+        Val::Raw(b, DType::BF16) => Ok(Floats::BF16(as_u16(b))),
+        Val::Raw(_, d) => Err(format!("{what} has dtype {}, expected a float", d.name())),
+        Val::Freed => Err(format!("{what} was read after its last use")),
+    }
+}
+
+fn f32s<'a>(v: &'a Val, what: &str) -> Result<Cow<'a, [f32]>, String> {
+    Ok(match floats(v, what)? {
+        Floats::F32(s) => Cow::Borrowed(s),
+        other => {
+            let mut out = vec![0f32; other.len()];
+            other.to_f32(0, &mut out);
+            Cow::Owned(out)
+        }
+    })
+}
+
+fn ints<'a>(v: &'a Val, what: &str) -> Result<&'a [i32], String> {
+    match v {
+        Val::Raw(b, DType::I32) => Ok(as_i32(b)),
+        _ => Err(format!("{what} must be i32")),
+    }
+}
+
+fn words<'a>(v: &'a Val, what: &str) -> Result<&'a [u32], String> {
+    match v {
+        Val::Raw(b, DType::U32) => {
+            let s = as_i32(b);
+            Ok(unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u32, s.len()) })
+        }
+        _ => Err(format!("{what} must be packed u32")),
+    }
+}
+
+/// Ops and dtypes this backend executes.
+pub fn supports(node: &Node) -> bool {
+    let Some(op) = node.opcode() else { return false };
+    match op {
+        OpCode::Input | OpCode::Weight => {
+            matches!(node.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::I32 | DType::U32)
+        }
+        OpCode::Constant => node.dtype() == DType::F32,
+        OpCode::QuantMatMul | OpCode::QuantEmbedding => {
+            matches!(node.iparams[0], 2 | 3 | 4 | 5 | 6 | 8) && matches!(node.iparams[1], 32 | 64 | 128)
+        }
+        _ => node.dtype() == DType::F32,
+    }
+}
+
+/// Builds the quantized view from `src[1..4]` for an op whose logical inner size is `k`.
+fn quant_matrix<'a>(
+    vals: &'a [Val<'a>],
+    nodes: &[Node],
+    node: &Node,
+    k: usize,
+) -> Result<(QuantMatrix<'a>, usize), String> {
+    let (bits, group) = (node.iparams[0] as usize, node.iparams[1] as usize);
+    if !matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) || !matches!(group, 32 | 64 | 128) {
+        return Err(format!("unsupported quantization bits={bits} group={group}"));
+    }
+    let s = node.sources();
+    let (pn, sn, bn) = (&nodes[s[1] as usize], &nodes[s[2] as usize], &nodes[s[3] as usize]);
+    let n = pn.rows();
+    if k % group != 0 || pn.cols() * 32 != k * bits {
+        return Err(format!(
+            "packed weight is [{n}, {}] u32 but {k} columns at {bits} bits need {} words per row",
+            pn.cols(),
+            k * bits / 32
+        ));
+    }
+    if sn.rows() != n || sn.cols() != k / group || bn.rows() != n || bn.cols() != k / group {
+        return Err(format!("scales/biases must be [{n}, {}]", k / group));
+    }
+    let q = QuantMatrix {
+        packed: words(&vals[s[1] as usize], "packed weight")?,
+        scales: floats(&vals[s[2] as usize], "scales")?,
+        biases: floats(&vals[s[3] as usize], "biases")?,
+        bits,
+        group,
+        k,
+    };
+    Ok((q, n))
+}
+
+/// Executes `args.graph`.
+pub fn compute(ctx: &mut CpuContext, args: &ComputeArgs) -> Result<(), PluginError> {
+    let nodes = unsafe { args.graph.nodes() };
+    let constants = unsafe { args.graph.constants() };
+    let outputs = unsafe { args.graph.outputs() };
+    let inputs = unsafe { slice_from(args.inputs, args.n_inputs) };
+    let weights = unsafe { slice_from(args.weights, args.n_weights) };
+    let kv = unsafe { slice_from(args.kv, args.n_kv) };
+    let outs = unsafe { slice_from(args.outputs, args.n_outputs) };
+    if outs.len() != outputs.len() {
+        return Err(PluginError::invalid(format!(
+            "graph has {} outputs but {} destinations were given",
+            outputs.len(),
+            outs.len()
+        )));
+    }
+
+    // Last reader of each node, so storage is recycled early.
+    let mut last_use = vec![0usize; nodes.len()];
+    for (i, n) in nodes.iter().enumerate() {
+        if n.opcode().is_none() {
+            return Err(PluginError::invalid(format!("node {i}: unknown op code {}", n.op)));
+        }
+        if !supports(n) {
+            return Err(bad(i, n, format!("not supported by the cpu backend (dtype {})", n.dtype().name())));
+        }
+        for &s in n.sources() {
+            if s as usize >= i {
+                return Err(bad(i, n, format!("source {s} is not an earlier node")));
+            }
+            last_use[s as usize] = i;
+        }
+    }
+    for &o in outputs {
+        if o as usize >= nodes.len() {
+            return Err(PluginError::invalid(format!("output {o} is not a node")));
+        }
+        last_use[o as usize] = usize::MAX;
+    }
+
+    let isa = ctx.isa;
+    let threads = ctx.threads;
+    let mut vals: Vec<Val> = Vec::with_capacity(nodes.len());
+    for (i, node) in nodes.iter().enumerate() {
+        let op = node.opcode().unwrap();
+        let src = node.sources();
+        let e = |m: String| bad(i, node, m);
+        let expect_bytes = node.numel() * node.dtype().size();
+        let val = match op {
+            OpCode::Input => {
+                let slot = node.iparams[0] as usize;
+                let t = inputs.get(slot).ok_or_else(|| e(format!("input slot {slot} not bound")))?;
+                if t.len != expect_bytes {
+                    return Err(e(format!("input slot {slot} has {} bytes, expected {expect_bytes}", t.len)));
+                }
+                let bytes: &[u8] = if t.len == 0 { &[] } else { unsafe { std::slice::from_raw_parts(t.ptr, t.len) } };
+                Val::Raw(bytes, node.dtype())
+            }
+            OpCode::Weight => {
+                let idx = node.iparams[0] as usize;
+                let h = *weights.get(idx).ok_or_else(|| e(format!("weight {idx} not bound")))?;
+                let buf = unsafe { (h as *const Buffer).as_ref() }.ok_or_else(|| e(format!("weight {idx} is null")))?;
+                if buf.bytes().len() != expect_bytes {
+                    return Err(e(format!("weight {idx} has {} bytes, expected {expect_bytes}", buf.bytes().len())));
+                }
+                Val::Raw(buf.bytes(), node.dtype())
+            }
+            OpCode::Constant => {
+                let (off, len) = (node.iparams[0] as usize, node.iparams[1] as usize);
+                if off.checked_add(len).is_none_or(|end| end > constants.len()) || len != expect_bytes {
+                    return Err(e("constant out of the graph's constant blob".into()));
+                }
+                let mut v = ctx.take(len / 4);
+                for (d, c) in v.iter_mut().zip(constants[off..off + len].chunks_exact(4)) {
+                    *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                }
+                Val::Act(v)
+            }
+            _ => {
+                let mut out = ctx.take(node.numel());
+                let v = |j: usize| &vals[src[j] as usize];
+                let sn = |j: usize| &nodes[src[j] as usize];
+                let need = |n: usize| -> Result<(), PluginError> {
+                    if src.len() < n {
+                        Err(bad(i, node, format!("needs {n} sources, has {}", src.len())))
+                    } else {
+                        Ok(())
+                    }
+                };
+                match op {
+                    OpCode::Embedding | OpCode::QuantEmbedding => {
+                        let ids = ints(v(0), "ids").map_err(e)?;
+                        let d = node.cols();
+                        if node.numel() != ids.len() * d {
+                            return Err(e("output must be [n_ids, dim]".into()));
+                        }
+                        if op == OpCode::Embedding {
+                            need(2)?;
+                            let table = floats(v(1), "table").map_err(e)?;
+                            let vocab = sn(1).rows();
+                            if sn(1).cols() != d {
+                                return Err(e(format!("table has {} columns, output {d}", sn(1).cols())));
+                            }
+                            for (t, &id) in ids.iter().enumerate() {
+                                if id < 0 || id as usize >= vocab {
+                                    return Err(e(format!("token id {id} out of range for vocabulary {vocab}")));
+                                }
+                                table.to_f32(id as usize * d, &mut out[t * d..(t + 1) * d]);
+                            }
+                        } else {
+                            need(4)?;
+                            let (q, vocab) = quant_matrix(&vals, nodes, node, d).map_err(e)?;
+                            if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as usize >= vocab) {
+                                return Err(e(format!("token id {id} out of range for vocabulary {vocab}")));
+                            }
+                            ctx.pool.install(|| quantized::qembedding(isa, ids, q, &mut out));
+                        }
+                    }
+                    OpCode::MatMul | OpCode::QuantMatMul => {
+                        need(if op == OpCode::MatMul { 2 } else { 4 })?;
+                        let x = f32s(v(0), "x").map_err(e)?;
+                        let (t, k) = (sn(0).rows(), sn(0).cols());
+                        let n = node.cols();
+                        if node.rows() != t {
+                            return Err(e(format!("output has {} rows, x has {t}", node.rows())));
+                        }
+                        if op == OpCode::MatMul {
+                            let w = floats(v(1), "w").map_err(e)?;
+                            if sn(1).cols() != k || sn(1).rows() != n {
+                                return Err(e(format!(
+                                    "w is [{}, {}], expected [{n}, {k}]",
+                                    sn(1).rows(),
+                                    sn(1).cols()
+                                )));
+                            }
+                            ctx.pool.install(|| matmul::matmul(isa, threads, &x, t, k, w, n, &mut out));
+                        } else {
+                            let (q, rows) = quant_matrix(&vals, nodes, node, k).map_err(e)?;
+                            if rows != n {
+                                return Err(e(format!("packed weight has {rows} rows, output {n} columns")));
+                            }
+                            ctx.pool.install(|| quantized::qmatmul(isa, threads, &x, t, q, n, &mut out));
+                        }
+                    }
+                    OpCode::GetRows => {
+                        need(2)?;
+                        let x = f32s(v(0), "x").map_err(e)?;
+                        let rows = ints(v(1), "rows").map_err(e)?;
+                        let (r, c) = (sn(0).rows(), sn(0).cols());
+                        if node.numel() != rows.len() * c {
+                            return Err(e("output must be [n_rows, cols]".into()));
+                        }
+                        for (j, &row) in rows.iter().enumerate() {
+                            if row < 0 || row as usize >= r {
+                                return Err(e(format!("row {row} out of range for {r} rows")));
+                            }
+                            out[j * c..(j + 1) * c].copy_from_slice(&x[row as usize * c..(row as usize + 1) * c]);
+                        }
+                    }
+                    OpCode::Add | OpCode::Mul | OpCode::SiluMul | OpCode::GeluTanhMul => {
+                        need(2)?;
+                        let a = f32s(v(0), "a").map_err(e)?;
+                        let b = f32s(v(1), "b").map_err(e)?;
+                        let ok = a.len() == node.numel()
+                            && (b.len() == a.len()
+                                || (op != OpCode::SiluMul && op != OpCode::GeluTanhMul && b.len() == node.cols()));
+                        if !ok {
+                            return Err(e(format!("cannot combine {} and {} elements", a.len(), b.len())));
+                        }
+                        ctx.pool.install(|| match op {
+                            OpCode::Add => binary(&a, &b, &mut out, |x, y| x + y),
+                            OpCode::Mul => binary(&a, &b, &mut out, |x, y| x * y),
+                            OpCode::SiluMul => binary(&a, &b, &mut out, |x, y| ew::silu(x) * y),
+                            _ => binary(&a, &b, &mut out, |x, y| ew::gelu_tanh(x) * y),
+                        });
+                    }
+                    OpCode::Scale | OpCode::Silu | OpCode::Gelu | OpCode::GeluTanh | OpCode::Relu | OpCode::Softcap => {
+                        need(1)?;
+                        let x = f32s(v(0), "x").map_err(e)?;
+                        if x.len() != node.numel() {
+                            return Err(e("output must have the input's shape".into()));
+                        }
+                        let p = node.fparams[0];
+                        if op == OpCode::Softcap && p <= 0.0 {
+                            return Err(e("soft-cap must be positive".into()));
+                        }
+                        ctx.pool.install(|| match op {
+                            OpCode::Scale => unary(&x, &mut out, |a| a * p),
+                            OpCode::Silu => unary(&x, &mut out, ew::silu),
+                            OpCode::Gelu => unary(&x, &mut out, ew::gelu_erf),
+                            OpCode::GeluTanh => unary(&x, &mut out, ew::gelu_tanh),
+                            OpCode::Relu => unary(&x, &mut out, |a| a.max(0.0)),
+                            _ => unary(&x, &mut out, |a| p * (a / p).tanh()),
+                        });
+                    }
+                    OpCode::RmsNorm | OpCode::LayerNorm => {
+                        need(if op == OpCode::RmsNorm { 2 } else { 3 })?;
+                        let x = f32s(v(0), "x").map_err(e)?;
+                        let w = floats(v(1), "weight").map_err(e)?;
+                        let c = sn(0).cols();
+                        if w.is_empty() || c % w.len() != 0 || x.len() != node.numel() {
+                            return Err(e(format!("weight of {} does not divide {c} columns", w.len())));
+                        }
+                        let eps = node.fparams[0];
+                        if op == OpCode::RmsNorm {
+                            let unit = node.iparams[0] == 1;
+                            ctx.pool.install(|| norm::rms_norm(&x, w, eps, unit, &mut out));
+                        } else {
+                            let b = floats(v(2), "bias").map_err(e)?;
+                            if w.len() != c || b.len() != c {
+                                return Err(e("layer norm weight and bias must span the columns".into()));
+                            }
+                            ctx.pool.install(|| norm::layer_norm(&x, w, b, eps, &mut out));
+                        }
+                    }
+                    OpCode::Rope => {
+                        need(3)?;
+                        let x = f32s(v(0), "x").map_err(e)?;
+                        let pos = ints(v(1), "positions").map_err(e)?;
+                        let inv = f32s(v(2), "inv_freq").map_err(e)?;
+                        let (hd, rot) = (node.iparams[0] as usize, node.iparams[1] as usize);
+                        let c = sn(0).cols();
+                        if hd == 0 || c % hd != 0 || rot > hd || rot % 2 != 0 || inv.len() < rot / 2 {
+                            return Err(e(format!("bad rope shape: cols {c}, head_dim {hd}, rotary {rot}")));
+                        }
+                        if pos.len() != sn(0).rows() {
+                            return Err(e("one position per row required".into()));
+                        }
+                        let trad = node.iparams[2] == 1;
+                        let ms = if node.fparams[0] == 0.0 { 1.0 } else { node.fparams[0] };
+                        ctx.pool.install(|| rope::rope(&x, pos, &inv, hd, rot, trad, ms, &mut out));
+                    }
+                    OpCode::Attention => {
+                        need(3)?;
+                        let batch = unsafe { args.batch.as_ref() }.ok_or_else(|| e("no attention batch given".into()))?;
+                        let layer = node.iparams[0] as usize;
+                        let (hq, hkv, dh) = (node.iparams[1] as usize, node.iparams[2] as usize, node.iparams[3] as usize);
+                        if hq == 0 || hkv == 0 || dh == 0 || hq % hkv != 0 {
+                            return Err(e(format!("bad head counts {hq}/{hkv} x {dh}")));
+                        }
+                        let t = batch.n_tokens as usize;
+                        let q = f32s(v(0), "q").map_err(e)?;
+                        let kx = f32s(v(1), "k").map_err(e)?;
+                        let vx = f32s(v(2), "v").map_err(e)?;
+                        if q.len() != t * hq * dh || kx.len() != t * hkv * dh || vx.len() != t * hkv * dh {
+                            return Err(e(format!("q/k/v shapes do not match {t} tokens of {hq}/{hkv} heads x {dh}")));
+                        }
+                        let binding = kv.get(layer).ok_or_else(|| e(format!("KV cache layer {layer} not bound")))?;
+                        if binding.dtype != DType::F32 as u32 {
+                            return Err(e("the cpu backend keeps its KV cache in f32".into()));
+                        }
+                        let layout = unsafe {
+                            PagedLayout {
+                                token_seq: slice_from(batch.token_seq, t),
+                                positions: slice_from(batch.positions, t),
+                                slot_mapping: slice_from(batch.slot_mapping, t),
+                                block_tables: slice_from(
+                                    batch.block_tables,
+                                    batch.n_seqs as usize * batch.max_blocks_per_seq as usize,
+                                ),
+                                max_blocks_per_seq: batch.max_blocks_per_seq as usize,
+                                block_size: batch.block_size as usize,
+                            }
+                        };
+                        let kv_row = hkv * dh;
+                        let slots = batch.num_blocks as usize * batch.block_size as usize;
+                        let (kb, vb) = unsafe {
+                            ((binding.k as *mut Buffer).as_mut(), (binding.v as *mut Buffer).as_mut())
+                        };
+                        let (Some(kb), Some(vb)) = (kb, vb) else { return Err(e("null KV buffer".into())) };
+                        let kc = kb.bytes_mut().ok_or_else(|| e("KV cache must be an allocated buffer".into()))?;
+                        let vc = vb.bytes_mut().ok_or_else(|| e("KV cache must be an allocated buffer".into()))?;
+                        if kc.len() < slots * kv_row * 4 || vc.len() < slots * kv_row * 4 {
+                            return Err(e(format!("KV cache layer {layer} is smaller than {slots} slots")));
+                        }
+                        let kc = crate::buffer::as_f32_mut(kc);
+                        let vc = crate::buffer::as_f32_mut(vc);
+                        // Validate bookkeeping before touching memory.
+                        for ti in 0..t {
+                            let s = layout.token_seq[ti] as usize;
+                            let p = layout.positions[ti];
+                            let slot = layout.slot_mapping[ti];
+                            if s >= batch.n_seqs as usize || p < 0 || slot < 0 || slot as usize >= slots {
+                                return Err(e(format!("token {ti}: bad sequence/position/slot")));
+                            }
+                            let nb = (p as usize) / layout.block_size;
+                            if nb >= layout.max_blocks_per_seq {
+                                return Err(e(format!("token {ti}: position {p} beyond its block table")));
+                            }
+                            for b in 0..=nb {
+                                if layout.block_tables[s * layout.max_blocks_per_seq + b] as usize >= batch.num_blocks as usize {
+                                    return Err(e(format!("sequence {s}: block id out of range")));
+                                }
+                            }
+                        }
+                        attention::write_kv(&layout, &kx, &vx, kv_row, kc, vc);
+                        let shape = AttentionShape {
+                            n_heads: hq,
+                            n_kv_heads: hkv,
+                            head_dim: dh,
+                            window: node.iparams[4].max(0) as usize,
+                            scale: node.fparams[0],
+                            softcap: node.fparams[1],
+                        };
+                        ctx.pool.install(|| attention::attention(isa, &layout, shape, &q, kc, vc, &mut out));
+                    }
+                    OpCode::Input | OpCode::Weight | OpCode::Constant => unreachable!(),
+                }
+                Val::Act(out)
+            }
+        };
+        vals.push(val);
+        for &s in src {
+            if last_use[s as usize] == i {
+                if let Val::Act(v) = std::mem::replace(&mut vals[s as usize], Val::Freed) {
+                    ctx.give(v);
+                }
+            }
+        }
+    }
+
+    for (o, dst) in outputs.iter().zip(outs) {
+        let v = f32s(&vals[*o as usize], "output").map_err(PluginError::invalid)?;
+        if dst.len != v.len() * 4 {
+            return Err(PluginError::invalid(format!(
+                "output node {o} has {} f32 values but the destination holds {} bytes",
+                v.len(),
+                dst.len
+            )));
+        }
+        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr() as *const u8, dst.ptr, dst.len) };
+    }
+    for v in vals {
+        if let Val::Act(v) = v {
+            ctx.give(v);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,66 @@
+//! Elementwise ops and activations.
+
+use rayon::prelude::*;
+
+const CHUNK: usize = 16 * 1024;
+
+/// `out[i] = f(a[i], b[i % b.len()])` (b is the same shape as `a` or one broadcast row).
+pub fn binary(a: &[f32], b: &[f32], out: &mut [f32], f: impl Fn(f32, f32) -> f32 + Sync) {
+    let bl = b.len();
+    if bl == a.len() {
+        out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, o)| {
+            let base = c * CHUNK;
+            for (i, v) in o.iter_mut().enumerate() {
+                *v = f(a[base + i], b[base + i]);
+            }
+        });
+    } else {
+        out.par_chunks_mut(bl).zip(a.par_chunks(bl)).for_each(|(o, ar)| {
+            for i in 0..bl {
+                o[i] = f(ar[i], b[i]);
+            }
+        });
+    }
+}
+
+/// `out[i] = f(x[i])`.
+pub fn unary(x: &[f32], out: &mut [f32], f: impl Fn(f32) -> f32 + Sync) {
+    out.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(o, xs)| {
+        for (v, &xv) in o.iter_mut().zip(xs) {
+            *v = f(xv);
+        }
+    });
+}
+
+#[inline(always)]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + (-x).exp())
+}
+
+#[inline(always)]
+pub fn gelu_tanh(x: f32) -> f32 {
+    const C: f32 = 0.797_884_6; // sqrt(2/pi)
+    0.5 * x * (1.0 + (C * (x + 0.044715 * x * x * x)).tanh())
+}
+
+#[inline(always)]
+pub fn gelu_erf(x: f32) -> f32 {
+    0.5 * x * (1.0 + erf(x / std::f32::consts::SQRT_2))
+}
+
+/// erf with max error about 1.2e-7 (Numerical Recipes erfc by Chebyshev fit, computed in f64).
+pub fn erf(x: f32) -> f32 {
+    let x = x as f64;
+    let z = x.abs();
+    let t = 1.0 / (1.0 + 0.5 * z);
+    let r = t
+        * (-z * z - 1.265_512_23
+            + t * (1.000_023_68
+                + t * (0.374_091_96
+                    + t * (0.096_784_18
+                        + t * (-0.186_288_06
+                            + t * (0.278_868_07
+                                + t * (-1.135_203_98 + t * (1.488_515_87 + t * (-0.822_152_23 + t * 0.170_872_77)))))))))
+            .exp();
+    (if x >= 0.0 { 1.0 - r } else { r - 1.0 }) as f32
+}

@@ -1,0 +1,123 @@
+//! Float linear layers: `out[T, N] = x[T, K] · w[N, K]ᵀ`. Prefill goes through `gemm` on tiles of weight
+//! rows converted to f32 (no whole-matrix conversion); decode uses a row-wise dot product.
+
+use rayon::prelude::*;
+
+use super::{Floats, SharedMut};
+use crate::isa::Isa;
+use crate::simd_kernel;
+
+simd_kernel! {
+    /// `Σ a[i]·b[i]` with 16 independent accumulators so it vectorises.
+    pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+        let n = a.len().min(b.len());
+        let (a, b) = (&a[..n], &b[..n]);
+        let mut acc = [0f32; 16];
+        let mut ca = a.chunks_exact(16);
+        let mut cb = b.chunks_exact(16);
+        for (x, y) in (&mut ca).zip(&mut cb) {
+            for k in 0..16 {
+                acc[k] = x[k].mul_add(y[k], acc[k]);
+            }
+        }
+        let mut s = 0f32;
+        for (x, y) in ca.remainder().iter().zip(cb.remainder()) {
+            s += x * y;
+        }
+        let mut t = [0f32; 8];
+        for k in 0..8 {
+            t[k] = acc[k] + acc[k + 8];
+        }
+        s + t.iter().sum::<f32>()
+    }
+}
+
+simd_kernel! {
+    /// `y += a · x`.
+    pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
+        for (yv, xv) in y.iter_mut().zip(x) {
+            *yv = xv.mul_add(a, *yv);
+        }
+    }
+}
+
+/// Number of weight rows per tile: enough tiles to keep every thread busy, small enough for cache.
+pub fn tile_rows(n: usize, threads: usize) -> usize {
+    let want = n.div_ceil(4 * threads.max(1));
+    want.clamp(16, 256).div_ceil(16) * 16
+}
+
+/// `out[t, n0..n0+nc] = x[t, :] · tile[nc, K]ᵀ` with gemm, single-threaded (callers parallelise tiles).
+///
+/// # Safety
+/// `out` points to a `[T, n]` row-major matrix whose columns `n0..n0+nc` only this call writes.
+pub unsafe fn gemm_tile(x: &[f32], t: usize, k: usize, tile: &[f32], nc: usize, out: SharedMut<f32>, n: usize, n0: usize) {
+    gemm::gemm(
+        t,
+        nc,
+        k,
+        out.ptr().add(n0),
+        1,
+        n as isize,
+        false,
+        x.as_ptr(),
+        1,
+        k as isize,
+        tile.as_ptr(),
+        k as isize,
+        1,
+        0.0f32,
+        1.0f32,
+        false,
+        false,
+        false,
+        gemm::Parallelism::None,
+    );
+}
+
+/// `out[T, N] = x[T, K] · w[N, K]ᵀ` for float weights.
+pub fn matmul(isa: Isa, threads: usize, x: &[f32], t: usize, k: usize, w: Floats, n: usize, out: &mut [f32]) {
+    if t < 4 {
+        // Decode: one pass over the weights, each row dotted with every token.
+        let rows_per_task = 16;
+        out.fill(0.0);
+        let out_ptr = SharedMut(out.as_mut_ptr());
+        (0..n.div_ceil(rows_per_task)).into_par_iter().for_each_init(
+            || vec![0f32; k],
+            |row, chunk| {
+                for r in chunk * rows_per_task..((chunk + 1) * rows_per_task).min(n) {
+                    let wr: &[f32] = match w {
+                        Floats::F32(s) => &s[r * k..(r + 1) * k],
+                        _ => {
+                            w.to_f32(r * k, row);
+                            row
+                        }
+                    };
+                    for ti in 0..t {
+                        let v = dot::run(isa, &x[ti * k..(ti + 1) * k], wr);
+                        unsafe { *out_ptr.ptr().add(ti * n + r) = v };
+                    }
+                }
+            },
+        );
+        return;
+    }
+    let nc = tile_rows(n, threads);
+    let out_ptr = SharedMut(out.as_mut_ptr());
+    (0..n.div_ceil(nc)).into_par_iter().for_each_init(
+        || Vec::<f32>::new(),
+        |scratch, ti| {
+            let n0 = ti * nc;
+            let rows = nc.min(n - n0);
+            let tile: &[f32] = match w {
+                Floats::F32(s) => &s[n0 * k..(n0 + rows) * k],
+                _ => {
+                    scratch.resize(rows * k, 0.0);
+                    w.to_f32(n0 * k, scratch);
+                    scratch
+                }
+            };
+            unsafe { gemm_tile(x, t, k, tile, rows, out_ptr, n, n0) };
+        },
+    );
+}

@@ -1,0 +1,47 @@
+//! RMS norm and layer norm.
+
+use rayon::prelude::*;
+
+use super::Floats;
+
+/// RMS norm over groups of `w.len()` columns; `unit_offset` scales by `1 + w` (Gemma).
+pub fn rms_norm(x: &[f32], w: Floats, eps: f32, unit_offset: bool, out: &mut [f32]) {
+    let d = w.len();
+    let mut wf = vec![0f32; d];
+    w.to_f32(0, &mut wf);
+    if unit_offset {
+        wf.iter_mut().for_each(|v| *v += 1.0);
+    }
+    out.par_chunks_mut(d).zip(x.par_chunks(d)).for_each(|(o, xs)| {
+        let mut acc = [0f32; 8];
+        let mut chunks = xs.chunks_exact(8);
+        for c in &mut chunks {
+            for k in 0..8 {
+                acc[k] += c[k] * c[k];
+            }
+        }
+        let mut ss: f32 = acc.iter().sum();
+        ss += chunks.remainder().iter().map(|v| v * v).sum::<f32>();
+        let inv = 1.0 / (ss / d as f32 + eps).sqrt();
+        for i in 0..d {
+            o[i] = xs[i] * inv * wf[i];
+        }
+    });
+}
+
+/// Layer norm over the last `w.len()` columns.
+pub fn layer_norm(x: &[f32], w: Floats, b: Floats, eps: f32, out: &mut [f32]) {
+    let d = w.len();
+    let mut wf = vec![0f32; d];
+    let mut bf = vec![0f32; d];
+    w.to_f32(0, &mut wf);
+    b.to_f32(0, &mut bf);
+    out.par_chunks_mut(d).zip(x.par_chunks(d)).for_each(|(o, xs)| {
+        let mean = xs.iter().sum::<f32>() / d as f32;
+        let var = xs.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / d as f32;
+        let inv = 1.0 / (var + eps).sqrt();
+        for i in 0..d {
+            o[i] = (xs[i] - mean) * inv * wf[i] + bf[i];
+        }
+    });
+}

@@ -1,0 +1,173 @@
+//! MLX affine-quantized weights: `w = scales[g] * q + biases[g]` per group of `group` elements, `q`
+//! packed little-endian as a bit stream of `bits`-bit values inside `u32` words (a group always starts
+//! on a word boundary since `group * bits` is a multiple of 32). Matrices are never dequantized whole:
+//! decode dots packed rows directly, prefill dequantizes one tile of rows at a time into gemm.
+
+use rayon::prelude::*;
+
+use super::matmul::{gemm_tile, tile_rows};
+use super::{Floats, SharedMut};
+use crate::isa::Isa;
+use crate::simd_kernel;
+
+/// A quantized `[N, K]` matrix.
+#[derive(Clone, Copy)]
+pub struct QuantMatrix<'a> {
+    pub packed: &'a [u32],
+    pub scales: Floats<'a>,
+    pub biases: Floats<'a>,
+    pub bits: usize,
+    pub group: usize,
+    /// Logical columns (elements per row).
+    pub k: usize,
+}
+
+impl QuantMatrix<'_> {
+    pub fn words_per_row(&self) -> usize {
+        self.k * self.bits / 32
+    }
+    pub fn groups_per_row(&self) -> usize {
+        self.k / self.group
+    }
+
+    /// Dequantizes row `r` into `out[..k]`.
+    pub fn dequantize_row(&self, isa: Isa, r: usize, out: &mut [f32]) {
+        let wpr = self.words_per_row();
+        let gpr = self.groups_per_row();
+        let wpg = self.group * self.bits / 32;
+        let row = &self.packed[r * wpr..(r + 1) * wpr];
+        for g in 0..gpr {
+            let o = &mut out[g * self.group..(g + 1) * self.group];
+            unpack::run(isa, &row[g * wpg..(g + 1) * wpg], self.bits, o);
+            let s = self.scales.get(r * gpr + g);
+            let b = self.biases.get(r * gpr + g);
+            for v in o.iter_mut() {
+                *v = v.mul_add(s, b);
+            }
+        }
+    }
+}
+
+simd_kernel! {
+    /// Unpacks `out.len()` values of `bits` bits from `words` into floats (no scale or bias).
+    pub fn unpack(words: &[u32], bits: usize, out: &mut [f32]) {
+        match bits {
+            2 | 4 | 8 => {
+                let per = 32 / bits;
+                let mask = (1u32 << bits) - 1;
+                for (w, o) in words.iter().zip(out.chunks_exact_mut(per)) {
+                    for (j, v) in o.iter_mut().enumerate() {
+                        *v = ((*w >> (j * bits)) & mask) as f32;
+                    }
+                }
+            }
+            _ => {
+                let mask = (1u64 << bits) - 1;
+                for (i, v) in out.iter_mut().enumerate() {
+                    let bit = i * bits;
+                    let wi = bit / 32;
+                    let lo = words[wi] as u64;
+                    let hi = if wi + 1 < words.len() { words[wi + 1] as u64 } else { 0 };
+                    *v = (((lo | (hi << 32)) >> (bit % 32)) & mask) as f32;
+                }
+            }
+        }
+    }
+}
+
+simd_kernel! {
+    /// `Σ_i x[i] · q[i]` over one group, fused with unpacking for 2/4/8 bits.
+    pub fn qdot_group(x: &[f32], words: &[u32], bits: usize) -> f32 {
+        match bits {
+            4 => {
+                let mut acc = [0f32; 8];
+                for (w, xs) in words.iter().zip(x.chunks_exact(8)) {
+                    for j in 0..8 {
+                        acc[j] = xs[j].mul_add(((*w >> (4 * j)) & 15) as f32, acc[j]);
+                    }
+                }
+                acc.iter().sum()
+            }
+            8 => {
+                let mut acc = [0f32; 8];
+                for (w2, xs) in words.chunks_exact(2).zip(x.chunks_exact(8)) {
+                    for j in 0..8 {
+                        acc[j] = xs[j].mul_add(((w2[j / 4] >> (8 * (j % 4))) & 255) as f32, acc[j]);
+                    }
+                }
+                acc.iter().sum()
+            }
+            2 => {
+                let mut acc = [0f32; 16];
+                for (w, xs) in words.iter().zip(x.chunks_exact(16)) {
+                    for j in 0..16 {
+                        acc[j] = xs[j].mul_add(((*w >> (2 * j)) & 3) as f32, acc[j]);
+                    }
+                }
+                acc.iter().sum()
+            }
+            _ => {
+                let mask = (1u64 << bits) - 1;
+                let mut s = 0f32;
+                for (i, xv) in x.iter().enumerate() {
+                    let bit = i * bits;
+                    let wi = bit / 32;
+                    let lo = words[wi] as u64;
+                    let hi = if wi + 1 < words.len() { words[wi + 1] as u64 } else { 0 };
+                    s += xv * (((lo | (hi << 32)) >> (bit % 32)) & mask) as f32;
+                }
+                s
+            }
+        }
+    }
+}
+
+/// `out[T, N] = x[T, K] · dequant(w)ᵀ`.
+pub fn qmatmul(isa: Isa, threads: usize, x: &[f32], t: usize, w: QuantMatrix, n: usize, out: &mut [f32]) {
+    let k = w.k;
+    if t < 4 {
+        let gpr = w.groups_per_row();
+        let wpr = w.words_per_row();
+        let wpg = w.group * w.bits / 32;
+        // Σx per group, shared by every row: Σ x·(s·q + b) = s·Σx·q + b·Σx.
+        let xsum: Vec<f32> =
+            x.chunks_exact(w.group).map(|g| g.iter().sum::<f32>()).collect();
+        let out_ptr = SharedMut(out.as_mut_ptr());
+        let rows_per_task = 8;
+        (0..n.div_ceil(rows_per_task)).into_par_iter().for_each(|chunk| {
+            for r in chunk * rows_per_task..((chunk + 1) * rows_per_task).min(n) {
+                let row = &w.packed[r * wpr..(r + 1) * wpr];
+                for ti in 0..t {
+                    let xt = &x[ti * k..(ti + 1) * k];
+                    let mut acc = 0f32;
+                    for g in 0..gpr {
+                        let d = qdot_group::run(isa, &xt[g * w.group..(g + 1) * w.group], &row[g * wpg..(g + 1) * wpg], w.bits);
+                        acc += w.scales.get(r * gpr + g) * d + w.biases.get(r * gpr + g) * xsum[ti * gpr + g];
+                    }
+                    unsafe { *out_ptr.ptr().add(ti * n + r) = acc };
+                }
+            }
+        });
+        return;
+    }
+    let nc = tile_rows(n, threads);
+    let out_ptr = SharedMut(out.as_mut_ptr());
+    (0..n.div_ceil(nc)).into_par_iter().for_each_init(
+        || Vec::<f32>::new(),
+        |tile, ti| {
+            let n0 = ti * nc;
+            let rows = nc.min(n - n0);
+            tile.resize(rows * k, 0.0);
+            for r in 0..rows {
+                w.dequantize_row(isa, n0 + r, &mut tile[r * k..(r + 1) * k]);
+            }
+            unsafe { gemm_tile(x, t, k, tile, rows, out_ptr, n, n0) };
+        },
+    );
+}
+
+/// Rows `ids` of a quantized table, dequantized.
+pub fn qembedding(isa: Isa, ids: &[i32], w: QuantMatrix, out: &mut [f32]) {
+    let k = w.k;
+    out.par_chunks_mut(k).zip(ids.par_iter()).for_each(|(o, &id)| w.dequantize_row(isa, id as usize, o));
+}

@@ -1,0 +1,226 @@
+//! The Llama architecture (and its Mistral / Qwen2 / Qwen3 variants) as an op graph.
+//!
+//! Per layer: `h += o_proj(attn(rope(q), rope(k), v))` over `rms_norm(h)`, then
+//! `h += down(act(gate(x)) * up(x))` over `rms_norm(h)`. Qwen2 adds q/k/v biases, Qwen3 adds a per-head
+//! RMS norm on q and k; both are flags on [`Variant`], not copies of this file.
+
+use mlxcel_plugin_api::{
+    DType, Graph, KvKind, KvLayerDesc, OpCode, StepShape, INPUT_LOGIT_ROWS, INPUT_POSITIONS, INPUT_TOKENS,
+};
+use serde_json::Value;
+
+use crate::config::{LlamaConfig, Variant};
+use crate::layers::{GraphWriter, Linear, WeightRef, WeightTable};
+use crate::rope::{dynamic_inv_freq, rope_freqs, RopeFreqs};
+
+struct Attention {
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<WeightRef>,
+    k_norm: Option<WeightRef>,
+    window: usize,
+}
+
+struct Mlp {
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+struct Layer {
+    input_norm: WeightRef,
+    attn: Attention,
+    post_attention_norm: WeightRef,
+    mlp: Mlp,
+}
+
+pub struct LlamaModel {
+    pub cfg: LlamaConfig,
+    embed: Linear,
+    layers: Vec<Layer>,
+    norm: WeightRef,
+    /// `None` when tied to the embedding.
+    lm_head: Option<Linear>,
+    rope: RopeFreqs,
+    pub kv_layers: Vec<KvLayerDesc>,
+    pub used_weights: Vec<u32>,
+    pub quantization: String,
+    /// The most recent step's graph, owned here as the ABI requires.
+    pub graph: Graph,
+}
+
+impl LlamaModel {
+    pub fn new(cfg: LlamaConfig, table: &WeightTable) -> Result<LlamaModel, String> {
+        let Variant { qkv_bias, o_bias, qk_norm } = cfg.variant();
+        let (d, hd) = (cfg.hidden_size, cfg.head_dim());
+        let (nh, nkv) = (cfg.num_attention_heads, cfg.n_kv_heads());
+        let q = cfg.quantization.as_ref();
+        let norm = |name: String, n: usize| table.float(&name, &[n as u64]);
+
+        let embed = Linear::load(table, q, "model.embed_tokens", d, cfg.vocab_size, false)?;
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = format!("model.layers.{i}");
+            let attn = Attention {
+                q: Linear::load(table, q, &format!("{p}.self_attn.q_proj"), d, nh * hd, qkv_bias)?,
+                k: Linear::load(table, q, &format!("{p}.self_attn.k_proj"), d, nkv * hd, qkv_bias)?,
+                v: Linear::load(table, q, &format!("{p}.self_attn.v_proj"), d, nkv * hd, qkv_bias)?,
+                o: Linear::load(table, q, &format!("{p}.self_attn.o_proj"), nh * hd, d, o_bias)?,
+                q_norm: if qk_norm { Some(norm(format!("{p}.self_attn.q_norm.weight"), hd)?) } else { None },
+                k_norm: if qk_norm { Some(norm(format!("{p}.self_attn.k_norm.weight"), hd)?) } else { None },
+                window: cfg.layer_window(i),
+            };
+            let mlp = Mlp {
+                gate: Linear::load(table, q, &format!("{p}.mlp.gate_proj"), d, cfg.intermediate_size, cfg.mlp_bias)?,
+                up: Linear::load(table, q, &format!("{p}.mlp.up_proj"), d, cfg.intermediate_size, cfg.mlp_bias)?,
+                down: Linear::load(table, q, &format!("{p}.mlp.down_proj"), cfg.intermediate_size, d, cfg.mlp_bias)?,
+            };
+            layers.push(Layer {
+                input_norm: norm(format!("{p}.input_layernorm.weight"), d)?,
+                attn,
+                post_attention_norm: norm(format!("{p}.post_attention_layernorm.weight"), d)?,
+                mlp,
+            });
+        }
+        let final_norm = norm("model.norm.weight".into(), d)?;
+        let lm_head = if cfg.tied_embeddings() {
+            None
+        } else {
+            Some(Linear::load(table, q, "lm_head", d, cfg.vocab_size, false)?)
+        };
+        let max_pos = cfg.max_position_embeddings.unwrap_or(4096);
+        let rope = rope_freqs(hd, cfg.rope_base(), cfg.rope_scaling(), max_pos)?;
+
+        let kv_layers = layers
+            .iter()
+            .map(|l| KvLayerDesc {
+                kind: if l.attn.window > 0 { KvKind::SlidingWindow } else { KvKind::Full } as u32,
+                n_kv_heads: nkv as u32,
+                head_dim: hd as u32,
+                window: l.attn.window as u32,
+                state_bytes: 0,
+            })
+            .collect();
+
+        let mut used: Vec<u32> = embed.indices();
+        for l in &layers {
+            used.push(l.input_norm.index);
+            used.push(l.post_attention_norm.index);
+            for lin in [&l.attn.q, &l.attn.k, &l.attn.v, &l.attn.o, &l.mlp.gate, &l.mlp.up, &l.mlp.down] {
+                used.extend(lin.indices());
+            }
+            used.extend(l.attn.q_norm.iter().chain(l.attn.k_norm.iter()).map(|w| w.index));
+        }
+        used.push(final_norm.index);
+        if let Some(h) = &lm_head {
+            used.extend(h.indices());
+        }
+        used.sort_unstable();
+        used.dedup();
+
+        let quantization = describe_quantization(&embed, &layers, cfg.quantization.as_ref());
+        Ok(LlamaModel {
+            cfg,
+            embed,
+            layers,
+            norm: final_norm,
+            lm_head,
+            rope,
+            kv_layers,
+            used_weights: used,
+            quantization,
+            graph: Graph::new(),
+        })
+    }
+
+    /// Rough activation bytes per token in flight (f32 activations of one layer plus logits rows).
+    pub fn activation_bytes_per_token(&self) -> u64 {
+        let c = &self.cfg;
+        let per = 4 * c.hidden_size + 3 * c.intermediate_size + (c.num_attention_heads + 2 * c.n_kv_heads()) * c.head_dim();
+        (per * 4) as u64
+    }
+
+    /// The forward pass of one step.
+    pub fn build_graph(&mut self, step: &StepShape) -> Result<(), String> {
+        let t = step.n_tokens as u64;
+        let r = step.n_logit_rows as u64;
+        if t == 0 {
+            return Err("a step needs at least one token".into());
+        }
+        let cfg = &self.cfg;
+        let (d, hd) = (cfg.hidden_size as u64, cfg.head_dim() as u64);
+        let (nh, nkv) = (cfg.num_attention_heads as u64, cfg.n_kv_heads() as u64);
+        let eps = cfg.rms_norm_eps;
+
+        let mut graph = std::mem::take(&mut self.graph);
+        graph.nodes.clear();
+        graph.constants.clear();
+        graph.outputs.clear();
+        let mut w = GraphWriter::new(&mut graph);
+
+        let tokens = w.g.input(INPUT_TOKENS, DType::I32, &[t]);
+        let positions = w.g.input(INPUT_POSITIONS, DType::I32, &[t]);
+        let inv_freq = match &self.rope.dynamic {
+            Some(dy) => dynamic_inv_freq(dy, step.max_context as usize),
+            None => self.rope.inv_freq.clone(),
+        };
+        let inv_freq = w.g.constant_f32(&inv_freq, &[hd / 2]);
+        let rope_params = [hd as i64, hd as i64, cfg.rope_traditional as i64];
+        let mscale = self.rope.mscale;
+
+        let mut h = w.embedding(tokens, t, &self.embed);
+        for (i, layer) in self.layers.iter().enumerate() {
+            let a = &layer.attn;
+            let x = w.rms_norm(h, &[t, d], &layer.input_norm, eps);
+            let mut q = w.linear(x, t, &a.q);
+            let mut k = w.linear(x, t, &a.k);
+            let v = w.linear(x, t, &a.v);
+            if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
+                q = w.rms_norm(q, &[t, nh * hd], qn, eps);
+                k = w.rms_norm(k, &[t, nkv * hd], kn, eps);
+            }
+            let q = w.g.op_with(OpCode::Rope, &[t, nh * hd], &[q, positions, inv_freq], &rope_params, &[mscale]);
+            let k = w.g.op_with(OpCode::Rope, &[t, nkv * hd], &[k, positions, inv_freq], &rope_params, &[mscale]);
+            let attn = w.g.op_with(
+                OpCode::Attention,
+                &[t, nh * hd],
+                &[q, k, v],
+                &[i as i64, nh as i64, nkv as i64, hd as i64, a.window as i64],
+                &[1.0 / (hd as f32).sqrt(), 0.0],
+            );
+            let o = w.linear(attn, t, &a.o);
+            h = w.g.op(OpCode::Add, &[t, d], &[h, o]);
+
+            let x = w.rms_norm(h, &[t, d], &layer.post_attention_norm, eps);
+            let inter = layer.mlp.gate.out_features;
+            let gate = w.linear(x, t, &layer.mlp.gate);
+            let up = w.linear(x, t, &layer.mlp.up);
+            let act = if cfg.gelu() { OpCode::GeluTanhMul } else { OpCode::SiluMul };
+            let m = w.g.op(act, &[t, inter], &[gate, up]);
+            let down = w.linear(m, t, &layer.mlp.down);
+            h = w.g.op(OpCode::Add, &[t, d], &[h, down]);
+        }
+
+        // Only the rows that need logits go through the final norm and the vocabulary projection.
+        let rows = w.g.input(INPUT_LOGIT_ROWS, DType::I32, &[r]);
+        let h = w.g.op(OpCode::GetRows, &[r, d], &[h, rows]);
+        let h = w.rms_norm(h, &[r, d], &self.norm, eps);
+        let logits = w.linear(h, r, self.lm_head.as_ref().unwrap_or(&self.embed));
+        w.g.mark_output(logits);
+        self.graph = graph;
+        Ok(())
+    }
+}
+
+fn describe_quantization(embed: &Linear, layers: &[Layer], config: Option<&Value>) -> String {
+    let first = layers.first().and_then(|l| l.mlp.down.describe_quant()).or_else(|| embed.describe_quant());
+    match first {
+        Some(s) => {
+            let mixed = config.is_some_and(|q| q.as_object().is_some_and(|o| o.values().any(|v| v.is_object() || v.is_boolean())));
+            format!("affine {}-bit g{}{}", s.bits, s.group_size, if mixed { " (mixed)" } else { "" })
+        }
+        None => String::new(),
+    }
+}

@@ -1,0 +1,444 @@
+//! The op graph: the only language families and backends share.
+//!
+//! A graph is a flat, topologically ordered list of [`Node`]s. Every node defines one tensor, named by
+//! its index. Source nodes ([`OpCode::Input`], [`OpCode::Weight`], [`OpCode::Constant`]) bind data from
+//! outside; every other node computes from earlier nodes (`src`). Activations are row-major and seen as
+//! 2-D `[rows, cols]` (rows = product of all but the last dimension); they are always `F32` in this
+//! minor version. Weights keep their checkpoint dtype, including MLX affine-quantized packs.
+
+use crate::ffi::StrRef;
+
+/// Element type of a tensor.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    F32 = 0,
+    F16 = 1,
+    BF16 = 2,
+    I32 = 3,
+    /// Packed quantized weights (MLX affine: `bits` values per element group, little-endian in `u32`).
+    U32 = 4,
+    U8 = 5,
+    I64 = 6,
+    F64 = 7,
+    /// Anything the ABI does not name (e.g. F8); families refuse it with a message.
+    Other = 255,
+}
+
+impl DType {
+    pub fn from_raw(v: u32) -> DType {
+        match v {
+            0 => DType::F32,
+            1 => DType::F16,
+            2 => DType::BF16,
+            3 => DType::I32,
+            4 => DType::U32,
+            5 => DType::U8,
+            6 => DType::I64,
+            7 => DType::F64,
+            _ => DType::Other,
+        }
+    }
+
+    /// Bytes per element (0 for `Other`).
+    pub fn size(self) -> usize {
+        match self {
+            DType::F32 | DType::I32 | DType::U32 => 4,
+            DType::F16 | DType::BF16 => 2,
+            DType::U8 => 1,
+            DType::I64 | DType::F64 => 8,
+            DType::Other => 0,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::I32 => "i32",
+            DType::U32 => "u32",
+            DType::U8 => "u8",
+            DType::I64 => "i64",
+            DType::F64 => "f64",
+            DType::Other => "other",
+        }
+    }
+}
+
+/// The operation a node performs. Parameters live in [`Node::iparams`] / [`Node::fparams`]; the
+/// meaning of each slot is listed per op. `x` means `src[0]`, and so on.
+#[repr(u32)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum OpCode {
+    /// Host data for this step. `iparams[0]` = input slot (see [`INPUT_TOKENS`] etc.).
+    Input = 0,
+    /// A model weight. `iparams[0]` = index into the weight table the family received.
+    Weight = 1,
+    /// Data carried in the graph's constant blob. `iparams[0]` = byte offset, `iparams[1]` = byte length.
+    Constant = 2,
+
+    /// `out[t, :] = table[ids[t], :]`. src: ids `I32 [T]`, table `[V, D]` float.
+    Embedding = 10,
+    /// Embedding from an MLX affine-quantized table. src: ids, packed `U32 [V, D*bits/32]`,
+    /// scales `[V, D/group]`, biases `[V, D/group]`. `iparams[0]` = bits, `iparams[1]` = group size.
+    QuantEmbedding = 11,
+    /// `out = x · wᵀ` (linear layer). src: x `[T, K]`, w `[N, K]` float (f32/f16/bf16). out `[T, N]`.
+    MatMul = 12,
+    /// `out = x · dequant(w)ᵀ` with MLX affine weights (`w = scales * q + biases` per group).
+    /// src: x `[T, K]`, packed `U32 [N, K*bits/32]`, scales `[N, K/group]`, biases `[N, K/group]`.
+    /// `iparams[0]` = bits (2,3,4,5,6,8), `iparams[1]` = group size (32, 64, 128).
+    QuantMatMul = 13,
+    /// Select rows: src x `[T, C]`, rows `I32 [R]`. out `[R, C]`.
+    GetRows = 14,
+
+    /// `a + b`; b is `[T, C]` like a or a row `[C]` broadcast over rows.
+    Add = 20,
+    /// `a * b`; broadcasting as for `Add`.
+    Mul = 21,
+    /// `x * fparams[0]`.
+    Scale = 22,
+    /// `silu(x)`.
+    Silu = 23,
+    /// `gelu(x)` with the exact erf form.
+    Gelu = 24,
+    /// `gelu(x)` with the tanh approximation.
+    GeluTanh = 25,
+    /// `max(x, 0)`.
+    Relu = 26,
+    /// `silu(a) * b` (the SwiGLU gate).
+    SiluMul = 27,
+    /// `cap * tanh(x / cap)`, `fparams[0]` = cap.
+    Softcap = 28,
+    /// `gelu_tanh(a) * b` (GeGLU gate).
+    GeluTanhMul = 29,
+
+    /// RMS norm over groups of `D` = len(w) columns (D may divide C: per-head norm).
+    /// src: x `[T, C]`, w `[D]`. `fparams[0]` = eps, `iparams[0]` = 1 to scale by `(1 + w)`.
+    RmsNorm = 30,
+    /// Layer norm over the last dim. src: x, w `[C]`, b `[C]`. `fparams[0]` = eps.
+    LayerNorm = 31,
+
+    /// Rotary embedding on `x [T, H*Dh]`. src: x, positions `I32 [T]`, inv_freq `F32 [rot/2]`.
+    /// `iparams[0]` = head_dim, `iparams[1]` = rotary dims (≤ head_dim, rest passes through),
+    /// `iparams[2]` = 1 for the interleaved ("traditional") pairing, 0 for the half-split (NeoX) one.
+    /// `fparams[0]` = scale applied to cos and sin (YaRN attention factor; 1 otherwise).
+    Rope = 40,
+
+    /// Causal attention over the paged KV cache, writing this step's K/V first.
+    /// src: q `[T, Hq*Dh]`, k `[T, Hkv*Dh]`, v `[T, Hkv*Dh]`. out `[T, Hq*Dh]`.
+    /// `iparams[0]` = KV cache layer, `[1]` = Hq, `[2]` = Hkv, `[3]` = Dh, `[4]` = sliding window
+    /// (0 = full). `fparams[0]` = score scale, `fparams[1]` = score soft-cap (0 = none).
+    /// Which sequence each token belongs to and where its keys live come from [`AttentionBatch`].
+    Attention = 50,
+}
+
+impl OpCode {
+    pub fn from_raw(v: u32) -> Option<OpCode> {
+        use OpCode::*;
+        Some(match v {
+            0 => Input,
+            1 => Weight,
+            2 => Constant,
+            10 => Embedding,
+            11 => QuantEmbedding,
+            12 => MatMul,
+            13 => QuantMatMul,
+            14 => GetRows,
+            20 => Add,
+            21 => Mul,
+            22 => Scale,
+            23 => Silu,
+            24 => Gelu,
+            25 => GeluTanh,
+            26 => Relu,
+            27 => SiluMul,
+            28 => Softcap,
+            29 => GeluTanhMul,
+            30 => RmsNorm,
+            31 => LayerNorm,
+            40 => Rope,
+            50 => Attention,
+            _ => return None,
+        })
+    }
+
+    /// Every op of this ABI version (for catalogues and the conformance suite).
+    pub const ALL: &'static [OpCode] = &[
+        OpCode::Input,
+        OpCode::Weight,
+        OpCode::Constant,
+        OpCode::Embedding,
+        OpCode::QuantEmbedding,
+        OpCode::MatMul,
+        OpCode::QuantMatMul,
+        OpCode::GetRows,
+        OpCode::Add,
+        OpCode::Mul,
+        OpCode::Scale,
+        OpCode::Silu,
+        OpCode::Gelu,
+        OpCode::GeluTanh,
+        OpCode::Relu,
+        OpCode::SiluMul,
+        OpCode::Softcap,
+        OpCode::GeluTanhMul,
+        OpCode::RmsNorm,
+        OpCode::LayerNorm,
+        OpCode::Rope,
+        OpCode::Attention,
+    ];
+}
+
+/// Input slot for the step's token ids (`I32 [T]`).
+pub const INPUT_TOKENS: i64 = 0;
+/// Input slot for the step's positions (`I32 [T]`), position of each token within its sequence.
+pub const INPUT_POSITIONS: i64 = 1;
+/// Input slot for the rows whose logits are wanted (`I32 [R]`).
+pub const INPUT_LOGIT_ROWS: i64 = 2;
+
+/// Maximum number of dimensions of a tensor.
+pub const MAX_DIMS: usize = 4;
+
+/// One node of the graph; defines the tensor with the node's index.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct Node {
+    /// [`OpCode`] as a raw number.
+    pub op: u32,
+    /// [`DType`] of the output as a raw number.
+    pub dtype: u32,
+    pub ndim: u32,
+    pub n_src: u32,
+    pub shape: [u64; MAX_DIMS],
+    /// Indices of earlier nodes this one reads.
+    pub src: [u32; 4],
+    pub iparams: [i64; 6],
+    pub fparams: [f32; 4],
+}
+
+impl Node {
+    pub fn new(op: OpCode, dtype: DType, shape: &[u64], src: &[u32]) -> Node {
+        assert!(shape.len() <= MAX_DIMS && src.len() <= 4);
+        let mut s = [1u64; MAX_DIMS];
+        s[..shape.len()].copy_from_slice(shape);
+        let mut sr = [0u32; 4];
+        sr[..src.len()].copy_from_slice(src);
+        Node {
+            op: op as u32,
+            dtype: dtype as u32,
+            ndim: shape.len() as u32,
+            n_src: src.len() as u32,
+            shape: s,
+            src: sr,
+            iparams: [0; 6],
+            fparams: [0.0; 4],
+        }
+    }
+
+    pub fn opcode(&self) -> Option<OpCode> {
+        OpCode::from_raw(self.op)
+    }
+
+    pub fn dtype(&self) -> DType {
+        DType::from_raw(self.dtype)
+    }
+
+    pub fn dims(&self) -> &[u64] {
+        &self.shape[..(self.ndim as usize).min(MAX_DIMS)]
+    }
+
+    pub fn sources(&self) -> &[u32] {
+        &self.src[..(self.n_src as usize).min(4)]
+    }
+
+    /// Number of elements.
+    pub fn numel(&self) -> usize {
+        self.dims().iter().product::<u64>() as usize
+    }
+
+    /// Last dimension (columns of the 2-D view).
+    pub fn cols(&self) -> usize {
+        self.dims().last().copied().unwrap_or(1) as usize
+    }
+
+    /// Product of all but the last dimension (rows of the 2-D view).
+    pub fn rows(&self) -> usize {
+        let d = self.dims();
+        if d.is_empty() {
+            1
+        } else {
+            d[..d.len() - 1].iter().product::<u64>() as usize
+        }
+    }
+}
+
+/// A borrowed graph. The family that built it owns the memory (see [`crate::FamilyVTable::build_graph`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct GraphRef {
+    pub nodes: *const Node,
+    pub n_nodes: usize,
+    /// Bytes referenced by [`OpCode::Constant`] nodes.
+    pub constants: *const u8,
+    pub n_constant_bytes: usize,
+    /// Nodes whose values the caller reads back, in order.
+    pub outputs: *const u32,
+    pub n_outputs: usize,
+}
+
+impl GraphRef {
+    pub const fn empty() -> Self {
+        GraphRef {
+            nodes: std::ptr::null(),
+            n_nodes: 0,
+            constants: std::ptr::null(),
+            n_constant_bytes: 0,
+            outputs: std::ptr::null(),
+            n_outputs: 0,
+        }
+    }
+
+    /// # Safety
+    /// The pointers must be valid for their lengths.
+    pub unsafe fn nodes(&self) -> &[Node] {
+        crate::ffi::slice_from(self.nodes, self.n_nodes)
+    }
+    /// # Safety
+    /// As for [`GraphRef::nodes`].
+    pub unsafe fn constants(&self) -> &[u8] {
+        crate::ffi::slice_from(self.constants, self.n_constant_bytes)
+    }
+    /// # Safety
+    /// As for [`GraphRef::nodes`].
+    pub unsafe fn outputs(&self) -> &[u32] {
+        crate::ffi::slice_from(self.outputs, self.n_outputs)
+    }
+}
+
+/// An owned graph under construction; families build with it and hand out [`Graph::as_ref`].
+#[derive(Default, Debug, Clone)]
+pub struct Graph {
+    pub nodes: Vec<Node>,
+    pub constants: Vec<u8>,
+    pub outputs: Vec<u32>,
+}
+
+/// Index of a node in a [`Graph`].
+pub type TensorId = u32;
+
+impl Graph {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    pub fn push(&mut self, node: Node) -> TensorId {
+        self.nodes.push(node);
+        (self.nodes.len() - 1) as TensorId
+    }
+
+    pub fn node(&self, id: TensorId) -> &Node {
+        &self.nodes[id as usize]
+    }
+
+    /// A host input bound at compute time.
+    pub fn input(&mut self, slot: i64, dtype: DType, shape: &[u64]) -> TensorId {
+        let mut n = Node::new(OpCode::Input, dtype, shape, &[]);
+        n.iparams[0] = slot;
+        self.push(n)
+    }
+
+    /// A model weight by index in the weight table.
+    pub fn weight(&mut self, index: u32, dtype: DType, shape: &[u64]) -> TensorId {
+        let mut n = Node::new(OpCode::Weight, dtype, shape, &[]);
+        n.iparams[0] = index as i64;
+        self.push(n)
+    }
+
+    /// An `F32` constant stored in the graph.
+    pub fn constant_f32(&mut self, values: &[f32], shape: &[u64]) -> TensorId {
+        // Keep constants 4-byte aligned relative to the blob start.
+        while self.constants.len() % 4 != 0 {
+            self.constants.push(0);
+        }
+        let off = self.constants.len();
+        for v in values {
+            self.constants.extend_from_slice(&v.to_le_bytes());
+        }
+        let mut n = Node::new(OpCode::Constant, DType::F32, shape, &[]);
+        n.iparams[0] = off as i64;
+        n.iparams[1] = (values.len() * 4) as i64;
+        self.push(n)
+    }
+
+    /// A computed `F32` node.
+    pub fn op(&mut self, op: OpCode, shape: &[u64], src: &[TensorId]) -> TensorId {
+        self.push(Node::new(op, DType::F32, shape, src))
+    }
+
+    /// A computed node with parameters.
+    pub fn op_with(
+        &mut self,
+        op: OpCode,
+        shape: &[u64],
+        src: &[TensorId],
+        iparams: &[i64],
+        fparams: &[f32],
+    ) -> TensorId {
+        let mut n = Node::new(op, DType::F32, shape, src);
+        n.iparams[..iparams.len()].copy_from_slice(iparams);
+        n.fparams[..fparams.len()].copy_from_slice(fparams);
+        self.push(n)
+    }
+
+    pub fn mark_output(&mut self, id: TensorId) {
+        self.outputs.push(id);
+    }
+
+    pub fn as_ref(&self) -> GraphRef {
+        GraphRef {
+            nodes: self.nodes.as_ptr(),
+            n_nodes: self.nodes.len(),
+            constants: self.constants.as_ptr(),
+            n_constant_bytes: self.constants.len(),
+            outputs: self.outputs.as_ptr(),
+            n_outputs: self.outputs.len(),
+        }
+    }
+}
+
+/// Where each token of a step belongs and where its keys and values live in the paged KV cache.
+///
+/// The cache of one layer is `[num_blocks, block_size, n_kv_heads, head_dim]` for K and for V. The
+/// key of position `p` of sequence `s` lives in block `block_tables[s * max_blocks_per_seq + p /
+/// block_size]` at offset `p % block_size`. Token `t` attends to positions `0..=positions[t]` of its
+/// sequence (less with a sliding window); its own K/V are written to `slot_mapping[t]` first.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct AttentionBatch {
+    pub n_tokens: u32,
+    pub n_seqs: u32,
+    /// `[n_tokens]` sequence index of each token.
+    pub token_seq: *const u32,
+    /// `[n_tokens]` position of each token in its sequence.
+    pub positions: *const i32,
+    /// `[n_tokens]` absolute cache slot (`block * block_size + offset`) of each token.
+    pub slot_mapping: *const i64,
+    /// `[n_seqs * max_blocks_per_seq]` block ids.
+    pub block_tables: *const u32,
+    pub max_blocks_per_seq: u32,
+    pub block_size: u32,
+    pub num_blocks: u32,
+}
+
+/// A name and a tensor description, as the host finds it in a checkpoint.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct WeightInfo {
+    /// Tensor name, owned by the host for the duration of the call.
+    pub name: StrRef,
+    /// [`DType`] as a raw number.
+    pub dtype: u32,
+    pub ndim: u32,
+    pub shape: [u64; MAX_DIMS],
+}

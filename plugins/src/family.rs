@@ -1,0 +1,158 @@
+//! Safe wrappers over a family plugin's vtable.
+
+use std::ffi::c_void;
+
+use mlxcel_plugin_api::{
+    ErrorMessage, FamilyVTable, GraphRef, KvKind, KvLayerDesc, ModelDesc, StepShape, StrRef, Task, WeightInfo,
+};
+
+use crate::{check, CallError, PluginMeta};
+
+/// A loaded family plugin.
+#[derive(Clone)]
+pub struct FamilyPlugin {
+    pub meta: PluginMeta,
+    vt: &'static FamilyVTable,
+}
+
+impl FamilyPlugin {
+    pub(crate) fn new(meta: PluginMeta, vt: &'static FamilyVTable) -> Self {
+        FamilyPlugin { meta, vt }
+    }
+
+    pub fn name(&self) -> &str {
+        &self.meta.name
+    }
+
+    /// The `model_type` values this family handles.
+    pub fn architectures(&self) -> Vec<String> {
+        let mut n = 0usize;
+        let ptr = unsafe { (self.vt.architectures)(&mut n) };
+        unsafe { mlxcel_plugin_api::slice_from(ptr, n) }
+            .iter()
+            .map(|s| unsafe { s.as_str() }.to_string())
+            .collect()
+    }
+
+    /// How well this family matches a `config.json` text (0 = not at all).
+    pub fn match_config(&self, config_json: &str) -> u32 {
+        unsafe { (self.vt.match_config)(StrRef::new(config_json)) }
+    }
+
+    /// Creates a model from a config and the checkpoint's weight table (names, dtypes, shapes).
+    pub fn create_model(&self, config_json: &str, weights: &[WeightInfo]) -> Result<FamilyModel, CallError> {
+        let mut model: *mut c_void = std::ptr::null_mut();
+        let mut err = ErrorMessage::new();
+        let status = unsafe {
+            (self.vt.model_create)(StrRef::new(config_json), weights.as_ptr(), weights.len(), &mut model, err.as_ptr())
+        };
+        check(&self.meta.name, status, &err)?;
+        let mut m = FamilyModel { plugin: self.meta.name.clone(), vt: self.vt, model, info: None };
+        m.info = Some(m.read_info()?);
+        Ok(m)
+    }
+}
+
+/// What a model is, copied out of the plugin.
+#[derive(Debug, Clone)]
+pub struct ModelInfo {
+    pub task: Task,
+    pub architecture: String,
+    pub vocab_size: usize,
+    pub hidden_size: usize,
+    pub n_layers: usize,
+    pub max_positions: usize,
+    pub kv_layers: Vec<KvLayer>,
+    pub used_weights: Vec<u32>,
+    pub activation_bytes_per_token: u64,
+    pub quantization: String,
+}
+
+/// The KV layout of one layer.
+#[derive(Debug, Clone, Copy)]
+pub struct KvLayer {
+    pub kind: KvKind,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub window: usize,
+    pub state_bytes: u64,
+}
+
+impl From<&KvLayerDesc> for KvLayer {
+    fn from(d: &KvLayerDesc) -> Self {
+        let kind = match d.kind {
+            0 => KvKind::Full,
+            1 => KvKind::SlidingWindow,
+            2 => KvKind::Recurrent,
+            _ => KvKind::None,
+        };
+        KvLayer {
+            kind,
+            n_kv_heads: d.n_kv_heads as usize,
+            head_dim: d.head_dim as usize,
+            window: d.window as usize,
+            state_bytes: d.state_bytes,
+        }
+    }
+}
+
+/// A model inside a family plugin; destroyed on drop.
+pub struct FamilyModel {
+    plugin: String,
+    vt: &'static FamilyVTable,
+    model: *mut c_void,
+    info: Option<ModelInfo>,
+}
+
+// The model is used by one thread at a time (`build_graph` takes `&mut self`).
+unsafe impl Send for FamilyModel {}
+
+impl FamilyModel {
+    fn read_info(&self) -> Result<ModelInfo, CallError> {
+        let mut d = std::mem::MaybeUninit::<ModelDesc>::zeroed();
+        let status = unsafe { (self.vt.model_describe)(self.model, d.as_mut_ptr()) };
+        if !status.is_ok() {
+            return Err(CallError { plugin: self.plugin.clone(), status: status.0, message: "describe failed".into() });
+        }
+        let d = unsafe { d.assume_init() };
+        let task = Task::from_raw(d.task).ok_or_else(|| CallError {
+            plugin: self.plugin.clone(),
+            status: 1,
+            message: format!("unknown task {}", d.task),
+        })?;
+        Ok(ModelInfo {
+            task,
+            architecture: unsafe { d.architecture.as_str() }.to_string(),
+            vocab_size: d.vocab_size as usize,
+            hidden_size: d.hidden_size as usize,
+            n_layers: d.n_layers as usize,
+            max_positions: d.max_positions as usize,
+            kv_layers: unsafe { mlxcel_plugin_api::slice_from(d.kv_layers, d.n_kv_layers) }
+                .iter()
+                .map(KvLayer::from)
+                .collect(),
+            used_weights: unsafe { mlxcel_plugin_api::slice_from(d.used_weights, d.n_used_weights) }.to_vec(),
+            activation_bytes_per_token: d.activation_bytes_per_token,
+            quantization: unsafe { d.quantization.as_str() }.to_string(),
+        })
+    }
+
+    pub fn info(&self) -> &ModelInfo {
+        self.info.as_ref().expect("model info is read at creation")
+    }
+
+    /// Builds one step's graph; the graph lives until the next call.
+    pub fn build_graph(&mut self, step: StepShape) -> Result<GraphRef, CallError> {
+        let mut out = GraphRef::empty();
+        let mut err = ErrorMessage::new();
+        let status = unsafe { (self.vt.build_graph)(self.model, &step, &mut out, err.as_ptr()) };
+        check(&self.plugin, status, &err)?;
+        Ok(out)
+    }
+}
+
+impl Drop for FamilyModel {
+    fn drop(&mut self) {
+        unsafe { (self.vt.model_destroy)(self.model) };
+    }
+}
