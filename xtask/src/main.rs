@@ -1,1 +1,107 @@
-fn main(){}
+//! `cargo xtask`: build and stage plugins, install a release layout, run the tests.
+//!
+//!   cargo xtask build               build everything (release) and stage plugins beside the binaries
+//!   cargo xtask install --prefix D  D/bin/{mlxcel,mlxcel-server} + D/lib/mlxcel/plugins/*
+//!   cargo xtask test                build, stage, then run every test (what CI runs)
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Build the workspace in release mode and stage the plugins in target/lib/mlxcel/plugins.
+    Build,
+    /// Install binaries and plugins under a prefix.
+    Install {
+        #[arg(long)]
+        prefix: PathBuf,
+    },
+    /// Build, stage and run all tests.
+    Test {
+        /// Extra arguments for `cargo test` (after --).
+        #[arg(last = true)]
+        rest: Vec<String>,
+    },
+}
+
+/// Plugin crates: (cargo package, library file stem).
+const PLUGINS: &[&str] = &["mlxcel_backend_cpu", "mlxcel_family_llama"];
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
+}
+
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.current_dir(root());
+    c
+}
+
+fn run(mut c: Command) -> Result<()> {
+    let status = c.status().with_context(|| format!("running {c:?}"))?;
+    if !status.success() {
+        bail!("{c:?} failed with {status}");
+    }
+    Ok(())
+}
+
+fn lib_name(stem: &str) -> String {
+    format!("{}{stem}{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX)
+}
+
+fn build() -> Result<PathBuf> {
+    let mut c = cargo();
+    c.args(["build", "--release", "--workspace", "--exclude", "xtask"]);
+    run(c)?;
+    let out = root().join("target").join("release");
+    // `<exe dir>/../lib/mlxcel/plugins` is where the binaries look by default.
+    let staged = root().join("target").join("lib").join("mlxcel").join("plugins");
+    std::fs::create_dir_all(&staged)?;
+    for p in PLUGINS {
+        let name = lib_name(p);
+        std::fs::copy(out.join(&name), staged.join(&name)).with_context(|| format!("staging {name}"))?;
+    }
+    println!("plugins staged in {}", staged.display());
+    Ok(out)
+}
+
+fn install(prefix: &Path) -> Result<()> {
+    let out = build()?;
+    let bin = prefix.join("bin");
+    let plugins = prefix.join("lib").join("mlxcel").join("plugins");
+    std::fs::create_dir_all(&bin)?;
+    std::fs::create_dir_all(&plugins)?;
+    for exe in ["mlxcel", "mlxcel-server"] {
+        let name = format!("{exe}{}", std::env::consts::EXE_SUFFIX);
+        std::fs::copy(out.join(&name), bin.join(&name)).with_context(|| format!("installing {name}"))?;
+    }
+    for p in PLUGINS {
+        let name = lib_name(p);
+        std::fs::copy(out.join(&name), plugins.join(&name)).with_context(|| format!("installing {name}"))?;
+    }
+    println!("installed into {}", prefix.display());
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Build => build().map(|_| ()),
+        Cmd::Install { prefix } => install(&prefix),
+        Cmd::Test { rest } => {
+            build()?;
+            let mut c = cargo();
+            c.args(["test", "--release", "--workspace", "--exclude", "xtask"]);
+            c.args(rest);
+            run(c)
+        }
+    }
+}

@@ -29,27 +29,44 @@ impl Buffer {
 }
 
 /// Zeroed bytes aligned to 64 (cache line / AVX-512 vector), so `f32` and `u32` views are always valid.
+/// Allocated with `alloc_zeroed`, so untouched pages (most of a fresh KV cache) cost no resident memory.
 pub struct AlignedBytes {
-    words: Vec<[u64; 8]>,
+    ptr: *mut u8,
     len: usize,
 }
 
+const ALIGN: usize = 64;
+
 impl AlignedBytes {
     pub fn zeroed(len: usize) -> Option<AlignedBytes> {
-        let n = len.div_ceil(64);
-        let mut words = Vec::new();
-        words.try_reserve_exact(n).ok()?;
-        // `vec![0; n]`-style zeroing lets the allocator hand out lazily-committed pages.
-        words.resize(n, [0u64; 8]);
-        Some(AlignedBytes { words, len })
+        if len == 0 {
+            return Some(AlignedBytes { ptr: std::ptr::null_mut(), len: 0 });
+        }
+        let layout = std::alloc::Layout::from_size_align(len, ALIGN).ok()?;
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        (!ptr.is_null()).then_some(AlignedBytes { ptr, len })
     }
 
     pub fn as_slice(&self) -> &[u8] {
-        unsafe { std::slice::from_raw_parts(self.words.as_ptr() as *const u8, self.len) }
+        if self.len == 0 {
+            return &[];
+        }
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr() as *mut u8, self.len) }
+        if self.len == 0 {
+            return &mut [];
+        }
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for AlignedBytes {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            unsafe { std::alloc::dealloc(self.ptr, std::alloc::Layout::from_size_align_unchecked(self.len, ALIGN)) };
+        }
     }
 }
 

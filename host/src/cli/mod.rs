@@ -1,0 +1,44 @@
+//! The `mlxcel` command line: argument definitions and one module per subcommand.
+
+pub mod arch;
+pub mod run;
+
+use std::path::PathBuf;
+
+use clap::{Args, Parser, Subcommand};
+use mlxcel_plugins::{Catalog, PluginSearch};
+
+#[derive(Parser, Debug)]
+#[command(name = "mlxcel", version, about = "Run Hugging Face / MLX safetensors checkpoints directly")]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: GlobalArgs,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Args, Debug, Clone)]
+pub struct GlobalArgs {
+    /// Extra folder to load plugins from (repeatable; searched before MLXCEL_PLUGIN_PATH and the defaults).
+    #[arg(long = "plugin-dir", global = true, value_name = "DIR")]
+    pub plugin_dirs: Vec<PathBuf>,
+    /// More log output (-v info, -vv debug); RUST_LOG overrides.
+    #[arg(short, long, global = true, action = clap::ArgAction::Count)]
+    pub verbose: u8,
+}
+
+impl GlobalArgs {
+    pub fn catalog(&self) -> Catalog {
+        Catalog::load(&PluginSearch::from_env(&self.plugin_dirs))
+    }
+}
+
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// List the installed plugins: families with their architectures, backends with devices and scores.
+    Arch(arch::ArchArgs),
+    /// Chat with a model (a REPL), or answer one prompt with -p.
+    Run(run::RunArgs),
+    /// Answer one prompt and exit.
+    Generate(run::RunArgs),
+}

@@ -1,0 +1,193 @@
+//! One conversation's generation loop on a [`ModelRunner`]: prefill the prompt in chunks (reusing the
+//! KV of whatever prefix the previous turn left), then sample token by token, streaming text through
+//! the detokenizer and the stop-string matcher.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Result};
+
+use super::kv_cache::SeqBlocks;
+use super::runner::{Logits, ModelRunner, SeqChunk};
+use super::sampler::{Sampler, SamplingParams};
+use crate::text::stop::{StopMatcher, StopResult};
+use crate::text::TextTokenizer;
+
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    /// Prompt tokens per prefill step.
+    pub prefill_chunk: usize,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions { sampling: SamplingParams::default(), max_tokens: 256, stop: vec![], ignore_eos: false, prefill_chunk: 512 }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// EOS or a stop string.
+    Stop,
+    /// `max_tokens` or the context size.
+    Length,
+    /// Interrupted by the user.
+    Cancelled,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct GenerationStats {
+    /// Prompt tokens computed (the reused prefix is not counted).
+    pub prompt_tokens: usize,
+    pub prompt_reused: usize,
+    pub prompt_time: Duration,
+    pub generated_tokens: usize,
+    pub generation_time: Duration,
+}
+
+impl GenerationStats {
+    pub fn prompt_tps(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prompt_time.as_secs_f64().max(1e-9)
+    }
+    pub fn generation_tps(&self) -> f64 {
+        // The first generated token comes from the prefill; the rest each cost a decode step.
+        self.generated_tokens.saturating_sub(1) as f64 / self.generation_time.as_secs_f64().max(1e-9)
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Generation {
+    pub text: String,
+    pub tokens: Vec<u32>,
+    pub finish: FinishReason,
+    pub stats: GenerationStats,
+}
+
+/// A conversation's KV state: the tokens whose keys and values are cached, and their blocks.
+#[derive(Default)]
+pub struct Session {
+    blocks: SeqBlocks,
+    cached: Vec<u32>,
+}
+
+impl Session {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Forgets the cached context (returns its blocks).
+    pub fn clear(&mut self, runner: &mut ModelRunner) {
+        runner.pool.release(&mut self.blocks);
+        self.cached.clear();
+    }
+
+    /// Runs `prompt` and samples up to `max_tokens`, calling `on_text` with each new piece of text.
+    pub fn generate(
+        &mut self,
+        runner: &mut ModelRunner,
+        tokenizer: &TextTokenizer,
+        prompt: &[u32],
+        opts: &GenerateOptions,
+        cancel: &AtomicBool,
+        on_text: &mut dyn FnMut(&str),
+    ) -> Result<Generation> {
+        opts.sampling.validate().map_err(|e| anyhow::anyhow!(e))?;
+        if prompt.is_empty() {
+            bail!("the prompt is empty");
+        }
+        if prompt.len() >= runner.ctx_size {
+            bail!(
+                "the prompt has {} tokens but the context size is {}; shorten it or raise --ctx-size",
+                prompt.len(),
+                runner.ctx_size
+            );
+        }
+        let vocab = runner.info.vocab_size;
+        let mut stats = GenerationStats::default();
+
+        // Reuse the cached prefix; at least one prompt token is computed to get logits.
+        let mut common = self.cached.iter().zip(prompt).take_while(|(a, b)| a == b).count();
+        common = common.min(prompt.len() - 1);
+        runner.pool.truncate(&mut self.blocks, common);
+        self.cached.truncate(common);
+        stats.prompt_reused = common;
+
+        let t0 = Instant::now();
+        let mut logits = Vec::new();
+        let chunk = opts.prefill_chunk.max(1);
+        let mut pos = common;
+        while pos < prompt.len() {
+            let end = (pos + chunk).min(prompt.len());
+            runner.pool.reserve(&mut self.blocks, end)?;
+            let want = if end == prompt.len() { Logits::Last } else { Logits::None };
+            logits = runner.forward(&[SeqChunk { blocks: &self.blocks, tokens: &prompt[pos..end], start_pos: pos, logits: want }])?;
+            self.cached.extend_from_slice(&prompt[pos..end]);
+            self.blocks.len = end;
+            pos = end;
+            if cancel.load(Ordering::Relaxed) {
+                return Ok(Generation { text: String::new(), tokens: vec![], finish: FinishReason::Cancelled, stats });
+            }
+        }
+        stats.prompt_tokens = prompt.len() - common;
+        stats.prompt_time = t0.elapsed();
+
+        let t1 = Instant::now();
+        let mut sampler = Sampler::new(opts.sampling.clone());
+        let mut history: Vec<u32> = prompt.to_vec();
+        let mut generated = Vec::new();
+        let mut text = String::new();
+        let mut stopper = StopMatcher::new(&opts.stop);
+        let mut detok = tokenizer.inner.decode_stream(true);
+        let finish = loop {
+            if generated.len() >= opts.max_tokens {
+                break FinishReason::Length;
+            }
+            if cancel.load(Ordering::Relaxed) {
+                break FinishReason::Cancelled;
+            }
+            let next = sampler.sample(&mut logits[..vocab], &history);
+            if !opts.ignore_eos && tokenizer.eos_ids.contains(&next) {
+                break FinishReason::Stop;
+            }
+            generated.push(next);
+            history.push(next);
+            let piece = detok.step(next).map_err(|e| anyhow::anyhow!("decoding failed: {e}"))?;
+            if let Some(piece) = piece {
+                match stopper.push(&piece) {
+                    StopResult::Continue(s) => {
+                        on_text(&s);
+                        text.push_str(&s);
+                    }
+                    StopResult::Stopped(s) => {
+                        on_text(&s);
+                        text.push_str(&s);
+                        break FinishReason::Stop;
+                    }
+                }
+            }
+            if generated.len() >= opts.max_tokens {
+                break FinishReason::Length;
+            }
+            let p = self.cached.len();
+            if p + 1 >= runner.ctx_size {
+                break FinishReason::Length;
+            }
+            runner.pool.reserve(&mut self.blocks, p + 1)?;
+            logits = runner.forward(&[SeqChunk { blocks: &self.blocks, tokens: &[next], start_pos: p, logits: Logits::Last }])?;
+            self.cached.push(next);
+            self.blocks.len = p + 1;
+        };
+        if finish != FinishReason::Stop || opts.stop.is_empty() {
+            let rest = stopper.flush();
+            on_text(&rest);
+            text.push_str(&rest);
+        }
+        stats.generated_tokens = generated.len();
+        stats.generation_time = t1.elapsed();
+        Ok(Generation { text, tokens: generated, finish, stats })
+    }
+}

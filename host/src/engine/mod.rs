@@ -1,0 +1,12 @@
+//! The engine: sequences, the paged KV cache, batch steps and sampling. It knows no architecture (that
+//! is the family plugin's) and no HTTP (that is the server's).
+
+pub mod generate;
+pub mod kv_cache;
+pub mod runner;
+pub mod sampler;
+
+pub use generate::{FinishReason, GenerateOptions, Generation, Session};
+pub use kv_cache::{KvBlockPool, SeqBlocks};
+pub use runner::{Logits, ModelRunner, RunnerOptions, SeqChunk};
+pub use sampler::{Sampler, SamplingParams};

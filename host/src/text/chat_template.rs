@@ -1,0 +1,120 @@
+//! Chat templates from `tokenizer_config.json` (`chat_template`, a string or a list of named templates)
+//! or `chat_template.jinja`, rendered with minijinja plus what Hugging Face templates expect:
+//! `raise_exception`, `strftime_now`, `tojson`, loop controls and Python string methods.
+
+use std::path::Path;
+
+use minijinja::{context, Environment, Error, ErrorKind, Value};
+use serde::Serialize;
+
+/// One chat message.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ChatMessage {
+    pub role: String,
+    pub content: String,
+}
+
+impl ChatMessage {
+    pub fn new(role: &str, content: &str) -> Self {
+        ChatMessage { role: role.to_string(), content: content.to_string() }
+    }
+}
+
+pub struct ChatTemplate {
+    env: Environment<'static>,
+    bos_token: String,
+    eos_token: String,
+}
+
+fn raise_exception(msg: String) -> Result<Value, Error> {
+    Err(Error::new(ErrorKind::InvalidOperation, msg))
+}
+
+fn strftime_now(format: String) -> String {
+    chrono::Local::now().format(&format).to_string()
+}
+
+impl ChatTemplate {
+    pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<ChatTemplate, String> {
+        let mut env = Environment::new();
+        minijinja_contrib::add_to_environment(&mut env);
+        env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+        env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
+        // HF templates are written for Python's Jinja, which keeps a trailing newline trimmed like this.
+        env.set_trim_blocks(true);
+        env.set_lstrip_blocks(true);
+        env.add_template_owned("chat", source.to_string()).map_err(|e| format!("chat template does not parse: {e}"))?;
+        Ok(ChatTemplate { env, bos_token: bos_token.to_string(), eos_token: eos_token.to_string() })
+    }
+
+    /// Finds the template of a model folder: `chat_template.jinja`, else `tokenizer_config.json`'s
+    /// `chat_template` (the `default` entry of a named list).
+    pub fn source_in(dir: &Path, tokenizer_config: Option<&serde_json::Value>) -> Option<String> {
+        if let Ok(s) = std::fs::read_to_string(dir.join("chat_template.jinja")) {
+            return Some(s);
+        }
+        match tokenizer_config?.get("chat_template")? {
+            serde_json::Value::String(s) => Some(s.clone()),
+            serde_json::Value::Array(list) => {
+                let named = |n: &str| {
+                    list.iter().find(|e| e.get("name").and_then(|v| v.as_str()) == Some(n))
+                };
+                named("default")
+                    .or_else(|| list.first())
+                    .and_then(|e| e.get("template"))
+                    .and_then(|t| t.as_str())
+                    .map(str::to_string)
+            }
+            _ => None,
+        }
+    }
+
+    pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, String> {
+        let tmpl = self.env.get_template("chat").map_err(|e| e.to_string())?;
+        tmpl.render(context! {
+            messages => messages,
+            add_generation_prompt => add_generation_prompt,
+            bos_token => self.bos_token,
+            eos_token => self.eos_token,
+            tools => Value::UNDEFINED,
+        })
+        .map_err(|e| {
+            let mut msg = format!("chat template failed: {e}");
+            let mut src = std::error::Error::source(&e);
+            while let Some(s) = src {
+                msg.push_str(&format!(": {s}"));
+                src = s.source();
+            }
+            msg
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const CHATML: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are helpful<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+
+    #[test]
+    fn chatml_renders_with_generation_prompt() {
+        let t = ChatTemplate::new(CHATML, "<s>", "</s>").unwrap();
+        let out = t.render(&[ChatMessage::new("user", "Hi")], true).unwrap();
+        assert_eq!(out, "<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+    }
+
+    #[test]
+    fn raise_exception_surfaces_the_message() {
+        let t = ChatTemplate::new("{{ raise_exception('roles must alternate') }}", "", "").unwrap();
+        assert!(t.render(&[], false).unwrap_err().contains("roles must alternate"));
+    }
+
+    #[test]
+    fn hf_helpers_work() {
+        let src = "{{ bos_token }}{% for m in messages %}{% if m.role == 'skip' %}{% continue %}{% endif %}{{ m.content.strip() | tojson }}{% endfor %}{{ strftime_now('%Y') | length }}";
+        let t = ChatTemplate::new(src, "<s>", "").unwrap();
+        let out = t.render(&[ChatMessage::new("user", "  a  "), ChatMessage::new("skip", "b")], false).unwrap();
+        assert_eq!(out, "<s>\"a\"4");
+    }
+}

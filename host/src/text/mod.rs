@@ -1,0 +1,8 @@
+//! Text in and out: tokenizer, chat templates, and stop-string matching for streamed output.
+
+pub mod chat_template;
+pub mod stop;
+pub mod tokenizer;
+
+pub use chat_template::{ChatMessage, ChatTemplate};
+pub use tokenizer::TextTokenizer;

@@ -1,0 +1,115 @@
+//! The tokenizer of a model folder: `tokenizer.json` through the `tokenizers` crate, special tokens
+//! from `tokenizer_config.json`, the chat template, and the EOS ids from every place a checkpoint
+//! may state them.
+
+use std::path::Path;
+
+use anyhow::{bail, Context, Result};
+use serde_json::Value;
+use tokenizers::Tokenizer;
+
+use super::chat_template::{ChatMessage, ChatTemplate};
+
+pub struct TextTokenizer {
+    pub inner: Tokenizer,
+    pub bos_token: Option<String>,
+    pub eos_token: Option<String>,
+    /// Every id that ends generation.
+    pub eos_ids: Vec<u32>,
+    pub chat_template: Option<ChatTemplate>,
+}
+
+/// A special token in `tokenizer_config.json`: a string or `{"content": ...}`.
+fn token_text(v: Option<&Value>) -> Option<String> {
+    match v? {
+        Value::String(s) => Some(s.clone()),
+        Value::Object(o) => o.get("content").and_then(Value::as_str).map(str::to_string),
+        _ => None,
+    }
+}
+
+fn ids_of(v: Option<&Value>) -> Vec<u32> {
+    match v {
+        Some(Value::Number(n)) => n.as_u64().map(|x| vec![x as u32]).unwrap_or_default(),
+        Some(Value::Array(a)) => a.iter().filter_map(Value::as_u64).map(|x| x as u32).collect(),
+        _ => vec![],
+    }
+}
+
+impl TextTokenizer {
+    /// Loads from `dir`; `config` and `generation_config` contribute EOS ids.
+    pub fn load(dir: &Path, config: &Value, generation_config: Option<&Value>) -> Result<TextTokenizer> {
+        let path = dir.join("tokenizer.json");
+        if !path.is_file() {
+            bail!("{} has no tokenizer.json; mlxcel needs the Hugging Face tokenizer file beside the weights", dir.display());
+        }
+        let mut inner = Tokenizer::from_file(&path)
+            .map_err(|e| anyhow::anyhow!("{}: cannot load tokenizer: {e}", path.display()))?;
+        // Some checkpoints ship padding/truncation switched on (sentence-transformers); generation wants neither.
+        inner.with_padding(None);
+        inner
+            .with_truncation(None)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+
+        let tc_path = dir.join("tokenizer_config.json");
+        let tc: Option<Value> = if tc_path.is_file() {
+            let text = std::fs::read_to_string(&tc_path).with_context(|| format!("reading {}", tc_path.display()))?;
+            Some(serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", tc_path.display()))?)
+        } else {
+            None
+        };
+        let bos_token = token_text(tc.as_ref().and_then(|t| t.get("bos_token")));
+        let eos_token = token_text(tc.as_ref().and_then(|t| t.get("eos_token")));
+
+        let mut eos_ids = ids_of(config.get("eos_token_id"));
+        if let Some(text) = config.get("text_config") {
+            eos_ids.extend(ids_of(text.get("eos_token_id")));
+        }
+        if let Some(g) = generation_config {
+            eos_ids.extend(ids_of(g.get("eos_token_id")));
+        }
+        if let Some(id) = eos_token.as_deref().and_then(|t| inner.token_to_id(t)) {
+            eos_ids.push(id);
+        }
+        eos_ids.sort_unstable();
+        eos_ids.dedup();
+
+        let chat_template = match ChatTemplate::source_in(dir, tc.as_ref()) {
+            Some(src) => Some(
+                ChatTemplate::new(&src, bos_token.as_deref().unwrap_or(""), eos_token.as_deref().unwrap_or(""))
+                    .map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?,
+            ),
+            None => None,
+        };
+        Ok(TextTokenizer { inner, bos_token, eos_token, eos_ids, chat_template })
+    }
+
+    /// Token ids of `text`. With `add_special`, the tokenizer's own post-processor adds BOS etc., but a
+    /// BOS already present in the text is not doubled.
+    pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        let enc = self.inner.encode(text, add_special).map_err(|e| anyhow::anyhow!("tokenizing failed: {e}"))?;
+        let mut ids = enc.get_ids().to_vec();
+        if add_special {
+            if let Some(bos) = self.bos_token.as_deref().and_then(|b| self.inner.token_to_id(b)) {
+                if ids.len() >= 2 && ids[0] == bos && ids[1] == bos {
+                    ids.remove(0);
+                }
+            }
+        }
+        Ok(ids)
+    }
+
+    /// The prompt of a conversation through the chat template (tokenized without adding specials:
+    /// the template writes them).
+    pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        let t = self.chat_template.as_ref().context(
+            "this model has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja); use --no-chat-template",
+        )?;
+        let text = t.render(messages, true).map_err(|e| anyhow::anyhow!(e))?;
+        self.encode(&text, false)
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> Result<String> {
+        self.inner.decode(ids, true).map_err(|e| anyhow::anyhow!("decoding failed: {e}"))
+    }
+}
