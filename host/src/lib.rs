@@ -6,3 +6,4 @@ pub mod cli;
 pub mod engine;
 pub mod logging;
 pub mod text;
+pub mod testing;
