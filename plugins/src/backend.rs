@@ -33,6 +33,12 @@ pub struct BackendDescription {
     pub devices: Vec<Device>,
 }
 
+impl std::fmt::Debug for BackendPlugin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BackendPlugin").field("name", &self.meta.name).field("path", &self.meta.path).finish()
+    }
+}
+
 impl BackendPlugin {
     pub(crate) fn new(meta: PluginMeta, vt: &'static BackendVTable) -> Self {
         BackendPlugin { meta, vt }

@@ -15,6 +15,12 @@ pub struct FamilyPlugin {
     vt: &'static FamilyVTable,
 }
 
+impl std::fmt::Debug for FamilyPlugin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FamilyPlugin").field("name", &self.meta.name).field("path", &self.meta.path).finish()
+    }
+}
+
 impl FamilyPlugin {
     pub(crate) fn new(meta: PluginMeta, vt: &'static FamilyVTable) -> Self {
         FamilyPlugin { meta, vt }

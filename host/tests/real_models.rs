@@ -1,0 +1,139 @@
+//! Real trained checkpoints (SmolLM2-135M-Instruct, 4-bit and bf16) against independent references:
+//! `fixtures/smollm2-reference.json` (a copy of `../shared/models/smollm2-reference.json`) and the
+//! reference numbers in `../shared/models/README.md`. Skipped without `MLXCEL_TEST_MODELS`.
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::atomic::AtomicBool;
+
+use mlxcel::engine::{GenerateOptions, Logits, ModelRunner, RunnerOptions, SamplingParams, SeqBlocks, SeqChunk, Session};
+use mlxcel::text::{ChatMessage, TextTokenizer};
+use serde_json::Value;
+
+const QUESTION: &str = "What is the capital of France?";
+const ANSWER: &str = "The capital of France is Paris.";
+
+fn reference() -> Value {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/smollm2-reference.json");
+    serde_json::from_str(&std::fs::read_to_string(p).unwrap()).unwrap()
+}
+
+fn prompt_ids() -> Vec<u32> {
+    reference()["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect()
+}
+
+fn load(folder: &str) -> Option<(ModelRunner, TextTokenizer)> {
+    let dir = mlxcel::testing::test_models()?.join(folder);
+    let runner = ModelRunner::load(&mlxcel::testing::staged_catalog(), &dir, &RunnerOptions::default())
+        .unwrap_or_else(|e| panic!("{}: {e:#}", dir.display()));
+    let tok = TextTokenizer::load(&dir, &runner.checkpoint.config, runner.checkpoint.generation_config.as_ref()).unwrap();
+    Some((runner, tok))
+}
+
+fn top5(runner: &mut ModelRunner, ids: &[u32]) -> Vec<(u32, f32)> {
+    let mut s = SeqBlocks::default();
+    runner.pool.reserve(&mut s, ids.len()).unwrap();
+    let l = runner.forward(&[SeqChunk { blocks: &s, tokens: ids, start_pos: 0, logits: Logits::Last }]).unwrap();
+    runner.pool.release(&mut s);
+    let mut idx: Vec<usize> = (0..l.len()).collect();
+    idx.sort_by(|a, b| l[*b].total_cmp(&l[*a]));
+    idx[..5].iter().map(|&i| (i as u32, l[i])).collect()
+}
+
+fn check_model(folder: &str, want_top5: &[(u32, f32)], tolerance: f32) {
+    let Some((mut runner, tok)) = load(folder) else { return };
+    // The chat template (with SmolLM's default system prompt) gives exactly the reference ids.
+    let ids = tok.chat_prompt(&[ChatMessage::new("user", QUESTION)]).unwrap();
+    assert_eq!(ids, prompt_ids(), "{folder}: chat prompt token ids");
+    let text = reference()["prompt_text"].as_str().unwrap().to_string();
+    assert_eq!(tok.encode(&text, false).unwrap(), prompt_ids(), "{folder}: tokenizing the reference text");
+
+    let got = top5(&mut runner, &ids);
+    let got_set: std::collections::BTreeSet<u32> = got.iter().map(|g| g.0).collect();
+    let want_set: std::collections::BTreeSet<u32> = want_top5.iter().map(|w| w.0).collect();
+    assert_eq!(got_set, want_set, "{folder}: first-step top-5 token set (got {got:?})");
+    for (id, want) in want_top5 {
+        let (_, v) = got.iter().find(|g| g.0 == *id).unwrap();
+        assert!((v - want).abs() <= tolerance, "{folder}: logit of token {id}: got {v}, reference {want}");
+    }
+
+    let opts = GenerateOptions { sampling: SamplingParams::greedy(), max_tokens: 24, ..Default::default() };
+    let out = Session::new().generate(&mut runner, &tok, &ids, &opts, &AtomicBool::new(false), &mut |_| {}).unwrap();
+    assert_eq!(out.text, ANSWER, "{folder}: greedy answer");
+}
+
+/// The 4-bit folder: top-5 from a float32 reference forward of the same 4-bit weights (README).
+#[test]
+fn smollm2_4bit_answers_paris_and_matches_reference_logits() {
+    // Same weights, same f32 math: only summation order differs, so 0.01 is generous.
+    check_model(
+        "smollm2-135m-instruct-mlx-4bit",
+        &[(504, 25.71), (60, 25.67), (15319, 25.48), (7026, 24.97), (14925, 24.52)],
+        0.01,
+    );
+}
+
+/// The bf16 folder holds the dequantized GGUF weights rounded to bf16; the reference is the f32
+/// dequantized GGUF, so bf16 rounding of the weights (~0.4% each) moves logits by a few hundredths.
+#[test]
+fn smollm2_bf16_answers_paris_and_matches_reference_logits() {
+    let r = reference();
+    let want: Vec<(u32, f32)> = r["reference_top5_f32_dequantized_gguf"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| (p[0].as_u64().unwrap() as u32, p[1].as_f64().unwrap() as f32))
+        .collect();
+    check_model("smollm2-135m-instruct-bf16", &want, 0.1);
+}
+
+/// The command a user types, end to end.
+#[test]
+fn mlxcel_run_prints_paris_for_both_checkpoints() {
+    let Some(models) = mlxcel::testing::test_models() else { return };
+    mlxcel::testing::staged_plugin_dir();
+    for folder in ["smollm2-135m-instruct-mlx-4bit", "smollm2-135m-instruct-bf16"] {
+        let out = Command::new(env!("CARGO_BIN_EXE_mlxcel"))
+            .args(["run"])
+            .arg(models.join(folder))
+            .args(["-p", QUESTION, "-n", "24", "--temp", "0"])
+            .env_remove("MLXCEL_PLUGIN_PATH")
+            .output()
+            .unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{folder}: {stderr}");
+        assert!(stdout.contains("Paris"), "{folder}: stdout was {stdout:?}");
+        assert!(stderr.contains("tok/s"), "{folder}: speed goes to stderr: {stderr:?}");
+    }
+}
+
+/// Same seed, same output, through the sampler with a high temperature.
+#[test]
+fn same_seed_gives_same_answer() {
+    let Some((mut runner, tok)) = load("smollm2-135m-instruct-mlx-4bit") else { return };
+    let ids = prompt_ids();
+    let opts = GenerateOptions {
+        sampling: SamplingParams { temperature: 1.2, seed: Some(42), ..Default::default() },
+        max_tokens: 12,
+        ..Default::default()
+    };
+    let a = Session::new().generate(&mut runner, &tok, &ids, &opts, &AtomicBool::new(false), &mut |_| {}).unwrap();
+    let b = Session::new().generate(&mut runner, &tok, &ids, &opts, &AtomicBool::new(false), &mut |_| {}).unwrap();
+    assert_eq!(a.tokens, b.tokens);
+}
+
+/// A stop string ends the answer and is not printed.
+#[test]
+fn stop_string_ends_generation() {
+    let Some((mut runner, tok)) = load("smollm2-135m-instruct-mlx-4bit") else { return };
+    let opts = GenerateOptions {
+        sampling: SamplingParams::greedy(),
+        max_tokens: 24,
+        stop: vec![" of France".into()],
+        ..Default::default()
+    };
+    let out = Session::new().generate(&mut runner, &tok, &prompt_ids(), &opts, &AtomicBool::new(false), &mut |_| {}).unwrap();
+    assert_eq!(out.text, "The capital");
+    assert_eq!(out.finish, mlxcel::engine::FinishReason::Stop);
+}
