@@ -43,6 +43,20 @@ fn dtype_of(d: Dtype) -> DType {
     }
 }
 
+/// The file size a (parseable) header implies: 8 + header + the largest data offset.
+fn described_size(map: &[u8]) -> Option<u64> {
+    let n = u64::from_le_bytes(map.get(..8)?.try_into().ok()?) as usize;
+    let header: serde_json::Value = serde_json::from_slice(map.get(8..8 + n)?).ok()?;
+    let end = header
+        .as_object()?
+        .iter()
+        .filter(|(k, _)| *k != "__metadata__")
+        .filter_map(|(_, v)| v.get("data_offsets")?.get(1)?.as_u64())
+        .max()
+        .unwrap_or(0);
+    Some(8 + n as u64 + end)
+}
+
 /// Maps and validates `path`, returning its tensors. Header problems become one clear message.
 pub fn open(path: &Path, file_index: usize) -> Result<(MappedFile, Vec<TensorEntry>), CheckpointError> {
     let bad = |reason: String| CheckpointError::Safetensors { path: path.to_path_buf(), reason };
@@ -63,9 +77,13 @@ pub fn open(path: &Path, file_index: usize) -> Result<(MappedFile, Vec<TensorEnt
             SafeTensorError::InvalidHeaderDeserialization => {
                 "header is not valid safetensors JSON: the file is corrupt".to_string()
             }
-            SafeTensorError::MetadataIncompleteBuffer => format!(
-                "file has {len} bytes but its header describes a different size: the file is truncated or corrupt"
-            ),
+            SafeTensorError::MetadataIncompleteBuffer => match described_size(&map) {
+                Some(want) if want > len as u64 => {
+                    format!("file has {len} bytes but its header describes {want}: the file is truncated")
+                }
+                Some(want) => format!("file has {len} bytes but its header describes {want}: the file is corrupt"),
+                None => format!("file has {len} bytes, which does not match its header: the file is truncated or corrupt"),
+            },
             SafeTensorError::InvalidOffset(name) => {
                 format!("tensor `{name}` has inconsistent data offsets: the file is corrupt")
             }

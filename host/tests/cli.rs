@@ -1,0 +1,233 @@
+//! The `mlxcel` binary as users meet it: `arch`, an installed layout finding its plugins without
+//! flags, and one clear line (no panic, no backtrace) for every kind of bad model folder.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn fixture(name: &str) -> PathBuf {
+    mlxcel::testing::workspace_root().join("families/llama/tests/fixtures").join(name)
+}
+
+fn mlxcel() -> Command {
+    mlxcel::testing::staged_plugin_dir();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_mlxcel"));
+    c.env_remove("MLXCEL_PLUGIN_PATH").env_remove("RUST_BACKTRACE").env_remove("RUST_LOG");
+    c
+}
+
+/// Exit code ≠ 0 and exactly one `error:` line on stderr that contains every `needle`.
+fn assert_one_line_error(out: &Output, needles: &[&str]) {
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "expected failure, got success; stderr: {stderr}");
+    assert_eq!(out.status.code(), Some(1), "exit code; stderr: {stderr}");
+    let lines: Vec<&str> = stderr.lines().collect();
+    assert_eq!(lines.len(), 1, "one line expected, got: {stderr}");
+    assert!(lines[0].starts_with("error: "), "{stderr}");
+    assert!(!stderr.contains("panicked") && !stderr.contains("backtrace"), "{stderr}");
+    for n in needles {
+        assert!(stderr.contains(n), "stderr should mention {n:?}: {stderr}");
+    }
+}
+
+fn copy_dir(src: &Path, dst: &Path) {
+    std::fs::create_dir_all(dst).unwrap();
+    for e in std::fs::read_dir(src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dst.join(e.file_name())).unwrap();
+    }
+}
+
+fn broken_copy(name: &str) -> (tempfile::TempDir, PathBuf) {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("model");
+    copy_dir(&fixture(name), &dir);
+    (tmp, dir)
+}
+
+fn run_prompt(dir: &Path) -> Output {
+    mlxcel().arg("run").arg(dir).args(["-p", "hi", "-n", "2"]).output().unwrap()
+}
+
+#[test]
+fn arch_json_lists_llama_family_and_cpu_backend() {
+    let out = mlxcel().args(["arch", "--json"]).output().unwrap();
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let fam = v["families"].as_array().unwrap().iter().find(|f| f["name"] == "llama").expect("llama family");
+    let archs: Vec<&str> = fam["architectures"].as_array().unwrap().iter().map(|a| a.as_str().unwrap()).collect();
+    assert_eq!(archs, ["llama", "mistral", "qwen2", "qwen3"]);
+    let cpu = v["backends"].as_array().unwrap().iter().find(|b| b["name"] == "cpu").expect("cpu backend");
+    assert!(cpu["score"].as_u64().unwrap() > 0);
+    assert!(["scalar", "avx2", "avx512", "neon"].contains(&cpu["features"].as_str().unwrap()));
+    assert_eq!(cpu["devices"][0]["kind"], "cpu");
+    assert_eq!(v["selected_backend"], "cpu");
+}
+
+#[test]
+fn arch_table_names_plugins() {
+    let out = mlxcel().arg("arch").output().unwrap();
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    assert!(s.contains("llama, mistral, qwen2, qwen3") && s.contains("cpu"), "{s}");
+}
+
+/// An installed layout (bin/ + lib/mlxcel/plugins/) finds its plugins with no flags; removing the
+/// llama plugin removes its architectures and the host still runs.
+#[test]
+fn installed_layout_finds_plugins_and_survives_a_removed_family() {
+    let staged = mlxcel::testing::staged_plugin_dir();
+    let prefix = tempfile::tempdir().unwrap();
+    let bin = prefix.path().join("bin");
+    let plugins = prefix.path().join("lib/mlxcel/plugins");
+    std::fs::create_dir_all(&bin).unwrap();
+    copy_dir(&staged, &plugins);
+    std::fs::copy(env!("CARGO_BIN_EXE_mlxcel"), bin.join("mlxcel")).unwrap();
+    let arch = || {
+        let out = Command::new(bin.join("mlxcel"))
+            .args(["arch", "--json"])
+            .env_remove("MLXCEL_PLUGIN_PATH")
+            .env("HOME", prefix.path())
+            .env("XDG_DATA_HOME", prefix.path().join("data"))
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let v = arch();
+    assert_eq!(v["architectures"].as_array().unwrap().len(), 4);
+    let llama = format!("{}mlxcel_family_llama{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX);
+    std::fs::rename(plugins.join(&llama), prefix.path().join(&llama)).unwrap();
+    let v = arch();
+    assert!(v["architectures"].as_array().unwrap().is_empty(), "{v}");
+    assert_eq!(v["backends"][0]["name"], "cpu");
+    // --plugin-dir brings it back.
+    let out = Command::new(bin.join("mlxcel"))
+        .args(["arch", "--json", "--plugin-dir"])
+        .arg(prefix.path())
+        .env("HOME", prefix.path())
+        .output()
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["architectures"].as_array().unwrap().len(), 4);
+}
+
+#[test]
+fn generate_runs_a_golden_fixture() {
+    let out = mlxcel()
+        .arg("generate")
+        .arg(fixture("qwen2-f32"))
+        .args(["-p", "Hello", "-n", "3", "--temp", "0", "--no-chat-template", "--ignore-eos"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("generation: 3 tokens"));
+}
+
+#[test]
+fn missing_folder_is_one_clear_line() {
+    let out = run_prompt(Path::new("/nonexistent/model"));
+    assert_one_line_error(&out, &["/nonexistent/model", "does not exist"]);
+}
+
+#[test]
+fn folder_without_config_is_one_clear_line() {
+    let tmp = tempfile::tempdir().unwrap();
+    let out = run_prompt(tmp.path());
+    assert_one_line_error(&out, &["config.json"]);
+}
+
+#[test]
+fn unknown_model_type_names_it_and_lists_installed_architectures() {
+    let (_t, dir) = broken_copy("qwen2-f32");
+    let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap().replace("\"qwen2\"", "\"mamba9\"");
+    std::fs::write(dir.join("config.json"), cfg).unwrap();
+    let out = run_prompt(&dir);
+    assert_one_line_error(&out, &["`mamba9`", "llama, mistral, qwen2, qwen3", "family plugin"]);
+}
+
+#[test]
+fn truncated_safetensors_is_one_clear_line() {
+    let (_t, dir) = broken_copy("qwen2-f32");
+    let f = dir.join("model.safetensors");
+    let len = std::fs::metadata(&f).unwrap().len();
+    std::fs::OpenOptions::new().write(true).open(&f).unwrap().set_len(len / 2).unwrap();
+    let out = run_prompt(&dir);
+    assert_one_line_error(&out, &["model.safetensors", "truncated"]);
+}
+
+#[test]
+fn header_longer_than_file_is_one_clear_line() {
+    let (_t, dir) = broken_copy("qwen2-f32");
+    let f = dir.join("model.safetensors");
+    std::fs::write(&f, [0xff, 0xff, 0, 0, 0, 0, 0, 0, b'{', b'}']).unwrap();
+    let out = run_prompt(&dir);
+    assert_one_line_error(&out, &["model.safetensors", "header claims"]);
+}
+
+#[test]
+fn bad_header_json_is_one_clear_line() {
+    let (_t, dir) = broken_copy("qwen2-f32");
+    let f = dir.join("model.safetensors");
+    let mut bytes = std::fs::read(&f).unwrap();
+    bytes[9] = b'#'; // inside the JSON header
+    std::fs::write(&f, bytes).unwrap();
+    let out = run_prompt(&dir);
+    assert_one_line_error(&out, &["model.safetensors", "not valid"]);
+}
+
+#[test]
+fn tensor_shape_not_matching_config_names_the_tensor() {
+    let (_t, dir) = broken_copy("qwen2-f32");
+    let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap().replace("\"intermediate_size\": 128", "\"intermediate_size\": 96");
+    std::fs::write(dir.join("config.json"), cfg).unwrap();
+    let out = run_prompt(&dir);
+    assert_one_line_error(&out, &["model.layers.0.mlp.gate_proj.weight", "shape"]);
+}
+
+#[test]
+fn quantized_bits_not_matching_config_names_the_tensor() {
+    let (_t, dir) = broken_copy("qwen2-q4");
+    let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap().replace("\"bits\": 4", "\"bits\": 8");
+    std::fs::write(dir.join("config.json"), cfg).unwrap();
+    let out = run_prompt(&dir);
+    assert_one_line_error(&out, &["model.embed_tokens.weight", "4 bits", "8 bits"]);
+}
+
+#[test]
+fn missing_tokenizer_is_one_clear_line() {
+    let (_t, dir) = broken_copy("qwen2-f32");
+    std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
+    let out = run_prompt(&dir);
+    assert_one_line_error(&out, &["tokenizer.json"]);
+}
+
+#[test]
+fn bad_sampling_option_is_refused() {
+    let out = mlxcel().arg("run").arg(fixture("qwen2-f32")).args(["-p", "hi", "--top-p", "1.5"]).output().unwrap();
+    assert_one_line_error(&out, &["top_p"]);
+}
+
+#[test]
+fn unknown_backend_is_refused_by_name() {
+    let out = mlxcel().arg("run").arg(fixture("qwen2-f32")).args(["-p", "hi", "--backend", "cuda"]).output().unwrap();
+    assert_one_line_error(&out, &["`cuda`", "cpu"]);
+}
+
+#[test]
+fn prompt_over_the_context_is_refused() {
+    let long = "word ".repeat(400);
+    let out = mlxcel()
+        .arg("run")
+        .arg(fixture("qwen2-f32"))
+        .args(["-p", &long, "--no-chat-template", "-c", "64"])
+        .output()
+        .unwrap();
+    assert_one_line_error(&out, &["context size is 64"]);
+}
+
+#[test]
+fn forced_unsupported_isa_is_refused() {
+    let isa = if cfg!(target_arch = "x86_64") { "neon" } else { "avx2" };
+    let out = mlxcel().env("MLXCEL_CPU_ISA", isa).arg("run").arg(fixture("qwen2-f32")).args(["-p", "hi"]).output().unwrap();
+    assert_one_line_error(&out, &["MLXCEL_CPU_ISA", "not supported"]);
+}
