@@ -92,6 +92,25 @@ fn install(prefix: &Path) -> Result<()> {
     Ok(())
 }
 
+/// The CPU kernel paths this machine can run (see `backends/cpu/src/isa.rs`).
+fn supported_isas() -> Vec<&'static str> {
+    #[allow(unused_mut)]
+    let mut v = vec!["scalar"];
+    #[cfg(target_arch = "x86_64")]
+    {
+        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+        if avx2 {
+            v.push("avx2");
+        }
+        if avx2 && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl") {
+            v.push("avx512");
+        }
+    }
+    #[cfg(target_arch = "aarch64")]
+    v.push("neon");
+    v
+}
+
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Build => build().map(|_| ()),
@@ -100,8 +119,19 @@ fn main() -> Result<()> {
             build()?;
             let mut c = cargo();
             c.args(["test", "--release", "--workspace", "--exclude", "xtask"]);
-            c.args(rest);
-            run(c)
+            c.args(&rest);
+            run(c)?;
+            // Every CPU kernel path this machine supports goes through the op conformance suite and
+            // the golden tests (the run above used the best one).
+            for isa in supported_isas() {
+                println!("== op conformance and golden tests with MLXCEL_CPU_ISA={isa}");
+                for (package, test) in [("mlxcel-plugins", "op_conformance"), ("mlxcel-plugins", "quant_mlx"), ("mlxcel-family-llama", "golden")] {
+                    let mut c = cargo();
+                    c.env("MLXCEL_CPU_ISA", isa).args(["test", "--release", "-p", package, "--test", test]);
+                    run(c)?;
+                }
+            }
+            Ok(())
         }
     }
 }

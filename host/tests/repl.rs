@@ -1,0 +1,28 @@
+//! The chat REPL through a pseudo-terminal (driven by `repl_pty.py`): two turns, the second sees the
+//! first; `/clear` forgets.
+
+use std::process::Command;
+
+#[test]
+fn repl_second_turn_sees_the_first() {
+    let Some(models) = mlxcel::testing::test_models() else { return };
+    mlxcel::testing::staged_plugin_dir();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/repl_pty.py");
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(env!("CARGO_BIN_EXE_mlxcel"))
+        .arg(models.join("smollm2-135m-instruct-mlx-4bit"))
+        .args(["Hi, my name is Tom.", "What is my name?", "/clear"])
+        .env_remove("MLXCEL_PLUGIN_PATH")
+        .output()
+        .expect("python3 is needed to drive the pseudo-terminal");
+    assert!(out.status.success(), "driver failed: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["exit"], 0);
+    let turns: Vec<&str> = v["turns"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    // The second answer uses the name given only in the first turn, and the first turn's tokens
+    // were reused from the KV cache rather than recomputed.
+    assert!(turns[1].contains("Tom"), "second turn: {}", turns[1]);
+    assert!(turns[1].contains("cached)"), "second turn should reuse the first turn's KV: {}", turns[1]);
+    assert!(turns[2].contains("conversation cleared"), "{}", turns[2]);
+}

@@ -1,0 +1,55 @@
+#!/usr/bin/env python3
+"""Drives `mlxcel run MODEL` through a pseudo-terminal, like a person at a keyboard.
+
+    repl_pty.py MLXCEL MODEL LINE [LINE ...]
+
+Sends each LINE after the `>>> ` prompt appears, then `/exit`. Prints a JSON list with the terminal
+output that followed each line. Exits 2 on timeout.
+"""
+import json
+import os
+import pty
+import select
+import sys
+import time
+
+
+def main():
+    exe, model, lines = sys.argv[1], sys.argv[2], sys.argv[3:]
+    pid, fd = pty.fork()
+    if pid == 0:
+        os.execv(exe, [exe, "run", model, "--temp", "0", "-n", "40"])
+    buf = b""
+
+    def read_until(marker, timeout=120):
+        nonlocal buf
+        end = time.time() + timeout
+        while marker not in buf:
+            if time.time() > end:
+                sys.stderr.write("timeout waiting for %r; got %r\n" % (marker, buf[-500:]))
+                sys.exit(2)
+            r, _, _ = select.select([fd], [], [], 0.5)
+            if r:
+                try:
+                    chunk = os.read(fd, 4096)
+                except OSError:
+                    break
+                if not chunk:
+                    break
+                buf += chunk
+        i = buf.index(marker) + len(marker)
+        out, buf = buf[:i], buf[i:]
+        return out.decode("utf-8", "replace")
+
+    read_until(b">>> ")
+    transcripts = []
+    for line in lines:
+        os.write(fd, line.encode() + b"\r")
+        transcripts.append(read_until(b">>> "))
+    os.write(fd, b"/exit\r")
+    _, status = os.waitpid(pid, 0)
+    print(json.dumps({"turns": transcripts, "exit": os.waitstatus_to_exitcode(status)}))
+
+
+if __name__ == "__main__":
+    main()
