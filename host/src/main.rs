@@ -11,6 +11,7 @@ fn main() {
         Command::Arch(a) => cli::arch::run(&args.global, a),
         Command::Run(a) => cli::run::run(&args.global, a, false),
         Command::Generate(a) => cli::run::run(&args.global, a, true),
+        Command::Bench(a) => cli::bench::run(&args.global, a),
     };
     if let Err(e) = result {
         eprintln!("error: {}", mlxcel::logging::one_line(&e));

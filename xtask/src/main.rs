@@ -8,6 +8,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use anyhow::{bail, Context, Result};
+
+mod bench;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -25,6 +27,25 @@ enum Cmd {
         #[arg(long)]
         prefix: PathBuf,
     },
+    /// Benchmark mlxcel against llama.cpp on the same weights (SmolLM2-135M 4-bit), side by side.
+    Bench {
+        /// Folder from ../shared/models/fetch.sh (default: MLXCEL_TEST_MODELS, else run fetch.sh).
+        #[arg(long)]
+        models: Option<PathBuf>,
+        /// Repetitions per engine and thread count (alternating); medians are reported.
+        #[arg(long, default_value_t = 3)]
+        reps: usize,
+        /// Thread counts to measure.
+        #[arg(long, value_delimiter = ',', default_value = "1,2")]
+        threads: Vec<usize>,
+        #[arg(long, default_value_t = 512)]
+        n_prompt: usize,
+        #[arg(long, default_value_t = 128)]
+        n_gen: usize,
+        /// Only mlxcel (no llama.cpp install or runs).
+        #[arg(long)]
+        no_peer: bool,
+    },
     /// Build, stage and run all tests.
     Test {
         /// Extra arguments for `cargo test` (after --).
@@ -36,17 +57,17 @@ enum Cmd {
 /// Plugin crates: (cargo package, library file stem).
 const PLUGINS: &[&str] = &["mlxcel_backend_cpu", "mlxcel_family_llama"];
 
-fn root() -> PathBuf {
+pub(crate) fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
 }
 
-fn cargo() -> Command {
+pub(crate) fn cargo() -> Command {
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
     c.current_dir(root());
     c
 }
 
-fn run(mut c: Command) -> Result<()> {
+pub(crate) fn run(mut c: Command) -> Result<()> {
     let status = c.status().with_context(|| format!("running {c:?}"))?;
     if !status.success() {
         bail!("{c:?} failed with {status}");
@@ -58,7 +79,7 @@ fn lib_name(stem: &str) -> String {
     format!("{}{stem}{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX)
 }
 
-fn build() -> Result<PathBuf> {
+pub(crate) fn build() -> Result<PathBuf> {
     let mut c = cargo();
     c.args(["build", "--release", "--workspace", "--exclude", "xtask"]);
     run(c)?;
@@ -113,6 +134,9 @@ fn supported_isas() -> Vec<&'static str> {
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
+        Cmd::Bench { models, reps, threads, n_prompt, n_gen, no_peer } => {
+            bench::run(&bench::Options { models, reps, threads, n_prompt, n_gen, no_peer })
+        }
         Cmd::Build => build().map(|_| ()),
         Cmd::Install { prefix } => install(&prefix),
         Cmd::Test { rest } => {
@@ -130,6 +154,14 @@ fn main() -> Result<()> {
                     c.env("MLXCEL_CPU_ISA", isa).args(["test", "--release", "-p", package, "--test", test]);
                     run(c)?;
                 }
+            }
+            // The exact path: f32 activations everywhere, held to the f64 op reference, to mlx-lm's
+            // logits at 1e-4 and its greedy tokens exactly, and to the real-model reference at 0.01.
+            println!("== golden and real-model tests with MLXCEL_CPU_INT8=0");
+            for (package, test) in [("mlxcel-plugins", "op_conformance"), ("mlxcel-family-llama", "golden"), ("mlxcel", "real_models")] {
+                let mut c = cargo();
+                c.env("MLXCEL_CPU_INT8", "0").args(["test", "--release", "-p", package, "--test", test]);
+                run(c)?;
             }
             Ok(())
         }

@@ -10,14 +10,23 @@ use crate::buffer::{as_f32, as_i32, as_u16, Buffer};
 use crate::isa::Isa;
 use crate::kernels::attention::{self, AttentionShape, PagedLayout};
 use crate::kernels::elementwise::{self as ew, binary, unary};
+use crate::kernels::int8_dot::Int8Acts;
 use crate::kernels::quantized::{self, QuantMatrix};
 use crate::kernels::{matmul, norm, rope, Floats};
 
 /// A backend context: worker pool, kernel path, and recycled scratch.
 pub struct CpuContext {
     pub pool: rayon::ThreadPool,
+    state: ExecState,
+}
+
+/// The mutable part of a context, used on the pool's threads during one compute.
+pub struct ExecState {
     pub isa: Isa,
     pub threads: usize,
+    /// int8 activations for 4/8-bit decode matmuls (`MLXCEL_CPU_INT8=0` turns them off).
+    pub int8_activations: bool,
+    int8_scratch: Int8Acts,
     scratch: Vec<Vec<f32>>,
 }
 
@@ -28,9 +37,38 @@ impl CpuContext {
             .thread_name(|i| format!("mlxcel-cpu-{i}"))
             .build()
             .map_err(|e| format!("cannot start {threads} worker threads: {e}"))?;
-        Ok(CpuContext { pool, isa, threads, scratch: Vec::new() })
+        let int8_activations = std::env::var("MLXCEL_CPU_INT8").map_or(true, |v| v != "0");
+        let int8_scratch = Int8Acts { q: vec![], d: vec![], sum: vec![], k: 0, t: 0 };
+        Ok(CpuContext { pool, state: ExecState { isa, threads, int8_activations, int8_scratch, scratch: Vec::new() } })
     }
 
+    pub fn isa(&self) -> Isa {
+        self.state.isa
+    }
+}
+
+/// Runs a kernel on the current thread (we are already inside the pool; its `par_iter`s spread out).
+#[inline(always)]
+fn run_inline<R>(f: impl FnOnce() -> R) -> R {
+    f()
+}
+
+struct SendArgs<'a>(&'a ComputeArgs);
+unsafe impl Send for SendArgs<'_> {}
+unsafe impl Sync for SendArgs<'_> {}
+
+/// Executes `args.graph`. The whole graph runs inside the worker pool, so kernels fan out to the
+/// workers without a cross-thread hand-off (and its wake-up latency) per op.
+pub fn compute(ctx: &mut CpuContext, args: &ComputeArgs) -> Result<(), PluginError> {
+    let state = &mut ctx.state;
+    let a = SendArgs(args);
+    ctx.pool.install(move || {
+        let a = a;
+        compute_in_pool(state, a.0)
+    })
+}
+
+impl ExecState {
     fn take(&mut self, n: usize) -> Vec<f32> {
         let best = self
             .scratch
@@ -155,8 +193,7 @@ fn quant_matrix<'a>(
     Ok((q, n))
 }
 
-/// Executes `args.graph`.
-pub fn compute(ctx: &mut CpuContext, args: &ComputeArgs) -> Result<(), PluginError> {
+fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), PluginError> {
     let nodes = unsafe { args.graph.nodes() };
     let constants = unsafe { args.graph.constants() };
     let outputs = unsafe { args.graph.outputs() };
@@ -270,7 +307,7 @@ pub fn compute(ctx: &mut CpuContext, args: &ComputeArgs) -> Result<(), PluginErr
                             if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as usize >= vocab) {
                                 return Err(e(format!("token id {id} out of range for vocabulary {vocab}")));
                             }
-                            ctx.pool.install(|| quantized::qembedding(isa, ids, q, &mut out));
+                            run_inline(|| quantized::qembedding(isa, ids, q, &mut out));
                         }
                     }
                     OpCode::MatMul | OpCode::QuantMatMul => {
@@ -290,13 +327,14 @@ pub fn compute(ctx: &mut CpuContext, args: &ComputeArgs) -> Result<(), PluginErr
                                     sn(1).cols()
                                 )));
                             }
-                            ctx.pool.install(|| matmul::matmul(isa, threads, &x, t, k, w, n, &mut out));
+                            run_inline(|| matmul::matmul(isa, threads, &x, t, k, w, n, &mut out));
                         } else {
                             let (q, rows) = quant_matrix(&vals, nodes, node, k).map_err(e)?;
                             if rows != n {
                                 return Err(e(format!("packed weight has {rows} rows, output {n} columns")));
                             }
-                            ctx.pool.install(|| quantized::qmatmul(isa, threads, &x, t, q, n, &mut out));
+                            let int8 = if ctx.int8_activations { Some(&mut ctx.int8_scratch) } else { None };
+                            run_inline(|| quantized::qmatmul(isa, threads, &x, t, q, n, &mut out, int8));
                         }
                     }
                     OpCode::GetRows => {
@@ -324,7 +362,7 @@ pub fn compute(ctx: &mut CpuContext, args: &ComputeArgs) -> Result<(), PluginErr
                         if !ok {
                             return Err(e(format!("cannot combine {} and {} elements", a.len(), b.len())));
                         }
-                        ctx.pool.install(|| match op {
+                        run_inline(|| match op {
                             OpCode::Add => binary(&a, &b, &mut out, |x, y| x + y),
                             OpCode::Mul => binary(&a, &b, &mut out, |x, y| x * y),
                             OpCode::SiluMul => binary(&a, &b, &mut out, |x, y| ew::silu(x) * y),
@@ -341,7 +379,7 @@ pub fn compute(ctx: &mut CpuContext, args: &ComputeArgs) -> Result<(), PluginErr
                         if op == OpCode::Softcap && p <= 0.0 {
                             return Err(e("soft-cap must be positive".into()));
                         }
-                        ctx.pool.install(|| match op {
+                        run_inline(|| match op {
                             OpCode::Scale => unary(&x, &mut out, |a| a * p),
                             OpCode::Silu => unary(&x, &mut out, ew::silu),
                             OpCode::Gelu => unary(&x, &mut out, ew::gelu_erf),
@@ -361,13 +399,13 @@ pub fn compute(ctx: &mut CpuContext, args: &ComputeArgs) -> Result<(), PluginErr
                         let eps = node.fparams[0];
                         if op == OpCode::RmsNorm {
                             let unit = node.iparams[0] == 1;
-                            ctx.pool.install(|| norm::rms_norm(&x, w, eps, unit, &mut out));
+                            run_inline(|| norm::rms_norm(&x, w, eps, unit, &mut out));
                         } else {
                             let b = floats(v(2), "bias").map_err(e)?;
                             if w.len() != c || b.len() != c {
                                 return Err(e("layer norm weight and bias must span the columns".into()));
                             }
-                            ctx.pool.install(|| norm::layer_norm(&x, w, b, eps, &mut out));
+                            run_inline(|| norm::layer_norm(&x, w, b, eps, &mut out));
                         }
                     }
                     OpCode::Rope => {
@@ -385,7 +423,7 @@ pub fn compute(ctx: &mut CpuContext, args: &ComputeArgs) -> Result<(), PluginErr
                         }
                         let trad = node.iparams[2] == 1;
                         let ms = if node.fparams[0] == 0.0 { 1.0 } else { node.fparams[0] };
-                        ctx.pool.install(|| rope::rope(&x, pos, &inv, hd, rot, trad, ms, &mut out));
+                        run_inline(|| rope::rope(&x, pos, &inv, hd, rot, trad, ms, &mut out));
                     }
                     OpCode::Attention => {
                         need(3)?;
@@ -459,7 +497,7 @@ pub fn compute(ctx: &mut CpuContext, args: &ComputeArgs) -> Result<(), PluginErr
                             scale: node.fparams[0],
                             softcap: node.fparams[1],
                         };
-                        ctx.pool.install(|| attention::attention(isa, &layout, shape, &q, kc, vc, &mut out));
+                        run_inline(|| attention::attention(isa, &layout, shape, &q, kc, vc, &mut out));
                     }
                     OpCode::Input | OpCode::Weight | OpCode::Constant => unreachable!(),
                 }

@@ -1,6 +1,7 @@
 //! The `mlxcel` command line: argument definitions and one module per subcommand.
 
 pub mod arch;
+pub mod bench;
 pub mod run;
 
 use std::path::PathBuf;
@@ -41,4 +42,6 @@ pub enum Command {
     Run(run::RunArgs),
     /// Answer one prompt and exit.
     Generate(run::RunArgs),
+    /// Measure prompt processing (pp) and generation (tg) speed, like llama-bench.
+    Bench(bench::BenchArgs),
 }

@@ -5,6 +5,7 @@
 
 use rayon::prelude::*;
 
+use super::int8_dot::{dot_row, dot_row4, quantize_acts, ActRow, Int8Acts, QuantRow};
 use super::matmul::{gemm_tile, tile_rows};
 use super::{Floats, SharedMut};
 use crate::isa::Isa;
@@ -122,10 +123,20 @@ simd_kernel! {
     }
 }
 
-/// `out[T, N] = x[T, K] · dequant(w)ᵀ`.
-pub fn qmatmul(isa: Isa, threads: usize, x: &[f32], t: usize, w: QuantMatrix, n: usize, out: &mut [f32]) {
+/// Largest step (tokens) that takes the row-dot paths; larger ones tile through gemm.
+pub const ROW_DOT_MAX_TOKENS: usize = 8;
+
+/// `out[T, N] = x[T, K] · dequant(w)ᵀ`. `int8` (scratch for quantized activations) enables the int8
+/// activation path for 4- and 8-bit weights on small steps.
+pub fn qmatmul(isa: Isa, threads: usize, x: &[f32], t: usize, w: QuantMatrix, n: usize, out: &mut [f32], int8: Option<&mut Int8Acts>) {
     let k = w.k;
-    if t < 4 {
+    if matches!(w.bits, 4 | 8) {
+        if let Some(acts) = int8 {
+            qmatmul_int8(isa, x, t, w, n, out, acts);
+            return;
+        }
+    }
+    if t <= ROW_DOT_MAX_TOKENS {
         let gpr = w.groups_per_row();
         let wpr = w.words_per_row();
         let wpg = w.group * w.bits / 32;
@@ -164,6 +175,55 @@ pub fn qmatmul(isa: Isa, threads: usize, x: &[f32], t: usize, w: QuantMatrix, n:
             unsafe { gemm_tile(x, t, k, tile, rows, out_ptr, n, n0) };
         },
     );
+}
+
+/// The int8-activation row-dot path (see [`int8_dot`](super::int8_dot)).
+fn qmatmul_int8(isa: Isa, x: &[f32], t: usize, w: QuantMatrix, n: usize, out: &mut [f32], acts: &mut Int8Acts) {
+    let k = w.k;
+    quantize_acts(isa, x, t, k, w.bits == 4, acts);
+    let acts = &*acts;
+    let gpr = w.groups_per_row();
+    let wpr = w.words_per_row();
+    let group_blocks = w.group / 32;
+    // Σx per (token, group) for the exact bias term.
+    let gsum: Vec<f32> = acts.sum.chunks_exact(group_blocks).map(|c| c.iter().sum()).collect();
+    let out_ptr = SharedMut(out.as_mut_ptr());
+    let act = |ti: usize| ActRow {
+        q: &acts.q[ti * k..(ti + 1) * k],
+        d: &acts.d[ti * k / 32..(ti + 1) * k / 32],
+        group_sums: &gsum[ti * gpr..(ti + 1) * gpr],
+    };
+    // A task is a tile of rows; its weights stay in L1/L2 while all tokens stream past them.
+    let rows_per_task = if t <= ROW_DOT_MAX_TOKENS { 32 } else { 16 };
+    (0..n.div_ceil(rows_per_task)).into_par_iter().for_each(|chunk| {
+        let rows = chunk * rows_per_task..((chunk + 1) * rows_per_task).min(n);
+        let row_of = |r: usize| QuantRow {
+            words: &w.packed[r * wpr..(r + 1) * wpr],
+            scales: w.scales,
+            biases: w.biases,
+            group0: r * gpr,
+            bits: w.bits,
+            group_blocks,
+        };
+        let mut ti = 0;
+        while ti + 4 <= t {
+            let xs = [act(ti), act(ti + 1), act(ti + 2), act(ti + 3)];
+            for r in rows.clone() {
+                let mut o = [0f32; 4];
+                dot_row4(isa, row_of(r), &xs, &mut o);
+                for (j, v) in o.iter().enumerate() {
+                    unsafe { *out_ptr.ptr().add((ti + j) * n + r) = *v };
+                }
+            }
+            ti += 4;
+        }
+        for tj in ti..t {
+            let x = act(tj);
+            for r in rows.clone() {
+                unsafe { *out_ptr.ptr().add(tj * n + r) = dot_row(isa, row_of(r), x) };
+            }
+        }
+    });
 }
 
 /// Rows `ids` of a quantized table, dequantized.

@@ -1,0 +1,388 @@
+//! Decode-path kernels for 4- and 8-bit MLX weights with int8 activations, the scheme llama.cpp uses
+//! for Q4_1 × Q8_1: the activation row is quantized once per step to int8 in blocks of 32 (one f32
+//! scale per block, plus the exact f32 block sum for the affine bias term), then every weight row is
+//! an integer dot product per block:
+//!
+//! `Σ x·(s·q + b) ≈ s · Σ_blocks d_x · Σ q·x8  +  b · Σ x`
+//!
+//! The bias term is exact; only the `q·x` products see the int8 rounding of `x` (≤ 0.4% of each
+//! block's largest value). The measured effect on SmolLM2's logits is recorded in docs/benchmarks.md.
+
+use super::Floats;
+use crate::isa::Isa;
+
+/// An activation row set quantized for [`dot_rows`]: `[t, k]` as int8 blocks of 32.
+///
+/// For 4-bit weights each block is stored even elements first, then odd ones, matching how the packed
+/// nibbles split into low (even) and high (odd) halves; 8-bit weights use natural order.
+pub struct Int8Acts {
+    pub q: Vec<i8>,
+    /// Per block: scale `d` (x ≈ d · q).
+    pub d: Vec<f32>,
+    /// Per block: exact Σx.
+    pub sum: Vec<f32>,
+    pub k: usize,
+    pub t: usize,
+}
+
+/// Quantizes `x [t, k]` (k a multiple of 32) to int8 blocks; `nibble_order` for 4-bit weights.
+pub fn quantize_acts(isa: Isa, x: &[f32], t: usize, k: usize, nibble_order: bool, out: &mut Int8Acts) {
+    let blocks = t * k / 32;
+    out.q.resize(t * k, 0);
+    out.d.resize(blocks, 0.0);
+    out.sum.resize(blocks, 0.0);
+    out.k = k;
+    out.t = t;
+    for b in 0..blocks {
+        let (d, sum) = quantize_block::run(isa, &x[b * 32..(b + 1) * 32], &mut out.q[b * 32..(b + 1) * 32], nibble_order);
+        out.d[b] = d;
+        out.sum[b] = sum;
+    }
+}
+
+crate::simd_kernel! {
+    /// One block of 32: returns (scale, Σx) and writes the int8 values.
+    pub fn quantize_block(xs: &[f32], q: &mut [i8], nibble_order: bool) -> (f32, f32) {
+        let mut amax = 0f32;
+        let mut sum = 0f32;
+        for &v in xs {
+            amax = amax.max(v.abs());
+            sum += v;
+        }
+        let d = amax / 127.0;
+        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+        let mut tmp = [0i8; 32];
+        for i in 0..32 {
+            tmp[i] = (xs[i] * inv).round() as i8;
+        }
+        if nibble_order {
+            for i in 0..16 {
+                q[i] = tmp[2 * i];
+                q[16 + i] = tmp[2 * i + 1];
+            }
+        } else {
+            q[..32].copy_from_slice(&tmp);
+        }
+        (d, sum)
+    }
+}
+
+/// One weight row's view for [`dot_row`]: packed words and this row's group scales and biases.
+#[derive(Clone, Copy)]
+pub struct QuantRow<'a> {
+    pub words: &'a [u32],
+    pub scales: Floats<'a>,
+    pub biases: Floats<'a>,
+    /// Index of this row's first group in `scales`/`biases`.
+    pub group0: usize,
+    pub bits: usize,
+    /// Group size / 32.
+    pub group_blocks: usize,
+}
+
+/// The activation side of [`dot_row`] for one token: int8 blocks, their scales, and Σx per group.
+#[derive(Clone, Copy)]
+pub struct ActRow<'a> {
+    pub q: &'a [i8],
+    pub d: &'a [f32],
+    pub group_sums: &'a [f32],
+}
+
+/// `Σ x · (s·q + b)` for one packed 4- or 8-bit row and one int8 activation row: per block
+/// `d_x · s_g · Σ q·x8`, plus the exact `b_g · Σx` per group. Scale conversion is fused in.
+#[inline]
+pub fn dot_row(isa: Isa, w: QuantRow, x: ActRow) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(isa, Isa::Avx2 | Isa::Avx512) {
+        // SAFETY: the context only selects these paths when the CPU has AVX2, FMA and F16C.
+        return unsafe {
+            match (w.scales, w.biases) {
+                (Floats::F16(s), Floats::F16(b)) => x86::dot_row_avx2::<x86::Half>(w, s.as_ptr(), b.as_ptr(), x),
+                (Floats::BF16(s), Floats::BF16(b)) => x86::dot_row_avx2::<x86::Brain>(w, s.as_ptr(), b.as_ptr(), x),
+                (Floats::F32(s), Floats::F32(b)) => {
+                    x86::dot_row_avx2::<x86::Single>(w, s.as_ptr() as *const u16, b.as_ptr() as *const u16, x)
+                }
+                _ => dot_row_scalar(w, x),
+            }
+        };
+    }
+    let _ = isa;
+    dot_row_scalar(w, x)
+}
+
+/// [`dot_row`] for four activation rows at once (4-bit weights share their unpacking).
+#[inline]
+pub fn dot_row4(isa: Isa, w: QuantRow, x: &[ActRow; 4], out: &mut [f32; 4]) {
+    #[cfg(target_arch = "x86_64")]
+    if w.bits == 4 && matches!(isa, Isa::Avx2 | Isa::Avx512) {
+        // SAFETY: as for `dot_row`.
+        unsafe {
+            match (w.scales, w.biases) {
+                (Floats::F16(s), Floats::F16(b)) => return x86::dot_row4_q4_avx2::<x86::Half>(w, s.as_ptr(), b.as_ptr(), x, out),
+                (Floats::BF16(s), Floats::BF16(b)) => return x86::dot_row4_q4_avx2::<x86::Brain>(w, s.as_ptr(), b.as_ptr(), x, out),
+                (Floats::F32(s), Floats::F32(b)) => {
+                    return x86::dot_row4_q4_avx2::<x86::Single>(w, s.as_ptr() as *const u16, b.as_ptr() as *const u16, x, out)
+                }
+                _ => {}
+            }
+        }
+    }
+    for t in 0..4 {
+        out[t] = dot_row(isa, w, x[t]);
+    }
+}
+
+fn dot_row_scalar(w: QuantRow, x: ActRow) -> f32 {
+    let per_block = 32 * w.bits / 32; // words per block of 32
+    let mut acc = 0f32;
+    for (blk, bw) in w.words.chunks_exact(per_block).enumerate() {
+        let xb = &x.q[blk * 32..(blk + 1) * 32];
+        let mut isum = 0i32;
+        if w.bits == 4 {
+            for (j, word) in bw.iter().enumerate() {
+                for k in 0..4 {
+                    let byte = (word >> (8 * k)) & 0xff;
+                    let idx = j * 4 + k; // byte idx holds elements 2·idx (low) and 2·idx+1 (high)
+                    isum += (byte & 0x0f) as i32 * xb[idx] as i32 + (byte >> 4) as i32 * xb[16 + idx] as i32;
+                }
+            }
+        } else {
+            for (j, word) in bw.iter().enumerate() {
+                for k in 0..4 {
+                    isum += ((word >> (8 * k)) & 0xff) as i32 * xb[j * 4 + k] as i32;
+                }
+            }
+        }
+        acc += x.d[blk] * w.scales.get(w.group0 + blk / w.group_blocks) * isum as f32;
+    }
+    for (g, gs) in x.group_sums.iter().enumerate() {
+        acc += w.biases.get(w.group0 + g) * gs;
+    }
+    acc
+}
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        let lo = _mm256_castps256_ps128(v);
+        let hi = _mm256_extractf128_ps(v, 1);
+        let s = _mm_add_ps(lo, hi);
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    /// How a scale/bias element is stored.
+    pub trait ScaleKind {
+        const IS_HALF: bool = false;
+        const IS_BRAIN: bool = false;
+        unsafe fn load(p: *const u16, i: usize) -> f32;
+    }
+    pub struct Half;
+    pub struct Brain;
+    pub struct Single;
+    impl ScaleKind for Half {
+        const IS_HALF: bool = true;
+        #[inline(always)]
+        unsafe fn load(p: *const u16, i: usize) -> f32 {
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(*p.add(i) as i32)))
+        }
+    }
+    impl ScaleKind for Brain {
+        const IS_BRAIN: bool = true;
+        #[inline(always)]
+        unsafe fn load(p: *const u16, i: usize) -> f32 {
+            f32::from_bits((*p.add(i) as u32) << 16)
+        }
+    }
+    impl ScaleKind for Single {
+        #[inline(always)]
+        unsafe fn load(p: *const u16, i: usize) -> f32 {
+            *(p as *const f32).add(i)
+        }
+    }
+
+    /// Loads 8 consecutive scales as f32.
+    #[inline(always)]
+    unsafe fn load8<S: ScaleKind>(p: *const u16, i: usize) -> __m256 {
+        if S::IS_HALF {
+            _mm256_cvtph_ps(_mm_loadu_si128(p.add(i) as *const __m128i))
+        } else if S::IS_BRAIN {
+            let h = _mm_loadu_si128(p.add(i) as *const __m128i);
+            _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+        } else {
+            _mm256_loadu_ps((p as *const f32).add(i))
+        }
+    }
+
+    /// Σ over blocks of `cvt(p32) · comb[blk]`, two accumulators to hide FMA latency.
+    #[inline(always)]
+    unsafe fn blocks_q4(wp: *const u8, xp: *const i8, comb: &[f32], b0: usize, nb: usize) -> __m256 {
+        let mask = _mm256_set1_epi8(0x0f);
+        let ones = _mm256_set1_epi16(1);
+        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let one = |blk: usize| {
+            let packed = _mm_loadu_si128(wp.add(blk * 16) as *const __m128i);
+            // [low nibbles (even elements) | high nibbles (odd elements)]
+            let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), mask);
+            let xv = _mm256_loadu_si256(xp.add(blk * 32) as *const __m256i);
+            _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones))
+        };
+        let mut i = 0;
+        while i + 2 <= nb {
+            a0 = _mm256_fmadd_ps(one(b0 + i), _mm256_set1_ps(*comb.get_unchecked(i)), a0);
+            a1 = _mm256_fmadd_ps(one(b0 + i + 1), _mm256_set1_ps(*comb.get_unchecked(i + 1)), a1);
+            i += 2;
+        }
+        if i < nb {
+            a0 = _mm256_fmadd_ps(one(b0 + i), _mm256_set1_ps(*comb.get_unchecked(i)), a0);
+        }
+        _mm256_add_ps(a0, a1)
+    }
+
+    #[inline(always)]
+    unsafe fn blocks_q8(wp: *const u8, xp: *const i8, comb: &[f32], b0: usize, nb: usize) -> __m256 {
+        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+        let one = |blk: usize| {
+            let wv = _mm256_loadu_si256(wp.add(blk * 32) as *const __m256i);
+            let xv = _mm256_loadu_si256(xp.add(blk * 32) as *const __m256i);
+            let w_lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(wv));
+            let w_hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(wv, 1));
+            let x_lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(xv));
+            let x_hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(xv, 1));
+            _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi)))
+        };
+        let mut i = 0;
+        while i + 2 <= nb {
+            a0 = _mm256_fmadd_ps(one(b0 + i), _mm256_set1_ps(*comb.get_unchecked(i)), a0);
+            a1 = _mm256_fmadd_ps(one(b0 + i + 1), _mm256_set1_ps(*comb.get_unchecked(i + 1)), a1);
+            i += 2;
+        }
+        if i < nb {
+            a0 = _mm256_fmadd_ps(one(b0 + i), _mm256_set1_ps(*comb.get_unchecked(i)), a0);
+        }
+        _mm256_add_ps(a0, a1)
+    }
+
+    /// 4-bit: 32 nibbles (16 bytes) × 32 int8 activations per block with `vpmaddubsw` (u8 × i8 →
+    /// i16 pairs, at most 2·15·128 so it never saturates), `vpmaddwd` to i32, one FMA per block.
+    /// 8-bit: `vpmaddubsw` could saturate (2·255·127), so bytes are widened to i16 first.
+    /// Per-block factors `d_x · s_g` are formed 8 at a time up front; the bias term is a vector dot.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_row_avx2<S: ScaleKind>(w: super::QuantRow, sp: *const u16, bp: *const u16, x: super::ActRow) -> f32 {
+        const CHUNK: usize = 512; // blocks per pass (stack buffer)
+        let groups = x.group_sums.len();
+        let gb = w.group_blocks;
+        let nb = groups * gb;
+        let (sp, bp) = (sp.add(0), bp.add(0));
+        let g0 = w.group0;
+
+        // Bias term: Σ_g b_g · Σx_g.
+        let mut bias_v = _mm256_setzero_ps();
+        let mut g = 0;
+        while g + 8 <= groups {
+            bias_v = _mm256_fmadd_ps(load8::<S>(bp, g0 + g), _mm256_loadu_ps(x.group_sums.as_ptr().add(g)), bias_v);
+            g += 8;
+        }
+        let mut bias = hsum(bias_v);
+        while g < groups {
+            bias += S::load(bp, g0 + g) * *x.group_sums.get_unchecked(g);
+            g += 1;
+        }
+
+        let wp = w.words.as_ptr() as *const u8;
+        let xp = x.q.as_ptr();
+        // Written before it is read, chunk by chunk; zero-filling it per row would cost a memset.
+        let mut comb_buf = std::mem::MaybeUninit::<[f32; CHUNK]>::uninit();
+        let comb = &mut *comb_buf.as_mut_ptr();
+        let mut acc = _mm256_setzero_ps();
+        let mut b0 = 0;
+        while b0 < nb {
+            let n = CHUNK.min(nb - b0);
+            // comb[i] = d_x[b0+i] · s[(b0+i)/gb]
+            if gb == 1 {
+                let mut i = 0;
+                while i + 8 <= n {
+                    let v = _mm256_mul_ps(load8::<S>(sp, g0 + b0 + i), _mm256_loadu_ps(x.d.as_ptr().add(b0 + i)));
+                    _mm256_storeu_ps(comb.as_mut_ptr().add(i), v);
+                    i += 8;
+                }
+                while i < n {
+                    comb[i] = S::load(sp, g0 + b0 + i) * *x.d.get_unchecked(b0 + i);
+                    i += 1;
+                }
+            } else {
+                for i in 0..n {
+                    comb[i] = S::load(sp, g0 + (b0 + i) / gb) * *x.d.get_unchecked(b0 + i);
+                }
+            }
+            let part = if w.bits == 4 { blocks_q4(wp, xp, &comb[..n], b0, n) } else { blocks_q8(wp, xp, &comb[..n], b0, n) };
+            acc = _mm256_add_ps(acc, part);
+            b0 += n;
+        }
+        hsum(acc) + bias
+    }
+
+    /// Four activation rows against one 4-bit weight row: each block's nibbles are unpacked once and
+    /// used for all four (the prefill path, where many tokens share every weight row).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_row4_q4_avx2<S: ScaleKind>(
+        w: super::QuantRow,
+        sp: *const u16,
+        bp: *const u16,
+        x: &[super::ActRow; 4],
+        out: &mut [f32; 4],
+    ) {
+        const CHUNK: usize = 256;
+        let groups = x[0].group_sums.len();
+        let gb = w.group_blocks;
+        let nb = groups * gb;
+        let g0 = w.group0;
+        // Bias terms.
+        for t in 0..4 {
+            let mut bias_v = _mm256_setzero_ps();
+            let mut g = 0;
+            while g + 8 <= groups {
+                bias_v = _mm256_fmadd_ps(load8::<S>(bp, g0 + g), _mm256_loadu_ps(x[t].group_sums.as_ptr().add(g)), bias_v);
+                g += 8;
+            }
+            let mut bias = hsum(bias_v);
+            while g < groups {
+                bias += S::load(bp, g0 + g) * *x[t].group_sums.get_unchecked(g);
+                g += 1;
+            }
+            out[t] = bias;
+        }
+        let mask = _mm256_set1_epi8(0x0f);
+        let ones = _mm256_set1_epi16(1);
+        let wp = w.words.as_ptr() as *const u8;
+        let mut sc_buf = std::mem::MaybeUninit::<[f32; CHUNK]>::uninit();
+        let sc = sc_buf.as_mut_ptr() as *mut f32;
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut b0 = 0;
+        while b0 < nb {
+            let n = CHUNK.min(nb - b0);
+            for i in 0..n {
+                *sc.add(i) = S::load(sp, g0 + (b0 + i) / gb);
+            }
+            for i in 0..n {
+                let blk = b0 + i;
+                let packed = _mm_loadu_si128(wp.add(blk * 16) as *const __m128i);
+                let q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), mask);
+                let s = *sc.add(i);
+                for t in 0..4 {
+                    let xv = _mm256_loadu_si256(x[t].q.as_ptr().add(blk * 32) as *const __m256i);
+                    let p = _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(q, xv), ones));
+                    acc[t] = _mm256_fmadd_ps(p, _mm256_set1_ps(s * *x[t].d.get_unchecked(blk)), acc[t]);
+                }
+            }
+            b0 += n;
+        }
+        for t in 0..4 {
+            out[t] += hsum(acc[t]);
+        }
+    }
+}

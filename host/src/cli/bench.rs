@@ -1,0 +1,140 @@
+//! `mlxcel bench MODEL`: prompt-processing and generation speed in the shape of llama-bench's pp/tg
+//! tests, so `cargo xtask bench` can set it beside llama.cpp on the same weights.
+
+use std::time::Instant;
+
+use anyhow::Result;
+use clap::Args;
+
+use super::run::resolve_model;
+use super::GlobalArgs;
+use crate::engine::{Logits, ModelRunner, RunnerOptions, SeqBlocks, SeqChunk};
+
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    /// Model folder.
+    pub model: String,
+    /// Prompt tokens for the prompt-processing test (pp).
+    #[arg(short = 'p', long = "n-prompt", default_value_t = 512)]
+    pub n_prompt: usize,
+    /// Generated tokens for the generation test (tg).
+    #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
+    pub n_gen: usize,
+    /// Repetitions; the median is reported.
+    #[arg(short = 'r', long, default_value_t = 3)]
+    pub repetitions: usize,
+    /// Worker threads.
+    #[arg(short = 't', long, default_value_t = 0)]
+    pub threads: u32,
+    /// Prefill chunk (tokens per step).
+    #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
+    pub batch: usize,
+    #[arg(long)]
+    pub backend: Option<String>,
+    /// One JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    if v.is_empty() {
+        0.0
+    } else {
+        v[v.len() / 2]
+    }
+}
+
+/// Peak resident memory of this process in bytes (Linux), 0 elsewhere.
+pub fn peak_rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
+        .map_or(0, |kb| kb * 1024)
+}
+
+pub fn run(global: &GlobalArgs, args: &BenchArgs) -> Result<()> {
+    let dir = resolve_model(&args.model)?;
+    let opts = RunnerOptions {
+        backend: args.backend.clone(),
+        threads: args.threads,
+        ctx_size: args.n_prompt + args.n_gen + 16,
+        ..Default::default()
+    };
+    let mut runner = ModelRunner::load(&global.catalog(), &dir, &opts)?;
+    let vocab = runner.info.vocab_size as u32;
+    // Deterministic pseudo-random tokens, as llama-bench uses random tokens.
+    let mut state = 0x2545F4914F6CDD1Du64;
+    let mut next = || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        (state % vocab as u64) as u32
+    };
+    let prompt: Vec<u32> = (0..args.n_prompt).map(|_| next()).collect();
+    let gen_tokens: Vec<u32> = (0..args.n_gen).map(|_| next()).collect();
+
+    let mut pp = Vec::new();
+    let mut tg = Vec::new();
+    // One warm-up round (page in the weights), then the measured repetitions.
+    for rep in 0..=args.repetitions {
+        let mut seq = SeqBlocks::default();
+        runner.pool.reserve(&mut seq, args.n_prompt + args.n_gen)?;
+        let t0 = Instant::now();
+        let mut pos = 0;
+        while pos < prompt.len() {
+            let end = (pos + args.batch.max(1)).min(prompt.len());
+            let want = if end == prompt.len() { Logits::Last } else { Logits::None };
+            runner.forward(&[SeqChunk { blocks: &seq, tokens: &prompt[pos..end], start_pos: pos, logits: want }])?;
+            pos = end;
+        }
+        let pp_s = t0.elapsed().as_secs_f64();
+        runner.pool.release(&mut seq);
+
+        // Generation from an empty context, one token per step (as llama-bench's tg).
+        runner.pool.reserve(&mut seq, args.n_gen)?;
+        let t1 = Instant::now();
+        for (i, tok) in gen_tokens.iter().enumerate() {
+            runner.forward(&[SeqChunk { blocks: &seq, tokens: std::slice::from_ref(tok), start_pos: i, logits: Logits::Last }])?;
+        }
+        let tg_s = t1.elapsed().as_secs_f64();
+        runner.pool.release(&mut seq);
+        if rep > 0 {
+            pp.push(args.n_prompt as f64 / pp_s);
+            tg.push(args.n_gen as f64 / tg_s);
+        }
+    }
+    let (pp_m, tg_m) = (median(pp.clone()), median(tg.clone()));
+    let rss = peak_rss();
+    if args.json {
+        let v = serde_json::json!({
+            "model": dir.display().to_string(),
+            "backend": runner.backend_name,
+            "features": runner.backend_features,
+            "threads": args.threads,
+            "n_prompt": args.n_prompt,
+            "n_gen": args.n_gen,
+            "pp_tps": pp_m,
+            "tg_tps": tg_m,
+            "pp_runs": pp,
+            "tg_runs": tg,
+            "weight_bytes": runner.checkpoint.weight_bytes(),
+            "kv_bytes": runner.kv_bytes_per_token() * (args.n_prompt + args.n_gen + 16),
+            "peak_rss_bytes": rss,
+        });
+        println!("{v}");
+    } else {
+        println!(
+            "{}: pp{} {:.1} tok/s | tg{} {:.1} tok/s | backend {} [{}] | peak RSS {:.0} MB",
+            dir.display(),
+            args.n_prompt,
+            pp_m,
+            args.n_gen,
+            tg_m,
+            runner.backend_name,
+            runner.backend_features,
+            rss as f64 / 1e6
+        );
+    }
+    Ok(())
+}
