@@ -65,14 +65,11 @@ fn check_model(folder: &str, want_top5: &[(u32, f32)], tolerance: f32) {
 /// The 4-bit folder: top-5 from a float32 reference forward of the same 4-bit weights (README).
 #[test]
 fn smollm2_4bit_answers_paris_and_matches_reference_logits() {
-    // Same weights, same f32 math: only summation order differs, so 0.01 is generous. With int8
-    // activations (the CPU default for 4-bit decode, MLXCEL_CPU_INT8=0 turns it off) the last-row
-    // logits move by up to ~0.1 (measured 0.07; see docs/benchmarks.md).
-    let int8 = std::env::var("MLXCEL_CPU_INT8").map_or(true, |v| v != "0");
+    // Same weights, f32 math (int16-rounded activations on the default CPU path): 0.01 is generous.
     check_model(
         "smollm2-135m-instruct-mlx-4bit",
         &[(504, 25.71), (60, 25.67), (15319, 25.48), (7026, 24.97), (14925, 24.52)],
-        if int8 { 0.15 } else { 0.01 },
+        0.01,
     );
 }
 

@@ -182,28 +182,28 @@ fn check(what: &str, got: &[f32], want: &[f64], terms: usize) {
     }
 }
 
-/// Whether the CPU backend rounds activations to int8 for 4/8-bit matmuls (its default).
-fn int8_activations() -> bool {
-    std::env::var("MLXCEL_CPU_INT8").map_or(true, |v| v != "0")
+/// Whether the CPU backend rounds activations to int16 for 4/8-bit matmuls (its default).
+fn int_activations() -> bool {
+    std::env::var("MLXCEL_CPU_INT16").map_or(true, |v| v != "0")
 }
 
-/// The int8-activation path: each activation is rounded to the nearest multiple of its block's
-/// `d = max|x| / 127`, so the error of a dot product is at most `Σ |w_i| · d_i / 2` (plus f32 noise).
+/// The int16-activation path: each activation is rounded to the nearest multiple of its block's
+/// `d = max|x| / 32767`, so the error of a dot product is at most `Σ |w_i| · d_i / 2` (plus f32 noise).
 #[allow(clippy::too_many_arguments)]
-fn check_int8(what: &str, got: &[f32], want: &[f64], x: &[f32], w: &[f64], t: usize, k: usize, n: usize) {
+fn check_int16(what: &str, got: &[f32], want: &[f64], x: &[f32], w: &[f64], t: usize, k: usize, n: usize) {
     for i in 0..t * n {
         let (ti, r) = (i / n, i % n);
         let xs = &x[ti * k..(ti + 1) * k];
         let bound: f64 = (0..k)
             .map(|j| {
                 let blk = &xs[j / 32 * 32..j / 32 * 32 + 32];
-                let d = blk.iter().fold(0f32, |m, v| m.max(v.abs())) as f64 / 127.0;
+                let d = blk.iter().fold(0f32, |m, v| m.max(v.abs())) as f64 / 32767.0;
                 w[r * k + j].abs() * d / 2.0
             })
             .sum::<f64>()
             + 1e-4 * (k as f64).sqrt() * (1.0 + want[i].abs());
         let err = (got[i] as f64 - want[i]).abs();
-        assert!(err <= bound, "{what}: element {i}: got {}, want {} (err {err:.3e} > int8 bound {bound:.3e})", got[i], want[i]);
+        assert!(err <= bound, "{what}: element {i}: got {}, want {} (err {err:.3e} > int16 bound {bound:.3e})", got[i], want[i]);
     }
 }
 
@@ -269,8 +269,8 @@ fn quantized_matmul_matches_reference_for_every_bits_and_group() {
                         .map(|i| (0..k).map(|j| x[(i / n) * k + j] as f64 * q.dequant[(i % n) * k + j]).sum())
                         .collect();
                     let what = format!("{} qmatmul {bits}b g{group} t{t} k{k} n{n}", ctx.name());
-                    if int8_activations() && matches!(bits, 4 | 8) {
-                        check_int8(&what, &got, &want, &x, &q.dequant, t, k, n);
+                    if int_activations() && matches!(bits, 4 | 8) {
+                        check_int16(&what, &got, &want, &x, &q.dequant, t, k, n);
                     } else {
                         check(&what, &got, &want, k);
                     }

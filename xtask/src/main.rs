@@ -157,10 +157,10 @@ fn main() -> Result<()> {
             }
             // The exact path: f32 activations everywhere, held to the f64 op reference, to mlx-lm's
             // logits at 1e-4 and its greedy tokens exactly, and to the real-model reference at 0.01.
-            println!("== golden and real-model tests with MLXCEL_CPU_INT8=0");
+            println!("== golden and real-model tests with MLXCEL_CPU_INT16=0");
             for (package, test) in [("mlxcel-plugins", "op_conformance"), ("mlxcel-family-llama", "golden"), ("mlxcel", "real_models")] {
                 let mut c = cargo();
-                c.env("MLXCEL_CPU_INT8", "0").args(["test", "--release", "-p", package, "--test", test]);
+                c.env("MLXCEL_CPU_INT16", "0").args(["test", "--release", "-p", package, "--test", test]);
                 run(c)?;
             }
             Ok(())

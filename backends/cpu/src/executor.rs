@@ -10,7 +10,7 @@ use crate::buffer::{as_f32, as_i32, as_u16, Buffer};
 use crate::isa::Isa;
 use crate::kernels::attention::{self, AttentionShape, PagedLayout};
 use crate::kernels::elementwise::{self as ew, binary, unary};
-use crate::kernels::int8_dot::Int8Acts;
+use crate::kernels::int_dot::IntActs;
 use crate::kernels::quantized::{self, QuantMatrix};
 use crate::kernels::{matmul, norm, rope, Floats};
 
@@ -24,9 +24,9 @@ pub struct CpuContext {
 pub struct ExecState {
     pub isa: Isa,
     pub threads: usize,
-    /// int8 activations for 4/8-bit decode matmuls (`MLXCEL_CPU_INT8=0` turns them off).
-    pub int8_activations: bool,
-    int8_scratch: Int8Acts,
+    /// int16 activations for 4/8-bit matmuls (`MLXCEL_CPU_INT16=0` turns them off).
+    pub int_activations: bool,
+    int_scratch: IntActs,
     scratch: Vec<Vec<f32>>,
 }
 
@@ -37,9 +37,9 @@ impl CpuContext {
             .thread_name(|i| format!("mlxcel-cpu-{i}"))
             .build()
             .map_err(|e| format!("cannot start {threads} worker threads: {e}"))?;
-        let int8_activations = std::env::var("MLXCEL_CPU_INT8").map_or(true, |v| v != "0");
-        let int8_scratch = Int8Acts { q: vec![], d: vec![], sum: vec![], k: 0, t: 0 };
-        Ok(CpuContext { pool, state: ExecState { isa, threads, int8_activations, int8_scratch, scratch: Vec::new() } })
+        let int_activations = std::env::var("MLXCEL_CPU_INT16").map_or(true, |v| v != "0");
+        let int_scratch = IntActs { q: vec![], d: vec![], sum: vec![], k: 0, t: 0 };
+        Ok(CpuContext { pool, state: ExecState { isa, threads, int_activations, int_scratch, scratch: Vec::new() } })
     }
 
     pub fn isa(&self) -> Isa {
@@ -333,8 +333,8 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                             if rows != n {
                                 return Err(e(format!("packed weight has {rows} rows, output {n} columns")));
                             }
-                            let int8 = if ctx.int8_activations { Some(&mut ctx.int8_scratch) } else { None };
-                            run_inline(|| quantized::qmatmul(isa, threads, &x, t, q, n, &mut out, int8));
+                            let int = if ctx.int_activations { Some(&mut ctx.int_scratch) } else { None };
+                            run_inline(|| quantized::qmatmul(isa, threads, &x, t, q, n, &mut out, int));
                         }
                     }
                     OpCode::GetRows => {

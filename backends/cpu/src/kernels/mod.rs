@@ -2,7 +2,7 @@
 
 pub mod attention;
 pub mod elementwise;
-pub mod int8_dot;
+pub mod int_dot;
 pub mod matmul;
 pub mod norm;
 pub mod quantized;

@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::int8_dot::{dot_row, dot_row4, quantize_acts, ActRow, Int8Acts, QuantRow};
+use super::int_dot::{dot_row, dot_row4, quantize_acts, ActRow, IntActs, QuantRow};
 use super::matmul::{gemm_tile, tile_rows};
 use super::{Floats, SharedMut};
 use crate::isa::Isa;
@@ -126,13 +126,13 @@ simd_kernel! {
 /// Largest step (tokens) that takes the row-dot paths; larger ones tile through gemm.
 pub const ROW_DOT_MAX_TOKENS: usize = 8;
 
-/// `out[T, N] = x[T, K] · dequant(w)ᵀ`. `int8` (scratch for quantized activations) enables the int8
+/// `out[T, N] = x[T, K] · dequant(w)ᵀ`. `int` (scratch for quantized activations) enables the int16
 /// activation path for 4- and 8-bit weights on small steps.
-pub fn qmatmul(isa: Isa, threads: usize, x: &[f32], t: usize, w: QuantMatrix, n: usize, out: &mut [f32], int8: Option<&mut Int8Acts>) {
+pub fn qmatmul(isa: Isa, threads: usize, x: &[f32], t: usize, w: QuantMatrix, n: usize, out: &mut [f32], int: Option<&mut IntActs>) {
     let k = w.k;
     if matches!(w.bits, 4 | 8) {
-        if let Some(acts) = int8 {
-            qmatmul_int8(isa, x, t, w, n, out, acts);
+        if let Some(acts) = int {
+            qmatmul_int(isa, x, t, w, n, out, acts);
             return;
         }
     }
@@ -177,8 +177,8 @@ pub fn qmatmul(isa: Isa, threads: usize, x: &[f32], t: usize, w: QuantMatrix, n:
     );
 }
 
-/// The int8-activation row-dot path (see [`int8_dot`](super::int8_dot)).
-fn qmatmul_int8(isa: Isa, x: &[f32], t: usize, w: QuantMatrix, n: usize, out: &mut [f32], acts: &mut Int8Acts) {
+/// The int16-activation row-dot path (see [`int_dot`](super::int_dot)).
+fn qmatmul_int(isa: Isa, x: &[f32], t: usize, w: QuantMatrix, n: usize, out: &mut [f32], acts: &mut IntActs) {
     let k = w.k;
     quantize_acts(isa, x, t, k, w.bits == 4, acts);
     let acts = &*acts;
