@@ -12,6 +12,7 @@ fn main() {
         Command::Run(a) => cli::run::run(&args.global, a, false),
         Command::Generate(a) => cli::run::run(&args.global, a, true),
         Command::Bench(a) => cli::bench::run(&args.global, a),
+        Command::Inspect(a) => cli::inspect::run(&args.global, a),
     };
     if let Err(e) = result {
         eprintln!("error: {}", mlxcel::logging::one_line(&e));

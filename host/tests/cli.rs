@@ -231,3 +231,24 @@ fn forced_unsupported_isa_is_refused() {
     let out = mlxcel().env("MLXCEL_CPU_ISA", isa).arg("run").arg(fixture("qwen2-f32")).args(["-p", "hi"]).output().unwrap();
     assert_one_line_error(&out, &["MLXCEL_CPU_ISA", "not supported"]);
 }
+
+/// Payload bytes of a safetensors file: its length minus the 8-byte length prefix and the header.
+fn payload_bytes(path: &Path) -> u64 {
+    let bytes = std::fs::read(path).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+    bytes.len() as u64 - 8 - n
+}
+
+#[test]
+fn inspect_json_gives_exact_weight_bytes_and_a_kv_figure() {
+    let dir = fixture("qwen2-q4");
+    let out = mlxcel().arg("inspect").arg(&dir).args(["--json", "-c", "256", "--parallel", "2"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["memory"]["weight_bytes"].as_u64().unwrap(), payload_bytes(&dir.join("model.safetensors")));
+    // 2 layers × K and V × 2 KV heads × head_dim 16 × 4 bytes, for 256 tokens × 2 sequences.
+    assert_eq!(v["memory"]["kv_bytes_per_token"].as_u64().unwrap(), 2 * 2 * 2 * 16 * 4);
+    assert_eq!(v["memory"]["kv_bytes"].as_u64().unwrap(), 2 * 2 * 2 * 16 * 4 * 256 * 2);
+    assert_eq!(v["architecture"], "qwen2");
+    assert_eq!(v["quantization"], "affine 4-bit g32");
+}

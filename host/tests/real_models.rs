@@ -137,3 +137,19 @@ fn stop_string_ends_generation() {
     assert_eq!(out.text, "The capital");
     assert_eq!(out.finish, mlxcel::engine::FinishReason::Stop);
 }
+
+/// `inspect --json` on the real folder: weight bytes equal the safetensors payload exactly.
+#[test]
+fn inspect_reports_exact_weight_bytes_for_smollm2() {
+    let Some(models) = mlxcel::testing::test_models() else { return };
+    mlxcel::testing::staged_plugin_dir();
+    let dir = models.join("smollm2-135m-instruct-mlx-4bit");
+    let out = Command::new(env!("CARGO_BIN_EXE_mlxcel")).arg("inspect").arg(&dir).arg("--json").output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let header = u64::from_le_bytes(bytes[..8].try_into().unwrap());
+    assert_eq!(v["memory"]["weight_bytes"].as_u64().unwrap(), bytes.len() as u64 - 8 - header);
+    // 30 layers × K,V × 3 KV heads × 64 × 4 bytes.
+    assert_eq!(v["memory"]["kv_bytes_per_token"].as_u64().unwrap(), 30 * 2 * 3 * 64 * 4);
+}

@@ -2,6 +2,7 @@
 
 pub mod arch;
 pub mod bench;
+pub mod inspect;
 pub mod run;
 
 use std::path::PathBuf;
@@ -42,6 +43,8 @@ pub enum Command {
     Run(run::RunArgs),
     /// Answer one prompt and exit.
     Generate(run::RunArgs),
+    /// Describe a model and whether it fits in memory, without loading it.
+    Inspect(inspect::InspectArgs),
     /// Measure prompt processing (pp) and generation (tg) speed, like llama-bench.
     Bench(bench::BenchArgs),
 }

@@ -10,6 +10,7 @@ use clap::Args;
 use serde_json::Value;
 
 use super::GlobalArgs;
+use crate::engine::memory::MemoryEstimate;
 use crate::engine::{FinishReason, GenerateOptions, Generation, ModelRunner, RunnerOptions, SamplingParams, Session};
 use crate::text::{ChatMessage, TextTokenizer};
 
@@ -70,6 +71,9 @@ pub struct RunArgs {
     /// Backend plugin to use (default: the best-scoring one on this machine).
     #[arg(long)]
     pub backend: Option<String>,
+    /// Run even when the memory estimate says the model does not fit.
+    #[arg(long)]
+    pub force: bool,
 }
 
 /// A model argument as a folder. Hub names arrive with the model store.
@@ -154,6 +158,10 @@ fn load(global: &GlobalArgs, args: &RunArgs) -> Result<Loaded> {
         ..Default::default()
     };
     let runner = ModelRunner::load(&catalog, &dir, &opts)?;
+    let est = MemoryEstimate::new(&runner.info, runner.checkpoint.weight_bytes(), runner.ctx_size as u64, 1);
+    if !est.fits && !args.force {
+        bail!("{} does not fit in memory: {}; lower --ctx-size or pass --force", dir.display(), est.summary());
+    }
     let tokenizer = TextTokenizer::load(&dir, &runner.checkpoint.config, runner.checkpoint.generation_config.as_ref())?;
     let sampling = sampling_params(args, runner.checkpoint.generation_config.as_ref());
     sampling.validate().map_err(|e| anyhow::anyhow!("invalid sampling option: {e}"))?;

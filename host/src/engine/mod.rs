@@ -3,6 +3,7 @@
 
 pub mod generate;
 pub mod kv_cache;
+pub mod memory;
 pub mod runner;
 pub mod sampler;
 

@@ -1,0 +1,67 @@
+//! `mlxcel inspect MODEL`: what a checkpoint is and whether it fits, without loading it: exact weight
+//! bytes from the safetensors headers, the KV cache from the family plugin's layer description,
+//! activations estimated.
+
+use anyhow::{Context, Result};
+use clap::Args;
+use serde_json::json;
+
+use super::run::resolve_model;
+use super::GlobalArgs;
+use crate::checkpoint::Checkpoint;
+use crate::engine::memory::MemoryEstimate;
+
+#[derive(Args, Debug)]
+pub struct InspectArgs {
+    pub model: String,
+    /// Context size in tokens (default: min(model maximum, 4096), as `run` uses).
+    #[arg(short = 'c', long = "ctx-size")]
+    pub ctx_size: Option<usize>,
+    /// Sequences served at once (each gets ctx-size tokens of KV cache).
+    #[arg(long, default_value_t = 1)]
+    pub parallel: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
+    let dir = resolve_model(&args.model)?;
+    let ck = Checkpoint::open(&dir)?;
+    let model_type = ck.model_type().with_context(|| format!("{}: config.json has no `model_type`", dir.display()))?.to_string();
+    let catalog = global.catalog();
+    let family = catalog.select_family(&ck.config_text, &model_type)?;
+    let model = family.create_model(&ck.config_text, &ck.weight_infos()?).map_err(|e| anyhow::anyhow!("{}: {}", dir.display(), e.message))?;
+    let info = model.info();
+    let ctx = args.ctx_size.unwrap_or(4096).min(info.max_positions.max(1)) as u64;
+    let est = MemoryEstimate::new(info, ck.weight_bytes(), ctx, args.parallel as u64);
+    let params: u64 = ck.tensors.iter().map(|t| t.shape.iter().product::<u64>()).sum();
+    if args.json {
+        let v = json!({
+            "path": dir.display().to_string(),
+            "architecture": info.architecture,
+            "family": family.name(),
+            "task": info.task.name(),
+            "layers": info.n_layers,
+            "hidden_size": info.hidden_size,
+            "vocab_size": info.vocab_size,
+            "max_positions": info.max_positions,
+            "quantization": if info.quantization.is_empty() { None } else { Some(&info.quantization) },
+            "tensors": ck.tensors.len(),
+            "stored_elements": params,
+            "files": ck.files.len(),
+            "memory": est,
+        });
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    let mb = |b: u64| format!("{:.1} MB", b as f64 / 1e6);
+    println!("{}", dir.display());
+    println!("  architecture   {} (family `{}`), {}", info.architecture, family.name(), info.task.name());
+    println!("  shape          {} layers, hidden {}, vocabulary {}, context ≤ {}", info.n_layers, info.hidden_size, info.vocab_size, info.max_positions);
+    println!("  quantization   {}", if info.quantization.is_empty() { "none" } else { &info.quantization });
+    println!("  weights        {} in {} tensors, {} file(s)", mb(est.weight_bytes), ck.tensors.len(), ck.files.len());
+    println!("  KV cache       {} ({:.1} KB per token × {} tokens × {} sequence(s))", mb(est.kv_bytes), est.kv_bytes_per_token as f64 / 1e3, ctx, est.parallel);
+    println!("  activations    {} (estimate)", mb(est.activation_bytes));
+    println!("  total          {} of {} available: {}", mb(est.total_bytes), mb(est.available_bytes), if est.fits { "fits" } else { "does NOT fit" });
+    Ok(())
+}
