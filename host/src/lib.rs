@@ -5,5 +5,6 @@ pub mod checkpoint;
 pub mod cli;
 pub mod engine;
 pub mod logging;
+pub mod store;
 pub mod text;
 pub mod testing;

@@ -3,7 +3,6 @@
 
 use rayon::prelude::*;
 
-use super::matmul::{axpy, dot};
 use crate::isa::Isa;
 
 /// Where keys live: the step's sequence bookkeeping, borrowed from the host.
@@ -59,37 +58,118 @@ pub fn attention(
     let AttentionShape { n_heads, n_kv_heads, head_dim: dh, window, scale, softcap } = shape;
     let group = n_heads / n_kv_heads;
     let kv_row = n_kv_heads * dh;
-    out.par_chunks_mut(dh).enumerate().for_each_init(
-        || vec![0f32; dh],
-        |acc, (i, o)| {
-            let (t, h) = (i / n_heads, i % n_heads);
-            let kvh = h / group;
+    let n_tokens = layout.positions.len();
+    // Cache offsets of every context position of every token, shared by that token's heads.
+    let bases: Vec<Vec<usize>> = (0..n_tokens)
+        .map(|t| {
             let seq = layout.token_seq[t] as usize;
             let pos = layout.positions[t].max(0) as usize;
             let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
+            (start..=pos).map(|p| layout.slot(seq, p) * kv_row).collect()
+        })
+        .collect();
+    out.par_chunks_mut(dh).enumerate().for_each_init(
+        || (Vec::<f32>::new(), vec![0f32; dh]),
+        |(scores, acc), (i, o)| {
+            let (t, h) = (i / n_heads, i % n_heads);
+            let off = (h / group) * dh;
             let qh = &q[t * n_heads * dh + h * dh..][..dh];
-            acc.fill(0.0);
-            let (mut m, mut l) = (f32::NEG_INFINITY, 0f32);
-            for p in start..=pos {
-                let base = layout.slot(seq, p) * kv_row + kvh * dh;
-                let mut s = dot::run(isa, qh, &k_cache[base..base + dh]) * scale;
-                if softcap > 0.0 {
-                    s = softcap * (s / softcap).tanh();
-                }
-                if s > m {
-                    let c = (m - s).exp();
-                    l *= c;
-                    acc.iter_mut().for_each(|a| *a *= c);
-                    m = s;
-                }
-                let e = (s - m).exp();
-                l += e;
-                axpy::run(isa, e, &v_cache[base..base + dh], acc);
-            }
-            let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
-            for (ov, a) in o.iter_mut().zip(acc.iter()) {
-                *ov = a * inv;
-            }
+            scores.resize(bases[t].len(), 0.0);
+            attend::run(isa, qh, &bases[t], off, k_cache, v_cache, scale, softcap, scores, acc, o);
         },
     );
+}
+
+crate::simd_kernel! {
+    /// One query head over its context: scores, a numerically stable softmax, the weighted sum of
+    /// values. Everything inlined in one function so each SIMD path vectorises it whole.
+    pub fn attend(
+        q: &[f32],
+        bases: &[usize],
+        off: usize,
+        k_cache: &[f32],
+        v_cache: &[f32],
+        scale: f32,
+        softcap: f32,
+        scores: &mut [f32],
+        acc: &mut [f32],
+        out: &mut [f32],
+    ) {
+        let dh = q.len();
+        let mut m = f32::NEG_INFINITY;
+        for (sc, &b) in scores.iter_mut().zip(bases) {
+            let k = &k_cache[b + off..b + off + dh];
+            let mut a = [0f32; 8];
+            let mut j = 0;
+            while j + 8 <= dh {
+                for l in 0..8 {
+                    a[l] = q[j + l].mul_add(k[j + l], a[l]);
+                }
+                j += 8;
+            }
+            let mut s = (a[0] + a[4]) + (a[1] + a[5]) + (a[2] + a[6]) + (a[3] + a[7]);
+            while j < dh {
+                s += q[j] * k[j];
+                j += 1;
+            }
+            s *= scale;
+            if softcap > 0.0 {
+                s = softcap * (s / softcap).tanh();
+            }
+            *sc = s;
+            m = m.max(s);
+        }
+        let mut sum = 0f32;
+        for sc in scores.iter_mut() {
+            let e = exp_approx(*sc - m);
+            *sc = e;
+            sum += e;
+        }
+        acc.fill(0.0);
+        for (&w, &b) in scores.iter().zip(bases) {
+            let v = &v_cache[b + off..b + off + dh];
+            for j in 0..dh {
+                acc[j] = v[j].mul_add(w, acc[j]);
+            }
+        }
+        let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+        for (o, a) in out.iter_mut().zip(acc.iter()) {
+            *o = a * inv;
+        }
+    }
+}
+
+/// `e^x` for `x ≤ 0` (softmax arguments), written so the compiler vectorises it: Cody–Waite range
+/// reduction `x = n·ln2 + r` with |r| ≤ ln2/2, a degree-7 Taylor polynomial for `e^r`, and `2^n` built
+/// in the exponent bits; relative error below 1e-6.
+#[inline(always)]
+pub fn exp_approx(x: f32) -> f32 {
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let x = x.max(-87.0);
+    let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
+    let r = (x - n * LN2_HI) - n * LN2_LO;
+    let p = 1.0
+        + r * (1.0
+            + r * (0.5
+                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+    let bits = ((n as i32 + 127) as u32) << 23;
+    p * f32::from_bits(bits)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::exp_approx;
+
+    #[test]
+    fn exp_approx_is_accurate_on_softmax_range() {
+        let mut worst = 0f64;
+        for i in 0..=100_000 {
+            let x = -(i as f32) * 0.0008; // [-80, 0]
+            let want = (x as f64).exp();
+            let got = exp_approx(x) as f64;
+            worst = worst.max(((got - want) / want).abs());
+        }
+        assert!(worst < 1e-6, "relative error {worst}");
+    }
 }

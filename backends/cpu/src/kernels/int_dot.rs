@@ -362,28 +362,54 @@ mod x86 {
             out[t] = bias;
         }
         let wp = w.words.as_ptr() as *const u8;
-        let mut sc_buf = std::mem::MaybeUninit::<[f32; CHUNK]>::uninit();
-        let sc = sc_buf.as_mut_ptr() as *mut f32;
+        // comb[t][i] = s[(b0+i)/gb] · d_t[b0+i], formed 8 at a time when groups are one block.
+        let mut comb_buf = std::mem::MaybeUninit::<[[f32; CHUNK]; 4]>::uninit();
+        let comb = comb_buf.as_mut_ptr() as *mut f32;
         let mut acc = [_mm256_setzero_ps(); 4];
         let mut b0 = 0;
         while b0 < nb {
             let n = CHUNK.min(nb - b0);
-            for i in 0..n {
-                *sc.add(i) = S::load(sp, g0 + (b0 + i) / gb);
+            for t in 0..4 {
+                let c = comb.add(t * CHUNK);
+                let d = x[t].d.as_ptr().add(b0);
+                let mut i = 0;
+                if gb == 1 {
+                    while i + 8 <= n {
+                        _mm256_storeu_ps(c.add(i), _mm256_mul_ps(load8::<S>(sp, g0 + b0 + i), _mm256_loadu_ps(d.add(i))));
+                        i += 8;
+                    }
+                    while i < n {
+                        *c.add(i) = S::load(sp, g0 + b0 + i) * *d.add(i);
+                        i += 1;
+                    }
+                } else {
+                    // Group boundaries by counting, not dividing.
+                    let (mut g, mut left) = ((b0) / gb, gb - b0 % gb);
+                    let mut sg = S::load(sp, g0 + g);
+                    while i < n {
+                        *c.add(i) = sg * *d.add(i);
+                        i += 1;
+                        left -= 1;
+                        if left == 0 && i < n {
+                            g += 1;
+                            left = gb;
+                            sg = S::load(sp, g0 + g);
+                        }
+                    }
+                }
             }
+            let mask = _mm_set1_epi8(0x0f);
             for i in 0..n {
                 let blk = b0 + i;
-                let mask = _mm_set1_epi8(0x0f);
                 let packed = _mm_loadu_si128(wp.add(blk * 16) as *const __m128i);
                 let lo = _mm256_cvtepu8_epi16(_mm_and_si128(packed, mask));
                 let hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
-                let s = *sc.add(i);
                 for t in 0..4 {
                     let xp = x[t].q.as_ptr().add(blk * 32);
                     let x_even = _mm256_loadu_si256(xp as *const __m256i);
                     let x_odd = _mm256_loadu_si256(xp.add(16) as *const __m256i);
                     let p = _mm256_add_epi32(_mm256_madd_epi16(lo, x_even), _mm256_madd_epi16(hi, x_odd));
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(s * *x[t].d.get_unchecked(blk)), acc[t]);
+                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&*comb.add(t * CHUNK + i)), acc[t]);
                 }
             }
             b0 += n;
