@@ -13,6 +13,9 @@ fn main() {
         Command::Generate(a) => cli::run::run(&args.global, a, true),
         Command::Bench(a) => cli::bench::run(&args.global, a),
         Command::Inspect(a) => cli::inspect::run(&args.global, a),
+        Command::List(a) => cli::store::list(a),
+        Command::Download(a) => cli::store::download(a),
+        Command::Rm(a) => cli::store::rm(a),
     };
     if let Err(e) = result {
         eprintln!("error: {}", mlxcel::logging::one_line(&e));

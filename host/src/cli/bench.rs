@@ -54,7 +54,7 @@ pub fn peak_rss() -> u64 {
 }
 
 pub fn run(global: &GlobalArgs, args: &BenchArgs) -> Result<()> {
-    let dir = resolve_model(&args.model)?;
+    let dir = resolve_model(&args.model, None)?;
     let opts = RunnerOptions {
         backend: args.backend.clone(),
         threads: args.threads,

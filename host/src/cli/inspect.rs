@@ -25,7 +25,7 @@ pub struct InspectArgs {
 }
 
 pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
-    let dir = resolve_model(&args.model)?;
+    let dir = resolve_model(&args.model, None)?;
     let ck = Checkpoint::open(&dir)?;
     let model_type = ck.model_type().with_context(|| format!("{}: config.json has no `model_type`", dir.display()))?.to_string();
     let catalog = global.catalog();

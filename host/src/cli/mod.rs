@@ -4,6 +4,7 @@ pub mod arch;
 pub mod bench;
 pub mod inspect;
 pub mod run;
+pub mod store;
 
 use std::path::PathBuf;
 
@@ -43,6 +44,12 @@ pub enum Command {
     Run(run::RunArgs),
     /// Answer one prompt and exit.
     Generate(run::RunArgs),
+    /// The models on this machine (mlxcel store and Hugging Face cache).
+    List(store::ListArgs),
+    /// Download a model from the hub (owner/name, or a bare name for mlx-community/name).
+    Download(store::DownloadArgs),
+    /// Remove a model from the mlxcel store.
+    Rm(store::RmArgs),
     /// Describe a model and whether it fits in memory, without loading it.
     Inspect(inspect::InspectArgs),
     /// Measure prompt processing (pp) and generation (tg) speed, like llama-bench.

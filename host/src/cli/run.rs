@@ -71,23 +71,18 @@ pub struct RunArgs {
     /// Backend plugin to use (default: the best-scoring one on this machine).
     #[arg(long)]
     pub backend: Option<String>,
+    /// Hub revision (branch, tag or commit) when MODEL is a hub name.
+    #[arg(long)]
+    pub revision: Option<String>,
     /// Run even when the memory estimate says the model does not fit.
     #[arg(long)]
     pub force: bool,
 }
 
-/// A model argument as a folder. Hub names arrive with the model store.
-pub fn resolve_model(model: &str) -> Result<PathBuf> {
-    let p = PathBuf::from(model);
-    if p.is_dir() {
-        return Ok(p);
-    }
-    if p.exists() {
-        bail!("{model} is a file; MODEL must be a folder with config.json, *.safetensors and tokenizer.json");
-    }
-    bail!(
-        "model folder `{model}` does not exist (downloading models by hub name is not available in this build; pass a local folder)"
-    )
+/// A MODEL argument as a folder: local, Hugging Face cache, mlxcel store, or downloaded.
+pub fn resolve_model(model: &str, revision: Option<&str>) -> Result<PathBuf> {
+    let r = crate::store::resolve_model(model, &crate::store::ResolveOptions { revision: revision.map(str::to_string), offline: false })?;
+    Ok(r.path().to_path_buf())
 }
 
 /// Defaults from `generation_config.json`, then the command-line flags on top.
@@ -149,7 +144,7 @@ struct Loaded {
 }
 
 fn load(global: &GlobalArgs, args: &RunArgs) -> Result<Loaded> {
-    let dir = resolve_model(&args.model)?;
+    let dir = resolve_model(&args.model, args.revision.as_deref())?;
     let catalog = global.catalog();
     let opts = RunnerOptions {
         backend: args.backend.clone(),
