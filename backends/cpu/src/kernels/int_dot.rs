@@ -278,7 +278,7 @@ mod x86 {
     /// Per-block factors `d_x · s_g` are formed 8 at a time up front; the bias term is a vector dot.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_row_avx2<S: ScaleKind>(w: super::QuantRow, sp: *const u16, bp: *const u16, x: super::ActRow) -> f32 {
-        const CHUNK: usize = 512; // blocks per pass (stack buffer)
+        const CHUNK: usize = 64; // blocks per pass (a small stack buffer: cheap to zero)
         let groups = x.group_sums.len();
         let gb = w.group_blocks;
         let nb = groups * gb;
@@ -300,9 +300,7 @@ mod x86 {
 
         let wp = w.words.as_ptr() as *const u8;
         let xp = x.q.as_ptr();
-        // Written before it is read, chunk by chunk; zero-filling it per row would cost a memset.
-        let mut comb_buf = std::mem::MaybeUninit::<[f32; CHUNK]>::uninit();
-        let comb = &mut *comb_buf.as_mut_ptr();
+        let mut comb = [0f32; CHUNK];
         let mut acc = _mm256_setzero_ps();
         let mut b0 = 0;
         while b0 < nb {
