@@ -252,3 +252,60 @@ fn inspect_json_gives_exact_weight_bytes_and_a_kv_figure() {
     assert_eq!(v["architecture"], "qwen2");
     assert_eq!(v["quantization"], "affine 4-bit g32");
 }
+
+fn generate_text(dir: &Path) -> String {
+    let out = mlxcel()
+        .arg("generate")
+        .arg(dir)
+        .args(["-p", "Hello world", "-n", "6", "--temp", "0", "--no-chat-template", "--ignore-eos"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    String::from_utf8_lossy(&out.stdout).to_string()
+}
+
+/// The same weights split into two shards with `model.safetensors.index.json` give the same output.
+#[test]
+fn sharded_checkpoint_matches_single_file() {
+    let (_t, dir) = broken_copy("qwen2-q4");
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let mut names: Vec<String> = st.names().into_iter().cloned().collect();
+    names.sort();
+    let mut map = serde_json::Map::new();
+    for (i, part) in [0usize, 1].iter().enumerate() {
+        let file = format!("model-0000{}-of-00002.safetensors", i + 1);
+        let tensors: Vec<(String, safetensors::tensor::TensorView)> =
+            names.iter().skip(*part).step_by(2).map(|n| (n.clone(), st.tensor(n).unwrap())).collect();
+        for (n, _) in &tensors {
+            map.insert(n.clone(), serde_json::Value::String(file.clone()));
+        }
+        safetensors::serialize_to_file(tensors, &None, &dir.join(&file)).unwrap();
+    }
+    std::fs::remove_file(dir.join("model.safetensors")).unwrap();
+    std::fs::write(dir.join("model.safetensors.index.json"), serde_json::json!({"metadata": {}, "weight_map": map}).to_string()).unwrap();
+    assert_eq!(generate_text(&dir), generate_text(&fixture("qwen2-q4")));
+}
+
+/// A per-module entry in config's `quantization` overrides the default for that module.
+#[test]
+fn per_module_quantization_override_is_honoured() {
+    let (_t, dir) = broken_copy("qwen2-q4");
+    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    cfg["quantization"]["model.layers.1.mlp.down_proj"] = serde_json::json!({"group_size": 32, "bits": 8});
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let out = run_prompt(&dir);
+    assert_one_line_error(&out, &["model.layers.1.mlp.down_proj.weight", "4 bits", "8 bits"]);
+}
+
+/// A wrapper config with the model in `text_config` loads like the plain one.
+#[test]
+fn nested_text_config_is_read() {
+    let (_t, dir) = broken_copy("qwen2-q4");
+    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let mut inner = cfg.clone();
+    inner.as_object_mut().unwrap().remove("quantization");
+    let wrapped = serde_json::json!({"model_type": "wrapper-vl", "text_config": inner, "quantization": cfg["quantization"]});
+    std::fs::write(dir.join("config.json"), wrapped.to_string()).unwrap();
+    assert_eq!(generate_text(&dir), generate_text(&fixture("qwen2-q4")));
+}

@@ -28,14 +28,15 @@ impl Buffer {
     }
 }
 
-/// Zeroed bytes aligned to 64 (cache line / AVX-512 vector), so `f32` and `u32` views are always valid.
-/// Allocated with `alloc_zeroed`, so untouched pages (most of a fresh KV cache) cost no resident memory.
+/// Zeroed bytes aligned to 16, so `f32` and `u32` views are always valid (kernels use unaligned
+/// loads). Allocated with `alloc_zeroed` at an alignment `calloc` serves, so untouched pages (most of
+/// a fresh KV cache) cost no resident memory; a larger alignment would make std zero every page.
 pub struct AlignedBytes {
     ptr: *mut u8,
     len: usize,
 }
 
-const ALIGN: usize = 64;
+const ALIGN: usize = 16;
 
 impl AlignedBytes {
     pub fn zeroed(len: usize) -> Option<AlignedBytes> {
