@@ -1,5 +1,5 @@
 //! The chat REPL through a pseudo-terminal (driven by `repl_pty.py`): two turns, the second sees the
-//! first; `/clear` forgets.
+//! first; Ctrl-C stops an answer but not the program; `/clear` forgets.
 
 use std::process::Command;
 
@@ -12,7 +12,7 @@ fn repl_second_turn_sees_the_first() {
         .arg(script)
         .arg(env!("CARGO_BIN_EXE_mlxcel"))
         .arg(models.join("smollm2-135m-instruct-mlx-4bit"))
-        .args(["Hi, my name is Tom.", "What is my name?", "/clear"])
+        .args(["Hi, my name is Tom.", "What is my name?", "!ctrlc:Tell me a very long story about dragons.", "/clear"])
         .env_remove("MLXCEL_PLUGIN_PATH")
         .output()
         .expect("python3 is needed to drive the pseudo-terminal");
@@ -24,5 +24,7 @@ fn repl_second_turn_sees_the_first() {
     // were reused from the KV cache rather than recomputed.
     assert!(turns[1].contains("Tom"), "second turn: {}", turns[1]);
     assert!(turns[1].contains("cached)"), "second turn should reuse the first turn's KV: {}", turns[1]);
-    assert!(turns[2].contains("conversation cleared"), "{}", turns[2]);
+    // Ctrl-C ends the answer early and the prompt comes back.
+    assert!(turns[2].contains("interrupted"), "third turn: {}", turns[2]);
+    assert!(turns[3].contains("conversation cleared"), "{}", turns[3]);
 }

@@ -3,8 +3,9 @@
 
     repl_pty.py MLXCEL MODEL LINE [LINE ...]
 
-Sends each LINE after the `>>> ` prompt appears, then `/exit`. Prints a JSON list with the terminal
-output that followed each line. Exits 2 on timeout.
+Sends each LINE after the `>>> ` prompt appears, then `/exit`. A LINE starting with `!ctrlc:` sends
+the rest, waits half a second and presses Ctrl-C. Prints a JSON list with the terminal output that
+followed each line. Exits 2 on timeout.
 """
 import json
 import os
@@ -18,7 +19,7 @@ def main():
     exe, model, lines = sys.argv[1], sys.argv[2], sys.argv[3:]
     pid, fd = pty.fork()
     if pid == 0:
-        os.execv(exe, [exe, "run", model, "--temp", "0", "-n", "40"])
+        os.execv(exe, [exe, "run", model, "--temp", "0", "-n", "200"])
     buf = b""
 
     def read_until(marker, timeout=120):
@@ -44,7 +45,12 @@ def main():
     read_until(b">>> ")
     transcripts = []
     for line in lines:
-        os.write(fd, line.encode() + b"\r")
+        if line.startswith("!ctrlc:"):
+            os.write(fd, line[len("!ctrlc:"):].encode() + b"\r")
+            time.sleep(0.5)
+            os.write(fd, b"\x03")
+        else:
+            os.write(fd, line.encode() + b"\r")
         transcripts.append(read_until(b">>> "))
     os.write(fd, b"/exit\r")
     _, status = os.waitpid(pid, 0)

@@ -233,44 +233,50 @@ mod x86 {
         }
     }
 
-    /// Σ over blocks of `cvt(p32) · comb[blk]`, two accumulators to hide FMA latency.
+    /// The affine bias term `Σ_g b_g · Σx_g` of one row.
     #[inline(always)]
-    unsafe fn blocks_q4(wp: *const u8, xp: *const i16, comb: &[f32], b0: usize, nb: usize) -> __m256 {
+    unsafe fn bias_term<S: ScaleKind>(bp: *const u16, g0: usize, group_sums: &[f32]) -> f32 {
+        let groups = group_sums.len();
+        let mut v = _mm256_setzero_ps();
+        let mut g = 0;
+        while g + 8 <= groups {
+            v = _mm256_fmadd_ps(load8::<S>(bp, g0 + g), _mm256_loadu_ps(group_sums.as_ptr().add(g)), v);
+            g += 8;
+        }
+        let mut bias = hsum(v);
+        while g < groups {
+            bias += S::load(bp, g0 + g) * *group_sums.get_unchecked(g);
+            g += 1;
+        }
+        bias
+    }
+
+    /// Σ over blocks of `block(b0 + i) · comb[i]`, two accumulators to hide FMA latency.
+    #[inline(always)]
+    unsafe fn accumulate_blocks(comb: &[f32], b0: usize, nb: usize, block: impl Fn(usize) -> __m256) -> __m256 {
         let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        let one = |blk: usize| _mm256_cvtepi32_ps(q4_block(wp, xp, blk));
         let mut i = 0;
         while i + 2 <= nb {
-            a0 = _mm256_fmadd_ps(one(b0 + i), _mm256_set1_ps(*comb.get_unchecked(i)), a0);
-            a1 = _mm256_fmadd_ps(one(b0 + i + 1), _mm256_set1_ps(*comb.get_unchecked(i + 1)), a1);
+            a0 = _mm256_fmadd_ps(block(b0 + i), _mm256_set1_ps(*comb.get_unchecked(i)), a0);
+            a1 = _mm256_fmadd_ps(block(b0 + i + 1), _mm256_set1_ps(*comb.get_unchecked(i + 1)), a1);
             i += 2;
         }
         if i < nb {
-            a0 = _mm256_fmadd_ps(one(b0 + i), _mm256_set1_ps(*comb.get_unchecked(i)), a0);
+            a0 = _mm256_fmadd_ps(block(b0 + i), _mm256_set1_ps(*comb.get_unchecked(i)), a0);
         }
         _mm256_add_ps(a0, a1)
     }
 
+    /// One 8-bit block: bytes widened to i16 (`vpmaddubsw` could saturate at 2·255·32767) times the
+    /// block's int16 activations in natural order.
     #[inline(always)]
-    unsafe fn blocks_q8(wp: *const u8, xp: *const i16, comb: &[f32], b0: usize, nb: usize) -> __m256 {
-        let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-        let one = |blk: usize| {
-            let wv = _mm256_loadu_si256(wp.add(blk * 32) as *const __m256i);
-            let w_lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(wv));
-            let w_hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(wv, 1));
-            let x_lo = _mm256_loadu_si256(xp.add(blk * 32) as *const __m256i);
-            let x_hi = _mm256_loadu_si256(xp.add(blk * 32 + 16) as *const __m256i);
-            _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi)))
-        };
-        let mut i = 0;
-        while i + 2 <= nb {
-            a0 = _mm256_fmadd_ps(one(b0 + i), _mm256_set1_ps(*comb.get_unchecked(i)), a0);
-            a1 = _mm256_fmadd_ps(one(b0 + i + 1), _mm256_set1_ps(*comb.get_unchecked(i + 1)), a1);
-            i += 2;
-        }
-        if i < nb {
-            a0 = _mm256_fmadd_ps(one(b0 + i), _mm256_set1_ps(*comb.get_unchecked(i)), a0);
-        }
-        _mm256_add_ps(a0, a1)
+    unsafe fn q8_block(wp: *const u8, xp: *const i16, blk: usize) -> __m256i {
+        let wv = _mm256_loadu_si256(wp.add(blk * 32) as *const __m256i);
+        let w_lo = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(wv));
+        let w_hi = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(wv, 1));
+        let x_lo = _mm256_loadu_si256(xp.add(blk * 32) as *const __m256i);
+        let x_hi = _mm256_loadu_si256(xp.add(blk * 32 + 16) as *const __m256i);
+        _mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi))
     }
 
     /// 4-bit: 32 nibbles per block widened to i16 and multiplied with int16 activations by `vpmaddwd`
@@ -285,18 +291,7 @@ mod x86 {
         let (sp, bp) = (sp.add(0), bp.add(0));
         let g0 = w.group0;
 
-        // Bias term: Σ_g b_g · Σx_g.
-        let mut bias_v = _mm256_setzero_ps();
-        let mut g = 0;
-        while g + 8 <= groups {
-            bias_v = _mm256_fmadd_ps(load8::<S>(bp, g0 + g), _mm256_loadu_ps(x.group_sums.as_ptr().add(g)), bias_v);
-            g += 8;
-        }
-        let mut bias = hsum(bias_v);
-        while g < groups {
-            bias += S::load(bp, g0 + g) * *x.group_sums.get_unchecked(g);
-            g += 1;
-        }
+        let bias = bias_term::<S>(bp, g0, x.group_sums);
 
         let wp = w.words.as_ptr() as *const u8;
         let xp = x.q.as_ptr();
@@ -322,7 +317,11 @@ mod x86 {
                     comb[i] = S::load(sp, g0 + (b0 + i) / gb) * *x.d.get_unchecked(b0 + i);
                 }
             }
-            let part = if w.bits == 4 { blocks_q4(wp, xp, &comb[..n], b0, n) } else { blocks_q8(wp, xp, &comb[..n], b0, n) };
+            let part = if w.bits == 4 {
+                accumulate_blocks(&comb[..n], b0, n, |blk| _mm256_cvtepi32_ps(q4_block(wp, xp, blk)))
+            } else {
+                accumulate_blocks(&comb[..n], b0, n, |blk| _mm256_cvtepi32_ps(q8_block(wp, xp, blk)))
+            };
             acc = _mm256_add_ps(acc, part);
             b0 += n;
         }
@@ -344,20 +343,8 @@ mod x86 {
         let gb = w.group_blocks;
         let nb = groups * gb;
         let g0 = w.group0;
-        // Bias terms.
         for t in 0..4 {
-            let mut bias_v = _mm256_setzero_ps();
-            let mut g = 0;
-            while g + 8 <= groups {
-                bias_v = _mm256_fmadd_ps(load8::<S>(bp, g0 + g), _mm256_loadu_ps(x[t].group_sums.as_ptr().add(g)), bias_v);
-                g += 8;
-            }
-            let mut bias = hsum(bias_v);
-            while g < groups {
-                bias += S::load(bp, g0 + g) * *x[t].group_sums.get_unchecked(g);
-                g += 1;
-            }
-            out[t] = bias;
+            out[t] = bias_term::<S>(bp, g0, x[t].group_sums);
         }
         let wp = w.words.as_ptr() as *const u8;
         // comb[t][i] = s[(b0+i)/gb] · d_t[b0+i], formed 8 at a time when groups are one block.
