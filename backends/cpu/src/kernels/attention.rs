@@ -68,6 +68,24 @@ pub fn attention(
             (start..=pos).map(|p| layout.slot(seq, p) * kv_row).collect()
         })
         .collect();
+    #[cfg(target_arch = "x86_64")]
+    if dh % 8 == 0 && matches!(isa, Isa::Avx2 | Isa::Avx512) {
+        // One task per (token, KV head): each key and value row is loaded once for the whole group of
+        // query heads that share it (GQA).
+        out.par_chunks_mut(group * dh).enumerate().for_each_init(
+            || (Vec::<f32>::new(), vec![0f32; group * dh]),
+            |(scores, acc), (i, o)| {
+                let (t, kvh) = (i / n_kv_heads, i % n_kv_heads);
+                let q0 = t * n_heads * dh + kvh * group * dh;
+                scores.resize(group * bases[t].len(), 0.0);
+                // SAFETY: AVX2 and FMA are present on these paths; offsets were validated by the executor.
+                unsafe {
+                    x86::attend_group_avx2(&q[q0..q0 + group * dh], dh, &bases[t], kvh * dh, k_cache, v_cache, scale, softcap, scores, acc, o)
+                };
+            },
+        );
+        return;
+    }
     out.par_chunks_mut(dh).enumerate().for_each_init(
         || (Vec::<f32>::new(), vec![0f32; dh]),
         |(scores, acc), (i, o)| {
@@ -75,12 +93,6 @@ pub fn attention(
             let off = (h / group) * dh;
             let qh = &q[t * n_heads * dh + h * dh..][..dh];
             scores.resize(bases[t].len(), 0.0);
-            #[cfg(target_arch = "x86_64")]
-            if dh % 8 == 0 && matches!(isa, Isa::Avx2 | Isa::Avx512) {
-                // SAFETY: AVX2 and FMA are present on these paths; offsets were validated by the executor.
-                unsafe { x86::attend_avx2(qh, &bases[t], off, k_cache, v_cache, scale, softcap, scores, acc, o) };
-                return;
-            }
             attend::run(isa, qh, &bases[t], off, k_cache, v_cache, scale, softcap, scores, acc, o);
         },
     );
@@ -156,13 +168,14 @@ mod x86 {
         _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
     }
 
-    /// [`super::attend`] with explicit AVX2 for head sizes that are a multiple of 8: the dot products
-    /// and the value accumulation stay in registers (the portable body is left to scalar lanes by
-    /// the compiler here).
+    /// [`super::attend`] with explicit AVX2 for head sizes that are a multiple of 8, for the `group`
+    /// query heads (`q` = group × dh) that share one KV head: every key and value row is read once
+    /// and used by all of them. `scores` is group × positions, `acc` and `out` group × dh.
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn attend_avx2(
+    pub unsafe fn attend_group_avx2(
         q: &[f32],
+        dh: usize,
         bases: &[usize],
         off: usize,
         k_cache: &[f32],
@@ -173,56 +186,63 @@ mod x86 {
         acc: &mut [f32],
         out: &mut [f32],
     ) {
-        let dh = q.len();
+        let group = q.len() / dh;
+        let np = bases.len();
         let chunks = dh / 8;
         let qp = q.as_ptr();
         let kp = k_cache.as_ptr();
         let vp = v_cache.as_ptr();
-        let mut m = f32::NEG_INFINITY;
-        for (sc, &b) in scores.iter_mut().zip(bases) {
+        let sp = scores.as_mut_ptr();
+        for (p, &b) in bases.iter().enumerate() {
             let k = kp.add(b + off);
-            let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-            let mut c = 0;
-            while c + 2 <= chunks {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(c * 8)), _mm256_loadu_ps(k.add(c * 8)), a0);
-                a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(c * 8 + 8)), _mm256_loadu_ps(k.add(c * 8 + 8)), a1);
-                c += 2;
+            for g in 0..group {
+                let qg = qp.add(g * dh);
+                let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+                let mut c = 0;
+                while c + 2 <= chunks {
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg.add(c * 8)), _mm256_loadu_ps(k.add(c * 8)), a0);
+                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg.add(c * 8 + 8)), _mm256_loadu_ps(k.add(c * 8 + 8)), a1);
+                    c += 2;
+                }
+                if c < chunks {
+                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg.add(c * 8)), _mm256_loadu_ps(k.add(c * 8)), a0);
+                }
+                let mut s = hsum(_mm256_add_ps(a0, a1)) * scale;
+                if softcap > 0.0 {
+                    s = softcap * (s / softcap).tanh();
+                }
+                *sp.add(g * np + p) = s;
             }
-            if c < chunks {
-                a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qp.add(c * 8)), _mm256_loadu_ps(k.add(c * 8)), a0);
-            }
-            let mut s = hsum(_mm256_add_ps(a0, a1)) * scale;
-            if softcap > 0.0 {
-                s = softcap * (s / softcap).tanh();
-            }
-            *sc = s;
-            m = m.max(s);
         }
-        let mut sum = 0f32;
-        for sc in scores.iter_mut() {
-            let e = super::exp_approx(*sc - m);
-            *sc = e;
-            sum += e;
+        // Softmax per head; the weights are normalised here so the value pass needs no division.
+        for g in 0..group {
+            let row = &mut scores[g * np..(g + 1) * np];
+            let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
+            let mut sum = 0f32;
+            for sc in row.iter_mut() {
+                let e = super::exp_approx(*sc - m);
+                *sc = e;
+                sum += e;
+            }
+            let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+            row.iter_mut().for_each(|w| *w *= inv);
         }
-        // Value accumulation in registers (up to 256 dims), else through `acc`.
         let ap = acc.as_mut_ptr();
-        for c in 0..chunks {
+        for c in 0..group * chunks {
             _mm256_storeu_ps(ap.add(c * 8), _mm256_setzero_ps());
         }
-        let mut i = 0;
-        while i < bases.len() {
-            let w = _mm256_set1_ps(*scores.get_unchecked(i));
-            let v = vp.add(*bases.get_unchecked(i) + off);
+        let sp = scores.as_ptr();
+        for (p, &b) in bases.iter().enumerate() {
+            let v = vp.add(b + off);
             for c in 0..chunks {
-                let a = _mm256_loadu_ps(ap.add(c * 8));
-                _mm256_storeu_ps(ap.add(c * 8), _mm256_fmadd_ps(_mm256_loadu_ps(v.add(c * 8)), w, a));
+                let vv = _mm256_loadu_ps(v.add(c * 8));
+                for g in 0..group {
+                    let a = ap.add(g * dh + c * 8);
+                    _mm256_storeu_ps(a, _mm256_fmadd_ps(vv, _mm256_set1_ps(*sp.add(g * np + p)), _mm256_loadu_ps(a)));
+                }
             }
-            i += 1;
         }
-        let inv = _mm256_set1_ps(if sum > 0.0 { 1.0 / sum } else { 0.0 });
-        for c in 0..chunks {
-            _mm256_storeu_ps(out.as_mut_ptr().add(c * 8), _mm256_mul_ps(_mm256_loadu_ps(ap.add(c * 8)), inv));
-        }
+        out[..group * dh].copy_from_slice(&acc[..group * dh]);
     }
 }
 
