@@ -20,12 +20,15 @@ pub struct InspectArgs {
     /// Sequences served at once (each gets ctx-size tokens of KV cache).
     #[arg(long, default_value_t = 1)]
     pub parallel: usize,
+    /// Hub revision (branch, tag or commit) when MODEL is a hub name.
+    #[arg(long)]
+    pub revision: Option<String>,
     #[arg(long)]
     pub json: bool,
 }
 
 pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
-    let dir = resolve_model(&args.model, None)?;
+    let dir = resolve_model(&args.model, args.revision.as_deref())?;
     let ck = Checkpoint::open(&dir)?;
     let model_type = ck.model_type().with_context(|| format!("{}: config.json has no `model_type`", dir.display()))?.to_string();
     let catalog = global.catalog();

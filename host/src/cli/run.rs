@@ -296,3 +296,36 @@ pub fn run(global: &GlobalArgs, args: &RunArgs, one_shot: bool) -> Result<()> {
         (None, false) => repl(global, args),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+    use crate::cli::{Cli, Command};
+
+    fn args(extra: &[&str]) -> RunArgs {
+        let mut v = vec!["mlxcel", "run", "m"];
+        v.extend_from_slice(extra);
+        match Cli::parse_from(v).command {
+            Command::Run(a) => a,
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn generation_config_supplies_defaults_and_flags_override_them() {
+        let g = serde_json::json!({"temperature": 0.6, "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.1});
+        let p = sampling_params(&args(&[]), Some(&g));
+        assert_eq!((p.temperature, p.top_k, p.top_p, p.repeat_penalty), (0.6, 20, 0.9, 1.1));
+        let p = sampling_params(&args(&["--temp", "0", "--top-k", "5"]), Some(&g));
+        assert_eq!((p.temperature, p.top_k, p.top_p), (0.0, 5, 0.9));
+    }
+
+    #[test]
+    fn do_sample_false_means_greedy_unless_a_temperature_is_given() {
+        let g = serde_json::json!({"do_sample": false, "temperature": 0.7});
+        assert_eq!(sampling_params(&args(&[]), Some(&g)).temperature, 0.0);
+        assert_eq!(sampling_params(&args(&["--temp", "0.5"]), Some(&g)).temperature, 0.5);
+    }
+}

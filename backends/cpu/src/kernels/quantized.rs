@@ -123,11 +123,13 @@ simd_kernel! {
     }
 }
 
-/// Largest step (tokens) that takes the row-dot paths; larger ones tile through gemm.
+/// Largest step (tokens) that takes the float row-dot path (and the int path's decode tiling); larger
+/// float steps dequantize tiles of rows into gemm.
 pub const ROW_DOT_MAX_TOKENS: usize = 8;
 
-/// `out[T, N] = x[T, K] · dequant(w)ᵀ`. `int` (scratch for quantized activations) enables the int16
-/// activation path for 4- and 8-bit weights on small steps.
+/// `out[T, N] = x[T, K] · dequant(w)ᵀ`. With `int` (scratch for quantized activations), 4- and 8-bit
+/// weights take the int16-activation path for every step size; other widths, or `int = None`
+/// (`MLXCEL_CPU_INT16=0`), take the exact f32 paths.
 pub fn qmatmul(isa: Isa, threads: usize, x: &[f32], t: usize, w: QuantMatrix, n: usize, out: &mut [f32], int: Option<&mut IntActs>) {
     let k = w.k;
     if matches!(w.bits, 4 | 8) {
