@@ -142,6 +142,7 @@ impl Session {
         let mut text = String::new();
         let mut stopper = StopMatcher::new(&opts.stop);
         let mut detok = tokenizer.inner.decode_stream(true);
+        let mut stopped_by_string = false;
         let finish = loop {
             if generated.len() >= opts.max_tokens {
                 break FinishReason::Length;
@@ -165,6 +166,7 @@ impl Session {
                     StopResult::Stopped(s) => {
                         on_text(&s);
                         text.push_str(&s);
+                        stopped_by_string = true;
                         break FinishReason::Stop;
                     }
                 }
@@ -181,7 +183,9 @@ impl Session {
             self.cached.push(next);
             self.blocks.len = p + 1;
         };
-        if finish != FinishReason::Stop || opts.stop.is_empty() {
+        // Text held back as a possible stop-string prefix belongs to the answer unless a stop string
+        // actually matched.
+        if !stopped_by_string {
             let rest = stopper.flush();
             on_text(&rest);
             text.push_str(&rest);

@@ -52,7 +52,11 @@ pub struct SeqChunk<'a> {
 pub struct ModelRunner {
     // Field order is drop order: buffers go before the context and the mapped files they view.
     kv: Vec<(DeviceBuffer, DeviceBuffer)>,
+    /// Owns the device buffers behind `weight_handles` (freed on drop).
+    #[allow(dead_code)]
     weights: Vec<Option<DeviceBuffer>>,
+    /// `weights` as the raw handles `compute` takes (null where unused), built once.
+    weight_handles: Vec<BufferHandle>,
     model: FamilyModel,
     backend: BackendContext,
     pub checkpoint: Checkpoint,
@@ -116,9 +120,11 @@ impl ModelRunner {
             let bytes = num_blocks * block_size * l.n_kv_heads * l.head_dim * 4;
             kv.push((backend.alloc(bytes)?, backend.alloc(bytes)?));
         }
+        let weight_handles = weights.iter().map(|w| w.as_ref().map_or(std::ptr::null_mut(), |b| b.handle())).collect();
         Ok(ModelRunner {
             kv,
             weights,
+            weight_handles,
             model,
             backend_name: backend.name().to_string(),
             backend,
@@ -195,8 +201,6 @@ impl ModelRunner {
             host(positions.as_ptr() as *const u8, positions.len() * 4),
             host(rows.as_ptr() as *const u8, rows.len() * 4),
         ];
-        let weight_handles: Vec<BufferHandle> =
-            self.weights.iter().map(|w| w.as_ref().map_or(std::ptr::null_mut(), |b| b.handle())).collect();
         let kv: Vec<KvBinding> =
             self.kv.iter().map(|(k, v)| KvBinding { k: k.handle(), v: v.handle(), dtype: DType::F32 as u32 }).collect();
         let batch = AttentionBatch {
@@ -215,8 +219,8 @@ impl ModelRunner {
             graph,
             inputs: inputs.as_ptr(),
             n_inputs: inputs.len(),
-            weights: weight_handles.as_ptr(),
-            n_weights: weight_handles.len(),
+            weights: self.weight_handles.as_ptr(),
+            n_weights: self.weight_handles.len(),
             kv: kv.as_ptr(),
             n_kv: kv.len(),
             batch: &batch,

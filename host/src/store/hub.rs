@@ -27,6 +27,15 @@ fn with_auth(req: ureq::Request) -> ureq::Request {
     }
 }
 
+/// A downloaded file whose content is not what the hub lists: the download is discarded.
+#[derive(Debug, thiserror::Error)]
+#[error("{path}: sha256 {got} does not match the hub's {want}; the download was discarded")]
+pub struct HashMismatch {
+    pub path: String,
+    pub got: String,
+    pub want: String,
+}
+
 /// A file of the repo as the hub lists it.
 #[derive(Debug, Clone)]
 pub struct RemoteFile {
@@ -146,7 +155,7 @@ fn fetch_file(repo: &RepoId, revision: &str, file: &RemoteFile, dir: &Path, bar:
         let have = sha256_file(&part)?;
         if &have != want {
             std::fs::remove_file(&part).ok();
-            bail!("{}: sha256 {have} does not match the hub's {want}; the download was discarded", file.path);
+            return Err(HashMismatch { path: file.path.clone(), got: have, want: want.clone() }.into());
         }
     }
     std::fs::rename(&part, &dest)?;
@@ -173,7 +182,7 @@ pub fn download(repo: &RepoId, revision: &str, dest: &Path) -> Result<PathBuf> {
         if let Err(e) = fetch_file(repo, revision, f, &partial, &bar) {
             bar.abandon();
             // A corrupt download leaves nothing behind; a broken connection keeps its .part to resume.
-            if e.to_string().contains("does not match") {
+            if e.downcast_ref::<HashMismatch>().is_some() {
                 std::fs::remove_dir_all(&partial).ok();
             }
             return Err(e);
