@@ -254,7 +254,7 @@ fn quantized_matmul_matches_reference_for_every_bits_and_group() {
     each_backend(|ctx, rng| {
         for bits in [2usize, 3, 4, 5, 6, 8] {
             for group in [32usize, 64, 128] {
-                for &(t, k, n, sd) in &[(1, 256, 9, DType::F16), (6, 128, 5, DType::BF16), (2, 384, 3, DType::F32)] {
+                for &(t, k, n, sd) in &[(1, 256, 9, DType::F16), (6, 128, 5, DType::BF16), (2, 384, 3, DType::F32), (13, 128, 7, DType::F16)] {
                     let q = quant_weight(rng, n, k, bits, group, sd);
                     let x = rng.vec(t * k, 1.0);
                     let mut run = Run::new(ctx);

@@ -111,24 +111,24 @@ pub fn dot_row(isa: Isa, w: QuantRow, x: ActRow) -> f32 {
     dot_row_scalar(w, x)
 }
 
-/// [`dot_row`] for four activation rows at once (4-bit weights share their unpacking).
+/// [`dot_row`] for `NT` activation rows at once (4-bit weights share their unpacking).
 #[inline]
-pub fn dot_row4(isa: Isa, w: QuantRow, x: &[ActRow; 4], out: &mut [f32; 4]) {
+pub fn dot_rows<const NT: usize>(isa: Isa, w: QuantRow, x: &[ActRow; NT], out: &mut [f32; NT]) {
     #[cfg(target_arch = "x86_64")]
     if w.bits == 4 && matches!(isa, Isa::Avx2 | Isa::Avx512) {
         // SAFETY: as for `dot_row`.
         unsafe {
             match (w.scales, w.biases) {
-                (Floats::F16(s), Floats::F16(b)) => return x86::dot_row4_q4_avx2::<x86::Half>(w, s.as_ptr(), b.as_ptr(), x, out),
-                (Floats::BF16(s), Floats::BF16(b)) => return x86::dot_row4_q4_avx2::<x86::Brain>(w, s.as_ptr(), b.as_ptr(), x, out),
+                (Floats::F16(s), Floats::F16(b)) => return x86::dot_rows_q4_avx2::<x86::Half, NT>(w, s.as_ptr(), b.as_ptr(), x, out),
+                (Floats::BF16(s), Floats::BF16(b)) => return x86::dot_rows_q4_avx2::<x86::Brain, NT>(w, s.as_ptr(), b.as_ptr(), x, out),
                 (Floats::F32(s), Floats::F32(b)) => {
-                    return x86::dot_row4_q4_avx2::<x86::Single>(w, s.as_ptr() as *const u16, b.as_ptr() as *const u16, x, out)
+                    return x86::dot_rows_q4_avx2::<x86::Single, NT>(w, s.as_ptr() as *const u16, b.as_ptr() as *const u16, x, out)
                 }
                 _ => {}
             }
         }
     }
-    for t in 0..4 {
+    for t in 0..NT {
         out[t] = dot_row(isa, w, x[t]);
     }
 }
@@ -328,33 +328,33 @@ mod x86 {
         hsum(acc) + bias
     }
 
-    /// Four activation rows against one 4-bit weight row: each block's nibbles are unpacked once and
-    /// used for all four (the prefill path, where many tokens share every weight row).
+    /// `NT` activation rows against one 4-bit weight row: each block's nibbles are unpacked once and
+    /// used for all of them (the prefill path, where many tokens share every weight row).
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_row4_q4_avx2<S: ScaleKind>(
+    pub unsafe fn dot_rows_q4_avx2<S: ScaleKind, const NT: usize>(
         w: super::QuantRow,
         sp: *const u16,
         bp: *const u16,
-        x: &[super::ActRow; 4],
-        out: &mut [f32; 4],
+        x: &[super::ActRow; NT],
+        out: &mut [f32; NT],
     ) {
         const CHUNK: usize = 256;
         let groups = x[0].group_sums.len();
         let gb = w.group_blocks;
         let nb = groups * gb;
         let g0 = w.group0;
-        for t in 0..4 {
+        for t in 0..NT {
             out[t] = bias_term::<S>(bp, g0, x[t].group_sums);
         }
         let wp = w.words.as_ptr() as *const u8;
         // comb[t][i] = s[(b0+i)/gb] · d_t[b0+i], formed 8 at a time when groups are one block.
-        let mut comb_buf = std::mem::MaybeUninit::<[[f32; CHUNK]; 4]>::uninit();
+        let mut comb_buf = std::mem::MaybeUninit::<[[f32; CHUNK]; NT]>::uninit();
         let comb = comb_buf.as_mut_ptr() as *mut f32;
-        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut acc = [_mm256_setzero_ps(); NT];
         let mut b0 = 0;
         while b0 < nb {
             let n = CHUNK.min(nb - b0);
-            for t in 0..4 {
+            for t in 0..NT {
                 let c = comb.add(t * CHUNK);
                 let d = x[t].d.as_ptr().add(b0);
                 let mut i = 0;
@@ -389,7 +389,7 @@ mod x86 {
                 let packed = _mm_loadu_si128(wp.add(blk * 16) as *const __m128i);
                 let lo = _mm256_cvtepu8_epi16(_mm_and_si128(packed, mask));
                 let hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
-                for t in 0..4 {
+                for t in 0..NT {
                     let xp = x[t].q.as_ptr().add(blk * 32);
                     let x_even = _mm256_loadu_si256(xp as *const __m256i);
                     let x_odd = _mm256_loadu_si256(xp.add(16) as *const __m256i);
@@ -399,7 +399,7 @@ mod x86 {
             }
             b0 += n;
         }
-        for t in 0..4 {
+        for t in 0..NT {
             out[t] += hsum(acc[t]);
         }
     }

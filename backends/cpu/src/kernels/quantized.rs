@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::int_dot::{dot_row, dot_row4, quantize_acts, ActRow, IntActs, QuantRow};
+use super::int_dot::{dot_row, dot_rows, quantize_acts, ActRow, IntActs, QuantRow};
 use super::matmul::{gemm_tile, tile_rows};
 use super::{Floats, SharedMut};
 use crate::isa::Isa;
@@ -208,11 +208,22 @@ fn qmatmul_int(isa: Isa, x: &[f32], t: usize, w: QuantMatrix, n: usize, out: &mu
             group_blocks,
         };
         let mut ti = 0;
+        while ti + 8 <= t {
+            let xs: [ActRow; 8] = std::array::from_fn(|j| act(ti + j));
+            for r in rows.clone() {
+                let mut o = [0f32; 8];
+                dot_rows(isa, row_of(r), &xs, &mut o);
+                for (j, v) in o.iter().enumerate() {
+                    unsafe { *out_ptr.ptr().add((ti + j) * n + r) = *v };
+                }
+            }
+            ti += 8;
+        }
         while ti + 4 <= t {
-            let xs = [act(ti), act(ti + 1), act(ti + 2), act(ti + 3)];
+            let xs: [ActRow; 4] = std::array::from_fn(|j| act(ti + j));
             for r in rows.clone() {
                 let mut o = [0f32; 4];
-                dot_row4(isa, row_of(r), &xs, &mut o);
+                dot_rows(isa, row_of(r), &xs, &mut o);
                 for (j, v) in o.iter().enumerate() {
                     unsafe { *out_ptr.ptr().add((ti + j) * n + r) = *v };
                 }
