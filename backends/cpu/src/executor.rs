@@ -38,19 +38,13 @@ impl CpuContext {
             .build()
             .map_err(|e| format!("cannot start {threads} worker threads: {e}"))?;
         let int_activations = std::env::var("MLXCEL_CPU_INT16").map_or(true, |v| v != "0");
-        let int_scratch = IntActs { q: vec![], d: vec![], sum: vec![], k: 0, t: 0 };
+        let int_scratch = IntActs::default();
         Ok(CpuContext { pool, state: ExecState { isa, threads, int_activations, int_scratch, scratch: Vec::new() } })
     }
 
     pub fn isa(&self) -> Isa {
         self.state.isa
     }
-}
-
-/// Runs a kernel on the current thread (we are already inside the pool; its `par_iter`s spread out).
-#[inline(always)]
-fn run_inline<R>(f: impl FnOnce() -> R) -> R {
-    f()
 }
 
 struct SendArgs<'a>(&'a ComputeArgs);
@@ -307,7 +301,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                             if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as usize >= vocab) {
                                 return Err(e(format!("token id {id} out of range for vocabulary {vocab}")));
                             }
-                            run_inline(|| quantized::qembedding(isa, ids, q, &mut out));
+                            quantized::qembedding(isa, ids, q, &mut out);
                         }
                     }
                     OpCode::MatMul | OpCode::QuantMatMul => {
@@ -327,14 +321,14 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                                     sn(1).cols()
                                 )));
                             }
-                            run_inline(|| matmul::matmul(isa, threads, &x, t, k, w, n, &mut out));
+                            matmul::matmul(isa, threads, &x, t, k, w, n, &mut out);
                         } else {
                             let (q, rows) = quant_matrix(&vals, nodes, node, k).map_err(e)?;
                             if rows != n {
                                 return Err(e(format!("packed weight has {rows} rows, output {n} columns")));
                             }
                             let int = if ctx.int_activations { Some(&mut ctx.int_scratch) } else { None };
-                            run_inline(|| quantized::qmatmul(isa, threads, &x, t, q, n, &mut out, int));
+                            quantized::qmatmul(isa, threads, &x, t, q, n, &mut out, int);
                         }
                     }
                     OpCode::GetRows => {
@@ -362,12 +356,12 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                         if !ok {
                             return Err(e(format!("cannot combine {} and {} elements", a.len(), b.len())));
                         }
-                        run_inline(|| match op {
+                        match op {
                             OpCode::Add => binary(&a, &b, &mut out, |x, y| x + y),
                             OpCode::Mul => binary(&a, &b, &mut out, |x, y| x * y),
                             OpCode::SiluMul => binary(&a, &b, &mut out, |x, y| ew::silu(x) * y),
                             _ => binary(&a, &b, &mut out, |x, y| ew::gelu_tanh(x) * y),
-                        });
+                        };
                     }
                     OpCode::Scale | OpCode::Silu | OpCode::Gelu | OpCode::GeluTanh | OpCode::Relu | OpCode::Softcap => {
                         need(1)?;
@@ -379,14 +373,14 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                         if op == OpCode::Softcap && p <= 0.0 {
                             return Err(e("soft-cap must be positive".into()));
                         }
-                        run_inline(|| match op {
+                        match op {
                             OpCode::Scale => unary(&x, &mut out, |a| a * p),
                             OpCode::Silu => unary(&x, &mut out, ew::silu),
                             OpCode::Gelu => unary(&x, &mut out, ew::gelu_erf),
                             OpCode::GeluTanh => unary(&x, &mut out, ew::gelu_tanh),
                             OpCode::Relu => unary(&x, &mut out, |a| a.max(0.0)),
                             _ => unary(&x, &mut out, |a| p * (a / p).tanh()),
-                        });
+                        };
                     }
                     OpCode::RmsNorm | OpCode::LayerNorm => {
                         need(if op == OpCode::RmsNorm { 2 } else { 3 })?;
@@ -399,13 +393,13 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                         let eps = node.fparams[0];
                         if op == OpCode::RmsNorm {
                             let unit = node.iparams[0] == 1;
-                            run_inline(|| norm::rms_norm(&x, w, eps, unit, &mut out));
+                            norm::rms_norm(&x, w, eps, unit, &mut out);
                         } else {
                             let b = floats(v(2), "bias").map_err(e)?;
                             if w.len() != c || b.len() != c {
                                 return Err(e("layer norm weight and bias must span the columns".into()));
                             }
-                            run_inline(|| norm::layer_norm(&x, w, b, eps, &mut out));
+                            norm::layer_norm(&x, w, b, eps, &mut out);
                         }
                     }
                     OpCode::Rope => {
@@ -423,7 +417,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                         }
                         let trad = node.iparams[2] == 1;
                         let ms = if node.fparams[0] == 0.0 { 1.0 } else { node.fparams[0] };
-                        run_inline(|| rope::rope(&x, pos, &inv, hd, rot, trad, ms, &mut out));
+                        rope::rope(&x, pos, &inv, hd, rot, trad, ms, &mut out);
                     }
                     OpCode::Attention => {
                         need(3)?;
@@ -497,7 +491,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                             scale: node.fparams[0],
                             softcap: node.fparams[1],
                         };
-                        run_inline(|| attention::attention(isa, &layout, shape, &q, kc, vc, &mut out));
+                        attention::attention(isa, &layout, shape, &q, kc, vc, &mut out);
                     }
                     OpCode::Input | OpCode::Weight | OpCode::Constant => unreachable!(),
                 }

@@ -16,14 +16,13 @@ use crate::isa::Isa;
 ///
 /// For 4-bit weights each block is stored even elements first, then odd ones, matching how the packed
 /// nibbles split into low (even) and high (odd) halves; 8-bit weights use natural order.
+#[derive(Default)]
 pub struct IntActs {
     pub q: Vec<i16>,
     /// Per block: scale `d` (x ≈ d · q).
     pub d: Vec<f32>,
     /// Per block: exact Σx.
     pub sum: Vec<f32>,
-    pub k: usize,
-    pub t: usize,
 }
 
 /// Quantizes `x [t, k]` (k a multiple of 32) to int16 blocks; `nibble_order` for 4-bit weights.
@@ -32,8 +31,6 @@ pub fn quantize_acts(isa: Isa, x: &[f32], t: usize, k: usize, nibble_order: bool
     out.q.resize(t * k, 0);
     out.d.resize(blocks, 0.0);
     out.sum.resize(blocks, 0.0);
-    out.k = k;
-    out.t = t;
     for b in 0..blocks {
         let (d, sum) = quantize_block::run(isa, &x[b * 32..(b + 1) * 32], &mut out.q[b * 32..(b + 1) * 32], nibble_order);
         out.d[b] = d;

@@ -32,15 +32,6 @@ simd_kernel! {
     }
 }
 
-simd_kernel! {
-    /// `y += a · x`.
-    pub fn axpy(a: f32, x: &[f32], y: &mut [f32]) {
-        for (yv, xv) in y.iter_mut().zip(x) {
-            *yv = xv.mul_add(a, *yv);
-        }
-    }
-}
-
 /// Number of weight rows per tile: enough tiles to keep every thread busy, small enough for cache.
 pub fn tile_rows(n: usize, threads: usize) -> usize {
     let want = n.div_ceil(4 * threads.max(1));

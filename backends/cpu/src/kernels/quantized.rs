@@ -207,27 +207,14 @@ fn qmatmul_int(isa: Isa, x: &[f32], t: usize, w: QuantMatrix, n: usize, out: &mu
             bits: w.bits,
             group_blocks,
         };
+        // Eight tokens per pass while they last, then four, then one at a time.
         let mut ti = 0;
         while ti + 8 <= t {
-            let xs: [ActRow; 8] = std::array::from_fn(|j| act(ti + j));
-            for r in rows.clone() {
-                let mut o = [0f32; 8];
-                dot_rows(isa, row_of(r), &xs, &mut o);
-                for (j, v) in o.iter().enumerate() {
-                    unsafe { *out_ptr.ptr().add((ti + j) * n + r) = *v };
-                }
-            }
+            tokens_pass::<8>(isa, rows.clone(), &row_of, &act, ti, out_ptr, n);
             ti += 8;
         }
         while ti + 4 <= t {
-            let xs: [ActRow; 4] = std::array::from_fn(|j| act(ti + j));
-            for r in rows.clone() {
-                let mut o = [0f32; 4];
-                dot_rows(isa, row_of(r), &xs, &mut o);
-                for (j, v) in o.iter().enumerate() {
-                    unsafe { *out_ptr.ptr().add((ti + j) * n + r) = *v };
-                }
-            }
+            tokens_pass::<4>(isa, rows.clone(), &row_of, &act, ti, out_ptr, n);
             ti += 4;
         }
         for tj in ti..t {
@@ -237,6 +224,27 @@ fn qmatmul_int(isa: Isa, x: &[f32], t: usize, w: QuantMatrix, n: usize, out: &mu
             }
         }
     });
+}
+
+/// Tokens `ti..ti + NT` against `rows`, each weight row unpacked once for all of them.
+fn tokens_pass<'a, const NT: usize>(
+    isa: Isa,
+    rows: std::ops::Range<usize>,
+    row_of: &impl Fn(usize) -> QuantRow<'a>,
+    act: &impl Fn(usize) -> ActRow<'a>,
+    ti: usize,
+    out: SharedMut<f32>,
+    n: usize,
+) {
+    let xs: [ActRow; NT] = std::array::from_fn(|j| act(ti + j));
+    for r in rows {
+        let mut o = [0f32; NT];
+        dot_rows(isa, row_of(r), &xs, &mut o);
+        for (j, v) in o.iter().enumerate() {
+            // SAFETY: each task owns its rows' columns of `out`.
+            unsafe { *out.ptr().add((ti + j) * n + r) = *v };
+        }
+    }
 }
 
 /// Rows `ids` of a quantized table, dequantized.
