@@ -65,11 +65,14 @@ fn check_model(folder: &str, want_top5: &[(u32, f32)], tolerance: f32) {
 /// The 4-bit folder: top-5 from a float32 reference forward of the same 4-bit weights (README).
 #[test]
 fn smollm2_4bit_answers_paris_and_matches_reference_logits() {
-    // Same weights, f32 math (int16-rounded activations on the default CPU path): 0.01 is generous.
+    // The reference is given to two decimals (±0.005). On the exact f32 path (`MLXCEL_CPU_INT16=0`)
+    // the same weights land within 0.004 of it; the default path rounds activations to int16, which
+    // moves logits by up to 0.03 over the whole vocabulary (docs/benchmarks.md) and by ≈0.01 on these.
+    let int16 = std::env::var("MLXCEL_CPU_INT16").map_or(true, |v| v != "0");
     check_model(
         "smollm2-135m-instruct-mlx-4bit",
         &[(504, 25.71), (60, 25.67), (15319, 25.48), (7026, 24.97), (14925, 24.52)],
-        0.01,
+        if int16 { 0.02 } else { 0.01 },
     );
 }
 

@@ -254,7 +254,18 @@ fn quantized_matmul_matches_reference_for_every_bits_and_group() {
     each_backend(|ctx, rng| {
         for bits in [2usize, 3, 4, 5, 6, 8] {
             for group in [32usize, 64, 128] {
-                for &(t, k, n, sd) in &[(1, 256, 9, DType::F16), (6, 128, 5, DType::BF16), (2, 384, 3, DType::F32), (13, 128, 7, DType::F16)] {
+                // Shapes cover row tiles of 1–4 rows and several tiles, scale dtypes, groups that are and
+                // are not a multiple of 8 per row, rows longer than a kernel's 64-block chunk, and
+                // token counts that take the 8-, 4- and 1-token passes.
+                let shapes = [
+                    (1, 256, 9, DType::F16),
+                    (6, 128, 5, DType::BF16),
+                    (2, 384, 3, DType::F32),
+                    (13, 128, 7, DType::F16),
+                    (1, 2304, 70, DType::BF16),
+                    (3, 640, 37, DType::F32),
+                ];
+                for &(t, k, n, sd) in &shapes {
                     let q = quant_weight(rng, n, k, bits, group, sd);
                     let x = rng.vec(t * k, 1.0);
                     let mut run = Run::new(ctx);

@@ -16,25 +16,33 @@ use crate::isa::Isa;
 ///
 /// For 4-bit weights each block is stored even elements first, then odd ones, matching how the packed
 /// nibbles split into low (even) and high (odd) halves; 8-bit weights use natural order.
+/// `d` and `group_sums` carry [`PAD`] zeros past their end, so kernels may read whole vectors.
 #[derive(Default)]
 pub struct IntActs {
     pub q: Vec<i16>,
     /// Per block: scale `d` (x ≈ d · q).
     pub d: Vec<f32>,
-    /// Per block: exact Σx.
-    pub sum: Vec<f32>,
+    /// Per weight group: exact Σx (for the affine bias term).
+    pub group_sums: Vec<f32>,
 }
 
-/// Quantizes `x [t, k]` (k a multiple of 32) to int16 blocks; `nibble_order` for 4-bit weights.
-pub fn quantize_acts(isa: Isa, x: &[f32], t: usize, k: usize, nibble_order: bool, out: &mut IntActs) {
+/// Zeros kept past the end of [`IntActs::d`] and [`IntActs::group_sums`].
+pub const PAD: usize = 8;
+
+/// Quantizes `x [t, k]` (k a multiple of `group`, itself a multiple of 32) to int16 blocks;
+/// `nibble_order` for 4-bit weights.
+pub fn quantize_acts(isa: Isa, x: &[f32], t: usize, k: usize, group: usize, nibble_order: bool, out: &mut IntActs) {
     let blocks = t * k / 32;
+    let group_blocks = group / 32;
     out.q.resize(t * k, 0);
-    out.d.resize(blocks, 0.0);
-    out.sum.resize(blocks, 0.0);
+    out.d.clear();
+    out.d.resize(blocks + PAD, 0.0);
+    out.group_sums.clear();
+    out.group_sums.resize(blocks / group_blocks + PAD, 0.0);
     for b in 0..blocks {
         let (d, sum) = quantize_block::run(isa, &x[b * 32..(b + 1) * 32], &mut out.q[b * 32..(b + 1) * 32], nibble_order);
         out.d[b] = d;
-        out.sum[b] = sum;
+        out.group_sums[b / group_blocks] += sum;
     }
 }
 
@@ -130,6 +138,76 @@ pub fn dot_rows<const NT: usize>(isa: Isa, w: QuantRow, x: &[ActRow; NT], out: &
     }
 }
 
+/// The rows of a quantized matrix, as [`dot_tile`] walks them.
+#[derive(Clone, Copy)]
+pub struct QuantRows<'a> {
+    pub words: &'a [u32],
+    pub scales: Floats<'a>,
+    pub biases: Floats<'a>,
+    pub bits: usize,
+    /// Group size / 32.
+    pub group_blocks: usize,
+    /// Logical columns (elements per row).
+    pub k: usize,
+}
+
+impl<'a> QuantRows<'a> {
+    pub fn row(&self, r: usize) -> QuantRow<'a> {
+        let wpr = self.k * self.bits / 32;
+        let gpr = self.k / (32 * self.group_blocks);
+        QuantRow {
+            words: &self.words[r * wpr..(r + 1) * wpr],
+            scales: self.scales,
+            biases: self.biases,
+            group0: r * gpr,
+            bits: self.bits,
+            group_blocks: self.group_blocks,
+        }
+    }
+}
+
+/// `out[i] = row(rows.start + i) · x` for a tile of rows against one activation row (the decode
+/// path). Unlike a loop of [`dot_row`], the per-row setup is whole vectors (block factors and the bias
+/// term eight lanes at a time, reading up to seven scales past the row: the matrix's last rows,
+/// where that would leave the buffer, take [`dot_row`]) and four rows share one reduction.
+pub fn dot_tile(isa: Isa, w: QuantRows, rows: std::ops::Range<usize>, x: ActRow, out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(isa, Isa::Avx2 | Isa::Avx512) && matches!(w.group_blocks, 1 | 2 | 4) {
+        let gpr = w.k / (32 * w.group_blocks);
+        // Rows whose scale/bias vectors stay inside the buffers.
+        let safe_end = (w.scales.len().min(w.biases.len()).saturating_sub(PAD) / gpr).min(rows.end).max(rows.start);
+        let fast = rows.start..safe_end;
+        // SAFETY: AVX2/FMA/F16C are present on these paths; `fast` rows read inside the buffers and
+        // `x` comes from an `IntActs` (padded).
+        let done = unsafe {
+            match (w.scales, w.biases) {
+                (Floats::F16(s), Floats::F16(b)) => {
+                    x86::dot_tile_avx2::<x86::Half>(w, s.as_ptr(), b.as_ptr(), fast.clone(), x, out);
+                    true
+                }
+                (Floats::BF16(s), Floats::BF16(b)) => {
+                    x86::dot_tile_avx2::<x86::Brain>(w, s.as_ptr(), b.as_ptr(), fast.clone(), x, out);
+                    true
+                }
+                (Floats::F32(s), Floats::F32(b)) => {
+                    x86::dot_tile_avx2::<x86::Single>(w, s.as_ptr() as *const u16, b.as_ptr() as *const u16, fast.clone(), x, out);
+                    true
+                }
+                _ => false,
+            }
+        };
+        if done {
+            for r in fast.end..rows.end {
+                out[r - rows.start] = dot_row(isa, w.row(r), x);
+            }
+            return;
+        }
+    }
+    for r in rows.clone() {
+        out[r - rows.start] = dot_row(isa, w.row(r), x);
+    }
+}
+
 fn dot_row_scalar(w: QuantRow, x: ActRow) -> f32 {
     let per_block = 32 * w.bits / 32; // words per block of 32
     let mut acc = 0f32;
@@ -178,6 +256,11 @@ mod x86 {
         const IS_HALF: bool = false;
         const IS_BRAIN: bool = false;
         unsafe fn load(p: *const u16, i: usize) -> f32;
+        /// `p` advanced by `n` elements.
+        #[inline(always)]
+        unsafe fn advance(p: *const u16, n: usize) -> *const u16 {
+            p.add(n)
+        }
     }
     pub struct Half;
     pub struct Brain;
@@ -201,6 +284,10 @@ mod x86 {
         unsafe fn load(p: *const u16, i: usize) -> f32 {
             *(p as *const f32).add(i)
         }
+        #[inline(always)]
+        unsafe fn advance(p: *const u16, n: usize) -> *const u16 {
+            (p as *const f32).add(n) as *const u16
+        }
     }
 
     /// One 4-bit block: 16 bytes of nibbles (low = even elements, high = odd ones) widened to i16 and
@@ -208,13 +295,18 @@ mod x86 {
     /// Products fit easily: 15 · 32767 · 2 per lane pair.
     #[inline(always)]
     unsafe fn q4_block(wp: *const u8, xp: *const i16, blk: usize) -> __m256i {
-        let mask = _mm_set1_epi8(0x0f);
-        let packed = _mm_loadu_si128(wp.add(blk * 16) as *const __m128i);
-        let lo = _mm256_cvtepu8_epi16(_mm_and_si128(packed, mask));
-        let hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+        let (lo, hi) = q4_nibbles(wp, blk);
         let x_even = _mm256_loadu_si256(xp.add(blk * 32) as *const __m256i);
         let x_odd = _mm256_loadu_si256(xp.add(blk * 32 + 16) as *const __m256i);
         _mm256_add_epi32(_mm256_madd_epi16(lo, x_even), _mm256_madd_epi16(hi, x_odd))
+    }
+
+    /// Block `blk`'s 16 bytes widened to one byte per 16-bit lane, then split: low nibbles (even
+    /// elements) by a mask, high nibbles (odd elements) by a shift that needs no mask.
+    #[inline(always)]
+    unsafe fn q4_nibbles(wp: *const u8, blk: usize) -> (__m256i, __m256i) {
+        let bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(wp.add(blk * 16) as *const __m128i));
+        (_mm256_and_si256(bytes, _mm256_set1_epi16(0x0f)), _mm256_srli_epi16(bytes, 4))
     }
 
     /// Loads 8 consecutive scales as f32.
@@ -285,7 +377,6 @@ mod x86 {
         let groups = x.group_sums.len();
         let gb = w.group_blocks;
         let nb = groups * gb;
-        let (sp, bp) = (sp.add(0), bp.add(0));
         let g0 = w.group0;
 
         let bias = bias_term::<S>(bp, g0, x.group_sums);
@@ -380,12 +471,9 @@ mod x86 {
                     }
                 }
             }
-            let mask = _mm_set1_epi8(0x0f);
             for i in 0..n {
                 let blk = b0 + i;
-                let packed = _mm_loadu_si128(wp.add(blk * 16) as *const __m128i);
-                let lo = _mm256_cvtepu8_epi16(_mm_and_si128(packed, mask));
-                let hi = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+                let (lo, hi) = q4_nibbles(wp, blk);
                 for t in 0..NT {
                     let xp = x[t].q.as_ptr().add(blk * 32);
                     let x_even = _mm256_loadu_si256(xp as *const __m256i);
@@ -398,6 +486,126 @@ mod x86 {
         }
         for t in 0..NT {
             out[t] += hsum(acc[t]);
+        }
+    }
+    /// Scales `b..b + 8` of the blocks of a row as f32, for groups of `gb` ∈ {1, 2, 4} blocks
+    /// (each group's scale repeated over its blocks). Reads up to seven elements past the last group.
+    #[inline(always)]
+    unsafe fn block_scales8<S: ScaleKind>(p: *const u16, b: usize, gb: usize) -> __m256 {
+        match gb {
+            1 => load8::<S>(p, b),
+            2 => {
+                let v = if S::IS_HALF {
+                    _mm_cvtph_ps(_mm_loadl_epi64(p.add(b / 2) as *const __m128i))
+                } else if S::IS_BRAIN {
+                    _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64(p.add(b / 2) as *const __m128i)), 16))
+                } else {
+                    _mm_loadu_ps((p as *const f32).add(b / 2))
+                };
+                _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), _mm256_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3))
+            }
+            _ => {
+                let v = if S::IS_HALF {
+                    _mm_cvtph_ps(_mm_cvtsi32_si128((p.add(b / 4) as *const i32).read_unaligned()))
+                } else if S::IS_BRAIN {
+                    let two = _mm_cvtsi32_si128((p.add(b / 4) as *const i32).read_unaligned());
+                    _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(two), 16))
+                } else {
+                    _mm_castpd_ps(_mm_load_sd((p as *const f32).add(b / 4) as *const f64))
+                };
+                _mm256_permutevar8x32_ps(_mm256_castps128_ps256(v), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1))
+            }
+        }
+    }
+
+    /// One row against one activation row, left as eight partial sums (the caller reduces rows
+    /// together). Block factors `d_x · s` are formed eight at a time per chunk of blocks, the bias
+    /// term `Σ b_g · Σx_g` eight groups at a time with the row's tail masked off.
+    #[inline(always)]
+    unsafe fn row_partials<S: ScaleKind>(
+        w: &super::QuantRows,
+        sp: *const u16,
+        bp: *const u16,
+        r: usize,
+        x: &super::ActRow,
+        tail: __m256,
+    ) -> __m256 {
+        const CHUNK: usize = 64;
+        let gb = w.group_blocks;
+        let nb = w.k / 32;
+        let groups = nb / gb;
+        let (sp, bp) = (S::advance(sp, r * groups), S::advance(bp, r * groups));
+        let bytes_per_block = 4 * w.bits;
+        let wp = (w.words.as_ptr() as *const u8).add(r * nb * bytes_per_block);
+        let xp = x.q.as_ptr();
+        let dp = x.d.as_ptr();
+        let mut comb = [0f32; CHUNK];
+        let mut acc = _mm256_setzero_ps();
+        let mut b0 = 0;
+        while b0 < nb {
+            let n = CHUNK.min(nb - b0);
+            let mut i = 0;
+            while i < n {
+                let v = _mm256_mul_ps(block_scales8::<S>(sp, b0 + i, gb), _mm256_loadu_ps(dp.add(b0 + i)));
+                _mm256_storeu_ps(comb.as_mut_ptr().add(i), v);
+                i += 8;
+            }
+            let part = if w.bits == 4 {
+                accumulate_blocks(&comb[..n], b0, n, |blk| _mm256_cvtepi32_ps(q4_block(wp, xp, blk)))
+            } else {
+                accumulate_blocks(&comb[..n], b0, n, |blk| _mm256_cvtepi32_ps(q8_block(wp, xp, blk)))
+            };
+            acc = _mm256_add_ps(acc, part);
+            b0 += n;
+        }
+        let gs = x.group_sums.as_ptr();
+        let mut g = 0;
+        while g + 8 <= groups {
+            acc = _mm256_fmadd_ps(load8::<S>(bp, g), _mm256_loadu_ps(gs.add(g)), acc);
+            g += 8;
+        }
+        if g < groups {
+            let b = _mm256_and_ps(load8::<S>(bp, g), tail);
+            acc = _mm256_fmadd_ps(b, _mm256_loadu_ps(gs.add(g)), acc);
+        }
+        acc
+    }
+
+    /// Sums each of four vectors: `[Σa, Σb, Σc, Σd]`.
+    #[inline(always)]
+    unsafe fn reduce4(a: __m256, b: __m256, c: __m256, d: __m256) -> __m128 {
+        let ab = _mm256_hadd_ps(a, b);
+        let cd = _mm256_hadd_ps(c, d);
+        let abcd = _mm256_hadd_ps(ab, cd);
+        _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1))
+    }
+
+    /// See [`super::dot_tile`]: rows four at a time, then one at a time.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn dot_tile_avx2<S: ScaleKind>(
+        w: super::QuantRows,
+        sp: *const u16,
+        bp: *const u16,
+        rows: std::ops::Range<usize>,
+        x: super::ActRow,
+        out: &mut [f32],
+    ) {
+        let groups = w.k / (32 * w.group_blocks);
+        let rem = (groups % 8) as i32;
+        let tail = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(rem), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        let o = out.as_mut_ptr().sub(rows.start);
+        let mut r = rows.start;
+        while r + 4 <= rows.end {
+            let a = row_partials::<S>(&w, sp, bp, r, &x, tail);
+            let b = row_partials::<S>(&w, sp, bp, r + 1, &x, tail);
+            let c = row_partials::<S>(&w, sp, bp, r + 2, &x, tail);
+            let d = row_partials::<S>(&w, sp, bp, r + 3, &x, tail);
+            _mm_storeu_ps(o.add(r), reduce4(a, b, c, d));
+            r += 4;
+        }
+        while r < rows.end {
+            *o.add(r) = hsum(row_partials::<S>(&w, sp, bp, r, &x, tail));
+            r += 1;
         }
     }
 }

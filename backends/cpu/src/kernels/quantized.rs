@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::int_dot::{dot_row, dot_rows, quantize_acts, ActRow, IntActs, QuantRow};
+use super::int_dot::{dot_rows, dot_tile, quantize_acts, ActRow, IntActs, QuantRow, QuantRows};
 use super::matmul::{gemm_tile, tile_rows};
 use super::{Floats, SharedMut};
 use crate::isa::Isa;
@@ -182,46 +182,35 @@ pub fn qmatmul(isa: Isa, threads: usize, x: &[f32], t: usize, w: QuantMatrix, n:
 /// The int16-activation row-dot path (see [`int_dot`](super::int_dot)).
 fn qmatmul_int(isa: Isa, x: &[f32], t: usize, w: QuantMatrix, n: usize, out: &mut [f32], acts: &mut IntActs) {
     let k = w.k;
-    quantize_acts(isa, x, t, k, w.bits == 4, acts);
+    quantize_acts(isa, x, t, k, w.group, w.bits == 4, acts);
     let acts = &*acts;
     let gpr = w.groups_per_row();
-    let wpr = w.words_per_row();
     let group_blocks = w.group / 32;
-    // Σx per (token, group) for the exact bias term.
-    let gsum: Vec<f32> = acts.sum.chunks_exact(group_blocks).map(|c| c.iter().sum()).collect();
     let out_ptr = SharedMut(out.as_mut_ptr());
     let act = |ti: usize| ActRow {
         q: &acts.q[ti * k..(ti + 1) * k],
         d: &acts.d[ti * k / 32..(ti + 1) * k / 32],
-        group_sums: &gsum[ti * gpr..(ti + 1) * gpr],
+        group_sums: &acts.group_sums[ti * gpr..(ti + 1) * gpr],
     };
+    let rows = QuantRows { words: w.packed, scales: w.scales, biases: w.biases, bits: w.bits, group_blocks, k };
     // A task is a tile of rows; its weights stay in L1/L2 while all tokens stream past them.
     let rows_per_task = if t <= ROW_DOT_MAX_TOKENS { 32 } else { 16 };
     (0..n.div_ceil(rows_per_task)).into_par_iter().for_each(|chunk| {
-        let rows = chunk * rows_per_task..((chunk + 1) * rows_per_task).min(n);
-        let row_of = |r: usize| QuantRow {
-            words: &w.packed[r * wpr..(r + 1) * wpr],
-            scales: w.scales,
-            biases: w.biases,
-            group0: r * gpr,
-            bits: w.bits,
-            group_blocks,
-        };
+        let tile = chunk * rows_per_task..((chunk + 1) * rows_per_task).min(n);
         // Eight tokens per pass while they last, then four, then one at a time.
         let mut ti = 0;
         while ti + 8 <= t {
-            tokens_pass::<8>(isa, rows.clone(), &row_of, &act, ti, out_ptr, n);
+            tokens_pass::<8>(isa, tile.clone(), &|r| rows.row(r), &act, ti, out_ptr, n);
             ti += 8;
         }
         while ti + 4 <= t {
-            tokens_pass::<4>(isa, rows.clone(), &row_of, &act, ti, out_ptr, n);
+            tokens_pass::<4>(isa, tile.clone(), &|r| rows.row(r), &act, ti, out_ptr, n);
             ti += 4;
         }
         for tj in ti..t {
-            let x = act(tj);
-            for r in rows.clone() {
-                unsafe { *out_ptr.ptr().add(tj * n + r) = dot_row(isa, row_of(r), x) };
-            }
+            // SAFETY: each task owns its rows' columns of `out`.
+            let o = unsafe { out_ptr.slice(tj * n + tile.start, tile.len()) };
+            dot_tile(isa, rows, tile.clone(), act(tj), o);
         }
     });
 }

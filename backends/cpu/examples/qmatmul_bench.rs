@@ -1,0 +1,92 @@
+//! Times the quantized matmul kernels on SmolLM2-135M's shapes (4-bit, group 32, f16 scales), with
+//! every layer's weights distinct so they stream from memory as in a real decode step.
+//! `cargo run --release -p mlxcel-backend-cpu --example qmatmul_bench -- [tokens] [threads]`
+
+use std::time::Instant;
+
+use mlxcel_backend_cpu::isa::Isa;
+use mlxcel_backend_cpu::kernels::int_dot::IntActs;
+use mlxcel_backend_cpu::kernels::quantized::{qmatmul, QuantMatrix};
+use mlxcel_backend_cpu::kernels::Floats;
+
+struct Mat {
+    packed: Vec<u32>,
+    scales: Vec<u16>,
+    biases: Vec<u16>,
+    n: usize,
+    k: usize,
+}
+
+fn rng(seed: &mut u64) -> u64 {
+    *seed ^= *seed << 13;
+    *seed ^= *seed >> 7;
+    *seed ^= *seed << 17;
+    *seed
+}
+
+fn mat(n: usize, k: usize, seed: &mut u64) -> Mat {
+    let packed = (0..n * k / 8).map(|_| rng(seed) as u32).collect();
+    let half = |v: f32| half::f16::from_f32(v).to_bits();
+    let scales = (0..n * k / 32).map(|_| half(0.01 + (rng(seed) % 100) as f32 * 1e-4)).collect();
+    let biases = (0..n * k / 32).map(|_| half(-0.05 + (rng(seed) % 100) as f32 * 1e-4)).collect();
+    Mat { packed, scales, biases, n, k }
+}
+
+fn main() {
+    let args: Vec<usize> = std::env::args().skip(1).map(|a| a.parse().expect("numbers")).collect();
+    let t = args.first().copied().unwrap_or(1);
+    let threads = args.get(1).copied().unwrap_or(1);
+    let isa = Isa::from_env().unwrap();
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+    let mut seed = 0x9e3779b97f4a7c15u64;
+    let (h, f, kv, vocab, layers) = (576, 1536, 192, 49152, 30);
+    let mut mats = Vec::new();
+    // HOT=1: one layer's weights reused (cache-resident): the kernel's compute speed alone.
+    let hot = std::env::var("HOT").is_ok_and(|v| v == "1" || v == "l2");
+    for _ in 0..if hot { 1 } else { layers } {
+        for (n, k) in [(h, h), (kv, h), (kv, h), (h, h), (f, h), (f, h), (h, f)] {
+            mats.push(mat(n, k, &mut seed));
+        }
+    }
+    if !hot {
+        mats.push(mat(vocab, h, &mut seed));
+    }
+    // HOT=l2: one [768, 576] matrix (L1/L2-resident): the kernel's arithmetic alone.
+    if std::env::var("HOT").is_ok_and(|v| v == "l2") {
+        mats = vec![mat(768, h, &mut seed)];
+    }
+    let bytes: usize = mats.iter().map(|m| m.packed.len() * 4 + m.scales.len() * 4).sum();
+    let x: Vec<f32> = (0..t * f).map(|_| (rng(&mut seed) % 2000) as f32 / 1000.0 - 1.0).collect();
+    let mut out = vec![0f32; t * vocab];
+    let mut acts = IntActs::default();
+    let int = std::env::var("MLXCEL_CPU_INT16").map_or(true, |v| v != "0");
+    let mut times = Vec::new();
+    let reps = if hot { 30 * 15 * 10 } else { 15 };
+    for _ in 0..reps {
+        let start = Instant::now();
+        pool.install(|| {
+            for m in &mats {
+                let w = QuantMatrix {
+                    packed: &m.packed,
+                    scales: Floats::F16(&m.scales),
+                    biases: Floats::F16(&m.biases),
+                    bits: 4,
+                    group: 32,
+                    k: m.k,
+                };
+                qmatmul(isa, threads, &x[..t * m.k], t, w, m.n, &mut out[..t * m.n], int.then_some(&mut acts));
+            }
+        });
+        times.push(start.elapsed().as_secs_f64());
+    }
+    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let med = times[times.len() / 2];
+    println!(
+        "isa {} t={t} threads={threads}: {:.2} ms per pass (min {:.2}), {:.1} GB/s, {:.0} tok/s",
+        isa.name(),
+        med * 1e3,
+        times[0] * 1e3,
+        bytes as f64 / med / 1e9,
+        t as f64 / med
+    );
+}
