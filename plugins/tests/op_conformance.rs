@@ -512,14 +512,21 @@ fn ref_attention(q: &[f64], keys: &[Vec<f64>], values: &[Vec<f64>], scale: f64, 
 fn paged_attention_matches_reference() {
     each_backend(|ctx, rng| {
         // (heads, kv heads, head_dim, window, softcap): MHA, GQA, MQA, sliding window, soft-capping.
-        for &(hq, hkv, dh, window, softcap) in &[(2usize, 2usize, 16usize, 0usize, 0.0f32), (4, 2, 32, 0, 0.0), (6, 1, 8, 0, 0.0), (4, 2, 16, 5, 0.0), (2, 1, 64, 0, 30.0)] {
+        let heads = [(2usize, 2usize, 16usize, 0usize, 0.0f32), (4, 2, 32, 0, 0.0), (6, 1, 8, 0, 0.0), (4, 2, 16, 5, 0.0), (2, 1, 64, 0, 30.0)];
+        // Two sequences: A has cached tokens and adds some, B is a fresh prompt. Short runs take the
+        // per-token kernel; long ones the tiled prefill kernel (tiles of 16 tokens, key blocks of 64).
+        let steps = [(9usize, 3usize, 6usize), (9, 20, 70)];
+        for (&(hq, hkv, dh, window, softcap), &(a_cached, a_new, b_new)) in heads.iter().flat_map(|h| steps.iter().map(move |s| (h, s))) {
             let bs = 4usize;
-            let num_blocks = 16usize;
-            let max_blocks = 6usize;
-            // Two sequences: A has 9 cached tokens and adds 3, B is a fresh prompt of 6.
-            let (a_cached, a_new, b_new) = (9usize, 3usize, 6usize);
-            let a_blocks: Vec<u32> = vec![7, 2, 11];
-            let b_blocks: Vec<u32> = vec![0, 13];
+            // Blocks handed out in a scrambled order, as a pool that has been reused would.
+            let a_len = (a_cached + a_new).div_ceil(bs);
+            let b_len = b_new.div_ceil(bs);
+            let num_blocks = a_len + b_len + 3;
+            let mut ids: Vec<u32> = (0..num_blocks as u32).collect();
+            ids.sort_by_key(|&i| (i * 7919) % num_blocks as u32);
+            let a_blocks: Vec<u32> = ids[..a_len].to_vec();
+            let b_blocks: Vec<u32> = ids[a_len..a_len + b_len].to_vec();
+            let max_blocks = a_len.max(b_len);
             let slot = |blocks: &[u32], p: usize| blocks[p / bs] as usize * bs + p % bs;
             let kv_row = hkv * dh;
             let scale = 1.0 / (dh as f64).sqrt();
@@ -598,7 +605,8 @@ fn paged_attention_matches_reference() {
                     want[ti * hq * dh + h * dh..][..dh].copy_from_slice(&out);
                 }
             }
-            check(&format!("{} attention hq{hq} hkv{hkv} dh{dh} window{window} softcap{softcap}", ctx.name()), &got, &want, dh);
+            let what = format!("{} attention hq{hq} hkv{hkv} dh{dh} window{window} softcap{softcap} A {a_cached}+{a_new} B {b_new}", ctx.name());
+            check(&what, &got, &want, dh);
         }
     });
 }

@@ -3,6 +3,8 @@
 
 use rayon::prelude::*;
 
+use super::attention_prefill::{attention_runs, runs, Run};
+use super::SharedMut;
 use crate::isa::Isa;
 
 /// Where keys live: the step's sequence bookkeeping, borrowed from the host.
@@ -17,7 +19,7 @@ pub struct PagedLayout<'a> {
 
 impl PagedLayout<'_> {
     #[inline]
-    fn slot(&self, seq: usize, pos: usize) -> usize {
+    pub fn slot(&self, seq: usize, pos: usize) -> usize {
         let block = self.block_tables[seq * self.max_blocks_per_seq + pos / self.block_size] as usize;
         block * self.block_size + pos % self.block_size
     }
@@ -45,7 +47,11 @@ pub struct AttentionShape {
     pub softcap: f32,
 }
 
-/// `out[t, h*Dh..]` = softmax over the context of token `t` of `q·k` times `v`.
+/// Runs at least this long take the tiled prefill path.
+const TILED_RUN: usize = 8;
+
+/// `out[t, h*Dh..]` = softmax over the context of token `t` of `q·k` times `v`. Runs of prompt tokens
+/// go through the tiled prefill kernel; the rest (decode steps, short runs) one token at a time.
 pub fn attention(
     isa: Isa,
     layout: &PagedLayout,
@@ -55,45 +61,74 @@ pub fn attention(
     v_cache: &[f32],
     out: &mut [f32],
 ) {
+    let (long, short): (Vec<Run>, Vec<Run>) = runs(layout).into_iter().partition(|r| r.end - r.start >= TILED_RUN);
+    if !long.is_empty() {
+        attention_runs(isa, layout, shape, &long, q, k_cache, v_cache, out);
+    }
+    if !short.is_empty() {
+        let tokens: Vec<usize> = short.iter().flat_map(|r| r.start..r.end).collect();
+        attention_tokens(isa, layout, shape, &tokens, q, k_cache, v_cache, out);
+    }
+}
+
+/// Attention for `tokens`, one (token, KV head) per task.
+#[allow(clippy::too_many_arguments)]
+fn attention_tokens(
+    isa: Isa,
+    layout: &PagedLayout,
+    shape: AttentionShape,
+    tokens: &[usize],
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    out: &mut [f32],
+) {
     let AttentionShape { n_heads, n_kv_heads, head_dim: dh, window, scale, softcap } = shape;
     let group = n_heads / n_kv_heads;
     let kv_row = n_kv_heads * dh;
-    let n_tokens = layout.positions.len();
     // Cache offsets of every context position of every token, shared by that token's heads.
-    let bases: Vec<Vec<usize>> = (0..n_tokens)
-        .map(|t| {
+    let bases: Vec<Vec<usize>> = tokens
+        .iter()
+        .map(|&t| {
             let seq = layout.token_seq[t] as usize;
             let pos = layout.positions[t].max(0) as usize;
             let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
             (start..=pos).map(|p| layout.slot(seq, p) * kv_row).collect()
         })
         .collect();
+    let out_ptr = SharedMut(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
     if dh % 8 == 0 && matches!(isa, Isa::Avx2 | Isa::Avx512) {
         // One task per (token, KV head): each key and value row is loaded once for the whole group of
         // query heads that share it (GQA).
-        out.par_chunks_mut(group * dh).enumerate().for_each_init(
+        (0..tokens.len() * n_kv_heads).into_par_iter().for_each_init(
             || (Vec::<f32>::new(), vec![0f32; group * dh]),
-            |(scores, acc), (i, o)| {
-                let (t, kvh) = (i / n_kv_heads, i % n_kv_heads);
+            |(scores, acc), i| {
+                let (ti, kvh) = (i / n_kv_heads, i % n_kv_heads);
+                let t = tokens[ti];
                 let q0 = t * n_heads * dh + kvh * group * dh;
-                scores.resize(group * bases[t].len(), 0.0);
+                scores.resize(group * bases[ti].len(), 0.0);
+                // SAFETY: each task writes only its token's heads of this KV head.
+                let o = unsafe { out_ptr.slice(q0, group * dh) };
                 // SAFETY: AVX2 and FMA are present on these paths; offsets were validated by the executor.
                 unsafe {
-                    x86::attend_group_avx2(&q[q0..q0 + group * dh], dh, &bases[t], kvh * dh, k_cache, v_cache, scale, softcap, scores, acc, o)
+                    x86::attend_group_avx2(&q[q0..q0 + group * dh], dh, &bases[ti], kvh * dh, k_cache, v_cache, scale, softcap, scores, acc, o)
                 };
             },
         );
         return;
     }
-    out.par_chunks_mut(dh).enumerate().for_each_init(
+    (0..tokens.len() * n_heads).into_par_iter().for_each_init(
         || (Vec::<f32>::new(), vec![0f32; dh]),
-        |(scores, acc), (i, o)| {
-            let (t, h) = (i / n_heads, i % n_heads);
+        |(scores, acc), i| {
+            let (ti, h) = (i / n_heads, i % n_heads);
+            let t = tokens[ti];
             let off = (h / group) * dh;
             let qh = &q[t * n_heads * dh + h * dh..][..dh];
-            scores.resize(bases[t].len(), 0.0);
-            attend::run(isa, qh, &bases[t], off, k_cache, v_cache, scale, softcap, scores, acc, o);
+            scores.resize(bases[ti].len(), 0.0);
+            // SAFETY: each task writes only its own head of its token.
+            let o = unsafe { out_ptr.slice(t * n_heads * dh + h * dh, dh) };
+            attend::run(isa, qh, &bases[ti], off, k_cache, v_cache, scale, softcap, scores, acc, o);
         },
     );
 }

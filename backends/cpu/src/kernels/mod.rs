@@ -1,6 +1,7 @@
 //! CPU kernels, one file per kind of op. Each takes plain slices; the executor binds the graph to them.
 
 pub mod attention;
+pub mod attention_prefill;
 pub mod elementwise;
 pub mod int_dot;
 pub mod matmul;

@@ -1,0 +1,228 @@
+//! Attention for runs of prompt tokens (prefill): flash-attention tiling. A tile of query tokens ×
+//! the query heads of one KV head meets the context in blocks of keys; scores and the weighted sum of
+//! values are matrix products (`gemm`), the softmax is online (a running max and sum per query row),
+//! so every key and value row is read once per tile instead of once per query head and token.
+
+use rayon::prelude::*;
+
+use super::attention::{exp_approx, AttentionShape, PagedLayout};
+use super::SharedMut;
+use crate::isa::Isa;
+use crate::simd_kernel;
+
+/// Query tokens per tile.
+const TILE_TOKENS: usize = 16;
+/// Keys per block.
+const KEY_BLOCK: usize = 64;
+
+/// Tokens `start..end` of the step: one sequence, consecutive positions.
+#[derive(Clone, Copy, Debug)]
+pub struct Run {
+    pub start: usize,
+    pub end: usize,
+}
+
+/// The step's tokens grouped into runs of one sequence at consecutive positions.
+pub fn runs(layout: &PagedLayout) -> Vec<Run> {
+    let mut out: Vec<Run> = Vec::new();
+    for t in 0..layout.positions.len() {
+        match out.last_mut() {
+            Some(r) if layout.token_seq[t] == layout.token_seq[t - 1] && layout.positions[t] == layout.positions[t - 1] + 1 => {
+                r.end = t + 1
+            }
+            _ => out.push(Run { start: t, end: t + 1 }),
+        }
+    }
+    out
+}
+
+/// Per-task scratch, reused across the tiles a worker takes.
+#[derive(Default)]
+struct Scratch {
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+    s: Vec<f32>,
+    acc: Vec<f32>,
+    max: Vec<f32>,
+    sum: Vec<f32>,
+}
+
+/// Attention for the tokens of `runs` (each long enough to tile), written into `out[t, h*Dh..]`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_runs(
+    isa: Isa,
+    layout: &PagedLayout,
+    shape: AttentionShape,
+    runs: &[Run],
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    out: &mut [f32],
+) {
+    let AttentionShape { n_kv_heads, .. } = shape;
+    // Tasks: (tile of tokens, KV head), the longest contexts first so the last tasks are short.
+    let mut tasks: Vec<(Run, usize)> = Vec::new();
+    for run in runs {
+        let mut t0 = run.start;
+        while t0 < run.end {
+            let tile = Run { start: t0, end: (t0 + TILE_TOKENS).min(run.end) };
+            tasks.extend((0..n_kv_heads).map(|h| (tile, h)));
+            t0 = tile.end;
+        }
+    }
+    tasks.sort_by_key(|(tile, _)| std::cmp::Reverse(layout.positions[tile.end - 1]));
+    let out = SharedMut(out.as_mut_ptr());
+    tasks.par_iter().for_each_init(Scratch::default, |scratch, &(tile, kvh)| {
+        // SAFETY: each task writes only its tokens' rows for its KV head's query heads.
+        unsafe { tile_task(isa, layout, shape, tile, kvh, q, k_cache, v_cache, scratch, out) }
+    });
+}
+
+/// One tile of query tokens against its whole context for one KV head.
+#[allow(clippy::too_many_arguments)]
+unsafe fn tile_task(
+    isa: Isa,
+    layout: &PagedLayout,
+    shape: AttentionShape,
+    tile: Run,
+    kvh: usize,
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    sc: &mut Scratch,
+    out: SharedMut<f32>,
+) {
+    let AttentionShape { n_heads, n_kv_heads, head_dim: dh, window, scale, softcap } = shape;
+    let group = n_heads / n_kv_heads;
+    let kv_row = n_kv_heads * dh;
+    let n_tok = tile.end - tile.start;
+    let rows = n_tok * group; // row i = token i / group, head kvh·group + i % group
+    let seq = layout.token_seq[tile.start] as usize;
+    let pos0 = layout.positions[tile.start] as usize;
+    let pos_last = pos0 + n_tok - 1;
+    let first_key = if window > 0 { (pos0 + 1).saturating_sub(window) } else { 0 };
+
+    // Q tile, pre-scaled so the scores come out of the product ready.
+    sc.q.resize(rows * dh, 0.0);
+    for i in 0..n_tok {
+        let src = &q[(tile.start + i) * n_heads * dh + kvh * group * dh..][..group * dh];
+        for (d, s) in sc.q[i * group * dh..(i + 1) * group * dh].iter_mut().zip(src) {
+            *d = s * scale;
+        }
+    }
+    sc.k.resize(KEY_BLOCK * dh, 0.0);
+    sc.v.resize(KEY_BLOCK * dh, 0.0);
+    sc.s.resize(rows * KEY_BLOCK, 0.0);
+    sc.acc.clear();
+    sc.acc.resize(rows * dh, 0.0);
+    sc.max.clear();
+    sc.max.resize(rows, f32::NEG_INFINITY);
+    sc.sum.clear();
+    sc.sum.resize(rows, 0.0);
+
+    let mut p0 = first_key;
+    while p0 <= pos_last {
+        let kb = KEY_BLOCK.min(pos_last + 1 - p0);
+        for j in 0..kb {
+            let base = layout.slot(seq, p0 + j) * kv_row + kvh * dh;
+            sc.k[j * dh..(j + 1) * dh].copy_from_slice(&k_cache[base..base + dh]);
+            sc.v[j * dh..(j + 1) * dh].copy_from_slice(&v_cache[base..base + dh]);
+        }
+        // S[rows, kb] = Q · Kᵀ
+        gemm::gemm(
+            rows,
+            kb,
+            dh,
+            sc.s.as_mut_ptr(),
+            1,
+            kb as isize,
+            false,
+            sc.q.as_ptr(),
+            1,
+            dh as isize,
+            sc.k.as_ptr(),
+            dh as isize,
+            1,
+            0.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+        for r in 0..rows {
+            let pos = pos0 + r / group;
+            // Keys this row may see in the block: p ≤ pos, and pos − p < window.
+            let lo = if window > 0 { (pos + 1).saturating_sub(window).saturating_sub(p0).min(kb) } else { 0 };
+            let hi = (pos + 1).saturating_sub(p0).min(kb);
+            let s_row = &mut sc.s[r * kb..(r + 1) * kb];
+            let alpha = softmax_block::run(isa, s_row, lo, hi, softcap, &mut sc.max[r], &mut sc.sum[r]);
+            if alpha != 1.0 {
+                sc.acc[r * dh..(r + 1) * dh].iter_mut().for_each(|a| *a *= alpha);
+            }
+        }
+        // acc[rows, dh] += P[rows, kb] · V[kb, dh]
+        gemm::gemm(
+            rows,
+            dh,
+            kb,
+            sc.acc.as_mut_ptr(),
+            1,
+            dh as isize,
+            true,
+            sc.s.as_ptr(),
+            1,
+            kb as isize,
+            sc.v.as_ptr(),
+            1,
+            dh as isize,
+            1.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+        p0 += kb;
+    }
+    for r in 0..rows {
+        let (i, g) = (r / group, r % group);
+        let inv = if sc.sum[r] > 0.0 { 1.0 / sc.sum[r] } else { 0.0 };
+        let dst = out.slice((tile.start + i) * n_heads * dh + (kvh * group + g) * dh, dh);
+        for (d, a) in dst.iter_mut().zip(&sc.acc[r * dh..(r + 1) * dh]) {
+            *d = a * inv;
+        }
+    }
+}
+
+simd_kernel! {
+    /// One query row's scores for a key block, in place: keys `lo..hi` are visible (soft-capped if
+    /// `softcap > 0`), the rest become 0. Updates the row's running max and sum and returns the
+    /// factor its accumulated values must be scaled by (`e^(old max − new max)`).
+    pub fn softmax_block(s: &mut [f32], lo: usize, hi: usize, softcap: f32, max: &mut f32, sum: &mut f32) -> f32 {
+        if lo >= hi {
+            s.fill(0.0);
+            return 1.0;
+        }
+        if softcap > 0.0 {
+            for v in &mut s[lo..hi] {
+                *v = softcap * (*v / softcap).tanh();
+            }
+        }
+        let block_max = s[lo..hi].iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let new_max = max.max(block_max);
+        let alpha = if *max == f32::NEG_INFINITY { 0.0 } else { exp_approx(*max - new_max) };
+        let mut block_sum = 0f32;
+        for v in &mut s[lo..hi] {
+            let e = exp_approx(*v - new_max);
+            *v = e;
+            block_sum += e;
+        }
+        s[..lo].fill(0.0);
+        s[hi..].fill(0.0);
+        *max = new_max;
+        *sum = *sum * alpha + block_sum;
+        alpha
+    }
+}
