@@ -65,7 +65,7 @@ fn main() {
     for _ in 0..reps {
         let start = Instant::now();
         pool.install(|| {
-            for m in &mats {
+            for (i, m) in mats.iter().enumerate() {
                 let w = QuantMatrix {
                     packed: &m.packed,
                     scales: Floats::F16(&m.scales),
@@ -74,7 +74,7 @@ fn main() {
                     group: 32,
                     k: m.k,
                 };
-                qmatmul(isa, threads, &x[..t * m.k], t, w, m.n, &mut out[..t * m.n], int.then_some(&mut acts));
+                qmatmul(isa, threads, &x[..t * m.k], t, w, m.n, &mut out[..t * m.n], int.then_some((&mut acts, i)));
             }
         });
         times.push(start.elapsed().as_secs_f64());

@@ -188,6 +188,8 @@ fn quant_matrix<'a>(
 }
 
 fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), PluginError> {
+    // Quantized activations are keyed by node id, which only means something within one graph run.
+    ctx.int_scratch.key = None;
     let nodes = unsafe { args.graph.nodes() };
     let constants = unsafe { args.graph.constants() };
     let outputs = unsafe { args.graph.outputs() };
@@ -327,7 +329,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                             if rows != n {
                                 return Err(e(format!("packed weight has {rows} rows, output {n} columns")));
                             }
-                            let int = if ctx.int_activations { Some(&mut ctx.int_scratch) } else { None };
+                            let int = if ctx.int_activations { Some((&mut ctx.int_scratch, src[0] as usize)) } else { None };
                             quantized::qmatmul(isa, threads, &x, t, q, n, &mut out, int);
                         }
                     }

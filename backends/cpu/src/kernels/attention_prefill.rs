@@ -210,11 +210,28 @@ simd_kernel! {
                 *v = softcap * (*v / softcap).tanh();
             }
         }
-        let block_max = s[lo..hi].iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        // Eight-lane reductions so the loops vectorise (a single running sum would not).
+        let mut lanes = [f32::NEG_INFINITY; 8];
+        let mut chunks = s[lo..hi].chunks_exact(8);
+        for c in &mut chunks {
+            for l in 0..8 {
+                lanes[l] = if c[l] > lanes[l] { c[l] } else { lanes[l] };
+            }
+        }
+        let block_max = chunks.remainder().iter().chain(&lanes).fold(f32::NEG_INFINITY, |m, &v| m.max(v));
         let new_max = max.max(block_max);
         let alpha = if *max == f32::NEG_INFINITY { 0.0 } else { exp_approx(*max - new_max) };
-        let mut block_sum = 0f32;
-        for v in &mut s[lo..hi] {
+        let mut sums = [0f32; 8];
+        let mut chunks = s[lo..hi].chunks_exact_mut(8);
+        for c in &mut chunks {
+            for l in 0..8 {
+                let e = exp_approx(c[l] - new_max);
+                c[l] = e;
+                sums[l] += e;
+            }
+        }
+        let mut block_sum = sums.iter().sum::<f32>();
+        for v in chunks.into_remainder() {
             let e = exp_approx(*v - new_max);
             *v = e;
             block_sum += e;

@@ -19,11 +19,25 @@ use crate::isa::Isa;
 /// `d` and `group_sums` carry [`PAD`] zeros past their end, so kernels may read whole vectors.
 #[derive(Default)]
 pub struct IntActs {
+    /// What the buffers hold now: matmuls that read the same activations (q/k/v, gate/up) quantize
+    /// them once. The owner clears it whenever the source could have changed.
+    pub key: Option<ActsKey>,
     pub q: Vec<i16>,
     /// Per block: scale `d` (x ≈ d · q).
     pub d: Vec<f32>,
     /// Per weight group: exact Σx (for the affine bias term).
     pub group_sums: Vec<f32>,
+}
+
+/// Identifies one quantization of one activation tensor.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub struct ActsKey {
+    /// The caller's name for the tensor (the executor uses its graph node).
+    pub source: usize,
+    pub t: usize,
+    pub k: usize,
+    pub group: usize,
+    pub nibble_order: bool,
 }
 
 /// Zeros kept past the end of [`IntActs::d`] and [`IntActs::group_sums`].
@@ -40,37 +54,47 @@ pub fn quantize_acts(isa: Isa, x: &[f32], t: usize, k: usize, group: usize, nibb
     out.group_sums.clear();
     out.group_sums.resize(blocks / group_blocks + PAD, 0.0);
     for b in 0..blocks {
-        let (d, sum) = quantize_block::run(isa, &x[b * 32..(b + 1) * 32], &mut out.q[b * 32..(b + 1) * 32], nibble_order);
+        let (d, sum) = quantize_block(isa, &x[b * 32..(b + 1) * 32], &mut out.q[b * 32..(b + 1) * 32], nibble_order);
         out.d[b] = d;
         out.group_sums[b / group_blocks] += sum;
     }
 }
 
-crate::simd_kernel! {
-    /// One block of 32: returns (scale, Σx) and writes the int16 values.
-    pub fn quantize_block(xs: &[f32], q: &mut [i16], nibble_order: bool) -> (f32, f32) {
-        let mut amax = 0f32;
-        let mut sum = 0f32;
-        for &v in xs {
-            amax = amax.max(v.abs());
-            sum += v;
-        }
-        let d = amax / 32767.0;
-        let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-        let mut tmp = [0i16; 32];
-        for i in 0..32 {
-            tmp[i] = (xs[i] * inv).round() as i16;
-        }
-        if nibble_order {
-            for i in 0..16 {
-                q[i] = tmp[2 * i];
-                q[16 + i] = tmp[2 * i + 1];
-            }
-        } else {
-            q[..32].copy_from_slice(&tmp);
-        }
-        (d, sum)
+/// One block of 32: returns (scale, Σx) and writes the int16 values (`d = max|x| / 32767`).
+#[inline]
+fn quantize_block(isa: Isa, xs: &[f32], q: &mut [i16], nibble_order: bool) -> (f32, f32) {
+    #[cfg(target_arch = "x86_64")]
+    if matches!(isa, Isa::Avx2 | Isa::Avx512) {
+        assert!(xs.len() >= 32 && q.len() >= 32);
+        // SAFETY: AVX2 is present on these paths; both slices hold a whole block.
+        return unsafe { x86::quantize_block_avx2(xs.as_ptr(), q.as_mut_ptr(), nibble_order) };
     }
+    let _ = isa;
+    quantize_block_scalar(xs, q, nibble_order)
+}
+
+fn quantize_block_scalar(xs: &[f32], q: &mut [i16], nibble_order: bool) -> (f32, f32) {
+    let mut amax = 0f32;
+    let mut sum = 0f32;
+    for &v in &xs[..32] {
+        amax = amax.max(v.abs());
+        sum += v;
+    }
+    let d = amax / 32767.0;
+    let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+    let mut tmp = [0i16; 32];
+    for i in 0..32 {
+        tmp[i] = (xs[i] * inv).round_ties_even() as i16;
+    }
+    if nibble_order {
+        for i in 0..16 {
+            q[i] = tmp[2 * i];
+            q[16 + i] = tmp[2 * i + 1];
+        }
+    } else {
+        q[..32].copy_from_slice(&tmp);
+    }
+    (d, sum)
 }
 
 /// One weight row's view for [`dot_row`]: packed words and this row's group scales and biases.
@@ -249,6 +273,38 @@ mod x86 {
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
         _mm_cvtss_f32(s)
+    }
+
+    /// See [`super::quantize_block`]: for 4-bit weights the even elements are split from the odd
+    /// ones in f32 (a shuffle per pair of vectors), then all are rounded (to nearest even, as the
+    /// scalar path) and packed to int16 with saturation.
+    #[target_feature(enable = "avx2,fma")]
+    pub unsafe fn quantize_block_avx2(xs: *const f32, q: *mut i16, nibble_order: bool) -> (f32, f32) {
+        let x = [_mm256_loadu_ps(xs), _mm256_loadu_ps(xs.add(8)), _mm256_loadu_ps(xs.add(16)), _mm256_loadu_ps(xs.add(24))];
+        let sign = _mm256_set1_ps(-0.0);
+        let abs = |v| _mm256_andnot_ps(sign, v);
+        let m = _mm256_max_ps(_mm256_max_ps(abs(x[0]), abs(x[1])), _mm256_max_ps(abs(x[2]), abs(x[3])));
+        let m = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+        let amax = _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+        let sum = hsum(_mm256_add_ps(_mm256_add_ps(x[0], x[1]), _mm256_add_ps(x[2], x[3])));
+        let d = amax / 32767.0;
+        let inv = _mm256_set1_ps(if d > 0.0 { 1.0 / d } else { 0.0 });
+        let ints = |v: __m256| _mm256_cvtps_epi32(_mm256_mul_ps(v, inv));
+        // packs_epi32 interleaves 128-bit lanes; the 64-bit permute puts them back in order.
+        let pack = |a: __m256i, b: __m256i| _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+        if nibble_order {
+            let evens = |a, b| _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+            let odds = |a, b| _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+            let e = pack(ints(evens(x[0], x[1])), ints(evens(x[2], x[3])));
+            let o = pack(ints(odds(x[0], x[1])), ints(odds(x[2], x[3])));
+            _mm256_storeu_si256(q as *mut __m256i, e);
+            _mm256_storeu_si256(q.add(16) as *mut __m256i, o);
+        } else {
+            _mm256_storeu_si256(q as *mut __m256i, pack(ints(x[0]), ints(x[1])));
+            _mm256_storeu_si256(q.add(16) as *mut __m256i, pack(ints(x[2]), ints(x[3])));
+        }
+        (d, sum)
     }
 
     /// How a scale/bias element is stored.

@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::int_dot::{dot_rows, dot_tile, quantize_acts, ActRow, IntActs, QuantRow, QuantRows};
+use super::int_dot::{dot_rows, dot_tile, quantize_acts, ActRow, ActsKey, IntActs, QuantRow, QuantRows};
 use super::matmul::{gemm_tile, tile_rows};
 use super::{Floats, SharedMut};
 use crate::isa::Isa;
@@ -127,14 +127,25 @@ simd_kernel! {
 /// float steps dequantize tiles of rows into gemm.
 pub const ROW_DOT_MAX_TOKENS: usize = 8;
 
-/// `out[T, N] = x[T, K] · dequant(w)ᵀ`. With `int` (scratch for quantized activations), 4- and 8-bit
-/// weights take the int16-activation path for every step size; other widths, or `int = None`
-/// (`MLXCEL_CPU_INT16=0`), take the exact f32 paths.
-pub fn qmatmul(isa: Isa, threads: usize, x: &[f32], t: usize, w: QuantMatrix, n: usize, out: &mut [f32], int: Option<&mut IntActs>) {
+/// `out[T, N] = x[T, K] · dequant(w)ᵀ`. With `int` (scratch for quantized activations, and the
+/// caller's name for `x` so matmuls sharing an input quantize it once), 4- and 8-bit weights take the
+/// int16-activation path for every step size; other widths, or `int = None` (`MLXCEL_CPU_INT16=0`),
+/// take the exact f32 paths.
+#[allow(clippy::too_many_arguments)]
+pub fn qmatmul(
+    isa: Isa,
+    threads: usize,
+    x: &[f32],
+    t: usize,
+    w: QuantMatrix,
+    n: usize,
+    out: &mut [f32],
+    int: Option<(&mut IntActs, usize)>,
+) {
     let k = w.k;
     if matches!(w.bits, 4 | 8) {
-        if let Some(acts) = int {
-            qmatmul_int(isa, x, t, w, n, out, acts);
+        if let Some((acts, source)) = int {
+            qmatmul_int(isa, x, source, t, w, n, out, acts);
             return;
         }
     }
@@ -180,9 +191,14 @@ pub fn qmatmul(isa: Isa, threads: usize, x: &[f32], t: usize, w: QuantMatrix, n:
 }
 
 /// The int16-activation row-dot path (see [`int_dot`](super::int_dot)).
-fn qmatmul_int(isa: Isa, x: &[f32], t: usize, w: QuantMatrix, n: usize, out: &mut [f32], acts: &mut IntActs) {
+#[allow(clippy::too_many_arguments)]
+fn qmatmul_int(isa: Isa, x: &[f32], source: usize, t: usize, w: QuantMatrix, n: usize, out: &mut [f32], acts: &mut IntActs) {
     let k = w.k;
-    quantize_acts(isa, x, t, k, w.group, w.bits == 4, acts);
+    let key = ActsKey { source, t, k, group: w.group, nibble_order: w.bits == 4 };
+    if acts.key != Some(key) {
+        quantize_acts(isa, x, t, k, w.group, w.bits == 4, acts);
+        acts.key = Some(key);
+    }
     let acts = &*acts;
     let gpr = w.groups_per_row();
     let group_blocks = w.group / 32;
