@@ -8,7 +8,7 @@ use mlxcel_plugin_api::{slice_from, ComputeArgs, DType, Node, OpCode, PluginErro
 
 use crate::buffer::{as_f32, as_i32, as_u16, Buffer};
 use crate::isa::Isa;
-use crate::kernels::attention::{self, AttentionShape, PagedLayout};
+use crate::kernels::attention::{self, AttentionScratch, AttentionShape, PagedLayout};
 use crate::kernels::elementwise::{self as ew, binary, unary};
 use crate::kernels::int_dot::IntActs;
 use crate::kernels::quantized::{self, QuantMatrix};
@@ -27,6 +27,7 @@ pub struct ExecState {
     /// int16 activations for 4/8-bit matmuls (`MLXCEL_CPU_INT16=0` turns them off).
     pub int_activations: bool,
     int_scratch: IntActs,
+    attention_scratch: AttentionScratch,
     scratch: Vec<Vec<f32>>,
 }
 
@@ -39,7 +40,7 @@ impl CpuContext {
             .map_err(|e| format!("cannot start {threads} worker threads: {e}"))?;
         let int_activations = std::env::var("MLXCEL_CPU_INT16").map_or(true, |v| v != "0");
         let int_scratch = IntActs::default();
-        Ok(CpuContext { pool, state: ExecState { isa, threads, int_activations, int_scratch, scratch: Vec::new() } })
+        Ok(CpuContext { pool, state: ExecState { isa, threads, int_activations, int_scratch, attention_scratch: AttentionScratch::default(), scratch: Vec::new() } })
     }
 
     pub fn isa(&self) -> Isa {
@@ -493,7 +494,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                             scale: node.fparams[0],
                             softcap: node.fparams[1],
                         };
-                        attention::attention(isa, &layout, shape, &q, kc, vc, &mut out);
+                        attention::attention(isa, &layout, shape, &q, kc, vc, &mut out, &mut ctx.attention_scratch);
                     }
                     OpCode::Input | OpCode::Weight | OpCode::Constant => unreachable!(),
                 }

@@ -52,6 +52,7 @@ const TILED_RUN: usize = 8;
 
 /// `out[t, h*Dh..]` = softmax over the context of token `t` of `q·k` times `v`. Runs of prompt tokens
 /// go through the tiled prefill kernel; the rest (decode steps, short runs) one token at a time.
+#[allow(clippy::too_many_arguments)]
 pub fn attention(
     isa: Isa,
     layout: &PagedLayout,
@@ -60,77 +61,107 @@ pub fn attention(
     k_cache: &[f32],
     v_cache: &[f32],
     out: &mut [f32],
+    scratch: &mut AttentionScratch,
 ) {
-    let (long, short): (Vec<Run>, Vec<Run>) = runs(layout).into_iter().partition(|r| r.end - r.start >= TILED_RUN);
-    if !long.is_empty() {
-        attention_runs(isa, layout, shape, &long, q, k_cache, v_cache, out);
+    runs(layout, &mut scratch.runs);
+    let long = scratch.runs.iter().copied().filter(|r| r.end - r.start >= TILED_RUN);
+    attention_runs(isa, layout, shape, long, q, k_cache, v_cache, out, &mut scratch.tasks);
+    scratch.tokens.clear();
+    for r in scratch.runs.iter().filter(|r| r.end - r.start < TILED_RUN) {
+        scratch.tokens.extend(r.start..r.end);
     }
-    if !short.is_empty() {
-        let tokens: Vec<usize> = short.iter().flat_map(|r| r.start..r.end).collect();
-        attention_tokens(isa, layout, shape, &tokens, q, k_cache, v_cache, out);
+    if !scratch.tokens.is_empty() {
+        attention_tokens(isa, layout, shape, q, k_cache, v_cache, out, scratch);
     }
 }
 
-/// Attention for `tokens`, one (token, KV head) per task.
+/// Step-level bookkeeping kept between calls, so a decode step allocates nothing.
+#[derive(Default)]
+pub struct AttentionScratch {
+    runs: Vec<Run>,
+    tasks: Vec<(Run, usize)>,
+    tokens: Vec<usize>,
+    /// Cache offsets of every context position of every token in `tokens`, back to back.
+    bases: Vec<usize>,
+    /// Per token: its range in `bases`.
+    spans: Vec<std::ops::Range<usize>>,
+}
+
+/// Per-worker buffers (scores and the value accumulator), grown once per thread.
+#[derive(Default)]
+struct WorkerScratch {
+    scores: Vec<f32>,
+    acc: Vec<f32>,
+}
+
+thread_local! {
+    static WORKER: std::cell::RefCell<WorkerScratch> = std::cell::RefCell::new(WorkerScratch::default());
+}
+
+/// Attention for `scratch.tokens`, one (token, KV head) per task.
 #[allow(clippy::too_many_arguments)]
 fn attention_tokens(
     isa: Isa,
     layout: &PagedLayout,
     shape: AttentionShape,
-    tokens: &[usize],
     q: &[f32],
     k_cache: &[f32],
     v_cache: &[f32],
     out: &mut [f32],
+    scratch: &mut AttentionScratch,
 ) {
     let AttentionShape { n_heads, n_kv_heads, head_dim: dh, window, scale, softcap } = shape;
     let group = n_heads / n_kv_heads;
     let kv_row = n_kv_heads * dh;
     // Cache offsets of every context position of every token, shared by that token's heads.
-    let bases: Vec<Vec<usize>> = tokens
-        .iter()
-        .map(|&t| {
-            let seq = layout.token_seq[t] as usize;
-            let pos = layout.positions[t].max(0) as usize;
-            let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
-            (start..=pos).map(|p| layout.slot(seq, p) * kv_row).collect()
-        })
-        .collect();
+    scratch.bases.clear();
+    scratch.spans.clear();
+    for &t in &scratch.tokens {
+        let seq = layout.token_seq[t] as usize;
+        let pos = layout.positions[t].max(0) as usize;
+        let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
+        let b0 = scratch.bases.len();
+        scratch.bases.extend((start..=pos).map(|p| layout.slot(seq, p) * kv_row));
+        scratch.spans.push(b0..scratch.bases.len());
+    }
+    let (tokens, bases, spans) = (&scratch.tokens, &scratch.bases, &scratch.spans);
     let out_ptr = SharedMut(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
     if dh % 8 == 0 && matches!(isa, Isa::Avx2 | Isa::Avx512) {
         // One task per (token, KV head): each key and value row is loaded once for the whole group of
         // query heads that share it (GQA).
-        (0..tokens.len() * n_kv_heads).into_par_iter().for_each_init(
-            || (Vec::<f32>::new(), vec![0f32; group * dh]),
-            |(scores, acc), i| {
-                let (ti, kvh) = (i / n_kv_heads, i % n_kv_heads);
-                let t = tokens[ti];
-                let q0 = t * n_heads * dh + kvh * group * dh;
-                scores.resize(group * bases[ti].len(), 0.0);
+        (0..tokens.len() * n_kv_heads).into_par_iter().for_each(|i| {
+            let (ti, kvh) = (i / n_kv_heads, i % n_kv_heads);
+            let t = tokens[ti];
+            let q0 = t * n_heads * dh + kvh * group * dh;
+            let ctx = &bases[spans[ti].clone()];
+            WORKER.with_borrow_mut(|w| {
+                w.scores.resize(group * ctx.len(), 0.0);
+                w.acc.resize(group * dh, 0.0);
                 // SAFETY: each task writes only its token's heads of this KV head.
                 let o = unsafe { out_ptr.slice(q0, group * dh) };
                 // SAFETY: AVX2 and FMA are present on these paths; offsets were validated by the executor.
                 unsafe {
-                    x86::attend_group_avx2(&q[q0..q0 + group * dh], dh, &bases[ti], kvh * dh, k_cache, v_cache, scale, softcap, scores, acc, o)
+                    x86::attend_group_avx2(&q[q0..q0 + group * dh], dh, ctx, kvh * dh, k_cache, v_cache, scale, softcap, &mut w.scores, &mut w.acc, o)
                 };
-            },
-        );
+            });
+        });
         return;
     }
-    (0..tokens.len() * n_heads).into_par_iter().for_each_init(
-        || (Vec::<f32>::new(), vec![0f32; dh]),
-        |(scores, acc), i| {
-            let (ti, h) = (i / n_heads, i % n_heads);
-            let t = tokens[ti];
-            let off = (h / group) * dh;
-            let qh = &q[t * n_heads * dh + h * dh..][..dh];
-            scores.resize(bases[ti].len(), 0.0);
+    (0..tokens.len() * n_heads).into_par_iter().for_each(|i| {
+        let (ti, h) = (i / n_heads, i % n_heads);
+        let t = tokens[ti];
+        let off = (h / group) * dh;
+        let qh = &q[t * n_heads * dh + h * dh..][..dh];
+        let ctx = &bases[spans[ti].clone()];
+        WORKER.with_borrow_mut(|w| {
+            w.scores.resize(ctx.len(), 0.0);
+            w.acc.resize(dh, 0.0);
             // SAFETY: each task writes only its own head of its token.
             let o = unsafe { out_ptr.slice(t * n_heads * dh + h * dh, dh) };
-            attend::run(isa, qh, &bases[ti], off, k_cache, v_cache, scale, softcap, scores, acc, o);
-        },
-    );
+            attend::run(isa, qh, ctx, off, k_cache, v_cache, scale, softcap, &mut w.scores, &mut w.acc, o);
+        });
+    });
 }
 
 crate::simd_kernel! {

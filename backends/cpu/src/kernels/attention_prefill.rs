@@ -22,9 +22,9 @@ pub struct Run {
     pub end: usize,
 }
 
-/// The step's tokens grouped into runs of one sequence at consecutive positions.
-pub fn runs(layout: &PagedLayout) -> Vec<Run> {
-    let mut out: Vec<Run> = Vec::new();
+/// The step's tokens grouped into runs of one sequence at consecutive positions (into `out`).
+pub fn runs(layout: &PagedLayout, out: &mut Vec<Run>) {
+    out.clear();
     for t in 0..layout.positions.len() {
         match out.last_mut() {
             Some(r) if layout.token_seq[t] == layout.token_seq[t - 1] && layout.positions[t] == layout.positions[t - 1] + 1 => {
@@ -33,10 +33,9 @@ pub fn runs(layout: &PagedLayout) -> Vec<Run> {
             _ => out.push(Run { start: t, end: t + 1 }),
         }
     }
-    out
 }
 
-/// Per-task scratch, reused across the tiles a worker takes.
+/// Per-worker scratch, grown once per thread and reused across the tiles it takes.
 #[derive(Default)]
 struct Scratch {
     q: Vec<f32>,
@@ -48,21 +47,27 @@ struct Scratch {
     sum: Vec<f32>,
 }
 
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::new(Scratch::default());
+}
+
 /// Attention for the tokens of `runs` (each long enough to tile), written into `out[t, h*Dh..]`.
+/// `tasks` is the caller's buffer for the task list.
 #[allow(clippy::too_many_arguments)]
 pub fn attention_runs(
     isa: Isa,
     layout: &PagedLayout,
     shape: AttentionShape,
-    runs: &[Run],
+    runs: impl Iterator<Item = Run>,
     q: &[f32],
     k_cache: &[f32],
     v_cache: &[f32],
     out: &mut [f32],
+    tasks: &mut Vec<(Run, usize)>,
 ) {
     let AttentionShape { n_kv_heads, .. } = shape;
     // Tasks: (tile of tokens, KV head), the longest contexts first so the last tasks are short.
-    let mut tasks: Vec<(Run, usize)> = Vec::new();
+    tasks.clear();
     for run in runs {
         let mut t0 = run.start;
         while t0 < run.end {
@@ -71,11 +76,16 @@ pub fn attention_runs(
             t0 = tile.end;
         }
     }
+    if tasks.is_empty() {
+        return;
+    }
     tasks.sort_by_key(|(tile, _)| std::cmp::Reverse(layout.positions[tile.end - 1]));
     let out = SharedMut(out.as_mut_ptr());
-    tasks.par_iter().for_each_init(Scratch::default, |scratch, &(tile, kvh)| {
-        // SAFETY: each task writes only its tokens' rows for its KV head's query heads.
-        unsafe { tile_task(isa, layout, shape, tile, kvh, q, k_cache, v_cache, scratch, out) }
+    tasks.par_iter().for_each(|&(tile, kvh)| {
+        SCRATCH.with_borrow_mut(|scratch| {
+            // SAFETY: each task writes only its tokens' rows for its KV head's query heads.
+            unsafe { tile_task(isa, layout, shape, tile, kvh, q, k_cache, v_cache, scratch, out) }
+        })
     });
 }
 
