@@ -9,6 +9,7 @@
 //! activations here; with SmolLM2's outlier channels that moved the first-step logits by up to 1.2,
 //! while int16 stays within 0.01 of the f32 reference at almost the same speed.
 
+use super::quantized::QuantMatrix;
 use super::Floats;
 use crate::isa::Isa;
 
@@ -162,30 +163,17 @@ pub fn dot_rows<const NT: usize>(isa: Isa, w: QuantRow, x: &[ActRow; NT], out: &
     }
 }
 
-/// The rows of a quantized matrix, as [`dot_tile`] walks them.
-#[derive(Clone, Copy)]
-pub struct QuantRows<'a> {
-    pub words: &'a [u32],
-    pub scales: Floats<'a>,
-    pub biases: Floats<'a>,
-    pub bits: usize,
-    /// Group size / 32.
-    pub group_blocks: usize,
-    /// Logical columns (elements per row).
-    pub k: usize,
-}
-
-impl<'a> QuantRows<'a> {
+impl<'a> QuantMatrix<'a> {
+    /// Row `r` as [`dot_row`] takes it.
     pub fn row(&self, r: usize) -> QuantRow<'a> {
-        let wpr = self.k * self.bits / 32;
-        let gpr = self.k / (32 * self.group_blocks);
+        let wpr = self.words_per_row();
         QuantRow {
-            words: &self.words[r * wpr..(r + 1) * wpr],
+            words: &self.packed[r * wpr..(r + 1) * wpr],
             scales: self.scales,
             biases: self.biases,
-            group0: r * gpr,
+            group0: r * self.groups_per_row(),
             bits: self.bits,
-            group_blocks: self.group_blocks,
+            group_blocks: self.group / 32,
         }
     }
 }
@@ -194,10 +182,10 @@ impl<'a> QuantRows<'a> {
 /// path). Unlike a loop of [`dot_row`], the per-row setup is whole vectors (block factors and the bias
 /// term eight lanes at a time, reading up to seven scales past the row: the matrix's last rows,
 /// where that would leave the buffer, take [`dot_row`]) and four rows share one reduction.
-pub fn dot_tile(isa: Isa, w: QuantRows, rows: std::ops::Range<usize>, x: ActRow, out: &mut [f32]) {
+pub fn dot_tile(isa: Isa, w: QuantMatrix, rows: std::ops::Range<usize>, x: ActRow, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if matches!(isa, Isa::Avx2 | Isa::Avx512) && matches!(w.group_blocks, 1 | 2 | 4) {
-        let gpr = w.k / (32 * w.group_blocks);
+    if matches!(isa, Isa::Avx2 | Isa::Avx512) && matches!(w.group, 32 | 64 | 128) {
+        let gpr = w.groups_per_row();
         // Rows whose scale/bias vectors stay inside the buffers.
         let safe_end = (w.scales.len().min(w.biases.len()).saturating_sub(PAD) / gpr).min(rows.end).max(rows.start);
         let fast = rows.start..safe_end;
@@ -626,7 +614,7 @@ mod x86 {
     /// term `Σ b_g · Σx_g` eight groups at a time with the row's tail masked off.
     #[inline(always)]
     unsafe fn row_partials<S: ScaleKind>(
-        w: &super::QuantRows,
+        w: &super::QuantMatrix,
         sp: *const u16,
         bp: *const u16,
         r: usize,
@@ -634,12 +622,12 @@ mod x86 {
         tail: __m256,
     ) -> __m256 {
         const CHUNK: usize = 64;
-        let gb = w.group_blocks;
+        let gb = w.group / 32;
         let nb = w.k / 32;
         let groups = nb / gb;
         let (sp, bp) = (S::advance(sp, r * groups), S::advance(bp, r * groups));
         let bytes_per_block = 4 * w.bits;
-        let wp = (w.words.as_ptr() as *const u8).add(r * nb * bytes_per_block);
+        let wp = (w.packed.as_ptr() as *const u8).add(r * nb * bytes_per_block);
         let xp = x.q.as_ptr();
         let dp = x.d.as_ptr();
         let mut comb = [0f32; CHUNK];
@@ -686,14 +674,14 @@ mod x86 {
     /// See [`super::dot_tile`]: rows four at a time, then one at a time.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn dot_tile_avx2<S: ScaleKind>(
-        w: super::QuantRows,
+        w: super::QuantMatrix,
         sp: *const u16,
         bp: *const u16,
         rows: std::ops::Range<usize>,
         x: super::ActRow,
         out: &mut [f32],
     ) {
-        let groups = w.k / (32 * w.group_blocks);
+        let groups = w.groups_per_row();
         let rem = (groups % 8) as i32;
         let tail = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(rem), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
         let o = out.as_mut_ptr().sub(rows.start);

@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::int_dot::{dot_rows, dot_tile, quantize_acts, ActRow, ActsKey, IntActs, QuantRow, QuantRows};
+use super::int_dot::{dot_rows, dot_tile, quantize_acts, ActRow, ActsKey, IntActs, QuantRow};
 use super::matmul::{gemm_tile, tile_rows};
 use super::{Floats, SharedMut};
 use crate::isa::Isa;
@@ -201,14 +201,12 @@ fn qmatmul_int(isa: Isa, x: &[f32], source: usize, t: usize, w: QuantMatrix, n: 
     }
     let acts = &*acts;
     let gpr = w.groups_per_row();
-    let group_blocks = w.group / 32;
     let out_ptr = SharedMut(out.as_mut_ptr());
     let act = |ti: usize| ActRow {
         q: &acts.q[ti * k..(ti + 1) * k],
         d: &acts.d[ti * k / 32..(ti + 1) * k / 32],
         group_sums: &acts.group_sums[ti * gpr..(ti + 1) * gpr],
     };
-    let rows = QuantRows { words: w.packed, scales: w.scales, biases: w.biases, bits: w.bits, group_blocks, k };
     // A task is a tile of rows; its weights stay in L1/L2 while all tokens stream past them.
     let rows_per_task = if t <= ROW_DOT_MAX_TOKENS { 32 } else { 16 };
     (0..n.div_ceil(rows_per_task)).into_par_iter().for_each(|chunk| {
@@ -216,17 +214,17 @@ fn qmatmul_int(isa: Isa, x: &[f32], source: usize, t: usize, w: QuantMatrix, n: 
         // Eight tokens per pass while they last, then four, then one at a time.
         let mut ti = 0;
         while ti + 8 <= t {
-            tokens_pass::<8>(isa, tile.clone(), &|r| rows.row(r), &act, ti, out_ptr, n);
+            tokens_pass::<8>(isa, tile.clone(), &|r| w.row(r), &act, ti, out_ptr, n);
             ti += 8;
         }
         while ti + 4 <= t {
-            tokens_pass::<4>(isa, tile.clone(), &|r| rows.row(r), &act, ti, out_ptr, n);
+            tokens_pass::<4>(isa, tile.clone(), &|r| w.row(r), &act, ti, out_ptr, n);
             ti += 4;
         }
         for tj in ti..t {
             // SAFETY: each task owns its rows' columns of `out`.
             let o = unsafe { out_ptr.slice(tj * n + tile.start, tile.len()) };
-            dot_tile(isa, rows, tile.clone(), act(tj), o);
+            dot_tile(isa, w, tile.clone(), act(tj), o);
         }
     });
 }
