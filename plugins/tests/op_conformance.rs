@@ -256,7 +256,7 @@ fn quantized_matmul_matches_reference_for_every_bits_and_group() {
             for group in [32usize, 64, 128] {
                 // Shapes cover row tiles of 1–4 rows and several tiles, scale dtypes, groups that are and
                 // are not a multiple of 8 per row, rows longer than a kernel's 64-block chunk, and
-                // token counts that take the 8-, 4- and 1-token passes.
+                // token counts that take the 8-, 4- and 1-token passes and the float-tile path.
                 let shapes = [
                     (1, 256, 9, DType::F16),
                     (6, 128, 5, DType::BF16),
@@ -264,6 +264,8 @@ fn quantized_matmul_matches_reference_for_every_bits_and_group() {
                     (13, 128, 7, DType::F16),
                     (1, 2304, 70, DType::BF16),
                     (3, 640, 37, DType::F32),
+                    // A long prefill step: dequantized tiles through gemm on the CPU backend.
+                    (300, 128, 9, DType::BF16),
                 ];
                 for &(t, k, n, sd) in &shapes {
                     let q = quant_weight(rng, n, k, bits, group, sd);

@@ -127,10 +127,16 @@ simd_kernel! {
 /// float steps dequantize tiles of rows into gemm.
 pub const ROW_DOT_MAX_TOKENS: usize = 8;
 
+/// From this many tokens a step dequantizes tiles of weight rows to f32 and multiplies them with
+/// `gemm`, even where the int16 path is available: the conversion is paid once per row for all
+/// tokens, and f32 FMAs then outrun the int16 kernel (1.3× at 512 tokens on Zen 3, break-even at
+/// 256 in `examples/qmatmul_bench.rs`); the result is the exact f32 one.
+pub const FLOAT_TILES_MIN_TOKENS: usize = 256;
+
 /// `out[T, N] = x[T, K] · dequant(w)ᵀ`. With `int` (scratch for quantized activations, and the
 /// caller's name for `x` so matmuls sharing an input quantize it once), 4- and 8-bit weights take the
-/// int16-activation path for every step size; other widths, or `int = None` (`MLXCEL_CPU_INT16=0`),
-/// take the exact f32 paths.
+/// int16-activation path for steps under [`FLOAT_TILES_MIN_TOKENS`]; other widths, larger steps, or
+/// `int = None` (`MLXCEL_CPU_INT16=0`), take the exact f32 paths.
 #[allow(clippy::too_many_arguments)]
 pub fn qmatmul(
     isa: Isa,
@@ -143,7 +149,7 @@ pub fn qmatmul(
     int: Option<(&mut IntActs, usize)>,
 ) {
     let k = w.k;
-    if matches!(w.bits, 4 | 8) {
+    if matches!(w.bits, 4 | 8) && t < FLOAT_TILES_MIN_TOKENS {
         if let Some((acts, source)) = int {
             qmatmul_int(isa, x, source, t, w, n, out, acts);
             return;
