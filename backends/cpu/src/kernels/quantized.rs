@@ -39,26 +39,23 @@ impl QuantMatrix<'_> {
         let row = &self.packed[r * wpr..(r + 1) * wpr];
         for g in 0..gpr {
             let o = &mut out[g * self.group..(g + 1) * self.group];
-            unpack::run(isa, &row[g * wpg..(g + 1) * wpg], self.bits, o);
-            let s = self.scales.get(r * gpr + g);
-            let b = self.biases.get(r * gpr + g);
-            for v in o.iter_mut() {
-                *v = v.mul_add(s, b);
-            }
+            let (s, b) = (self.scales.get(r * gpr + g), self.biases.get(r * gpr + g));
+            dequantize_group::run(isa, &row[g * wpg..(g + 1) * wpg], self.bits, s, b, o);
         }
     }
 }
 
 simd_kernel! {
-    /// Unpacks `out.len()` values of `bits` bits from `words` into floats (no scale or bias).
-    pub fn unpack(words: &[u32], bits: usize, out: &mut [f32]) {
+    /// Unpacks `out.len()` values of `bits` bits from `words` as `s · q + b` (inside the SIMD path, so
+    /// the multiply-add is a vector FMA rather than a call to the software `fmaf`).
+    pub fn dequantize_group(words: &[u32], bits: usize, s: f32, b: f32, out: &mut [f32]) {
         match bits {
             2 | 4 | 8 => {
                 let per = 32 / bits;
                 let mask = (1u32 << bits) - 1;
                 for (w, o) in words.iter().zip(out.chunks_exact_mut(per)) {
                     for (j, v) in o.iter_mut().enumerate() {
-                        *v = ((*w >> (j * bits)) & mask) as f32;
+                        *v = (((*w >> (j * bits)) & mask) as f32).mul_add(s, b);
                     }
                 }
             }
@@ -69,7 +66,7 @@ simd_kernel! {
                     let wi = bit / 32;
                     let lo = words[wi] as u64;
                     let hi = if wi + 1 < words.len() { words[wi + 1] as u64 } else { 0 };
-                    *v = (((lo | (hi << 32)) >> (bit % 32)) & mask) as f32;
+                    *v = ((((lo | (hi << 32)) >> (bit % 32)) & mask) as f32).mul_add(s, b);
                 }
             }
         }
@@ -129,9 +126,9 @@ pub const ROW_DOT_MAX_TOKENS: usize = 8;
 
 /// From this many tokens a step dequantizes tiles of weight rows to f32 and multiplies them with
 /// `gemm`, even where the int16 path is available: the conversion is paid once per row for all
-/// tokens, and f32 FMAs then outrun the int16 kernel (1.3× at 512 tokens on Zen 3, break-even at
-/// 256 in `examples/qmatmul_bench.rs`); the result is the exact f32 one.
-pub const FLOAT_TILES_MIN_TOKENS: usize = 256;
+/// tokens, and f32 FMAs then outrun the int16 kernel (break-even at 64 tokens, 1.3× at 128 on Zen 3
+/// in `examples/qmatmul_bench.rs`); the result is the exact f32 one.
+pub const FLOAT_TILES_MIN_TOKENS: usize = 64;
 
 /// `out[T, N] = x[T, K] · dequant(w)ᵀ`. With `int` (scratch for quantized activations, and the
 /// caller's name for `x` so matmuls sharing an input quantize it once), 4- and 8-bit weights take the
