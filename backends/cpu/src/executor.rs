@@ -4,7 +4,7 @@
 
 use std::borrow::Cow;
 
-use mlxcel_plugin_api::{slice_from, ComputeArgs, DType, Node, OpCode, PluginError};
+use mlxcel_plugin_api::{slice_from, BufferHandle, ComputeArgs, DType, HostTensor, Node, OpCode, PluginError};
 
 use crate::buffer::{as_f32, as_i32, as_u16, Buffer};
 use crate::isa::Isa;
@@ -89,6 +89,8 @@ impl ExecState {
 }
 
 enum Val<'a> {
+    /// Not evaluated yet.
+    Pending,
     Act(Vec<f32>),
     Raw(&'a [u8], DType),
     Freed,
@@ -107,6 +109,7 @@ fn floats<'a>(v: &'a Val, what: &str) -> Result<Floats<'a>, String> {
         Val::Raw(b, DType::BF16) => Ok(Floats::BF16(as_u16(b))),
         Val::Raw(_, d) => Err(format!("{what} has dtype {}, expected a float", d.name())),
         Val::Freed => Err(format!("{what} was read after its last use")),
+        Val::Pending => Err(format!("{what} was read before it was computed")),
     }
 }
 
@@ -188,6 +191,118 @@ fn quant_matrix<'a>(
     Ok((q, n))
 }
 
+/// The value of a source node (input, weight, constant): a view of the caller's memory, or the
+/// constant decoded. Shared by the main loop and by matmul fusion, which binds a later matmul's
+/// weights early.
+#[allow(clippy::too_many_arguments)]
+fn bind_source<'a>(
+    ctx: &mut ExecState,
+    i: usize,
+    node: &Node,
+    inputs: &'a [HostTensor],
+    weights: &'a [BufferHandle],
+    constants: &'a [u8],
+) -> Result<Val<'a>, PluginError> {
+    let e = |m: String| bad(i, node, m);
+    let expect_bytes = node.numel() * node.dtype().size();
+    Ok(match node.opcode().unwrap() {
+        OpCode::Input => {
+            let slot = node.iparams[0] as usize;
+            let t = inputs.get(slot).ok_or_else(|| e(format!("input slot {slot} not bound")))?;
+            if t.len != expect_bytes {
+                return Err(e(format!("input slot {slot} has {} bytes, expected {expect_bytes}", t.len)));
+            }
+            let bytes: &[u8] = if t.len == 0 { &[] } else { unsafe { std::slice::from_raw_parts(t.ptr, t.len) } };
+            Val::Raw(bytes, node.dtype())
+        }
+        OpCode::Weight => {
+            let idx = node.iparams[0] as usize;
+            let h = *weights.get(idx).ok_or_else(|| e(format!("weight {idx} not bound")))?;
+            let buf = unsafe { (h as *const Buffer).as_ref() }.ok_or_else(|| e(format!("weight {idx} is null")))?;
+            if buf.bytes().len() != expect_bytes {
+                return Err(e(format!("weight {idx} has {} bytes, expected {expect_bytes}", buf.bytes().len())));
+            }
+            Val::Raw(buf.bytes(), node.dtype())
+        }
+        OpCode::Constant => {
+            let (off, len) = (node.iparams[0] as usize, node.iparams[1] as usize);
+            if off.checked_add(len).is_none_or(|end| end > constants.len()) || len != expect_bytes {
+                return Err(e("constant out of the graph's constant blob".into()));
+            }
+            let mut v = ctx.take(len / 4);
+            for (d, c) in v.iter_mut().zip(constants[off..off + len].chunks_exact(4)) {
+                *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            }
+            Val::Act(v)
+        }
+        _ => return Err(e("not a source node".into())),
+    })
+}
+
+/// Recycles the storage of `node`'s sources whose last reader it is.
+fn free_last_uses(ctx: &mut ExecState, vals: &mut [Val], last_use: &[usize], node: usize, src: &[u32]) {
+    for &s in src {
+        if last_use[s as usize] == node {
+            if let Val::Act(v) = std::mem::replace(&mut vals[s as usize], Val::Freed) {
+                ctx.give(v);
+            }
+        }
+    }
+}
+
+/// Up to this many matmuls of one input run as one parallel loop (q/k/v; gate/up).
+const MAX_FUSED: usize = 4;
+
+/// The matmuls after `i` that read the same input with the same quantization, take the int16 path,
+/// and follow it with only source nodes in between (q/k/v, gate/up): they can run together. Binds
+/// the weights they need that come after `i`. Returns how many were found.
+#[allow(clippy::too_many_arguments)]
+fn fusable_after<'a>(
+    ctx: &mut ExecState,
+    nodes: &[Node],
+    i: usize,
+    vals: &mut [Val<'a>],
+    inputs: &'a [HostTensor],
+    weights: &'a [BufferHandle],
+    constants: &'a [u8],
+    found: &mut [usize; MAX_FUSED - 1],
+) -> Result<usize, PluginError> {
+    let node = &nodes[i];
+    let x = node.sources()[0] as usize;
+    let t = nodes[x].rows();
+    if !quantized::int_path_applies(node.iparams[0] as usize, t, ctx.int_activations) || node.sources().len() < 4 {
+        return Ok(0);
+    }
+    let mut n = 0;
+    let mut j = i + 1;
+    while j < nodes.len() && n < found.len() {
+        let nj = &nodes[j];
+        match nj.opcode() {
+            Some(OpCode::Input | OpCode::Weight | OpCode::Constant) => {}
+            Some(OpCode::QuantMatMul)
+                if nj.sources().len() == 4
+                    && nj.sources()[0] as usize == x
+                    && nj.iparams[..2] == node.iparams[..2]
+                    && nj.rows() == t =>
+            {
+                found[n] = j;
+                n += 1;
+            }
+            _ => break,
+        }
+        j += 1;
+    }
+    for &m in &found[..n] {
+        for &s in &nodes[m].sources()[1..] {
+            let s = s as usize;
+            if matches!(vals[s], Val::Pending) {
+                vals[s] = bind_source(ctx, s, &nodes[s], inputs, weights, constants)?;
+            }
+        }
+    }
+    Ok(n)
+}
+
 fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), PluginError> {
     // Quantized activations are keyed by node id, which only means something within one graph run.
     ctx.int_scratch.key = None;
@@ -231,42 +346,26 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
 
     let isa = ctx.isa;
     let threads = ctx.threads;
-    let mut vals: Vec<Val> = Vec::with_capacity(nodes.len());
+    let mut vals: Vec<Val> = (0..nodes.len()).map(|_| Val::Pending).collect();
     for (i, node) in nodes.iter().enumerate() {
         let op = node.opcode().unwrap();
         let src = node.sources();
         let e = |m: String| bad(i, node, m);
-        let expect_bytes = node.numel() * node.dtype().size();
+        if !matches!(vals[i], Val::Pending) {
+            // Computed ahead of its turn (a source bound early, or a fused matmul).
+            free_last_uses(ctx, &mut vals, &last_use, i, src);
+            continue;
+        }
+        // Matmuls after this one that share its input run with it (results stored below).
+        let mut fused_ids = [0usize; MAX_FUSED - 1];
+        let n_fused = if op == OpCode::QuantMatMul {
+            fusable_after(ctx, nodes, i, &mut vals, inputs, weights, constants, &mut fused_ids)?
+        } else {
+            0
+        };
+        let mut fused: [(usize, Vec<f32>); MAX_FUSED - 1] = Default::default();
         let val = match op {
-            OpCode::Input => {
-                let slot = node.iparams[0] as usize;
-                let t = inputs.get(slot).ok_or_else(|| e(format!("input slot {slot} not bound")))?;
-                if t.len != expect_bytes {
-                    return Err(e(format!("input slot {slot} has {} bytes, expected {expect_bytes}", t.len)));
-                }
-                let bytes: &[u8] = if t.len == 0 { &[] } else { unsafe { std::slice::from_raw_parts(t.ptr, t.len) } };
-                Val::Raw(bytes, node.dtype())
-            }
-            OpCode::Weight => {
-                let idx = node.iparams[0] as usize;
-                let h = *weights.get(idx).ok_or_else(|| e(format!("weight {idx} not bound")))?;
-                let buf = unsafe { (h as *const Buffer).as_ref() }.ok_or_else(|| e(format!("weight {idx} is null")))?;
-                if buf.bytes().len() != expect_bytes {
-                    return Err(e(format!("weight {idx} has {} bytes, expected {expect_bytes}", buf.bytes().len())));
-                }
-                Val::Raw(buf.bytes(), node.dtype())
-            }
-            OpCode::Constant => {
-                let (off, len) = (node.iparams[0] as usize, node.iparams[1] as usize);
-                if off.checked_add(len).is_none_or(|end| end > constants.len()) || len != expect_bytes {
-                    return Err(e("constant out of the graph's constant blob".into()));
-                }
-                let mut v = ctx.take(len / 4);
-                for (d, c) in v.iter_mut().zip(constants[off..off + len].chunks_exact(4)) {
-                    *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                }
-                Val::Act(v)
-            }
+            OpCode::Input | OpCode::Weight | OpCode::Constant => bind_source(ctx, i, node, inputs, weights, constants)?,
             _ => {
                 let mut out = ctx.take(node.numel());
                 let v = |j: usize| &vals[src[j] as usize];
@@ -330,8 +429,25 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                             if rows != n {
                                 return Err(e(format!("packed weight has {rows} rows, output {n} columns")));
                             }
-                            let int = if ctx.int_activations { Some((&mut ctx.int_scratch, src[0] as usize)) } else { None };
-                            quantized::qmatmul(isa, threads, &x, t, q, n, &mut out, int);
+                            if n_fused > 0 {
+                                for (f, &m) in fused.iter_mut().zip(&fused_ids[..n_fused]) {
+                                    *f = (m, ctx.take(nodes[m].numel()));
+                                }
+                                let mut parts: [Option<quantized::QuantPart>; MAX_FUSED] = Default::default();
+                                parts[0] = Some(quantized::QuantPart { w: q, n, out: &mut out });
+                                for (slot, (m, buf)) in parts[1..].iter_mut().zip(fused.iter_mut().take(n_fused)) {
+                                    let nm = &nodes[*m];
+                                    let (qm, rows) = quant_matrix(&vals, nodes, nm, k).map_err(|msg| bad(*m, nm, msg))?;
+                                    if rows != nm.cols() || qm.k != k {
+                                        return Err(bad(*m, nm, format!("packed weight has {rows} rows, output {} columns", nm.cols())));
+                                    }
+                                    *slot = Some(quantized::QuantPart { w: qm, n: rows, out: buf });
+                                }
+                                quantized::qmatmul_shared_input(isa, &x, src[0] as usize, t, parts.into_iter().flatten(), &mut ctx.int_scratch);
+                            } else {
+                                let int = if ctx.int_activations { Some((&mut ctx.int_scratch, src[0] as usize)) } else { None };
+                                quantized::qmatmul(isa, threads, &x, t, q, n, &mut out, int);
+                            }
                         }
                     }
                     OpCode::GetRows => {
@@ -501,14 +617,11 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                 Val::Act(out)
             }
         };
-        vals.push(val);
-        for &s in src {
-            if last_use[s as usize] == i {
-                if let Val::Act(v) = std::mem::replace(&mut vals[s as usize], Val::Freed) {
-                    ctx.give(v);
-                }
-            }
+        vals[i] = val;
+        for (m, result) in fused.iter_mut().take(n_fused) {
+            vals[*m] = Val::Act(std::mem::take(result));
         }
+        free_last_uses(ctx, &mut vals, &last_use, i, src);
     }
 
     for (o, dst) in outputs.iter().zip(outs) {

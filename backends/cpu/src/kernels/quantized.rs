@@ -146,7 +146,7 @@ pub fn qmatmul(
     int: Option<(&mut IntActs, usize)>,
 ) {
     let k = w.k;
-    if matches!(w.bits, 4 | 8) && t < FLOAT_TILES_MIN_TOKENS {
+    if int_path_applies(w.bits, t, int.is_some()) {
         if let Some((acts, source)) = int {
             qmatmul_int(isa, x, source, t, w, n, out, acts);
             return;
@@ -196,23 +196,67 @@ pub fn qmatmul(
 /// The int16-activation row-dot path (see [`int_dot`](super::int_dot)).
 #[allow(clippy::too_many_arguments)]
 fn qmatmul_int(isa: Isa, x: &[f32], source: usize, t: usize, w: QuantMatrix, n: usize, out: &mut [f32], acts: &mut IntActs) {
-    let k = w.k;
-    let key = ActsKey { source, t, k, group: w.group, nibble_order: w.bits == 4 };
+    qmatmul_shared_input(isa, x, source, t, [QuantPart { w, n, out }], acts);
+}
+
+/// One matrix of [`qmatmul_shared_input`]: `out[T, n] = x · wᵀ`.
+pub struct QuantPart<'a, 'o> {
+    pub w: QuantMatrix<'a>,
+    pub n: usize,
+    pub out: &'o mut [f32],
+}
+
+/// Whether [`qmatmul`] takes the int16 path for `bits`-bit weights and a `t`-token step (so matmuls
+/// sharing an input can go through [`qmatmul_shared_input`] together).
+pub fn int_path_applies(bits: usize, t: usize, int_enabled: bool) -> bool {
+    int_enabled && matches!(bits, 4 | 8) && t < FLOAT_TILES_MIN_TOKENS
+}
+
+/// Several int16-path matmuls of the same input (q/k/v, gate/up) as one parallel loop: one fork/join
+/// instead of one per matrix, and the input quantized once. Every part must satisfy
+/// [`int_path_applies`] and share `bits`, `group` and `k`.
+pub fn qmatmul_shared_input<'a, 'o>(
+    isa: Isa,
+    x: &[f32],
+    source: usize,
+    t: usize,
+    parts: impl IntoIterator<Item = QuantPart<'a, 'o>>,
+    acts: &mut IntActs,
+) {
+    const MAX_PARTS: usize = 8;
+    // Fixed-size tables (no allocation per step): each part's matrix, rows and output.
+    let mut dims: [Option<(QuantMatrix, usize, SharedMut<f32>)>; MAX_PARTS] = [None; MAX_PARTS];
+    let mut n_parts = 0;
+    for part in parts {
+        assert!(n_parts < MAX_PARTS, "at most {MAX_PARTS} matrices per shared-input matmul");
+        dims[n_parts] = Some((part.w, part.n, SharedMut(part.out.as_mut_ptr())));
+        n_parts += 1;
+    }
+    let Some((w0, _, _)) = dims[0] else { return };
+    let k = w0.k;
+    debug_assert!(dims.iter().flatten().all(|(w, _, _)| w.k == k && w.bits == w0.bits && w.group == w0.group));
+    let key = ActsKey { source, t, k, group: w0.group, nibble_order: w0.bits == 4 };
     if acts.key != Some(key) {
-        quantize_acts(isa, x, t, k, w.group, w.bits == 4, acts);
+        quantize_acts(isa, x, t, k, w0.group, w0.bits == 4, acts);
         acts.key = Some(key);
     }
     let acts = &*acts;
-    let gpr = w.groups_per_row();
-    let out_ptr = SharedMut(out.as_mut_ptr());
+    let gpr = w0.groups_per_row();
     let act = |ti: usize| ActRow {
         q: &acts.q[ti * k..(ti + 1) * k],
         d: &acts.d[ti * k / 32..(ti + 1) * k / 32],
         group_sums: &acts.group_sums[ti * gpr..(ti + 1) * gpr],
     };
-    // A task is a tile of rows; its weights stay in L1/L2 while all tokens stream past them.
+    // A task is a tile of rows of one part; its weights stay in L1/L2 while all tokens stream past.
     let rows_per_task = if t <= ROW_DOT_MAX_TOKENS { 32 } else { 16 };
-    (0..n.div_ceil(rows_per_task)).into_par_iter().for_each(|chunk| {
+    let mut first_task = [0usize; MAX_PARTS + 1];
+    for p in 0..n_parts {
+        first_task[p + 1] = first_task[p] + dims[p].map_or(0, |(_, n, _)| n.div_ceil(rows_per_task));
+    }
+    (0..first_task[n_parts]).into_par_iter().for_each(|task| {
+        let p = (0..n_parts).find(|&p| task < first_task[p + 1]).unwrap_or(0);
+        let Some((w, n, out_ptr)) = dims[p] else { return };
+        let chunk = task - first_task[p];
         let tile = chunk * rows_per_task..((chunk + 1) * rows_per_task).min(n);
         // Eight tokens per pass while they last, then four, then one at a time.
         let mut ti = 0;
@@ -225,7 +269,7 @@ fn qmatmul_int(isa: Isa, x: &[f32], source: usize, t: usize, w: QuantMatrix, n: 
             ti += 4;
         }
         for tj in ti..t {
-            // SAFETY: each task owns its rows' columns of `out`.
+            // SAFETY: each task owns its rows' columns of its part's `out`.
             let o = unsafe { out_ptr.slice(tj * n + tile.start, tile.len()) };
             dot_tile(isa, w, tile.clone(), act(tj), o);
         }
