@@ -293,6 +293,43 @@ fn quantized_matmul_matches_reference_for_every_bits_and_group() {
     });
 }
 
+/// Matmuls that read one input back to back (q/k/v, gate/up) may run together (the CPU backend
+/// fuses them into one parallel loop): each result must still be its own. The same three-matmul
+/// graph runs once per result it returns.
+#[test]
+fn matmuls_sharing_an_input_each_match_reference() {
+    each_backend(|ctx, rng| {
+        for bits in [4usize, 8] {
+            for &(t, k) in &[(1usize, 256usize), (5, 128)] {
+                let ns = [40usize, 9, 70];
+                let qs: Vec<QuantWeight> = ns.iter().map(|&n| quant_weight(rng, n, k, bits, 64, DType::F16)).collect();
+                let x = rng.vec(t * k, 1.0);
+                for (which, (q, &n)) in qs.iter().zip(&ns).enumerate() {
+                    let mut run = Run::new(ctx);
+                    let xi = run.input_f32(&x, &[t as u64, k as u64]);
+                    let mut outs = Vec::new();
+                    for (qj, &nj) in qs.iter().zip(&ns) {
+                        let n64 = nj as u64;
+                        let pi = run.weight(&bytes(&qj.packed), DType::U32, &[n64, (k * bits / 32) as u64]);
+                        let si = run.weight(&qj.scales.data, DType::F16, &[n64, (k / 64) as u64]);
+                        let bi = run.weight(&qj.biases.data, DType::F16, &[n64, (k / 64) as u64]);
+                        outs.push(run.g.op_with(OpCode::QuantMatMul, &[t as u64, n64], &[xi, pi, si, bi], &[bits as i64, 64], &[]));
+                    }
+                    let got = run.execute(outs[which]);
+                    let want: Vec<f64> =
+                        (0..t * n).map(|i| (0..k).map(|j| x[(i / n) * k + j] as f64 * q.dequant[(i % n) * k + j]).sum()).collect();
+                    let what = format!("{} shared-input qmatmul {bits}b t{t} k{k}, result {which} of 3", ctx.name());
+                    if int_activations() {
+                        check_int16(&what, &got, &want, &x, &q.dequant, t, k, n);
+                    } else {
+                        check(&what, &got, &want, k);
+                    }
+                }
+            }
+        }
+    });
+}
+
 #[test]
 fn embeddings_match_reference() {
     each_backend(|ctx, rng| {
