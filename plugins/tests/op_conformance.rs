@@ -282,7 +282,8 @@ fn quantized_matmul_matches_reference_for_every_bits_and_group() {
                         .map(|i| (0..k).map(|j| x[(i / n) * k + j] as f64 * q.dequant[(i % n) * k + j]).sum())
                         .collect();
                     let what = format!("{} qmatmul {bits}b g{group} t{t} k{k} n{n}", ctx.name());
-                    if int_activations() && matches!(bits, 4 | 8) {
+                    if int_activations() {
+                        // Every width rounds activations to int16 on the CPU backend's default path.
                         check_int16(&what, &got, &want, &x, &q.dequant, t, k, n);
                     } else {
                         check(&what, &got, &want, k);
@@ -299,7 +300,7 @@ fn quantized_matmul_matches_reference_for_every_bits_and_group() {
 #[test]
 fn matmuls_sharing_an_input_each_match_reference() {
     each_backend(|ctx, rng| {
-        for bits in [4usize, 8] {
+        for bits in [3usize, 4, 8] {
             for &(t, k) in &[(1usize, 256usize), (5, 128)] {
                 let ns = [40usize, 9, 70];
                 let qs: Vec<QuantWeight> = ns.iter().map(|&n| quant_weight(rng, n, k, bits, 64, DType::F16)).collect();

@@ -9,6 +9,11 @@ use mlxcel_backend_cpu::kernels::int_dot::IntActs;
 use mlxcel_backend_cpu::kernels::quantized::{qmatmul, QuantMatrix};
 use mlxcel_backend_cpu::kernels::Floats;
 
+/// Weight width: `BITS` (default 4).
+fn bits() -> usize {
+    std::env::var("BITS").ok().and_then(|v| v.parse().ok()).unwrap_or(4)
+}
+
 struct Mat {
     packed: Vec<u32>,
     scales: Vec<u16>,
@@ -25,7 +30,7 @@ fn rng(seed: &mut u64) -> u64 {
 }
 
 fn mat(n: usize, k: usize, seed: &mut u64) -> Mat {
-    let packed = (0..n * k / 8).map(|_| rng(seed) as u32).collect();
+    let packed = (0..n * k * bits() / 32).map(|_| rng(seed) as u32).collect();
     let half = |v: f32| half::f16::from_f32(v).to_bits();
     let scales = (0..n * k / 32).map(|_| half(0.01 + (rng(seed) % 100) as f32 * 1e-4)).collect();
     let biases = (0..n * k / 32).map(|_| half(-0.05 + (rng(seed) % 100) as f32 * 1e-4)).collect();
@@ -76,7 +81,7 @@ fn main() {
                     packed: &m.packed,
                     scales: Floats::F16(&m.scales),
                     biases: Floats::F16(&m.biases),
-                    bits: 4,
+                    bits: bits(),
                     group: 32,
                     k: m.k,
                 };
@@ -91,8 +96,9 @@ fn main() {
     times.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let med = times[times.len() / 2];
     println!(
-        "isa {} t={t} threads={threads}: {:.2} ms per pass (min {:.2}), {:.1} GB/s, {:.0} tok/s",
+        "isa {} bits {} t={t} threads={threads}: {:.2} ms per pass (min {:.2}), {:.1} GB/s, {:.0} tok/s",
         isa.name(),
+        bits(),
         med * 1e3,
         times[0] * 1e3,
         bytes as f64 / med / 1e9,

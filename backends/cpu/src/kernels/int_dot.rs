@@ -124,7 +124,7 @@ pub struct ActRow<'a> {
 #[inline]
 pub fn dot_row(isa: Isa, w: QuantRow, x: ActRow) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if matches!(isa, Isa::Avx2 | Isa::Avx512) {
+    if matches!(isa, Isa::Avx2 | Isa::Avx512) && matches!(w.bits, 4 | 8) {
         // SAFETY: the context only selects these paths when the CPU has AVX2, FMA and F16C.
         return unsafe {
             match (w.scales, w.biases) {
@@ -187,7 +187,11 @@ pub fn dot_tile(isa: Isa, w: QuantMatrix, rows: std::ops::Range<usize>, x: ActRo
     if matches!(isa, Isa::Avx2 | Isa::Avx512) && matches!(w.group, 32 | 64 | 128) {
         let gpr = w.groups_per_row();
         // Rows whose scale/bias vectors stay inside the buffers.
-        let safe_end = (w.scales.len().min(w.biases.len()).saturating_sub(PAD) / gpr).min(rows.end).max(rows.start);
+        // (and, for 2/3/5/6 bits, whose blocks are read eight bytes at a time, inside the weights).
+        let row_bytes = w.words_per_row() * 4;
+        let by_scales = w.scales.len().min(w.biases.len()).saturating_sub(PAD) / gpr;
+        let by_words = (w.packed.len() * 4).saturating_sub(8) / row_bytes;
+        let safe_end = by_scales.min(by_words).min(rows.end).max(rows.start);
         let fast = rows.start..safe_end;
         // SAFETY: AVX2/FMA/F16C are present on these paths; `fast` rows read inside the buffers and
         // `x` comes from an `IntActs` (padded).
@@ -235,10 +239,13 @@ fn dot_row_scalar(w: QuantRow, x: ActRow) -> f32 {
                 }
             }
         } else {
-            for (j, word) in bw.iter().enumerate() {
-                for k in 0..4 {
-                    isum += ((word >> (8 * k)) & 0xff) as i32 * xb[j * 4 + k] as i32;
-                }
+            // Natural order: value i is bits i·b .. i·b + b of the block's little-endian stream.
+            let mask = (1u64 << w.bits) - 1;
+            for (i, &xv) in xb.iter().enumerate() {
+                let bit = i * w.bits;
+                let lo = bw[bit / 32] as u64;
+                let hi = bw.get(bit / 32 + 1).map_or(0, |&v| v as u64);
+                isum += (((lo | (hi << 32)) >> (bit % 32)) & mask) as i32 * xv as i32;
             }
         }
         acc += x.d[blk] * w.scales.get(w.group0 + blk / w.group_blocks) * isum as f32;
@@ -419,7 +426,8 @@ mod x86 {
     /// (a tree of horizontal adds) so one conversion and one FMA with eight factors serve eight
     /// blocks; the remaining blocks one at a time.
     #[inline(always)]
-    unsafe fn accumulate_blocks_reduced(comb: &[f32], b0: usize, nb: usize, block: impl Fn(usize) -> __m256i) -> __m256 {
+    unsafe fn accumulate_blocks_reduced<B: BlockDot>(comb: &[f32], b0: usize, nb: usize, blocks: &B) -> __m256 {
+        let block = |b: usize| blocks.block(b);
         let mut acc = _mm256_setzero_ps();
         let mut i = 0;
         while i + 8 <= nb {
@@ -443,6 +451,97 @@ mod x86 {
             i += 1;
         }
         acc
+    }
+
+    /// One block's integer partial sums, by weight width. A trait with inlined methods rather than a
+    /// closure: closures are compiled without the caller's AVX2, which keeps intrinsics out of line.
+    trait BlockDot {
+        unsafe fn block(&self, blk: usize) -> __m256i;
+    }
+    struct Q4 {
+        wp: *const u8,
+        xp: *const i16,
+    }
+    struct Q8 {
+        wp: *const u8,
+        xp: *const i16,
+    }
+    struct QN<'u> {
+        wp: *const u8,
+        xp: *const i16,
+        unpack: &'u Unpack,
+    }
+    impl BlockDot for Q4 {
+        #[inline(always)]
+        unsafe fn block(&self, blk: usize) -> __m256i {
+            q4_block(self.wp, self.xp, blk)
+        }
+    }
+    impl BlockDot for Q8 {
+        #[inline(always)]
+        unsafe fn block(&self, blk: usize) -> __m256i {
+            q8_block(self.wp, self.xp, blk)
+        }
+    }
+    impl BlockDot for QN<'_> {
+        #[inline(always)]
+        unsafe fn block(&self, blk: usize) -> __m256i {
+            qn_block(self.wp, self.xp, blk, self.unpack)
+        }
+    }
+
+    /// How [`qn_block`] pulls `bits`-bit values (2, 3, 5, 6) out of a block: per 32-bit lane `i` of
+    /// eight values, the two bytes holding value `i`, the shift that aligns it, and the value mask.
+    pub struct Unpack {
+        bits: usize,
+        gather: __m256i,
+        shifts: __m256i,
+        mask: __m256i,
+    }
+
+    impl Unpack {
+        #[target_feature(enable = "avx2")]
+        pub unsafe fn new(bits: usize) -> Unpack {
+            let mut gather = [-128i8; 32];
+            let mut shifts = [0i32; 8];
+            for i in 0..8 {
+                let bit = i * bits;
+                // Both 128-bit halves hold the same eight bytes, so in-lane indices are 0-7.
+                gather[4 * i] = (bit / 8) as i8;
+                gather[4 * i + 1] = (bit / 8 + 1).min(7) as i8;
+                shifts[i] = (bit % 8) as i32;
+            }
+            Unpack {
+                bits,
+                gather: _mm256_loadu_si256(gather.as_ptr() as *const __m256i),
+                shifts: _mm256_loadu_si256(shifts.as_ptr() as *const __m256i),
+                mask: _mm256_set1_epi32((1 << bits) - 1),
+            }
+        }
+    }
+
+    /// Values `8g..8g + 8` of a block as int32 lanes (a function, not a closure, so it is compiled
+    /// with its caller's AVX2 and the intrinsics inline).
+    #[inline(always)]
+    unsafe fn eight_values(base: *const u8, g: usize, u: &Unpack) -> __m256i {
+        let v = _mm256_set1_epi64x((base.add(g * u.bits) as *const i64).read_unaligned());
+        _mm256_and_si256(_mm256_srlv_epi32(_mm256_shuffle_epi8(v, u.gather), u.shifts), u.mask)
+    }
+
+    /// One block of 2/3/5/6-bit values in natural order times the block's int16 activations. A
+    /// block is `4·bits` bytes; each run of eight values is `bits` whole bytes, read eight bytes at
+    /// a time (up to six past the block: callers keep the last rows of a matrix off this path),
+    /// gathered per 32-bit lane by an in-lane shuffle, shifted per lane and masked, then packed to
+    /// int16 for `vpmaddwd`.
+    #[inline(always)]
+    unsafe fn qn_block(wp: *const u8, xp: *const i16, blk: usize, u: &Unpack) -> __m256i {
+        let base = wp.add(blk * 4 * u.bits);
+        // packs_epi32 interleaves 128-bit lanes; the 64-bit permute restores value order.
+        let w_lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(eight_values(base, 0, u), eight_values(base, 1, u)), 0xD8);
+        let w_hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(eight_values(base, 2, u), eight_values(base, 3, u)), 0xD8);
+        let x_lo = _mm256_loadu_si256(xp.add(blk * 32) as *const __m256i);
+        let x_hi = _mm256_loadu_si256(xp.add(blk * 32 + 16) as *const __m256i);
+        _mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi))
     }
 
     /// One 8-bit block: bytes widened to i16 (`vpmaddubsw` could saturate at 2·255·32767), each half
@@ -620,6 +719,7 @@ mod x86 {
         r: usize,
         x: &super::ActRow,
         tail: __m256,
+        unpack: &Unpack,
     ) -> __m256 {
         const CHUNK: usize = 64;
         let gb = w.group / 32;
@@ -641,10 +741,10 @@ mod x86 {
                 _mm256_storeu_ps(comb.as_mut_ptr().add(i), v);
                 i += 8;
             }
-            let part = if w.bits == 4 {
-                accumulate_blocks_reduced(&comb[..n], b0, n, |blk| q4_block(wp, xp, blk))
-            } else {
-                accumulate_blocks_reduced(&comb[..n], b0, n, |blk| q8_block(wp, xp, blk))
+            let part = match w.bits {
+                4 => accumulate_blocks_reduced(&comb[..n], b0, n, &Q4 { wp, xp }),
+                8 => accumulate_blocks_reduced(&comb[..n], b0, n, &Q8 { wp, xp }),
+                _ => accumulate_blocks_reduced(&comb[..n], b0, n, &QN { wp, xp, unpack }),
             };
             acc = _mm256_add_ps(acc, part);
             b0 += n;
@@ -684,18 +784,19 @@ mod x86 {
         let groups = w.groups_per_row();
         let rem = (groups % 8) as i32;
         let tail = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(rem), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        let unpack = Unpack::new(w.bits);
         let o = out.as_mut_ptr().sub(rows.start);
         let mut r = rows.start;
         while r + 4 <= rows.end {
-            let a = row_partials::<S>(&w, sp, bp, r, &x, tail);
-            let b = row_partials::<S>(&w, sp, bp, r + 1, &x, tail);
-            let c = row_partials::<S>(&w, sp, bp, r + 2, &x, tail);
-            let d = row_partials::<S>(&w, sp, bp, r + 3, &x, tail);
+            let a = row_partials::<S>(&w, sp, bp, r, &x, tail, &unpack);
+            let b = row_partials::<S>(&w, sp, bp, r + 1, &x, tail, &unpack);
+            let c = row_partials::<S>(&w, sp, bp, r + 2, &x, tail, &unpack);
+            let d = row_partials::<S>(&w, sp, bp, r + 3, &x, tail, &unpack);
             _mm_storeu_ps(o.add(r), reduce4(a, b, c, d));
             r += 4;
         }
         while r < rows.end {
-            *o.add(r) = hsum(row_partials::<S>(&w, sp, bp, r, &x, tail));
+            *o.add(r) = hsum(row_partials::<S>(&w, sp, bp, r, &x, tail, &unpack));
             r += 1;
         }
     }

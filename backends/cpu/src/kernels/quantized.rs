@@ -209,7 +209,7 @@ pub struct QuantPart<'a, 'o> {
 /// Whether [`qmatmul`] takes the int16 path for `bits`-bit weights and a `t`-token step (so matmuls
 /// sharing an input can go through [`qmatmul_shared_input`] together).
 pub fn int_path_applies(bits: usize, t: usize, int_enabled: bool) -> bool {
-    int_enabled && matches!(bits, 4 | 8) && t < FLOAT_TILES_MIN_TOKENS
+    int_enabled && matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) && t < FLOAT_TILES_MIN_TOKENS
 }
 
 /// Several int16-path matmuls of the same input (q/k/v, gate/up) as one parallel loop: one fork/join
@@ -258,13 +258,14 @@ pub fn qmatmul_shared_input<'a, 'o>(
         let Some((w, n, out_ptr)) = dims[p] else { return };
         let chunk = task - first_task[p];
         let tile = chunk * rows_per_task..((chunk + 1) * rows_per_task).min(n);
-        // Eight tokens per pass while they last, then four, then one at a time.
+        // 4-bit: eight tokens per pass while they last, then four (each block unpacked once for
+        // all of them); then, and for other widths, one token at a time over the cached tile.
         let mut ti = 0;
-        while ti + 8 <= t {
+        while w.bits == 4 && ti + 8 <= t {
             tokens_pass::<8>(isa, tile.clone(), &|r| w.row(r), &act, ti, out_ptr, n);
             ti += 8;
         }
-        while ti + 4 <= t {
+        while w.bits == 4 && ti + 4 <= t {
             tokens_pass::<4>(isa, tile.clone(), &|r| w.row(r), &act, ti, out_ptr, n);
             ti += 4;
         }
