@@ -135,6 +135,15 @@ impl<'a> Run<'a> {
         self.weights.push(buf);
         self.g.weight(idx, dtype, shape)
     }
+    /// `x [t, k] · wᵀ` for an MLX-quantized `[n, k]` weight.
+    #[allow(clippy::too_many_arguments)]
+    fn quant_matmul(&mut self, x: TensorId, q: &QuantWeight, t: usize, k: usize, n: usize, bits: usize, group: usize, sd: DType) -> TensorId {
+        let n64 = n as u64;
+        let pi = self.weight(&bytes(&q.packed), DType::U32, &[n64, (k * bits / 32) as u64]);
+        let si = self.weight(&q.scales.data, sd, &[n64, (k / group) as u64]);
+        let bi = self.weight(&q.biases.data, sd, &[n64, (k / group) as u64]);
+        self.g.op_with(OpCode::QuantMatMul, &[t as u64, n64], &[x, pi, si, bi], &[bits as i64, group as i64], &[])
+    }
     fn execute(mut self, out: TensorId) -> Vec<f32> {
         self.g.mark_output(out);
         for n in &self.g.nodes {
@@ -207,6 +216,18 @@ fn check_int16(what: &str, got: &[f32], want: &[f64], x: &[f32], w: &[f64], t: u
     }
 }
 
+/// A quantized matmul's result against the f64 reference: the int16 bound on the CPU backend's
+/// default path (every width rounds activations to int16 there), the f32 tolerance otherwise.
+#[allow(clippy::too_many_arguments)]
+fn check_qmatmul(what: &str, got: &[f32], x: &[f32], q: &QuantWeight, t: usize, k: usize, n: usize) {
+    let want: Vec<f64> = (0..t * n).map(|i| (0..k).map(|j| x[(i / n) * k + j] as f64 * q.dequant[(i % n) * k + j]).sum()).collect();
+    if int_activations() {
+        check_int16(what, got, &want, x, &q.dequant, t, k, n);
+    } else {
+        check(what, got, &want, k);
+    }
+}
+
 fn backends() -> Vec<BackendContext> {
     let cat = Catalog::load(&PluginSearch { dirs: vec![common::staged_dir()] });
     let usable: Vec<BackendContext> = cat
@@ -272,22 +293,9 @@ fn quantized_matmul_matches_reference_for_every_bits_and_group() {
                     let x = rng.vec(t * k, 1.0);
                     let mut run = Run::new(ctx);
                     let xi = run.input_f32(&x, &[t as u64, k as u64]);
-                    let n64 = n as u64;
-                    let pi = run.weight(&bytes(&q.packed), DType::U32, &[n64, (k * bits / 32) as u64]);
-                    let si = run.weight(&q.scales.data, sd, &[n64, (k / group) as u64]);
-                    let bi = run.weight(&q.biases.data, sd, &[n64, (k / group) as u64]);
-                    let o = run.g.op_with(OpCode::QuantMatMul, &[t as u64, n64], &[xi, pi, si, bi], &[bits as i64, group as i64], &[]);
+                    let o = run.quant_matmul(xi, &q, t, k, n, bits, group, sd);
                     let got = run.execute(o);
-                    let want: Vec<f64> = (0..t * n)
-                        .map(|i| (0..k).map(|j| x[(i / n) * k + j] as f64 * q.dequant[(i % n) * k + j]).sum())
-                        .collect();
-                    let what = format!("{} qmatmul {bits}b g{group} t{t} k{k} n{n}", ctx.name());
-                    if int_activations() {
-                        // Every width rounds activations to int16 on the CPU backend's default path.
-                        check_int16(&what, &got, &want, &x, &q.dequant, t, k, n);
-                    } else {
-                        check(&what, &got, &want, k);
-                    }
+                    check_qmatmul(&format!("{} qmatmul {bits}b g{group} t{t} k{k} n{n}", ctx.name()), &got, &x, &q, t, k, n);
                 }
             }
         }
@@ -310,21 +318,10 @@ fn matmuls_sharing_an_input_each_match_reference() {
                     let xi = run.input_f32(&x, &[t as u64, k as u64]);
                     let mut outs = Vec::new();
                     for (qj, &nj) in qs.iter().zip(&ns) {
-                        let n64 = nj as u64;
-                        let pi = run.weight(&bytes(&qj.packed), DType::U32, &[n64, (k * bits / 32) as u64]);
-                        let si = run.weight(&qj.scales.data, DType::F16, &[n64, (k / 64) as u64]);
-                        let bi = run.weight(&qj.biases.data, DType::F16, &[n64, (k / 64) as u64]);
-                        outs.push(run.g.op_with(OpCode::QuantMatMul, &[t as u64, n64], &[xi, pi, si, bi], &[bits as i64, 64], &[]));
+                        outs.push(run.quant_matmul(xi, qj, t, k, nj, bits, 64, DType::F16));
                     }
                     let got = run.execute(outs[which]);
-                    let want: Vec<f64> =
-                        (0..t * n).map(|i| (0..k).map(|j| x[(i / n) * k + j] as f64 * q.dequant[(i % n) * k + j]).sum()).collect();
-                    let what = format!("{} shared-input qmatmul {bits}b t{t} k{k}, result {which} of 3", ctx.name());
-                    if int_activations() {
-                        check_int16(&what, &got, &want, &x, &q.dequant, t, k, n);
-                    } else {
-                        check(&what, &got, &want, k);
-                    }
+                    check_qmatmul(&format!("{} shared-input qmatmul {bits}b t{t} k{k}, result {which} of 3", ctx.name()), &got, &x, q, t, k, n);
                 }
             }
         }
