@@ -268,11 +268,19 @@ fn fusable_after<'a>(
     found: &mut [usize; MAX_FUSED - 1],
 ) -> Result<usize, PluginError> {
     let node = &nodes[i];
+    if node.sources().len() != 4 {
+        return Ok(0); // malformed: the op's own checks report it
+    }
     let x = node.sources()[0] as usize;
     let t = nodes[x].rows();
-    if !quantized::int_path_applies(node.iparams[0] as usize, t, ctx.int_activations) || node.sources().len() < 4 {
+    if !quantized::int_path_applies(node.iparams[0] as usize, t, ctx.int_activations) {
         return Ok(0);
     }
+    // A later matmul's weights must already exist or be source nodes that can be bound now.
+    let bindable = |s: u32| {
+        let s = s as usize;
+        s < i || matches!(nodes[s].opcode(), Some(OpCode::Input | OpCode::Weight | OpCode::Constant))
+    };
     let mut n = 0;
     let mut j = i + 1;
     while j < nodes.len() && n < found.len() {
@@ -283,7 +291,8 @@ fn fusable_after<'a>(
                 if nj.sources().len() == 4
                     && nj.sources()[0] as usize == x
                     && nj.iparams[..2] == node.iparams[..2]
-                    && nj.rows() == t =>
+                    && nj.rows() == t
+                    && nj.sources()[1..].iter().all(|&s| bindable(s)) =>
             {
                 found[n] = j;
                 n += 1;

@@ -146,6 +146,10 @@ pub fn qmatmul(
     int: Option<(&mut IntActs, usize)>,
 ) {
     let k = w.k;
+    if k == 0 {
+        out.fill(0.0); // an empty sum (and no division by a zero row length below)
+        return;
+    }
     if int_path_applies(w.bits, t, int.is_some()) {
         if let Some((acts, source)) = int {
             qmatmul_int(isa, x, source, t, w, n, out, acts);
@@ -234,6 +238,13 @@ pub fn qmatmul_shared_input<'a, 'o>(
     }
     let Some((w0, _, _)) = dims[0] else { return };
     let k = w0.k;
+    if k == 0 {
+        for (_, n, out) in dims.iter().flatten() {
+            // SAFETY: each part's `out` holds `t · n` values.
+            unsafe { out.slice(0, t * n).fill(0.0) };
+        }
+        return;
+    }
     debug_assert!(dims.iter().flatten().all(|(w, _, _)| w.k == k && w.bits == w0.bits && w.group == w0.group));
     let key = ActsKey { source, t, k, group: w0.group, nibble_order: w0.bits == 4 };
     if acts.key != Some(key) {
