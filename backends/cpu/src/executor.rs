@@ -273,7 +273,7 @@ fn fusable_after<'a>(
     }
     let x = node.sources()[0] as usize;
     let t = nodes[x].rows();
-    if !quantized::int_path_applies(node.iparams[0] as usize, t, ctx.int_activations) {
+    if !quantized::int_path_applies(ctx.isa, node.iparams[0] as usize, t, ctx.int_activations) {
         return Ok(0);
     }
     // A later matmul's weights must already exist or be source nodes that can be bound now.

@@ -150,7 +150,7 @@ pub fn qmatmul(
         out.fill(0.0); // an empty sum (and no division by a zero row length below)
         return;
     }
-    if int_path_applies(w.bits, t, int.is_some()) {
+    if int_path_applies(isa, w.bits, t, int.is_some()) {
         if let Some((acts, source)) = int {
             qmatmul_int(isa, x, source, t, w, n, out, acts);
             return;
@@ -211,9 +211,13 @@ pub struct QuantPart<'a, 'o> {
 }
 
 /// Whether [`qmatmul`] takes the int16 path for `bits`-bit weights and a `t`-token step (so matmuls
-/// sharing an input can go through [`qmatmul_shared_input`] together).
-pub fn int_path_applies(bits: usize, t: usize, int_enabled: bool) -> bool {
-    int_enabled && matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) && t < FLOAT_TILES_MIN_TOKENS
+/// sharing an input can go through [`qmatmul_shared_input`] together). The integer kernels are
+/// hand-written for x86 (AVX2, also run on the AVX-512 path); `scalar` runs the portable version of
+/// the same arithmetic (so CI checks it). On NEON, which has no integer kernel yet, the int path
+/// would be that scalar code, so the float paths (auto-vectorised for NEON) are used instead — a
+/// choice by reasoning, not yet measured on ARM hardware.
+pub fn int_path_applies(isa: Isa, bits: usize, t: usize, int_enabled: bool) -> bool {
+    int_enabled && !matches!(isa, Isa::Neon) && matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) && t < FLOAT_TILES_MIN_TOKENS
 }
 
 /// Several int16-path matmuls of the same input (q/k/v, gate/up) as one parallel loop: one fork/join
