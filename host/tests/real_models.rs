@@ -60,6 +60,10 @@ fn check_model(folder: &str, want_top5: &[(u32, f32)], tolerance: f32) {
     let opts = GenerateOptions { sampling: SamplingParams::greedy(), max_tokens: 24, ..Default::default() };
     let out = Session::new().generate(&mut runner, &tok, &ids, &opts, &AtomicBool::new(false), &mut |_| {}).unwrap();
     assert_eq!(out.text, ANSWER, "{folder}: greedy answer");
+    // A prompt longer than the prefill chunk: the chunks before the last ask for no logits.
+    let chunked = GenerateOptions { prefill_chunk: 8, ..opts };
+    let out = Session::new().generate(&mut runner, &tok, &ids, &chunked, &AtomicBool::new(false), &mut |_| {}).unwrap();
+    assert_eq!(out.text, ANSWER, "{folder}: greedy answer after a prefill in chunks of 8");
 }
 
 /// The 4-bit folder: top-5 from a float32 reference forward of the same 4-bit weights (README).

@@ -71,23 +71,37 @@ impl Drop for AlignedBytes {
     }
 }
 
-/// Views bytes as `f32` (they must be 4-byte aligned with a length multiple of 4).
+/// Views bytes as `f32` (they must be 4-byte aligned with a length multiple of 4). Empty views are
+/// accepted at any address: an empty host tensor (a prefill chunk that asks for no logits) may come
+/// from a pointer with no alignment.
 pub fn as_f32(bytes: &[u8]) -> &[f32] {
+    if bytes.is_empty() {
+        return &[];
+    }
     assert!(bytes.as_ptr() as usize % 4 == 0 && bytes.len() % 4 == 0, "misaligned f32 data");
     unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const f32, bytes.len() / 4) }
 }
 
 pub fn as_f32_mut(bytes: &mut [u8]) -> &mut [f32] {
+    if bytes.is_empty() {
+        return &mut [];
+    }
     assert!(bytes.as_ptr() as usize % 4 == 0 && bytes.len() % 4 == 0, "misaligned f32 data");
     unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr() as *mut f32, bytes.len() / 4) }
 }
 
 pub fn as_i32(bytes: &[u8]) -> &[i32] {
+    if bytes.is_empty() {
+        return &[];
+    }
     assert!(bytes.as_ptr() as usize % 4 == 0 && bytes.len() % 4 == 0, "misaligned i32 data");
     unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const i32, bytes.len() / 4) }
 }
 
 pub fn as_u16(bytes: &[u8]) -> &[u16] {
+    if bytes.is_empty() {
+        return &[];
+    }
     assert!(bytes.as_ptr() as usize % 2 == 0 && bytes.len() % 2 == 0, "misaligned 16-bit data");
     unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const u16, bytes.len() / 2) }
 }

@@ -112,6 +112,10 @@ fn check_greedy(name: &str, dir: &PathBuf, runner: &mut ModelRunner, g: &Golden)
     };
     let out = Session::new().generate(runner, &tok, &g.tokens, &opts, &AtomicBool::new(false), &mut |_| {}).unwrap();
     assert_eq!(out.tokens, g.greedy, "{name}: greedy tokens differ from mlx-lm");
+    // The prompt in small chunks: every chunk but the last asks for no logits (an empty output).
+    let chunked = GenerateOptions { prefill_chunk: 5, ..opts };
+    let out = Session::new().generate(runner, &tok, &g.tokens, &chunked, &AtomicBool::new(false), &mut |_| {}).unwrap();
+    assert_eq!(out.tokens, g.greedy, "{name}: greedy tokens after a prefill in chunks of 5 differ from mlx-lm");
 }
 
 fn run_case(case: &str) {
