@@ -194,7 +194,6 @@ fn quant_matrix<'a>(
 /// The value of a source node (input, weight, constant): a view of the caller's memory, or the
 /// constant decoded. Shared by the main loop and by matmul fusion, which binds a later matmul's
 /// weights early.
-#[allow(clippy::too_many_arguments)]
 fn bind_source<'a>(
     ctx: &mut ExecState,
     i: usize,

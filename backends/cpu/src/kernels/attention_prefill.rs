@@ -6,6 +6,7 @@
 use rayon::prelude::*;
 
 use super::attention::{exp_approx, AttentionShape, PagedLayout};
+use super::matmul::gemm_rows;
 use super::SharedMut;
 use crate::isa::Isa;
 use crate::simd_kernel;
@@ -140,27 +141,7 @@ unsafe fn tile_task(
             sc.v[j * dh..(j + 1) * dh].copy_from_slice(&v_cache[base..base + dh]);
         }
         // S[rows, kb] = Q · Kᵀ
-        gemm::gemm(
-            rows,
-            kb,
-            dh,
-            sc.s.as_mut_ptr(),
-            1,
-            kb as isize,
-            false,
-            sc.q.as_ptr(),
-            1,
-            dh as isize,
-            sc.k.as_ptr(),
-            dh as isize,
-            1,
-            0.0f32,
-            1.0f32,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
+        gemm_rows(rows, kb, dh, sc.s.as_mut_ptr(), kb, false, sc.q.as_ptr(), sc.k.as_ptr(), true);
         for r in 0..rows {
             let pos = pos0 + r / group;
             // Keys this row may see in the block: p ≤ pos, and pos − p < window.
@@ -173,27 +154,7 @@ unsafe fn tile_task(
             }
         }
         // acc[rows, dh] += P[rows, kb] · V[kb, dh]
-        gemm::gemm(
-            rows,
-            dh,
-            kb,
-            sc.acc.as_mut_ptr(),
-            1,
-            dh as isize,
-            true,
-            sc.s.as_ptr(),
-            1,
-            kb as isize,
-            sc.v.as_ptr(),
-            1,
-            dh as isize,
-            1.0f32,
-            1.0f32,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
-        );
+        gemm_rows(rows, dh, kb, sc.acc.as_mut_ptr(), dh, true, sc.s.as_ptr(), sc.v.as_ptr(), false);
         p0 += kb;
     }
     for r in 0..rows {

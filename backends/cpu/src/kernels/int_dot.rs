@@ -1,4 +1,4 @@
-//! Integer kernels for 4- and 8-bit MLX weights: the activation rows are quantized once per step to
+//! Integer kernels for MLX affine weights (2/3/4/5/6/8 bits): the activation rows are quantized once per step to
 //! int16 in blocks of 32 (one f32 scale per block, plus the exact f32 block sum for the affine bias
 //! term), then every weight row is an integer dot product per block (`vpmaddwd`):
 //!
@@ -16,7 +16,7 @@ use crate::isa::Isa;
 /// An activation row set quantized for [`dot_row`]: `[t, k]` as int16 blocks of 32.
 ///
 /// For 4-bit weights each block is stored even elements first, then odd ones, matching how the packed
-/// nibbles split into low (even) and high (odd) halves; 8-bit weights use natural order.
+/// nibbles split into low (even) and high (odd) halves; other widths use natural order.
 /// `d` and `group_sums` carry [`PAD`] zeros past their end, so kernels may read whole vectors.
 #[derive(Default)]
 pub struct IntActs {
@@ -119,8 +119,8 @@ pub struct ActRow<'a> {
     pub group_sums: &'a [f32],
 }
 
-/// `Σ x · (s·q + b)` for one packed 4- or 8-bit row and one int16 activation row: per block
-/// `d_x · s_g · Σ q·x8`, plus the exact `b_g · Σx` per group. Scale conversion is fused in.
+/// `Σ x · (s·q + b)` for one packed row and one int16 activation row: per block `d_x · s_g · Σ q·x16`,
+/// plus the exact `b_g · Σx` per group. AVX2 for 4 and 8 bits, the portable loop otherwise.
 #[inline]
 pub fn dot_row(isa: Isa, w: QuantRow, x: ActRow) -> f32 {
     #[cfg(target_arch = "x86_64")]

@@ -38,32 +38,55 @@ pub fn tile_rows(n: usize, threads: usize) -> usize {
     want.clamp(16, 256).div_ceil(16) * 16
 }
 
-/// `out[t, n0..n0+nc] = x[t, :] · tile[nc, K]ᵀ` with gemm, single-threaded (callers parallelise tiles).
+/// Single-threaded `dst[m, n] = lhs[m, k] · rhs` with `gemm` (`+=` when `accumulate`), all row-major:
+/// `lhs` rows are `k` apart, `dst` rows `dst_stride` apart; `rhs` is `[n, k]` used transposed (a
+/// weight matrix, or keys) when `rhs_transposed`, else `[k, n]`.
 ///
 /// # Safety
-/// `out` points to a `[T, n]` row-major matrix whose columns `n0..n0+nc` only this call writes.
-pub unsafe fn gemm_tile(x: &[f32], t: usize, k: usize, tile: &[f32], nc: usize, out: SharedMut<f32>, n: usize, n0: usize) {
+/// The pointers must hold those shapes, and no other thread may write the `dst` elements.
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_rows(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_stride: usize,
+    accumulate: bool,
+    lhs: *const f32,
+    rhs: *const f32,
+    rhs_transposed: bool,
+) {
+    // gemm's strides: (column stride, row stride) per operand; `rhs` is viewed as [k, n].
+    let (rhs_cs, rhs_rs) = if rhs_transposed { (k as isize, 1) } else { (1, n as isize) };
     gemm::gemm(
-        t,
-        nc,
+        m,
+        n,
         k,
-        out.ptr().add(n0),
+        dst,
         1,
-        n as isize,
-        false,
-        x.as_ptr(),
+        dst_stride as isize,
+        accumulate,
+        lhs,
         1,
         k as isize,
-        tile.as_ptr(),
-        k as isize,
-        1,
-        0.0f32,
+        rhs,
+        rhs_cs,
+        rhs_rs,
+        if accumulate { 1.0 } else { 0.0 },
         1.0f32,
         false,
         false,
         false,
         gemm::Parallelism::None,
     );
+}
+
+/// `out[t, n0..n0+nc] = x[t, :] · tile[nc, K]ᵀ` with gemm, single-threaded (callers parallelise tiles).
+///
+/// # Safety
+/// `out` points to a `[T, n]` row-major matrix whose columns `n0..n0+nc` only this call writes.
+pub unsafe fn gemm_tile(x: &[f32], t: usize, k: usize, tile: &[f32], nc: usize, out: SharedMut<f32>, n: usize, n0: usize) {
+    gemm_rows(t, nc, k, out.ptr().add(n0), n, false, x.as_ptr(), tile.as_ptr(), true);
 }
 
 /// `out[T, N] = x[T, K] · w[N, K]ᵀ` for float weights.

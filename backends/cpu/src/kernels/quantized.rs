@@ -131,9 +131,9 @@ pub const ROW_DOT_MAX_TOKENS: usize = 8;
 pub const FLOAT_TILES_MIN_TOKENS: usize = 64;
 
 /// `out[T, N] = x[T, K] · dequant(w)ᵀ`. With `int` (scratch for quantized activations, and the
-/// caller's name for `x` so matmuls sharing an input quantize it once), 4- and 8-bit weights take the
-/// int16-activation path for steps under [`FLOAT_TILES_MIN_TOKENS`]; other widths, larger steps, or
-/// `int = None` (`MLXCEL_CPU_INT16=0`), take the exact f32 paths.
+/// caller's name for `x` so matmuls sharing an input quantize it once), steps where
+/// [`int_path_applies`] take the int16-activation path; larger steps, NEON, or `int = None`
+/// (`MLXCEL_CPU_INT16=0`) take the exact f32 paths.
 #[allow(clippy::too_many_arguments)]
 pub fn qmatmul(
     isa: Isa,
@@ -152,7 +152,7 @@ pub fn qmatmul(
     }
     if int_path_applies(isa, w.bits, t, int.is_some()) {
         if let Some((acts, source)) = int {
-            qmatmul_int(isa, x, source, t, w, n, out, acts);
+            qmatmul_shared_input(isa, x, source, t, [QuantPart { w, n, out }], acts);
             return;
         }
     }
@@ -197,12 +197,6 @@ pub fn qmatmul(
     );
 }
 
-/// The int16-activation row-dot path (see [`int_dot`](super::int_dot)).
-#[allow(clippy::too_many_arguments)]
-fn qmatmul_int(isa: Isa, x: &[f32], source: usize, t: usize, w: QuantMatrix, n: usize, out: &mut [f32], acts: &mut IntActs) {
-    qmatmul_shared_input(isa, x, source, t, [QuantPart { w, n, out }], acts);
-}
-
 /// One matrix of [`qmatmul_shared_input`]: `out[T, n] = x · wᵀ`.
 pub struct QuantPart<'a, 'o> {
     pub w: QuantMatrix<'a>,
@@ -220,8 +214,9 @@ pub fn int_path_applies(isa: Isa, bits: usize, t: usize, int_enabled: bool) -> b
     int_enabled && !matches!(isa, Isa::Neon) && matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) && t < FLOAT_TILES_MIN_TOKENS
 }
 
-/// Several int16-path matmuls of the same input (q/k/v, gate/up) as one parallel loop: one fork/join
-/// instead of one per matrix, and the input quantized once. Every part must satisfy
+/// The int16-activation path (see [`int_dot`](super::int_dot)) for one or several matmuls of the
+/// same input (q/k/v, gate/up) as one parallel loop: one fork/join instead of one per matrix, and the
+/// input quantized once. Every part must satisfy
 /// [`int_path_applies`] and share `bits`, `group` and `k`.
 pub fn qmatmul_shared_input<'a, 'o>(
     isa: Isa,
