@@ -6,5 +6,5 @@ pub mod cli;
 pub mod engine;
 pub mod logging;
 pub mod store;
-pub mod text;
 pub mod testing;
+pub mod text;

@@ -11,10 +11,12 @@ pub fn workspace_root() -> PathBuf {
 
 /// Where `cargo xtask build` stages the plugins (`target/lib/mlxcel/plugins`).
 pub fn staged_plugin_dir() -> PathBuf {
-    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("target"));
+    let target =
+        std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| workspace_root().join("target"));
     let dir = target.join("lib").join("mlxcel").join("plugins");
     assert!(
-        dir.join(format!("{}mlxcel_backend_cpu{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX)).is_file(),
+        dir.join(format!("{}mlxcel_backend_cpu{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX))
+            .is_file(),
         "plugins are not staged in {}: run `cargo xtask build` (or `cargo xtask test`) first",
         dir.display()
     );
@@ -33,7 +35,9 @@ pub fn test_models() -> Option<PathBuf> {
         Some(p) if p.is_dir() => Some(p),
         _ => {
             if std::env::var_os("MLXCEL_REQUIRE_TEST_MODELS").is_some() {
-                panic!("MLXCEL_REQUIRE_TEST_MODELS is set but MLXCEL_TEST_MODELS does not name a folder of test models");
+                panic!(
+                    "MLXCEL_REQUIRE_TEST_MODELS is set but MLXCEL_TEST_MODELS does not name a folder of test models"
+                );
             }
             eprintln!(
                 "skipping: real-model test needs MLXCEL_TEST_MODELS (run ../shared/models/fetch.sh and export MLXCEL_TEST_MODELS=<the folder it prints>)"

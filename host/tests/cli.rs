@@ -178,7 +178,9 @@ fn bad_header_json_is_one_clear_line() {
 #[test]
 fn tensor_shape_not_matching_config_names_the_tensor() {
     let (_t, dir) = broken_copy("qwen2-f32");
-    let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap().replace("\"intermediate_size\": 128", "\"intermediate_size\": 96");
+    let cfg = std::fs::read_to_string(dir.join("config.json"))
+        .unwrap()
+        .replace("\"intermediate_size\": 128", "\"intermediate_size\": 96");
     std::fs::write(dir.join("config.json"), cfg).unwrap();
     let out = run_prompt(&dir);
     assert_one_line_error(&out, &["model.layers.0.mlp.gate_proj.weight", "shape"]);
@@ -228,7 +230,8 @@ fn prompt_over_the_context_is_refused() {
 #[test]
 fn forced_unsupported_isa_is_refused() {
     let isa = if cfg!(target_arch = "x86_64") { "neon" } else { "avx2" };
-    let out = mlxcel().env("MLXCEL_CPU_ISA", isa).arg("run").arg(fixture("qwen2-f32")).args(["-p", "hi"]).output().unwrap();
+    let out =
+        mlxcel().env("MLXCEL_CPU_ISA", isa).arg("run").arg(fixture("qwen2-f32")).args(["-p", "hi"]).output().unwrap();
     assert_one_line_error(&out, &["MLXCEL_CPU_ISA", "not supported"]);
 }
 
@@ -283,7 +286,11 @@ fn sharded_checkpoint_matches_single_file() {
         safetensors::serialize_to_file(tensors, &None, &dir.join(&file)).unwrap();
     }
     std::fs::remove_file(dir.join("model.safetensors")).unwrap();
-    std::fs::write(dir.join("model.safetensors.index.json"), serde_json::json!({"metadata": {}, "weight_map": map}).to_string()).unwrap();
+    std::fs::write(
+        dir.join("model.safetensors.index.json"),
+        serde_json::json!({"metadata": {}, "weight_map": map}).to_string(),
+    )
+    .unwrap();
     assert_eq!(generate_text(&dir), generate_text(&fixture("qwen2-q4")));
 }
 
@@ -291,7 +298,8 @@ fn sharded_checkpoint_matches_single_file() {
 #[test]
 fn per_module_quantization_override_is_honoured() {
     let (_t, dir) = broken_copy("qwen2-q4");
-    let mut cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     cfg["quantization"]["model.layers.1.mlp.down_proj"] = serde_json::json!({"group_size": 32, "bits": 8});
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
     let out = run_prompt(&dir);
@@ -302,10 +310,12 @@ fn per_module_quantization_override_is_honoured() {
 #[test]
 fn nested_text_config_is_read() {
     let (_t, dir) = broken_copy("qwen2-q4");
-    let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     let mut inner = cfg.clone();
     inner.as_object_mut().unwrap().remove("quantization");
-    let wrapped = serde_json::json!({"model_type": "wrapper-vl", "text_config": inner, "quantization": cfg["quantization"]});
+    let wrapped =
+        serde_json::json!({"model_type": "wrapper-vl", "text_config": inner, "quantization": cfg["quantization"]});
     std::fs::write(dir.join("config.json"), wrapped.to_string()).unwrap();
     assert_eq!(generate_text(&dir), generate_text(&fixture("qwen2-q4")));
 }

@@ -6,7 +6,9 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::atomic::AtomicBool;
 
-use mlxcel::engine::{GenerateOptions, Logits, ModelRunner, RunnerOptions, SamplingParams, SeqBlocks, SeqChunk, Session};
+use mlxcel::engine::{
+    GenerateOptions, Logits, ModelRunner, RunnerOptions, SamplingParams, SeqBlocks, SeqChunk, Session,
+};
 use mlxcel::text::{ChatMessage, TextTokenizer};
 use serde_json::Value;
 
@@ -26,7 +28,8 @@ fn load(folder: &str) -> Option<(ModelRunner, TextTokenizer)> {
     let dir = mlxcel::testing::test_models()?.join(folder);
     let runner = ModelRunner::load(&mlxcel::testing::staged_catalog(), &dir, &RunnerOptions::default())
         .unwrap_or_else(|e| panic!("{}: {e:#}", dir.display()));
-    let tok = TextTokenizer::load(&dir, &runner.checkpoint.config, runner.checkpoint.generation_config.as_ref()).unwrap();
+    let tok =
+        TextTokenizer::load(&dir, &runner.checkpoint.config, runner.checkpoint.generation_config.as_ref()).unwrap();
     Some((runner, tok))
 }
 
@@ -140,7 +143,8 @@ fn stop_string_ends_generation() {
         stop: vec![" of France".into()],
         ..Default::default()
     };
-    let out = Session::new().generate(&mut runner, &tok, &prompt_ids(), &opts, &AtomicBool::new(false), &mut |_| {}).unwrap();
+    let out =
+        Session::new().generate(&mut runner, &tok, &prompt_ids(), &opts, &AtomicBool::new(false), &mut |_| {}).unwrap();
     assert_eq!(out.text, "The capital");
     assert_eq!(out.finish, mlxcel::engine::FinishReason::Stop);
 }

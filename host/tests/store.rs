@@ -50,7 +50,11 @@ fn hub(repos: Vec<(&'static str, PathBuf)>, b: Arc<Behaviour>) -> String {
                 }
             }
             let respond = |s: &mut std::net::TcpStream, status: &str, body: &[u8], extra: &str| {
-                let _ = write!(s, "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n{extra}\r\n", body.len());
+                let _ = write!(
+                    s,
+                    "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n{extra}\r\n",
+                    body.len()
+                );
                 let _ = s.write_all(body);
             };
             let parts: Vec<&str> = path.trim_start_matches('/').split('/').collect();
@@ -73,7 +77,12 @@ fn hub(repos: Vec<(&'static str, PathBuf)>, b: Arc<Behaviour>) -> String {
                     }
                     entries.push(entry);
                 }
-                respond(&mut s, "200 OK", serde_json::to_string(&entries).unwrap().as_bytes(), "Content-Type: application/json\r\n");
+                respond(
+                    &mut s,
+                    "200 OK",
+                    serde_json::to_string(&entries).unwrap().as_bytes(),
+                    "Content-Type: application/json\r\n",
+                );
             } else if parts.len() >= 5 && parts[2] == "resolve" {
                 let Some(dir) = repos.get(&format!("{}/{}", parts[0], parts[1])) else {
                     respond(&mut s, "404 Not Found", b"", "");
@@ -89,9 +98,12 @@ fn hub(repos: Vec<(&'static str, PathBuf)>, b: Arc<Behaviour>) -> String {
                     let body = &bytes[start as usize..];
                     let cr = format!("Content-Range: bytes {start}-{}/{}\r\n", bytes.len() - 1, bytes.len());
                     respond(&mut s, "206 Partial Content", body, &cr);
-                } else if file.extension().is_some_and(|e| e == "safetensors") && b.cut_once.swap(false, Ordering::SeqCst) {
+                } else if file.extension().is_some_and(|e| e == "safetensors")
+                    && b.cut_once.swap(false, Ordering::SeqCst)
+                {
                     // Promise the whole file, send half, hang up.
-                    let _ = write!(s, "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", bytes.len());
+                    let _ =
+                        write!(s, "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", bytes.len());
                     let _ = s.write_all(&bytes[..bytes.len() / 2]);
                     let _ = s.flush();
                     let _ = s.shutdown(std::net::Shutdown::Both);
@@ -150,7 +162,11 @@ fn download_fetches_only_model_files_and_then_runs_offline() {
     assert!(!dir.join("README.md").exists(), "only model files are downloaded");
     assert!(!e.store.join("models/someone/tiny.partial").exists());
     // From the store, with the network off.
-    let out = mlxcel(&e, "http://127.0.0.1:9").env("HF_HUB_OFFLINE", "1").args(["run", "someone/tiny", "-p", "hi", "-n", "2", "--no-chat-template"]).output().unwrap();
+    let out = mlxcel(&e, "http://127.0.0.1:9")
+        .env("HF_HUB_OFFLINE", "1")
+        .args(["run", "someone/tiny", "-p", "hi", "-n", "2", "--no-chat-template"])
+        .output()
+        .unwrap();
     ok(&out);
     let list = ok(&mlxcel(&e, &url).args(["list", "--json"]).output().unwrap());
     let v: serde_json::Value = serde_json::from_str(&list).unwrap();
@@ -208,7 +224,11 @@ fn hugging_face_cache_is_reused_without_network() {
     }
     std::fs::create_dir_all(e.hf.join("models--someone--cached/refs")).unwrap();
     std::fs::write(e.hf.join("models--someone--cached/refs/main"), "0123abc").unwrap();
-    let out = mlxcel(&e, "http://127.0.0.1:9").env("HF_HUB_OFFLINE", "1").args(["inspect", "someone/cached", "--json"]).output().unwrap();
+    let out = mlxcel(&e, "http://127.0.0.1:9")
+        .env("HF_HUB_OFFLINE", "1")
+        .args(["inspect", "someone/cached", "--json"])
+        .output()
+        .unwrap();
     let v: serde_json::Value = serde_json::from_str(&ok(&out)).unwrap();
     assert!(Path::new(v["path"].as_str().unwrap()).starts_with(&e.hf));
 }
@@ -216,7 +236,11 @@ fn hugging_face_cache_is_reused_without_network() {
 #[test]
 fn offline_bare_name_fails_with_one_line_naming_the_repo() {
     let e = env();
-    let out = mlxcel(&e, "http://127.0.0.1:9").env("HF_HUB_OFFLINE", "1").args(["run", "Qwen3-0.6B-4bit", "-p", "hi"]).output().unwrap();
+    let out = mlxcel(&e, "http://127.0.0.1:9")
+        .env("HF_HUB_OFFLINE", "1")
+        .args(["run", "Qwen3-0.6B-4bit", "-p", "hi"])
+        .output()
+        .unwrap();
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert_eq!(err.lines().count(), 1, "{err}");

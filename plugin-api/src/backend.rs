@@ -101,11 +101,7 @@ pub struct BackendVTable {
     /// `size_of::<BackendVTable>()` in the plugin; fields beyond it are absent.
     pub size: usize,
     pub describe: unsafe extern "C" fn(out: *mut BackendInfo) -> Status,
-    pub create: unsafe extern "C" fn(
-        opts: *const BackendOptions,
-        out: *mut *mut c_void,
-        err: *mut ErrorBuf,
-    ) -> Status,
+    pub create: unsafe extern "C" fn(opts: *const BackendOptions, out: *mut *mut c_void, err: *mut ErrorBuf) -> Status,
     pub destroy: unsafe extern "C" fn(ctx: *mut c_void),
     pub buffer_from_host: unsafe extern "C" fn(
         ctx: *mut c_void,
@@ -115,12 +111,8 @@ pub struct BackendVTable {
         err: *mut ErrorBuf,
     ) -> Status,
     /// A zero-filled buffer.
-    pub buffer_alloc: unsafe extern "C" fn(
-        ctx: *mut c_void,
-        len: usize,
-        out: *mut BufferHandle,
-        err: *mut ErrorBuf,
-    ) -> Status,
+    pub buffer_alloc:
+        unsafe extern "C" fn(ctx: *mut c_void, len: usize, out: *mut BufferHandle, err: *mut ErrorBuf) -> Status,
     pub buffer_write: unsafe extern "C" fn(
         ctx: *mut c_void,
         buf: BufferHandle,
@@ -140,9 +132,5 @@ pub struct BackendVTable {
     pub buffer_free: unsafe extern "C" fn(ctx: *mut c_void, buf: BufferHandle),
     /// 1 if the backend can execute this node (op, dtypes, parameters), else 0.
     pub supports_op: unsafe extern "C" fn(ctx: *mut c_void, node: *const crate::Node) -> u32,
-    pub compute: unsafe extern "C" fn(
-        ctx: *mut c_void,
-        args: *const ComputeArgs,
-        err: *mut ErrorBuf,
-    ) -> Status,
+    pub compute: unsafe extern "C" fn(ctx: *mut c_void, args: *const ComputeArgs, err: *mut ErrorBuf) -> Status,
 }

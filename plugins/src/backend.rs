@@ -154,8 +154,7 @@ impl BackendContext {
     pub unsafe fn buffer_from_host(&self, data: &[u8]) -> Result<DeviceBuffer, CallError> {
         let mut handle: BufferHandle = std::ptr::null_mut();
         let mut err = ErrorMessage::new();
-        let status =
-            (self.0.vt.buffer_from_host)(self.0.ctx, data.as_ptr(), data.len(), &mut handle, err.as_ptr());
+        let status = (self.0.vt.buffer_from_host)(self.0.ctx, data.as_ptr(), data.len(), &mut handle, err.as_ptr());
         check(&self.0.name, status, &err)?;
         Ok(DeviceBuffer { ctx: self.0.clone(), handle, len: data.len() })
     }

@@ -20,7 +20,9 @@ pub struct Catalog {
 /// Why no plugin could be chosen.
 #[derive(Debug, thiserror::Error)]
 pub enum SelectError {
-    #[error("no backend plugin is installed (searched: {searched}); install mlxcel with its plugins or pass --plugin-dir")]
+    #[error(
+        "no backend plugin is installed (searched: {searched}); install mlxcel with its plugins or pass --plugin-dir"
+    )]
     NoBackends { searched: String },
     #[error("backend `{wanted}` is not installed; installed backends: {available}")]
     UnknownBackend { wanted: String, available: String },
@@ -75,8 +77,7 @@ impl Catalog {
     /// The backend named `wanted`, or the best-scoring one on this machine.
     pub fn select_backend(&self, wanted: Option<&str>) -> Result<&BackendPlugin, SelectError> {
         if self.backends.is_empty() {
-            let searched =
-                self.searched.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ");
+            let searched = self.searched.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ");
             return Err(SelectError::NoBackends { searched });
         }
         if let Some(name) = wanted {
@@ -98,14 +99,11 @@ impl Catalog {
                 (d.score, b, d.reason)
             })
             .collect();
-        scored
-            .iter()
-            .filter(|(s, _, _)| *s > 0)
-            .max_by_key(|(s, _, _)| *s)
-            .map(|(_, b, _)| *b)
-            .ok_or_else(|| SelectError::NoUsableBackend {
+        scored.iter().filter(|(s, _, _)| *s > 0).max_by_key(|(s, _, _)| *s).map(|(_, b, _)| *b).ok_or_else(|| {
+            SelectError::NoUsableBackend {
                 details: scored.iter().map(|(_, b, r)| format!("{}: {}", b.name(), r)).collect::<Vec<_>>().join("; "),
-            })
+            }
+        })
     }
 
     /// The family that matches a config best.

@@ -50,10 +50,8 @@ pub fn find_plugin_files(search: &PluginSearch) -> Vec<PathBuf> {
     let mut out = Vec::new();
     for dir in &search.dirs {
         let Ok(entries) = std::fs::read_dir(dir) else { continue };
-        let mut files: Vec<PathBuf> = entries
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.is_file() && is_shared_object(p))
-            .collect();
+        let mut files: Vec<PathBuf> =
+            entries.filter_map(|e| e.ok().map(|e| e.path())).filter(|p| p.is_file() && is_shared_object(p)).collect();
         files.sort();
         for f in files {
             let key = f.canonicalize().unwrap_or_else(|_| f.clone());

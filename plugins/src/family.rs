@@ -34,10 +34,7 @@ impl FamilyPlugin {
     pub fn architectures(&self) -> Vec<String> {
         let mut n = 0usize;
         let ptr = unsafe { (self.vt.architectures)(&mut n) };
-        unsafe { mlxcel_plugin_api::slice_from(ptr, n) }
-            .iter()
-            .map(|s| unsafe { s.as_str() }.to_string())
-            .collect()
+        unsafe { mlxcel_plugin_api::slice_from(ptr, n) }.iter().map(|s| unsafe { s.as_str() }.to_string()).collect()
     }
 
     /// How well this family matches a `config.json` text (0 = not at all).

@@ -4,8 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use mlxcel_plugin_api::{
-    BackendVTable, ErrorMessage, FamilyVTable, PluginKind, PluginRoot, RootFn, ABI_MAJOR, ABI_MINOR,
-    ROOT_SYMBOL,
+    BackendVTable, ErrorMessage, FamilyVTable, PluginKind, PluginRoot, RootFn, ABI_MAJOR, ABI_MINOR, ROOT_SYMBOL,
 };
 
 /// What the host knows of a loaded plugin.
@@ -50,11 +49,7 @@ pub fn load_plugin(path: &Path) -> Result<Loaded, LoadProblem> {
     let root_fn: RootFn = unsafe {
         match lib.get::<RootFn>(ROOT_SYMBOL) {
             Ok(sym) => *sym,
-            Err(_) => {
-                return Err(problem(
-                    "not an mlxcel plugin (no `mlxcel_plugin_root` symbol)".to_string(),
-                ))
-            }
+            Err(_) => return Err(problem("not an mlxcel plugin (no `mlxcel_plugin_root` symbol)".to_string())),
         }
     };
     let lib: &'static libloading::Library = Box::leak(Box::new(lib));

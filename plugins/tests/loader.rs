@@ -37,7 +37,11 @@ fn another_abi_major_is_refused_by_name_and_the_rest_still_load() {
     assert_eq!(cat.problems.len(), 1);
     let p = &cat.problems[0];
     assert!(p.path.ends_with("libfuture.so"));
-    assert!(p.reason.contains("`future-abi`") && p.reason.contains("ABI 2.0") && p.reason.contains("ABI 1."), "{}", p.reason);
+    assert!(
+        p.reason.contains("`future-abi`") && p.reason.contains("ABI 2.0") && p.reason.contains("ABI 1."),
+        "{}",
+        p.reason
+    );
 }
 
 #[test]

@@ -137,7 +137,17 @@ impl<'a> Run<'a> {
     }
     /// `x [t, k] · wᵀ` for an MLX-quantized `[n, k]` weight.
     #[allow(clippy::too_many_arguments)]
-    fn quant_matmul(&mut self, x: TensorId, q: &QuantWeight, t: usize, k: usize, n: usize, bits: usize, group: usize, sd: DType) -> TensorId {
+    fn quant_matmul(
+        &mut self,
+        x: TensorId,
+        q: &QuantWeight,
+        t: usize,
+        k: usize,
+        n: usize,
+        bits: usize,
+        group: usize,
+        sd: DType,
+    ) -> TensorId {
         let n64 = n as u64;
         let pi = self.weight(&bytes(&q.packed), DType::U32, &[n64, (k * bits / 32) as u64]);
         let si = self.weight(&q.scales.data, sd, &[n64, (k / group) as u64]);
@@ -150,9 +160,11 @@ impl<'a> Run<'a> {
             assert!(self.ctx.supports(n), "backend `{}` does not support {:?}", self.ctx.name(), n.opcode());
         }
         let mut result = vec![0f32; self.g.node(out).numel()];
-        let inputs: Vec<HostTensor> = self.inputs.iter().map(|b| HostTensor { ptr: b.as_ptr() as *mut u8, len: b.len() }).collect();
+        let inputs: Vec<HostTensor> =
+            self.inputs.iter().map(|b| HostTensor { ptr: b.as_ptr() as *mut u8, len: b.len() }).collect();
         let weights: Vec<BufferHandle> = self.weights.iter().map(|b| b.handle()).collect();
-        let kv: Vec<KvBinding> = self.kv.iter().map(|(k, v)| KvBinding { k: k.handle(), v: v.handle(), dtype: DType::F32 as u32 }).collect();
+        let kv: Vec<KvBinding> =
+            self.kv.iter().map(|(k, v)| KvBinding { k: k.handle(), v: v.handle(), dtype: DType::F32 as u32 }).collect();
         let batch = self.batch.as_ref().map(|b| AttentionBatch {
             n_tokens: b.token_seq.len() as u32,
             n_seqs: (b.tables.len() / b.max_blocks as usize) as u32,
@@ -187,7 +199,11 @@ fn check(what: &str, got: &[f32], want: &[f64], terms: usize) {
     let tol = 1e-4 * (terms.max(1) as f64).sqrt();
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
         let err = (g as f64 - w).abs();
-        assert!(err <= tol * (1.0 + w.abs()), "{what}: element {i}: got {g}, want {w} (err {err:.3e}, tol {:.3e})", tol * (1.0 + w.abs()));
+        assert!(
+            err <= tol * (1.0 + w.abs()),
+            "{what}: element {i}: got {g}, want {w} (err {err:.3e}, tol {:.3e})",
+            tol * (1.0 + w.abs())
+        );
     }
 }
 
@@ -212,7 +228,12 @@ fn check_int16(what: &str, got: &[f32], want: &[f64], x: &[f32], w: &[f64], t: u
             .sum::<f64>()
             + 1e-4 * (k as f64).sqrt() * (1.0 + want[i].abs());
         let err = (got[i] as f64 - want[i]).abs();
-        assert!(err <= bound, "{what}: element {i}: got {}, want {} (err {err:.3e} > int16 bound {bound:.3e})", got[i], want[i]);
+        assert!(
+            err <= bound,
+            "{what}: element {i}: got {}, want {} (err {err:.3e} > int16 bound {bound:.3e})",
+            got[i],
+            want[i]
+        );
     }
 }
 
@@ -220,7 +241,8 @@ fn check_int16(what: &str, got: &[f32], want: &[f64], x: &[f32], w: &[f64], t: u
 /// default path (every width rounds activations to int16 there), the f32 tolerance otherwise.
 #[allow(clippy::too_many_arguments)]
 fn check_qmatmul(what: &str, got: &[f32], x: &[f32], q: &QuantWeight, t: usize, k: usize, n: usize) {
-    let want: Vec<f64> = (0..t * n).map(|i| (0..k).map(|j| x[(i / n) * k + j] as f64 * q.dequant[(i % n) * k + j]).sum()).collect();
+    let want: Vec<f64> =
+        (0..t * n).map(|i| (0..k).map(|j| x[(i / n) * k + j] as f64 * q.dequant[(i % n) * k + j]).sum()).collect();
     if int_activations() {
         check_int16(what, got, &want, x, &q.dequant, t, k, n);
     } else {
@@ -295,7 +317,15 @@ fn quantized_matmul_matches_reference_for_every_bits_and_group() {
                     let xi = run.input_f32(&x, &[t as u64, k as u64]);
                     let o = run.quant_matmul(xi, &q, t, k, n, bits, group, sd);
                     let got = run.execute(o);
-                    check_qmatmul(&format!("{} qmatmul {bits}b g{group} t{t} k{k} n{n}", ctx.name()), &got, &x, &q, t, k, n);
+                    check_qmatmul(
+                        &format!("{} qmatmul {bits}b g{group} t{t} k{k} n{n}", ctx.name()),
+                        &got,
+                        &x,
+                        &q,
+                        t,
+                        k,
+                        n,
+                    );
                 }
             }
         }
@@ -321,7 +351,15 @@ fn matmuls_sharing_an_input_each_match_reference() {
                         outs.push(run.quant_matmul(xi, qj, t, k, nj, bits, 64, DType::F16));
                     }
                     let got = run.execute(outs[which]);
-                    check_qmatmul(&format!("{} shared-input qmatmul {bits}b t{t} k{k}, result {which} of 3", ctx.name()), &got, &x, q, t, k, n);
+                    check_qmatmul(
+                        &format!("{} shared-input qmatmul {bits}b t{t} k{k}, result {which} of 3", ctx.name()),
+                        &got,
+                        &x,
+                        q,
+                        t,
+                        k,
+                        n,
+                    );
                 }
             }
         }
@@ -340,7 +378,8 @@ fn embeddings_match_reference() {
             let wi = run.weight(&w.data, dtype, &[v as u64, d as u64]);
             let o = run.g.op(OpCode::Embedding, &[ids.len() as u64, d as u64], &[ii, wi]);
             let got = run.execute(o);
-            let want: Vec<f64> = ids.iter().flat_map(|&i| w.values[i as usize * d..(i as usize + 1) * d].to_vec()).collect();
+            let want: Vec<f64> =
+                ids.iter().flat_map(|&i| w.values[i as usize * d..(i as usize + 1) * d].to_vec()).collect();
             check(&format!("{} embedding {dtype:?}", ctx.name()), &got, &want, 1);
         }
         for bits in [2usize, 3, 4, 5, 6, 8] {
@@ -352,9 +391,16 @@ fn embeddings_match_reference() {
                 let pi = run.weight(&bytes(&q.packed), DType::U32, &[v as u64, (d * bits / 32) as u64]);
                 let si = run.weight(&q.scales.data, DType::F16, &[v as u64, (d / group) as u64]);
                 let bi = run.weight(&q.biases.data, DType::F16, &[v as u64, (d / group) as u64]);
-                let o = run.g.op_with(OpCode::QuantEmbedding, &[ids.len() as u64, d as u64], &[ii, pi, si, bi], &[bits as i64, group as i64], &[]);
+                let o = run.g.op_with(
+                    OpCode::QuantEmbedding,
+                    &[ids.len() as u64, d as u64],
+                    &[ii, pi, si, bi],
+                    &[bits as i64, group as i64],
+                    &[],
+                );
                 let got = run.execute(o);
-                let want: Vec<f64> = ids.iter().flat_map(|&i| q.dequant[i as usize * d..(i as usize + 1) * d].to_vec()).collect();
+                let want: Vec<f64> =
+                    ids.iter().flat_map(|&i| q.dequant[i as usize * d..(i as usize + 1) * d].to_vec()).collect();
                 check(&format!("{} quant embedding {bits}b g{group}", ctx.name()), &got, &want, 1);
             }
         }
@@ -479,9 +525,12 @@ fn norms_match_reference() {
 #[test]
 fn rope_matches_reference() {
     each_backend(|ctx, rng| {
-        for &(t, h, hd, rot, trad, mscale) in
-            &[(1usize, 1usize, 8usize, 8usize, 0i64, 1.0f32), (5, 3, 64, 64, 0, 1.0), (4, 2, 32, 16, 1, 1.0), (3, 4, 16, 12, 0, 1.2)]
-        {
+        for &(t, h, hd, rot, trad, mscale) in &[
+            (1usize, 1usize, 8usize, 8usize, 0i64, 1.0f32),
+            (5, 3, 64, 64, 0, 1.0),
+            (4, 2, 32, 16, 1, 1.0),
+            (3, 4, 16, 12, 0, 1.2),
+        ] {
             let x = rng.vec(t * h * hd, 1.0);
             let pos: Vec<i32> = (0..t as i32).map(|i| i * 37 + 3).collect();
             let inv: Vec<f32> = (0..rot / 2).map(|i| 10000f32.powf(-2.0 * i as f32 / rot as f32)).collect();
@@ -489,7 +538,13 @@ fn rope_matches_reference() {
             let xi = run.input_f32(&x, &[t as u64, (h * hd) as u64]);
             let pi = run.input_i32(&pos);
             let fi = run.g.constant_f32(&inv, &[inv.len() as u64]);
-            let o = run.g.op_with(OpCode::Rope, &[t as u64, (h * hd) as u64], &[xi, pi, fi], &[hd as i64, rot as i64, trad], &[mscale]);
+            let o = run.g.op_with(
+                OpCode::Rope,
+                &[t as u64, (h * hd) as u64],
+                &[xi, pi, fi],
+                &[hd as i64, rot as i64, trad],
+                &[mscale],
+            );
             let got = run.execute(o);
             let mut want: Vec<f64> = x.iter().map(|&v| v as f64).collect();
             for ti in 0..t {
@@ -522,7 +577,10 @@ fn get_rows_matches_reference() {
         let ri = run.input_i32(&rows);
         let o = run.g.op(OpCode::GetRows, &[rows.len() as u64, c as u64], &[xi, ri]);
         let got = run.execute(o);
-        let want: Vec<f64> = rows.iter().flat_map(|&i| x[i as usize * c..(i as usize + 1) * c].iter().map(|&v| v as f64).collect::<Vec<_>>()).collect();
+        let want: Vec<f64> = rows
+            .iter()
+            .flat_map(|&i| x[i as usize * c..(i as usize + 1) * c].iter().map(|&v| v as f64).collect::<Vec<_>>())
+            .collect();
         check(&format!("{} get_rows", ctx.name()), &got, &want, 1);
     });
 }
@@ -549,11 +607,19 @@ fn ref_attention(q: &[f64], keys: &[Vec<f64>], values: &[Vec<f64>], scale: f64, 
 fn paged_attention_matches_reference() {
     each_backend(|ctx, rng| {
         // (heads, kv heads, head_dim, window, softcap): MHA, GQA, MQA, sliding window, soft-capping.
-        let heads = [(2usize, 2usize, 16usize, 0usize, 0.0f32), (4, 2, 32, 0, 0.0), (6, 1, 8, 0, 0.0), (4, 2, 16, 5, 0.0), (2, 1, 64, 0, 30.0)];
+        let heads = [
+            (2usize, 2usize, 16usize, 0usize, 0.0f32),
+            (4, 2, 32, 0, 0.0),
+            (6, 1, 8, 0, 0.0),
+            (4, 2, 16, 5, 0.0),
+            (2, 1, 64, 0, 30.0),
+        ];
         // Two sequences: A has cached tokens and adds some, B is a fresh prompt. Short runs take the
         // per-token kernel; long ones the tiled prefill kernel (tiles of 16 tokens, key blocks of 64).
         let steps = [(9usize, 3usize, 6usize), (9, 20, 70)];
-        for (&(hq, hkv, dh, window, softcap), &(a_cached, a_new, b_new)) in heads.iter().flat_map(|h| steps.iter().map(move |s| (h, s))) {
+        for (&(hq, hkv, dh, window, softcap), &(a_cached, a_new, b_new)) in
+            heads.iter().flat_map(|h| steps.iter().map(move |s| (h, s)))
+        {
             let bs = 4usize;
             // Blocks handed out in a scrambled order, as a pool that has been reused would.
             let a_len = (a_cached + a_new).div_ceil(bs);
@@ -620,7 +686,9 @@ fn paged_attention_matches_reference() {
             let got = run.execute(o);
 
             // Reference: the full key/value history of each sequence in order.
-            let row = |src: &[f32], i: usize, h: usize| -> Vec<f64> { src[i * kv_row + h * dh..i * kv_row + (h + 1) * dh].iter().map(|&x| x as f64).collect() };
+            let row = |src: &[f32], i: usize, h: usize| -> Vec<f64> {
+                src[i * kv_row + h * dh..i * kv_row + (h + 1) * dh].iter().map(|&x| x as f64).collect()
+            };
             let mut want = vec![0f64; t * hq * dh];
             for ti in 0..t {
                 for h in 0..hq {
@@ -630,7 +698,11 @@ fn paged_attention_matches_reference() {
                     let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
                     for p in start..=pos {
                         let (kk, vv) = if ti < a_new {
-                            if p < a_cached { (row(&a_k_old, p, kvh), row(&a_v_old, p, kvh)) } else { (row(&k, p - a_cached, kvh), row(&v, p - a_cached, kvh)) }
+                            if p < a_cached {
+                                (row(&a_k_old, p, kvh), row(&a_v_old, p, kvh))
+                            } else {
+                                (row(&k, p - a_cached, kvh), row(&v, p - a_cached, kvh))
+                            }
                         } else {
                             (row(&k, a_new + p, kvh), row(&v, a_new + p, kvh))
                         };
@@ -642,7 +714,10 @@ fn paged_attention_matches_reference() {
                     want[ti * hq * dh + h * dh..][..dh].copy_from_slice(&out);
                 }
             }
-            let what = format!("{} attention hq{hq} hkv{hkv} dh{dh} window{window} softcap{softcap} A {a_cached}+{a_new} B {b_new}", ctx.name());
+            let what = format!(
+                "{} attention hq{hq} hkv{hkv} dh{dh} window{window} softcap{softcap} A {a_cached}+{a_new} B {b_new}",
+                ctx.name()
+            );
             check(&what, &got, &want, dh);
         }
     });
@@ -659,7 +734,8 @@ fn bad_graphs_are_refused_with_a_message_not_a_crash() {
         let wi = run.weight(&w.data, DType::F32, &[3, 5]);
         let o = run.g.op(OpCode::MatMul, &[2, 3], &[xi, wi]);
         run.g.mark_output(o);
-        let inputs: Vec<HostTensor> = run.inputs.iter().map(|b| HostTensor { ptr: b.as_ptr() as *mut u8, len: b.len() }).collect();
+        let inputs: Vec<HostTensor> =
+            run.inputs.iter().map(|b| HostTensor { ptr: b.as_ptr() as *mut u8, len: b.len() }).collect();
         let weights: Vec<BufferHandle> = run.weights.iter().map(|b| b.handle()).collect();
         let mut out = vec![0f32; 6];
         let outputs = [HostTensor { ptr: out.as_mut_ptr() as *mut u8, len: 24 }];

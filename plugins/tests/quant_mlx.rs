@@ -10,7 +10,8 @@ use mlxcel_plugins::{Catalog, PluginSearch};
 use safetensors::SafeTensors;
 
 fn fixtures() -> Vec<u8> {
-    std::fs::read(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mlx-quant.safetensors")).unwrap()
+    std::fs::read(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/mlx-quant.safetensors"))
+        .unwrap()
 }
 
 fn u32s(b: &[u8]) -> Vec<u32> {
@@ -107,12 +108,19 @@ fn backends_dequantize_exactly_like_mlx() {
                 };
                 unsafe { ctx.compute(&args) }.unwrap();
                 for (i, (g, w)) in out.iter().zip(&want).enumerate() {
-                    assert!((g - w).abs() <= 1e-6 * (1.0 + w.abs()), "{} {key}: element {i}: {g} vs MLX {w}", plugin.name());
+                    assert!(
+                        (g - w).abs() <= 1e-6 * (1.0 + w.abs()),
+                        "{} {key}: element {i}: {g} vs MLX {w}",
+                        plugin.name()
+                    );
                 }
                 // The quantization is also faithful to the original matrix (sanity of the fixture).
                 let w = f32s(&t("w"));
                 let step = 4.0 / ((1 << bits) - 1) as f32 * 2.0;
-                assert!(w.iter().zip(&want).all(|(a, b)| (a - b).abs() <= step), "{key}: dequantized far from original");
+                assert!(
+                    w.iter().zip(&want).all(|(a, b)| (a - b).abs() <= step),
+                    "{key}: dequantized far from original"
+                );
             }
         }
     }

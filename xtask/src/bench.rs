@@ -78,10 +78,8 @@ fn read_bandwidth(threads: usize) -> f64 {
     for _ in 0..3 {
         let t0 = Instant::now();
         let sums: Vec<u64> = std::thread::scope(|s| {
-            let hs: Vec<_> = buf
-                .chunks(chunk)
-                .map(|c| s.spawn(move || c.iter().fold(0u64, |a, &b| a.wrapping_add(b))))
-                .collect();
+            let hs: Vec<_> =
+                buf.chunks(chunk).map(|c| s.spawn(move || c.iter().fold(0u64, |a, &b| a.wrapping_add(b)))).collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
         std::hint::black_box(sums);
@@ -93,7 +91,12 @@ fn read_bandwidth(threads: usize) -> f64 {
 fn cpu_name() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_string()))
+        .and_then(|s| {
+            s.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split(':').nth(1))
+                .map(|s| s.trim().to_string())
+        })
         .unwrap_or_else(|| std::env::consts::ARCH.to_string())
 }
 
@@ -132,7 +135,17 @@ pub fn run(o: &Options) -> Result<()> {
                 Command::new(&mlxcel)
                     .arg("bench")
                     .arg(&mlx)
-                    .args(["-t", &t.to_string(), "-r", "1", "-p", &o.n_prompt.to_string(), "-n", &o.n_gen.to_string(), "--json"])
+                    .args([
+                        "-t",
+                        &t.to_string(),
+                        "-r",
+                        "1",
+                        "-p",
+                        &o.n_prompt.to_string(),
+                        "-n",
+                        &o.n_gen.to_string(),
+                        "--json",
+                    ])
                     .output()?,
                 "mlxcel bench",
             )?;
@@ -156,11 +169,28 @@ pub fn run(o: &Options) -> Result<()> {
             }
         }
         let bw = read_bandwidth(t);
-        rows.push((t, median(m_pp), median(m_tg), (!l_pp.is_empty()).then(|| median(l_pp)), (!l_tg.is_empty()).then(|| median(l_tg)), bw, rss, weights, kv, features));
+        rows.push((
+            t,
+            median(m_pp),
+            median(m_tg),
+            (!l_pp.is_empty()).then(|| median(l_pp)),
+            (!l_tg.is_empty()).then(|| median(l_tg)),
+            bw,
+            rss,
+            weights,
+            kv,
+            features,
+        ));
     }
 
     println!();
-    println!("Machine: {} ({} logical cores), commit {}, {}", cpu_name(), std::thread::available_parallelism().map_or(1, |n| n.get()), git_commit(&crate::root()), chrono_free_date());
+    println!(
+        "Machine: {} ({} logical cores), commit {}, {}",
+        cpu_name(),
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+        git_commit(&crate::root()),
+        chrono_free_date()
+    );
     println!("Model: SmolLM2-135M-Instruct — mlxcel on the MLX 4-bit g32 folder, llama.cpp ({LLAMA_CPP_PYTHON}) on the bit-identical GGUF Q4_1. Medians of {} alternating runs.", o.reps);
     println!();
     println!("| threads | mlxcel pp{} | llama.cpp pp{} | ratio | mlxcel tg{} | llama.cpp tg{} | ratio | read bandwidth | tg floor | mlxcel share of floor | peak RSS (weights + KV) | cpu path |", o.n_prompt, o.n_prompt, o.n_gen, o.n_gen);
@@ -187,5 +217,10 @@ pub fn run(o: &Options) -> Result<()> {
 }
 
 fn chrono_free_date() -> String {
-    Command::new("date").arg("-u").arg("+%Y-%m-%d").output().map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_default()
+    Command::new("date")
+        .arg("-u")
+        .arg("+%Y-%m-%d")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default()
 }

@@ -119,11 +119,16 @@ fn supported_isas() -> Vec<&'static str> {
     let mut v = vec!["scalar"];
     #[cfg(target_arch = "x86_64")]
     {
-        let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+        let avx2 =
+            is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
         if avx2 {
             v.push("avx2");
         }
-        if avx2 && is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512vl") {
+        if avx2
+            && is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+        {
             v.push("avx512");
         }
     }
@@ -149,7 +154,11 @@ fn main() -> Result<()> {
             // the golden tests (the run above used the best one).
             for isa in supported_isas() {
                 println!("== op conformance and golden tests with MLXCEL_CPU_ISA={isa}");
-                for (package, test) in [("mlxcel-plugins", "op_conformance"), ("mlxcel-plugins", "quant_mlx"), ("mlxcel-family-llama", "golden")] {
+                for (package, test) in [
+                    ("mlxcel-plugins", "op_conformance"),
+                    ("mlxcel-plugins", "quant_mlx"),
+                    ("mlxcel-family-llama", "golden"),
+                ] {
                     let mut c = cargo();
                     c.env("MLXCEL_CPU_ISA", isa).args(["test", "--release", "-p", package, "--test", test]);
                     run(c)?;
@@ -158,7 +167,9 @@ fn main() -> Result<()> {
             // The exact path: f32 activations everywhere, held to the f64 op reference, to mlx-lm's
             // logits at 1e-4 and its greedy tokens exactly, and to the real-model reference at 0.01.
             println!("== golden and real-model tests with MLXCEL_CPU_INT16=0");
-            for (package, test) in [("mlxcel-plugins", "op_conformance"), ("mlxcel-family-llama", "golden"), ("mlxcel", "real_models")] {
+            for (package, test) in
+                [("mlxcel-plugins", "op_conformance"), ("mlxcel-family-llama", "golden"), ("mlxcel", "real_models")]
+            {
                 let mut c = cargo();
                 c.env("MLXCEL_CPU_INT16", "0").args(["test", "--release", "-p", package, "--test", test]);
                 run(c)?;

@@ -87,7 +87,16 @@ fn main() {
                 };
                 // A new source name per call and repetition: every call quantizes its input.
                 let source = rep * mats.len() + i;
-                qmatmul(isa, threads, &x[..t * m.k], t, w, m.n, &mut out[..t * m.n], int.then_some((&mut acts, source)));
+                qmatmul(
+                    isa,
+                    threads,
+                    &x[..t * m.k],
+                    t,
+                    w,
+                    m.n,
+                    &mut out[..t * m.n],
+                    int.then_some((&mut acts, source)),
+                );
             }
             times.push(start.elapsed().as_secs_f64());
         }

@@ -40,7 +40,17 @@ impl CpuContext {
             .map_err(|e| format!("cannot start {threads} worker threads: {e}"))?;
         let int_activations = std::env::var("MLXCEL_CPU_INT16").map_or(true, |v| v != "0");
         let int_scratch = IntActs::default();
-        Ok(CpuContext { pool, state: ExecState { isa, threads, int_activations, int_scratch, attention_scratch: AttentionScratch::default(), scratch: Vec::new() } })
+        Ok(CpuContext {
+            pool,
+            state: ExecState {
+                isa,
+                threads,
+                int_activations,
+                int_scratch,
+                attention_scratch: AttentionScratch::default(),
+                scratch: Vec::new(),
+            },
+        })
     }
 
     pub fn isa(&self) -> Isa {
@@ -445,15 +455,31 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                                 parts[0] = Some(quantized::QuantPart { w: q, n, out: &mut out });
                                 for (slot, (m, buf)) in parts[1..].iter_mut().zip(fused.iter_mut().take(n_fused)) {
                                     let nm = &nodes[*m];
-                                    let (qm, rows) = quant_matrix(&vals, nodes, nm, k).map_err(|msg| bad(*m, nm, msg))?;
+                                    let (qm, rows) =
+                                        quant_matrix(&vals, nodes, nm, k).map_err(|msg| bad(*m, nm, msg))?;
                                     if rows != nm.cols() || qm.k != k {
-                                        return Err(bad(*m, nm, format!("packed weight has {rows} rows, output {} columns", nm.cols())));
+                                        return Err(bad(
+                                            *m,
+                                            nm,
+                                            format!("packed weight has {rows} rows, output {} columns", nm.cols()),
+                                        ));
                                     }
                                     *slot = Some(quantized::QuantPart { w: qm, n: rows, out: buf });
                                 }
-                                quantized::qmatmul_shared_input(isa, &x, src[0] as usize, t, parts.into_iter().flatten(), &mut ctx.int_scratch);
+                                quantized::qmatmul_shared_input(
+                                    isa,
+                                    &x,
+                                    src[0] as usize,
+                                    t,
+                                    parts.into_iter().flatten(),
+                                    &mut ctx.int_scratch,
+                                );
                             } else {
-                                let int = if ctx.int_activations { Some((&mut ctx.int_scratch, src[0] as usize)) } else { None };
+                                let int = if ctx.int_activations {
+                                    Some((&mut ctx.int_scratch, src[0] as usize))
+                                } else {
+                                    None
+                                };
                                 quantized::qmatmul(isa, threads, &x, t, q, n, &mut out, int);
                             }
                         }
@@ -548,9 +574,11 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                     }
                     OpCode::Attention => {
                         need(3)?;
-                        let batch = unsafe { args.batch.as_ref() }.ok_or_else(|| e("no attention batch given".into()))?;
+                        let batch =
+                            unsafe { args.batch.as_ref() }.ok_or_else(|| e("no attention batch given".into()))?;
                         let layer = node.iparams[0] as usize;
-                        let (hq, hkv, dh) = (node.iparams[1] as usize, node.iparams[2] as usize, node.iparams[3] as usize);
+                        let (hq, hkv, dh) =
+                            (node.iparams[1] as usize, node.iparams[2] as usize, node.iparams[3] as usize);
                         if hq == 0 || hkv == 0 || dh == 0 || hq % hkv != 0 {
                             return Err(e(format!("bad head counts {hq}/{hkv} x {dh}")));
                         }
@@ -580,9 +608,8 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                         };
                         let kv_row = hkv * dh;
                         let slots = batch.num_blocks as usize * batch.block_size as usize;
-                        let (kb, vb) = unsafe {
-                            ((binding.k as *mut Buffer).as_mut(), (binding.v as *mut Buffer).as_mut())
-                        };
+                        let (kb, vb) =
+                            unsafe { ((binding.k as *mut Buffer).as_mut(), (binding.v as *mut Buffer).as_mut()) };
                         let (Some(kb), Some(vb)) = (kb, vb) else { return Err(e("null KV buffer".into())) };
                         let kc = kb.bytes_mut().ok_or_else(|| e("KV cache must be an allocated buffer".into()))?;
                         let vc = vb.bytes_mut().ok_or_else(|| e("KV cache must be an allocated buffer".into()))?;
@@ -604,7 +631,9 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                                 return Err(e(format!("token {ti}: position {p} beyond its block table")));
                             }
                             for b in 0..=nb {
-                                if layout.block_tables[s * layout.max_blocks_per_seq + b] as usize >= batch.num_blocks as usize {
+                                if layout.block_tables[s * layout.max_blocks_per_seq + b] as usize
+                                    >= batch.num_blocks as usize
+                                {
                                     return Err(e(format!("sequence {s}: block id out of range")));
                                 }
                             }

@@ -71,9 +71,8 @@ impl Isa {
     pub fn from_env() -> Result<Isa, String> {
         match std::env::var("MLXCEL_CPU_ISA") {
             Ok(v) if !v.trim().is_empty() => {
-                let isa = Isa::parse(&v).ok_or_else(|| {
-                    format!("MLXCEL_CPU_ISA=`{v}` is not one of scalar, avx2, avx512, neon")
-                })?;
+                let isa = Isa::parse(&v)
+                    .ok_or_else(|| format!("MLXCEL_CPU_ISA=`{v}` is not one of scalar, avx2, avx512, neon"))?;
                 if !isa.supported() {
                     return Err(format!(
                         "MLXCEL_CPU_ISA={} is not supported by this CPU (supported: {})",

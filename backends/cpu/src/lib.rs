@@ -26,7 +26,12 @@ fn cpu_name() -> &'static str {
     NAME.get_or_init(|| {
         std::fs::read_to_string("/proc/cpuinfo")
             .ok()
-            .and_then(|s| s.lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).map(|s| s.trim().to_string()))
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("model name"))
+                    .and_then(|l| l.split(':').nth(1))
+                    .map(|s| s.trim().to_string())
+            })
             .unwrap_or_else(|| format!("{} cpu", std::env::consts::ARCH))
     })
 }
@@ -48,7 +53,11 @@ unsafe extern "C" fn describe(out: *mut BackendInfo) -> Status {
     static FEATURES: OnceLock<String> = OnceLock::new();
     guard(std::ptr::null_mut(), || {
         let devices = DEVICES.get_or_init(|| {
-            [DeviceInfo { name: StrRef::from_static(cpu_name()), kind: DeviceKind::Cpu as u32, memory_bytes: total_memory() }]
+            [DeviceInfo {
+                name: StrRef::from_static(cpu_name()),
+                kind: DeviceKind::Cpu as u32,
+                memory_bytes: total_memory(),
+            }]
         });
         let features = FEATURES.get_or_init(|| match Isa::from_env() {
             Ok(i) => i.name().to_string(),
@@ -107,7 +116,10 @@ unsafe extern "C" fn buffer_from_host(
         let buf = if len == 0 || ptr as usize % 8 == 0 {
             Buffer::Borrowed { ptr, len }
         } else {
-            let mut a = AlignedBytes::zeroed(len).ok_or_else(|| PluginError { status: Status::OUT_OF_MEMORY, message: format!("cannot allocate {len} bytes") })?;
+            let mut a = AlignedBytes::zeroed(len).ok_or_else(|| PluginError {
+                status: Status::OUT_OF_MEMORY,
+                message: format!("cannot allocate {len} bytes"),
+            })?;
             a.as_mut_slice().copy_from_slice(std::slice::from_raw_parts(ptr, len));
             Buffer::Owned(a)
         };
@@ -118,8 +130,10 @@ unsafe extern "C" fn buffer_from_host(
 
 unsafe extern "C" fn buffer_alloc(_ctx: *mut c_void, len: usize, out: *mut BufferHandle, err: *mut ErrorBuf) -> Status {
     guard(err, || {
-        let a = AlignedBytes::zeroed(len)
-            .ok_or_else(|| PluginError { status: Status::OUT_OF_MEMORY, message: format!("cannot allocate {len} bytes") })?;
+        let a = AlignedBytes::zeroed(len).ok_or_else(|| PluginError {
+            status: Status::OUT_OF_MEMORY,
+            message: format!("cannot allocate {len} bytes"),
+        })?;
         *out = Box::into_raw(Box::new(Buffer::Owned(a))) as BufferHandle;
         Ok(())
     })

@@ -113,8 +113,12 @@ impl Linear {
                     spec.bits
                 ));
             }
-            if scales.shape.len() != 2 || scales.shape[0] != outf || scales.shape[1] == 0 || inf % scales.shape[1] != 0 {
-                return Err(format!("tensor `{path}.scales` has shape {:?} for a [{outf}, {inf}] weight", scales.shape));
+            if scales.shape.len() != 2 || scales.shape[0] != outf || scales.shape[1] == 0 || inf % scales.shape[1] != 0
+            {
+                return Err(format!(
+                    "tensor `{path}.scales` has shape {:?} for a [{outf}, {inf}] weight",
+                    scales.shape
+                ));
             }
             let group = (inf / scales.shape[1]) as usize;
             if group != spec.group_size {
@@ -128,14 +132,22 @@ impl Linear {
             }
             let biases = table.require(&format!("{path}.biases"))?;
             if biases.shape != scales.shape {
-                return Err(format!("tensor `{path}.biases` has shape {:?}, expected {:?}", biases.shape, scales.shape));
+                return Err(format!(
+                    "tensor `{path}.biases` has shape {:?}, expected {:?}",
+                    biases.shape, scales.shape
+                ));
             }
             for t in [scales, &biases] {
                 if !matches!(t.dtype, DType::F32 | DType::F16 | DType::BF16) {
                     return Err(format!("tensor `{}` has dtype {}, expected a float", t.name, t.dtype.name()));
                 }
             }
-            LinearWeights::Quantized { packed: w, scales: scales.clone(), biases, spec: QuantSpec { bits, group_size: group } }
+            LinearWeights::Quantized {
+                packed: w,
+                scales: scales.clone(),
+                biases,
+                spec: QuantSpec { bits, group_size: group },
+            }
         } else {
             if configured.is_some() && w.dtype == DType::U32 {
                 return Err(format!("tensor `{wname}` is packed but `{path}.scales` is missing"));
@@ -194,7 +206,13 @@ impl<'g> GraphWriter<'g> {
             }
             LinearWeights::Quantized { packed, scales, biases, spec } => {
                 let (p, s, b) = (self.weight(packed), self.weight(scales), self.weight(biases));
-                self.g.op_with(OpCode::QuantMatMul, &shape, &[x, p, s, b], &[spec.bits as i64, spec.group_size as i64], &[])
+                self.g.op_with(
+                    OpCode::QuantMatMul,
+                    &shape,
+                    &[x, p, s, b],
+                    &[spec.bits as i64, spec.group_size as i64],
+                    &[],
+                )
             }
         };
         match &l.bias {
@@ -216,7 +234,13 @@ impl<'g> GraphWriter<'g> {
             }
             LinearWeights::Quantized { packed, scales, biases, spec } => {
                 let (p, s, b) = (self.weight(packed), self.weight(scales), self.weight(biases));
-                self.g.op_with(OpCode::QuantEmbedding, &shape, &[ids, p, s, b], &[spec.bits as i64, spec.group_size as i64], &[])
+                self.g.op_with(
+                    OpCode::QuantEmbedding,
+                    &shape,
+                    &[ids, p, s, b],
+                    &[spec.bits as i64, spec.group_size as i64],
+                    &[],
+                )
             }
         }
     }

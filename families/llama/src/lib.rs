@@ -96,7 +96,12 @@ unsafe extern "C" fn model_describe(model: *mut c_void, out: *mut ModelDesc) -> 
     })
 }
 
-unsafe extern "C" fn build_graph(model: *mut c_void, step: *const StepShape, out: *mut GraphRef, err: *mut ErrorBuf) -> Status {
+unsafe extern "C" fn build_graph(
+    model: *mut c_void,
+    step: *const StepShape,
+    out: *mut GraphRef,
+    err: *mut ErrorBuf,
+) -> Status {
     guard(err, || {
         let h = (model as *mut Handle).as_mut().ok_or_else(|| PluginError::invalid("null model"))?;
         let step = step.as_ref().ok_or_else(|| PluginError::invalid("null step"))?;

@@ -138,7 +138,8 @@ impl LlamaModel {
     /// Rough activation bytes per token in flight (f32 activations of one layer plus logits rows).
     pub fn activation_bytes_per_token(&self) -> u64 {
         let c = &self.cfg;
-        let per = 4 * c.hidden_size + 3 * c.intermediate_size + (c.num_attention_heads + 2 * c.n_kv_heads()) * c.head_dim();
+        let per =
+            4 * c.hidden_size + 3 * c.intermediate_size + (c.num_attention_heads + 2 * c.n_kv_heads()) * c.head_dim();
         (per * 4) as u64
     }
 
@@ -218,7 +219,8 @@ fn describe_quantization(embed: &Linear, layers: &[Layer], config: Option<&Value
     let first = layers.first().and_then(|l| l.mlp.down.describe_quant()).or_else(|| embed.describe_quant());
     match first {
         Some(s) => {
-            let mixed = config.is_some_and(|q| q.as_object().is_some_and(|o| o.values().any(|v| v.is_object() || v.is_boolean())));
+            let mixed = config
+                .is_some_and(|q| q.as_object().is_some_and(|o| o.values().any(|v| v.is_object() || v.is_boolean())));
             format!("affine {}-bit g{}{}", s.bits, s.group_size, if mixed { " (mixed)" } else { "" })
         }
         None => String::new(),

@@ -9,7 +9,9 @@
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 
-use mlxcel::engine::{GenerateOptions, Logits, ModelRunner, RunnerOptions, SamplingParams, SeqBlocks, SeqChunk, Session};
+use mlxcel::engine::{
+    GenerateOptions, Logits, ModelRunner, RunnerOptions, SamplingParams, SeqBlocks, SeqChunk, Session,
+};
 use mlxcel::text::TextTokenizer;
 use serde_json::Value;
 
@@ -67,9 +69,11 @@ fn max_diff(name: &str, row: usize, got: &[f32], want: &[f32]) -> f32 {
 fn check_one_shot(name: &str, runner: &mut ModelRunner, g: &Golden) -> f32 {
     let mut seq = SeqBlocks::default();
     runner.pool.reserve(&mut seq, g.tokens.len()).unwrap();
-    let out = runner.forward(&[SeqChunk { blocks: &seq, tokens: &g.tokens, start_pos: 0, logits: Logits::All }]).unwrap();
+    let out =
+        runner.forward(&[SeqChunk { blocks: &seq, tokens: &g.tokens, start_pos: 0, logits: Logits::All }]).unwrap();
     let v = runner.info.vocab_size;
-    let worst = (0..g.tokens.len()).map(|i| max_diff(name, i, &out[i * v..(i + 1) * v], &g.logits[i])).fold(0.0, f32::max);
+    let worst =
+        (0..g.tokens.len()).map(|i| max_diff(name, i, &out[i * v..(i + 1) * v], &g.logits[i])).fold(0.0, f32::max);
     runner.pool.release(&mut seq);
     worst
 }
@@ -94,7 +98,12 @@ fn check_chunked_and_decode(name: &str, runner: &mut ModelRunner, g: &Golden) {
     while pos < n {
         runner.pool.reserve(&mut seq, pos + 1).unwrap();
         let out = runner
-            .forward(&[SeqChunk { blocks: &seq, tokens: &g.tokens[pos..pos + 1], start_pos: pos, logits: Logits::Last }])
+            .forward(&[SeqChunk {
+                blocks: &seq,
+                tokens: &g.tokens[pos..pos + 1],
+                start_pos: pos,
+                logits: Logits::Last,
+            }])
             .unwrap();
         max_diff(name, pos, &out, &g.logits[pos]);
         pos += 1;

@@ -57,8 +57,10 @@ impl Checkpoint {
         }
         let config_text = std::fs::read_to_string(&config_path)
             .map_err(|e| CheckpointError::BadJson { path: config_path.clone(), reason: e.to_string() })?;
-        let config: Value = serde_json::from_str(&config_text)
-            .map_err(|e| CheckpointError::BadJson { path: config_path.clone(), reason: format!("invalid JSON: {e}") })?;
+        let config: Value = serde_json::from_str(&config_text).map_err(|e| CheckpointError::BadJson {
+            path: config_path.clone(),
+            reason: format!("invalid JSON: {e}"),
+        })?;
         let gen_path = dir.join("generation_config.json");
         let generation_config = if gen_path.is_file() { Some(read_json(&gen_path)?) } else { None };
 
@@ -72,7 +74,10 @@ impl Checkpoint {
         let mut seen = BTreeSet::new();
         for t in &tensors {
             if !seen.insert(t.name.as_str()) {
-                return Err(CheckpointError::Other(format!("tensor `{}` appears in more than one weight file", t.name)));
+                return Err(CheckpointError::Other(format!(
+                    "tensor `{}` appears in more than one weight file",
+                    t.name
+                )));
             }
         }
         Ok(Checkpoint { dir: dir.to_path_buf(), config_text, config, generation_config, files, tensors })
@@ -122,10 +127,10 @@ fn weight_files(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
     let index = dir.join("model.safetensors.index.json");
     if index.is_file() {
         let v = read_json(&index)?;
-        let map = v.get("weight_map").and_then(Value::as_object).ok_or_else(|| CheckpointError::BadJson {
-            path: index.clone(),
-            reason: "no `weight_map` object".into(),
-        })?;
+        let map = v
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| CheckpointError::BadJson { path: index.clone(), reason: "no `weight_map` object".into() })?;
         let names: BTreeSet<&str> = map.values().filter_map(Value::as_str).collect();
         let mut out = Vec::new();
         for n in names {

@@ -82,7 +82,9 @@ pub fn open(path: &Path, file_index: usize) -> Result<(MappedFile, Vec<TensorEnt
                     format!("file has {len} bytes but its header describes {want}: the file is truncated")
                 }
                 Some(want) => format!("file has {len} bytes but its header describes {want}: the file is corrupt"),
-                None => format!("file has {len} bytes, which does not match its header: the file is truncated or corrupt"),
+                None => {
+                    format!("file has {len} bytes, which does not match its header: the file is truncated or corrupt")
+                }
             },
             SafeTensorError::InvalidOffset(name) => {
                 format!("tensor `{name}` has inconsistent data offsets: the file is corrupt")

@@ -66,7 +66,12 @@ pub fn run(global: &GlobalArgs, args: &ArchArgs) -> Result<()> {
         return Ok(());
     }
 
-    println!("mlxcel {} (plugin ABI {}.{})", env!("CARGO_PKG_VERSION"), mlxcel_plugin_api::ABI_MAJOR, mlxcel_plugin_api::ABI_MINOR);
+    println!(
+        "mlxcel {} (plugin ABI {}.{})",
+        env!("CARGO_PKG_VERSION"),
+        mlxcel_plugin_api::ABI_MAJOR,
+        mlxcel_plugin_api::ABI_MINOR
+    );
     println!();
     println!("FAMILIES");
     if cat.families.is_empty() {

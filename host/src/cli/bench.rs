@@ -49,7 +49,9 @@ fn median(mut v: Vec<f64>) -> f64 {
 pub fn peak_rss() -> u64 {
     std::fs::read_to_string("/proc/self/status")
         .ok()
-        .and_then(|s| s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()))
+        .and_then(|s| {
+            s.lines().find(|l| l.starts_with("VmHWM:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
         .map_or(0, |kb| kb * 1024)
 }
 
@@ -95,7 +97,12 @@ pub fn run(global: &GlobalArgs, args: &BenchArgs) -> Result<()> {
         runner.pool.reserve(&mut seq, args.n_gen)?;
         let t1 = Instant::now();
         for (i, tok) in gen_tokens.iter().enumerate() {
-            runner.forward(&[SeqChunk { blocks: &seq, tokens: std::slice::from_ref(tok), start_pos: i, logits: Logits::Last }])?;
+            runner.forward(&[SeqChunk {
+                blocks: &seq,
+                tokens: std::slice::from_ref(tok),
+                start_pos: i,
+                logits: Logits::Last,
+            }])?;
         }
         let tg_s = t1.elapsed().as_secs_f64();
         runner.pool.release(&mut seq);

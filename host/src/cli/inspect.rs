@@ -30,10 +30,13 @@ pub struct InspectArgs {
 pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
     let dir = resolve_model(&args.model, args.revision.as_deref())?;
     let ck = Checkpoint::open(&dir)?;
-    let model_type = ck.model_type().with_context(|| format!("{}: config.json has no `model_type`", dir.display()))?.to_string();
+    let model_type =
+        ck.model_type().with_context(|| format!("{}: config.json has no `model_type`", dir.display()))?.to_string();
     let catalog = global.catalog();
     let family = catalog.select_family(&ck.config_text, &model_type)?;
-    let model = family.create_model(&ck.config_text, &ck.weight_infos()?).map_err(|e| anyhow::anyhow!("{}: {}", dir.display(), e.message))?;
+    let model = family
+        .create_model(&ck.config_text, &ck.weight_infos()?)
+        .map_err(|e| anyhow::anyhow!("{}: {}", dir.display(), e.message))?;
     let info = model.info();
     let ctx = args.ctx_size.unwrap_or(4096).min(info.max_positions.max(1)) as u64;
     let est = MemoryEstimate::new(info, ck.weight_bytes(), ctx, args.parallel as u64);
@@ -60,11 +63,25 @@ pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
     let mb = |b: u64| format!("{:.1} MB", b as f64 / 1e6);
     println!("{}", dir.display());
     println!("  architecture   {} (family `{}`), {}", info.architecture, family.name(), info.task.name());
-    println!("  shape          {} layers, hidden {}, vocabulary {}, context ≤ {}", info.n_layers, info.hidden_size, info.vocab_size, info.max_positions);
+    println!(
+        "  shape          {} layers, hidden {}, vocabulary {}, context ≤ {}",
+        info.n_layers, info.hidden_size, info.vocab_size, info.max_positions
+    );
     println!("  quantization   {}", if info.quantization.is_empty() { "none" } else { &info.quantization });
     println!("  weights        {} in {} tensors, {} file(s)", mb(est.weight_bytes), ck.tensors.len(), ck.files.len());
-    println!("  KV cache       {} ({:.1} KB per token × {} tokens × {} sequence(s))", mb(est.kv_bytes), est.kv_bytes_per_token as f64 / 1e3, ctx, est.parallel);
+    println!(
+        "  KV cache       {} ({:.1} KB per token × {} tokens × {} sequence(s))",
+        mb(est.kv_bytes),
+        est.kv_bytes_per_token as f64 / 1e3,
+        ctx,
+        est.parallel
+    );
     println!("  activations    {} (estimate)", mb(est.activation_bytes));
-    println!("  total          {} of {} available: {}", mb(est.total_bytes), mb(est.available_bytes), if est.fits { "fits" } else { "does NOT fit" });
+    println!(
+        "  total          {} of {} available: {}",
+        mb(est.total_bytes),
+        mb(est.available_bytes),
+        if est.fits { "fits" } else { "does NOT fit" }
+    );
     Ok(())
 }

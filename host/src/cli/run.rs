@@ -81,7 +81,10 @@ pub struct RunArgs {
 
 /// A MODEL argument as a folder: local, Hugging Face cache, mlxcel store, or downloaded.
 pub fn resolve_model(model: &str, revision: Option<&str>) -> Result<PathBuf> {
-    let r = crate::store::resolve_model(model, &crate::store::ResolveOptions { revision: revision.map(str::to_string), offline: false })?;
+    let r = crate::store::resolve_model(
+        model,
+        &crate::store::ResolveOptions { revision: revision.map(str::to_string), offline: false },
+    )?;
     Ok(r.path().to_path_buf())
 }
 
@@ -236,7 +239,10 @@ pub fn repl(global: &GlobalArgs, args: &RunArgs) -> Result<()> {
     let mut editor = rustyline::DefaultEditor::new().context("cannot open the line editor")?;
     let mut history: Vec<ChatMessage> = Vec::new();
     let mut session = Session::new();
-    eprintln!("mlxcel chat with {} — /clear forgets the conversation, /exit quits, Ctrl-C stops an answer.", args.model);
+    eprintln!(
+        "mlxcel chat with {} — /clear forgets the conversation, /exit quits, Ctrl-C stops an answer.",
+        args.model
+    );
     loop {
         let line = match editor.readline(">>> ") {
             Ok(l) => l,

@@ -8,7 +8,7 @@ use clap::Args;
 use serde_json::{json, Value};
 
 use crate::store::resolve::{hf_cache_root, is_model_folder, store_folder};
-use crate::store::{resolve_model, store_root, RepoId, Resolved, ResolveOptions};
+use crate::store::{resolve_model, store_root, RepoId, ResolveOptions, Resolved};
 
 #[derive(Args, Debug)]
 pub struct ListArgs {
@@ -37,13 +37,23 @@ pub struct RmArgs {
 
 fn folder_size(p: &Path) -> u64 {
     std::fs::read_dir(p)
-        .map(|d| d.flatten().filter_map(|e| std::fs::metadata(e.path()).ok()).filter(|m| m.is_file()).map(|m| m.len()).sum())
+        .map(|d| {
+            d.flatten().filter_map(|e| std::fs::metadata(e.path()).ok()).filter(|m| m.is_file()).map(|m| m.len()).sum()
+        })
         .unwrap_or(0)
 }
 
 fn describe(name: String, source: &str, path: PathBuf) -> Value {
-    let cfg: Value = std::fs::read_to_string(path.join("config.json")).ok().and_then(|s| serde_json::from_str(&s).ok()).unwrap_or(Value::Null);
-    let arch = cfg.get("text_config").and_then(|t| t.get("model_type")).or_else(|| cfg.get("model_type")).cloned().unwrap_or(Value::Null);
+    let cfg: Value = std::fs::read_to_string(path.join("config.json"))
+        .ok()
+        .and_then(|s| serde_json::from_str(&s).ok())
+        .unwrap_or(Value::Null);
+    let arch = cfg
+        .get("text_config")
+        .and_then(|t| t.get("model_type"))
+        .or_else(|| cfg.get("model_type"))
+        .cloned()
+        .unwrap_or(Value::Null);
     let quant = cfg.get("quantization").map(|q| {
         format!(
             "{}-bit g{}",

@@ -25,7 +25,13 @@ pub struct GenerateOptions {
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        GenerateOptions { sampling: SamplingParams::default(), max_tokens: 256, stop: vec![], ignore_eos: false, prefill_chunk: 512 }
+        GenerateOptions {
+            sampling: SamplingParams::default(),
+            max_tokens: 256,
+            stop: vec![],
+            ignore_eos: false,
+            prefill_chunk: 512,
+        }
     }
 }
 
@@ -124,7 +130,12 @@ impl Session {
             let end = (pos + chunk).min(prompt.len());
             runner.pool.reserve(&mut self.blocks, end)?;
             let want = if end == prompt.len() { Logits::Last } else { Logits::None };
-            logits = runner.forward(&[SeqChunk { blocks: &self.blocks, tokens: &prompt[pos..end], start_pos: pos, logits: want }])?;
+            logits = runner.forward(&[SeqChunk {
+                blocks: &self.blocks,
+                tokens: &prompt[pos..end],
+                start_pos: pos,
+                logits: want,
+            }])?;
             self.cached.extend_from_slice(&prompt[pos..end]);
             self.blocks.len = end;
             pos = end;
@@ -179,7 +190,12 @@ impl Session {
                 break FinishReason::Length;
             }
             runner.pool.reserve(&mut self.blocks, p + 1)?;
-            logits = runner.forward(&[SeqChunk { blocks: &self.blocks, tokens: &[next], start_pos: p, logits: Logits::Last }])?;
+            logits = runner.forward(&[SeqChunk {
+                blocks: &self.blocks,
+                tokens: &[next],
+                start_pos: p,
+                logits: Logits::Last,
+            }])?;
             self.cached.push(next);
             self.blocks.len = p + 1;
         };

@@ -57,9 +57,8 @@ impl MemoryEstimate {
         let kv_bytes = kv * parallel;
         // One prefill chunk of activations plus the logits rows, plus CPU-side scratch slack.
         let chunk = PREFILL_CHUNK.min(ctx_size.max(1));
-        let activation_bytes = info.activation_bytes_per_token * chunk * 2
-            + info.vocab_size as u64 * 4 * parallel
-            + 16 * 1024 * 1024;
+        let activation_bytes =
+            info.activation_bytes_per_token * chunk * 2 + info.vocab_size as u64 * 4 * parallel + 16 * 1024 * 1024;
         let total = weight_bytes + kv_bytes + activation_bytes;
         let available = available_memory();
         MemoryEstimate {

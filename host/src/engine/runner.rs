@@ -89,7 +89,11 @@ impl ModelRunner {
             .map_err(|e| anyhow::anyhow!("{}: {}", checkpoint.dir.display(), e.message))?;
         let info = model.info().clone();
         if info.task != Task::Text {
-            bail!("{} is a {} model; `run`/`generate` need a text-generation model", checkpoint.dir.display(), info.task.name());
+            bail!(
+                "{} is a {} model; `run`/`generate` need a text-generation model",
+                checkpoint.dir.display(),
+                info.task.name()
+            );
         }
         let described = backend_plugin.describe();
         let backend = backend_plugin.create(opts.threads, 0)?;

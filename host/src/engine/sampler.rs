@@ -184,7 +184,8 @@ mod tests {
 
     #[test]
     fn same_seed_gives_same_tokens() {
-        let p = SamplingParams { temperature: 1.5, top_k: 0, top_p: 1.0, min_p: 0.0, seed: Some(7), ..Default::default() };
+        let p =
+            SamplingParams { temperature: 1.5, top_k: 0, top_p: 1.0, min_p: 0.0, seed: Some(7), ..Default::default() };
         let logits: Vec<f32> = (0..50).map(|i| (i as f32 * 0.37).sin()).collect();
         let run = || {
             let mut s = Sampler::new(p.clone());
@@ -205,7 +206,8 @@ mod tests {
 
     #[test]
     fn min_p_removes_unlikely_tokens() {
-        let p = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.5, seed: Some(3), ..Default::default() };
+        let p =
+            SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, min_p: 0.5, seed: Some(3), ..Default::default() };
         let mut s = Sampler::new(p);
         for _ in 0..50 {
             let t = s.sample(&mut [10.0, 9.9, 0.0, -5.0], &[]);
@@ -222,7 +224,8 @@ mod tests {
 
     #[test]
     fn frequency_and_presence_penalties_subtract() {
-        let p = SamplingParams { temperature: 0.0, frequency_penalty: 0.6, presence_penalty: 0.5, ..Default::default() };
+        let p =
+            SamplingParams { temperature: 0.0, frequency_penalty: 0.6, presence_penalty: 0.5, ..Default::default() };
         let mut s = Sampler::new(p);
         // token 0: 3.0 - 2*0.6 - 0.5 = 1.3 < 2.0
         assert_eq!(s.sample(&mut [3.0, 2.0], &[0, 0]), 1);

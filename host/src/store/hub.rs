@@ -70,8 +70,12 @@ fn http_error(repo: &RepoId, what: &str, e: ureq::Error) -> anyhow::Error {
             repo.full()
         ),
         ureq::Error::Status(404, _) => anyhow::anyhow!("{what}: `{}` was not found on {}", repo.full(), endpoint()),
-        ureq::Error::Status(code, r) => anyhow::anyhow!("{what}: {} answered HTTP {code} {}", endpoint(), r.status_text()),
-        ureq::Error::Transport(t) => anyhow::anyhow!("{what}: cannot reach {} ({t}); set HF_HUB_OFFLINE=1 to use only local models", endpoint()),
+        ureq::Error::Status(code, r) => {
+            anyhow::anyhow!("{what}: {} answered HTTP {code} {}", endpoint(), r.status_text())
+        }
+        ureq::Error::Transport(t) => {
+            anyhow::anyhow!("{what}: cannot reach {} ({t}); set HF_HUB_OFFLINE=1 to use only local models", endpoint())
+        }
     }
 }
 
@@ -110,7 +114,13 @@ fn sha256_file(path: &Path) -> Result<String> {
 }
 
 /// Downloads one file into `dir`, resuming a `.part` left by an earlier attempt.
-fn fetch_file(repo: &RepoId, revision: &str, file: &RemoteFile, dir: &Path, bar: &indicatif::ProgressBar) -> Result<()> {
+fn fetch_file(
+    repo: &RepoId,
+    revision: &str,
+    file: &RemoteFile,
+    dir: &Path,
+    bar: &indicatif::ProgressBar,
+) -> Result<()> {
     let dest = dir.join(&file.path);
     if dest.is_file() && std::fs::metadata(&dest)?.len() == file.size {
         bar.inc(file.size);
@@ -168,7 +178,8 @@ pub fn download(repo: &RepoId, revision: &str, dest: &Path) -> Result<PathBuf> {
     if !files.iter().any(|f| f.path == "config.json") || !files.iter().any(|f| f.path.ends_with(".safetensors")) {
         bail!("`{}` has no config.json + *.safetensors; it is not a model mlxcel can run", repo.full());
     }
-    let partial = dest.with_file_name(format!("{}.partial", dest.file_name().and_then(|n| n.to_str()).unwrap_or("model")));
+    let partial =
+        dest.with_file_name(format!("{}.partial", dest.file_name().and_then(|n| n.to_str()).unwrap_or("model")));
     std::fs::create_dir_all(&partial).with_context(|| format!("creating {}", partial.display()))?;
     let total: u64 = files.iter().map(|f| f.size).sum();
     let bar = indicatif::ProgressBar::new(total);

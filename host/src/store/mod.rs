@@ -5,4 +5,4 @@
 pub mod hub;
 pub mod resolve;
 
-pub use resolve::{resolve_model, store_root, RepoId, Resolved, ResolveOptions};
+pub use resolve::{resolve_model, store_root, RepoId, ResolveOptions, Resolved};

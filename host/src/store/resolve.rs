@@ -21,7 +21,9 @@ impl RepoId {
             Some((o, n)) => (o.to_string(), n.to_string()),
             None => (std::env::var("MLXCEL_DEFAULT_ORG").unwrap_or_else(|_| "mlx-community".into()), s.to_string()),
         };
-        let ok = |p: &str| !p.is_empty() && p.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) && p != "." && p != "..";
+        let ok = |p: &str| {
+            !p.is_empty() && p.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) && p != "." && p != ".."
+        };
         if !ok(&owner) || !ok(&name) {
             bail!("`{s}` is neither a model folder nor a hub name like owner/name");
         }
@@ -81,7 +83,9 @@ pub fn hf_cache_root() -> PathBuf {
 /// (or the revision itself when it is a commit hash).
 fn hf_cache_snapshot(repo: &RepoId, revision: &str) -> Option<PathBuf> {
     let base = hf_cache_root().join(format!("models--{}--{}", repo.owner, repo.name));
-    let commit = std::fs::read_to_string(base.join("refs").join(revision)).map(|s| s.trim().to_string()).unwrap_or_else(|_| revision.to_string());
+    let commit = std::fs::read_to_string(base.join("refs").join(revision))
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| revision.to_string());
     let snap = base.join("snapshots").join(commit);
     is_model_folder(&snap).then_some(snap)
 }
@@ -89,7 +93,9 @@ fn hf_cache_snapshot(repo: &RepoId, revision: &str) -> Option<PathBuf> {
 /// A folder with what a model needs (config and at least one weight file).
 pub fn is_model_folder(p: &Path) -> bool {
     p.join("config.json").is_file()
-        && std::fs::read_dir(p).map(|d| d.flatten().any(|e| e.path().extension().is_some_and(|x| x == "safetensors"))).unwrap_or(false)
+        && std::fs::read_dir(p)
+            .map(|d| d.flatten().any(|e| e.path().extension().is_some_and(|x| x == "safetensors")))
+            .unwrap_or(false)
 }
 
 /// mlxcel's store folder for a repo: `<store>/models/<owner>/<name>` (revision `main`) or
@@ -112,7 +118,8 @@ pub fn resolve_model(model: &str, opts: &ResolveOptions) -> Result<Resolved> {
     if p.exists() {
         bail!("{model} is a file; MODEL must be a folder with config.json, *.safetensors and tokenizer.json, or a hub name");
     }
-    let looks_like_path = model.starts_with('.') || model.starts_with('/') || model.starts_with('~') || model.matches('/').count() > 1;
+    let looks_like_path =
+        model.starts_with('.') || model.starts_with('/') || model.starts_with('~') || model.matches('/').count() > 1;
     if looks_like_path {
         bail!("model folder `{model}` does not exist");
     }

@@ -57,9 +57,7 @@ impl ChatTemplate {
         match tokenizer_config?.get("chat_template")? {
             serde_json::Value::String(s) => Some(s.clone()),
             serde_json::Value::Array(list) => {
-                let named = |n: &str| {
-                    list.iter().find(|e| e.get("name").and_then(|v| v.as_str()) == Some(n))
-                };
+                let named = |n: &str| list.iter().find(|e| e.get("name").and_then(|v| v.as_str()) == Some(n));
                 named("default")
                     .or_else(|| list.first())
                     .and_then(|e| e.get("template"))
@@ -101,7 +99,10 @@ mod tests {
     fn chatml_renders_with_generation_prompt() {
         let t = ChatTemplate::new(CHATML, "<s>", "</s>").unwrap();
         let out = t.render(&[ChatMessage::new("user", "Hi")], true).unwrap();
-        assert_eq!(out, "<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n");
+        assert_eq!(
+            out,
+            "<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+        );
     }
 
     #[test]

@@ -41,15 +41,16 @@ impl TextTokenizer {
     pub fn load(dir: &Path, config: &Value, generation_config: Option<&Value>) -> Result<TextTokenizer> {
         let path = dir.join("tokenizer.json");
         if !path.is_file() {
-            bail!("{} has no tokenizer.json; mlxcel needs the Hugging Face tokenizer file beside the weights", dir.display());
+            bail!(
+                "{} has no tokenizer.json; mlxcel needs the Hugging Face tokenizer file beside the weights",
+                dir.display()
+            );
         }
         let mut inner = Tokenizer::from_file(&path)
             .map_err(|e| anyhow::anyhow!("{}: cannot load tokenizer: {e}", path.display()))?;
         // Some checkpoints ship padding/truncation switched on (sentence-transformers); generation wants neither.
         inner.with_padding(None);
-        inner
-            .with_truncation(None)
-            .map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        inner.with_truncation(None).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
 
         let tc_path = dir.join("tokenizer_config.json");
         let tc: Option<Value> = if tc_path.is_file() {

@@ -16,7 +16,11 @@ pub fn lib(stem: &str) -> String {
 /// `target/lib/mlxcel/plugins`, filled by `cargo xtask build`.
 pub fn staged_dir() -> PathBuf {
     let d = target_dir().join("lib/mlxcel/plugins");
-    assert!(d.join(lib("mlxcel_backend_cpu")).is_file(), "plugins not staged in {}: run `cargo xtask build` first", d.display());
+    assert!(
+        d.join(lib("mlxcel_backend_cpu")).is_file(),
+        "plugins not staged in {}: run `cargo xtask build` first",
+        d.display()
+    );
     d
 }
 

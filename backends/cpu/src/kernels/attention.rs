@@ -142,7 +142,19 @@ fn attention_tokens(
                 let o = unsafe { out_ptr.slice(q0, group * dh) };
                 // SAFETY: AVX2 and FMA are present on these paths; offsets were validated by the executor.
                 unsafe {
-                    x86::attend_group_avx2(&q[q0..q0 + group * dh], dh, ctx, kvh * dh, k_cache, v_cache, scale, softcap, &mut w.scores, &mut w.acc, o)
+                    x86::attend_group_avx2(
+                        &q[q0..q0 + group * dh],
+                        dh,
+                        ctx,
+                        kvh * dh,
+                        k_cache,
+                        v_cache,
+                        scale,
+                        softcap,
+                        &mut w.scores,
+                        &mut w.acc,
+                        o,
+                    )
                 };
             });
         });

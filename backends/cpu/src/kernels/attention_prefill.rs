@@ -28,7 +28,10 @@ pub fn runs(layout: &PagedLayout, out: &mut Vec<Run>) {
     out.clear();
     for t in 0..layout.positions.len() {
         match out.last_mut() {
-            Some(r) if layout.token_seq[t] == layout.token_seq[t - 1] && layout.positions[t] == layout.positions[t - 1] + 1 => {
+            Some(r)
+                if layout.token_seq[t] == layout.token_seq[t - 1]
+                    && layout.positions[t] == layout.positions[t - 1] + 1 =>
+            {
                 r.end = t + 1
             }
             _ => out.push(Run { start: t, end: t + 1 }),

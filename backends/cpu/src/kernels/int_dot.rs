@@ -149,10 +149,20 @@ pub fn dot_rows<const NT: usize>(isa: Isa, w: QuantRow, x: &[ActRow; NT], out: &
         // SAFETY: as for `dot_row`.
         unsafe {
             match (w.scales, w.biases) {
-                (Floats::F16(s), Floats::F16(b)) => return x86::dot_rows_q4_avx2::<x86::Half, NT>(w, s.as_ptr(), b.as_ptr(), x, out),
-                (Floats::BF16(s), Floats::BF16(b)) => return x86::dot_rows_q4_avx2::<x86::Brain, NT>(w, s.as_ptr(), b.as_ptr(), x, out),
+                (Floats::F16(s), Floats::F16(b)) => {
+                    return x86::dot_rows_q4_avx2::<x86::Half, NT>(w, s.as_ptr(), b.as_ptr(), x, out)
+                }
+                (Floats::BF16(s), Floats::BF16(b)) => {
+                    return x86::dot_rows_q4_avx2::<x86::Brain, NT>(w, s.as_ptr(), b.as_ptr(), x, out)
+                }
                 (Floats::F32(s), Floats::F32(b)) => {
-                    return x86::dot_rows_q4_avx2::<x86::Single, NT>(w, s.as_ptr() as *const u16, b.as_ptr() as *const u16, x, out)
+                    return x86::dot_rows_q4_avx2::<x86::Single, NT>(
+                        w,
+                        s.as_ptr() as *const u16,
+                        b.as_ptr() as *const u16,
+                        x,
+                        out,
+                    )
                 }
                 _ => {}
             }
@@ -206,7 +216,14 @@ pub fn dot_tile(isa: Isa, w: QuantMatrix, rows: std::ops::Range<usize>, x: ActRo
                     true
                 }
                 (Floats::F32(s), Floats::F32(b)) => {
-                    x86::dot_tile_avx2::<x86::Single>(w, s.as_ptr() as *const u16, b.as_ptr() as *const u16, fast.clone(), x, out);
+                    x86::dot_tile_avx2::<x86::Single>(
+                        w,
+                        s.as_ptr() as *const u16,
+                        b.as_ptr() as *const u16,
+                        fast.clone(),
+                        x,
+                        out,
+                    );
                     true
                 }
                 _ => false,
@@ -275,7 +292,8 @@ mod x86 {
     /// scalar path) and packed to int16 with saturation.
     #[target_feature(enable = "avx2,fma")]
     pub unsafe fn quantize_block_avx2(xs: *const f32, q: *mut i16, nibble_order: bool) -> (f32, f32) {
-        let x = [_mm256_loadu_ps(xs), _mm256_loadu_ps(xs.add(8)), _mm256_loadu_ps(xs.add(16)), _mm256_loadu_ps(xs.add(24))];
+        let x =
+            [_mm256_loadu_ps(xs), _mm256_loadu_ps(xs.add(8)), _mm256_loadu_ps(xs.add(16)), _mm256_loadu_ps(xs.add(24))];
         let sign = _mm256_set1_ps(-0.0);
         let abs = |v| _mm256_andnot_ps(sign, v);
         let m = _mm256_max_ps(_mm256_max_ps(abs(x[0]), abs(x[1])), _mm256_max_ps(abs(x[2]), abs(x[3])));
@@ -289,8 +307,10 @@ mod x86 {
         // packs_epi32 interleaves 128-bit lanes; the 64-bit permute puts them back in order.
         let pack = |a: __m256i, b: __m256i| _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
         if nibble_order {
-            let evens = |a, b| _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
-            let odds = |a, b| _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
+            let evens =
+                |a, b| _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0x88)), 0xD8));
+            let odds =
+                |a, b| _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(a, b, 0xDD)), 0xD8));
             let e = pack(ints(evens(x[0], x[1])), ints(evens(x[2], x[3])));
             let o = pack(ints(odds(x[0], x[1])), ints(odds(x[2], x[3])));
             _mm256_storeu_si256(q as *mut __m256i, e);
@@ -537,8 +557,10 @@ mod x86 {
     unsafe fn qn_block(wp: *const u8, xp: *const i16, blk: usize, u: &Unpack) -> __m256i {
         let base = wp.add(blk * 4 * u.bits);
         // packs_epi32 interleaves 128-bit lanes; the 64-bit permute restores value order.
-        let w_lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(eight_values(base, 0, u), eight_values(base, 1, u)), 0xD8);
-        let w_hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(eight_values(base, 2, u), eight_values(base, 3, u)), 0xD8);
+        let w_lo =
+            _mm256_permute4x64_epi64(_mm256_packs_epi32(eight_values(base, 0, u), eight_values(base, 1, u)), 0xD8);
+        let w_hi =
+            _mm256_permute4x64_epi64(_mm256_packs_epi32(eight_values(base, 2, u), eight_values(base, 3, u)), 0xD8);
         let x_lo = _mm256_loadu_si256(xp.add(blk * 32) as *const __m256i);
         let x_hi = _mm256_loadu_si256(xp.add(blk * 32 + 16) as *const __m256i);
         _mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi))
@@ -562,7 +584,12 @@ mod x86 {
     /// (see [`q4_block`]); 8-bit: bytes widened to i16 the same way. One FMA per block.
     /// Per-block factors `d_x · s_g` are formed 8 at a time up front; the bias term is a vector dot.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_row_avx2<S: ScaleKind>(w: super::QuantRow, sp: *const u16, bp: *const u16, x: super::ActRow) -> f32 {
+    pub unsafe fn dot_row_avx2<S: ScaleKind>(
+        w: super::QuantRow,
+        sp: *const u16,
+        bp: *const u16,
+        x: super::ActRow,
+    ) -> f32 {
         const CHUNK: usize = 64; // blocks per pass (a small stack buffer: cheap to zero)
         let groups = x.group_sums.len();
         let gb = w.group_blocks;
@@ -638,7 +665,10 @@ mod x86 {
                 let mut i = 0;
                 if gb == 1 {
                     while i + 8 <= n {
-                        _mm256_storeu_ps(c.add(i), _mm256_mul_ps(load8::<S>(sp, g0 + b0 + i), _mm256_loadu_ps(d.add(i))));
+                        _mm256_storeu_ps(
+                            c.add(i),
+                            _mm256_mul_ps(load8::<S>(sp, g0 + b0 + i), _mm256_loadu_ps(d.add(i))),
+                        );
                         i += 8;
                     }
                     while i < n {
@@ -669,7 +699,8 @@ mod x86 {
                     let x_even = _mm256_loadu_si256(xp as *const __m256i);
                     let x_odd = _mm256_loadu_si256(xp.add(16) as *const __m256i);
                     let p = _mm256_add_epi32(_mm256_madd_epi16(lo, x_even), _mm256_madd_epi16(hi, x_odd));
-                    acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&*comb.add(t * CHUNK + i)), acc[t]);
+                    acc[t] =
+                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&*comb.add(t * CHUNK + i)), acc[t]);
                 }
             }
             b0 += n;
@@ -688,7 +719,10 @@ mod x86 {
                 let v = if S::IS_HALF {
                     _mm_cvtph_ps(_mm_loadl_epi64(p.add(b / 2) as *const __m128i))
                 } else if S::IS_BRAIN {
-                    _mm_castsi128_ps(_mm_slli_epi32(_mm_cvtepu16_epi32(_mm_loadl_epi64(p.add(b / 2) as *const __m128i)), 16))
+                    _mm_castsi128_ps(_mm_slli_epi32(
+                        _mm_cvtepu16_epi32(_mm_loadl_epi64(p.add(b / 2) as *const __m128i)),
+                        16,
+                    ))
                 } else {
                     _mm_loadu_ps((p as *const f32).add(b / 2))
                 };
@@ -783,7 +817,8 @@ mod x86 {
     ) {
         let groups = w.groups_per_row();
         let rem = (groups % 8) as i32;
-        let tail = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(rem), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        let tail =
+            _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(rem), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
         let unpack = Unpack::new(w.bits);
         let o = out.as_mut_ptr().sub(rows.start);
         let mut r = rows.start;

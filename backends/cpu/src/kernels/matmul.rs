@@ -85,7 +85,16 @@ pub unsafe fn gemm_rows(
 ///
 /// # Safety
 /// `out` points to a `[T, n]` row-major matrix whose columns `n0..n0+nc` only this call writes.
-pub unsafe fn gemm_tile(x: &[f32], t: usize, k: usize, tile: &[f32], nc: usize, out: SharedMut<f32>, n: usize, n0: usize) {
+pub unsafe fn gemm_tile(
+    x: &[f32],
+    t: usize,
+    k: usize,
+    tile: &[f32],
+    nc: usize,
+    out: SharedMut<f32>,
+    n: usize,
+    n0: usize,
+) {
     gemm_rows(t, nc, k, out.ptr().add(n0), n, false, x.as_ptr(), tile.as_ptr(), true);
 }
 

@@ -161,8 +161,7 @@ pub fn qmatmul(
         let wpr = w.words_per_row();
         let wpg = w.group * w.bits / 32;
         // Σx per group, shared by every row: Σ x·(s·q + b) = s·Σx·q + b·Σx.
-        let xsum: Vec<f32> =
-            x.chunks_exact(w.group).map(|g| g.iter().sum::<f32>()).collect();
+        let xsum: Vec<f32> = x.chunks_exact(w.group).map(|g| g.iter().sum::<f32>()).collect();
         let out_ptr = SharedMut(out.as_mut_ptr());
         let rows_per_task = 8;
         (0..n.div_ceil(rows_per_task)).into_par_iter().for_each(|chunk| {
@@ -172,7 +171,12 @@ pub fn qmatmul(
                     let xt = &x[ti * k..(ti + 1) * k];
                     let mut acc = 0f32;
                     for g in 0..gpr {
-                        let d = qdot_group::run(isa, &xt[g * w.group..(g + 1) * w.group], &row[g * wpg..(g + 1) * wpg], w.bits);
+                        let d = qdot_group::run(
+                            isa,
+                            &xt[g * w.group..(g + 1) * w.group],
+                            &row[g * wpg..(g + 1) * wpg],
+                            w.bits,
+                        );
                         acc += w.scales.get(r * gpr + g) * d + w.biases.get(r * gpr + g) * xsum[ti * gpr + g];
                     }
                     unsafe { *out_ptr.ptr().add(ti * n + r) = acc };
