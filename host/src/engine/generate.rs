@@ -41,7 +41,7 @@ pub enum FinishReason {
     Stop,
     /// `max_tokens` or the context size.
     Length,
-    /// Interrupted by the user.
+    /// Interrupted by the user, a vanished client or a timeout.
     Cancelled,
 }
 

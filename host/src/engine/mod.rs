@@ -4,10 +4,12 @@
 pub mod generate;
 pub mod kv_cache;
 pub mod memory;
+pub mod request;
 pub mod runner;
 pub mod sampler;
 
 pub use generate::{FinishReason, GenerateOptions, Generation, Session};
 pub use kv_cache::{KvBlockPool, SeqBlocks};
+pub use request::{EngineError, GenerationEvent, GenerationRequest, TokenLogprob, Usage};
 pub use runner::{Logits, ModelRunner, RunnerOptions, SeqChunk};
 pub use sampler::{Sampler, SamplingParams};

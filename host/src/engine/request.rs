@@ -1,0 +1,103 @@
+//! The engine's request boundary: what a front end (the HTTP server, the CLI) hands the scheduler and
+//! what it gets back. Nothing here knows HTTP or an API dialect; the server translates each dialect to
+//! a [`GenerationRequest`] and [`GenerationEvent`]s back to the dialect.
+
+use std::time::Duration;
+
+use super::generate::FinishReason;
+use super::sampler::SamplingParams;
+
+/// One completion to run: a tokenized prompt and how to continue it.
+#[derive(Debug, Clone)]
+pub struct GenerationRequest {
+    /// Prompt token ids (already templated and tokenized by the caller).
+    pub prompt: Vec<u32>,
+    /// Each request samples with its own settings, seed and penalties, even inside one batch.
+    pub sampling: SamplingParams,
+    /// Most tokens to generate (the context size also stops generation).
+    pub max_tokens: usize,
+    /// Stop strings: generation ends when the text contains one; the string itself is not returned.
+    pub stop: Vec<String>,
+    /// Keep going past end-of-sequence tokens.
+    pub ignore_eos: bool,
+    /// Reuse cached KV pages of an earlier request that shares a prefix (and leave this one's pages
+    /// for later requests).
+    pub cache_prompt: bool,
+    /// Report the chosen token's log-probability and this many alternatives per token (None = off).
+    pub logprobs: Option<usize>,
+    /// Give up after this long (None = no limit); the request ends with [`FinishReason::Cancelled`].
+    pub timeout: Option<Duration>,
+}
+
+impl GenerationRequest {
+    pub fn new(prompt: Vec<u32>, sampling: SamplingParams, max_tokens: usize) -> Self {
+        GenerationRequest {
+            prompt,
+            sampling,
+            max_tokens,
+            stop: Vec::new(),
+            ignore_eos: false,
+            cache_prompt: true,
+            logprobs: None,
+            timeout: None,
+        }
+    }
+}
+
+/// A token's log-probability and the most likely alternatives at its step.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprob {
+    pub token: u32,
+    pub logprob: f32,
+    /// `(token, logprob)`, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Token counts and timings of one finished request.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Usage {
+    /// Tokens in the prompt.
+    pub prompt_tokens: usize,
+    /// Prompt tokens whose KV came from the prefix cache (not recomputed).
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+    /// From admission to the first generated token.
+    pub prompt_time: Duration,
+    /// From the first generated token to the last.
+    pub generation_time: Duration,
+    /// Time spent waiting in the queue before admission.
+    pub queue_time: Duration,
+}
+
+/// What the engine streams back for one request, in order: any number of `Text`, then one `Done`
+/// (or one `Error`).
+#[derive(Debug, Clone)]
+pub enum GenerationEvent {
+    /// New text (already through the streaming detokenizer and the stop-string matcher; may be empty
+    /// when a token only completes a multi-byte character later) and the token ids behind it.
+    Text { text: String, tokens: Vec<u32>, logprobs: Vec<TokenLogprob> },
+    /// The request ended.
+    Done { finish: FinishReason, usage: Usage },
+    /// The request failed; nothing more follows.
+    Error(EngineError),
+}
+
+/// Why the engine refused or failed a request. The server maps each to its dialect's status code.
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum EngineError {
+    /// The waiting queue is full (HTTP 503 with `Retry-After`).
+    #[error("the server is busy: {queued} requests are waiting; retry later")]
+    QueueFull { queued: usize },
+    /// The prompt does not fit the context (HTTP 400 with the numbers).
+    #[error("the prompt has {prompt_tokens} tokens but the context size is {ctx_size}")]
+    PromptTooLong { prompt_tokens: usize, ctx_size: usize },
+    /// A field of the request is invalid (HTTP 400).
+    #[error("{0}")]
+    Invalid(String),
+    /// The engine is shutting down (HTTP 503).
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    /// Anything else (HTTP 500); the message says what failed.
+    #[error("{0}")]
+    Internal(String),
+}
