@@ -1,9 +1,9 @@
-//! The backend side of the ABI: devices, buffers and graph execution.
+//! The backend side of the ABI: devices, buffers, KV caches and graph execution.
 
 use std::ffi::c_void;
 
-use crate::ffi::{ErrorBuf, Status, StrRef};
-use crate::graph::{AttentionBatch, GraphRef};
+use crate::ffi::{ErrorBuf, Status, StrRef, Versioned};
+use crate::graph::{GraphRef, StepBatch};
 
 /// An opaque device buffer, created and freed by the backend.
 pub type BufferHandle = *mut c_void;
@@ -16,21 +16,31 @@ pub enum DeviceKind {
     Gpu = 2,
 }
 
-/// One device a backend can run on. Strings are static in the plugin.
+/// One device a backend can run on (an array element: the stride is its `size`). Strings are static
+/// in the plugin.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct DeviceInfo {
+    pub size: usize,
     pub name: StrRef,
     /// [`DeviceKind`] as a raw number.
     pub kind: u32,
     /// Memory the device can use, in bytes (0 = unknown).
     pub memory_bytes: u64,
+    /// Memory free for new allocations right now, in bytes (0 = unknown): what the host's fit check
+    /// counts against.
+    pub free_memory_bytes: u64,
 }
+
+// SAFETY: repr(C), `size` first, plain data.
+unsafe impl Versioned for DeviceInfo {}
 
 /// A cheap description of a backend on this machine, available without creating it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct BackendInfo {
+    /// Set by the caller to its `size_of::<BackendInfo>()`; see [`crate::write_versioned`].
+    pub size: usize,
     /// How well the backend suits this machine; 0 = unusable here (no GPU, no driver, CPU too old).
     /// The host picks the highest score unless told otherwise.
     pub score: u32,
@@ -43,15 +53,22 @@ pub struct BackendInfo {
     pub n_devices: usize,
 }
 
+// SAFETY: repr(C), `size` first, plain data.
+unsafe impl Versioned for BackendInfo {}
+
 /// Options for [`BackendVTable::create`].
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct BackendOptions {
+    pub size: usize,
     /// Worker threads (0 = the backend decides).
     pub n_threads: u32,
     /// Device index from [`BackendInfo::devices`].
     pub device: u32,
 }
+
+// SAFETY: repr(C), `size` first, plain data.
+unsafe impl Versioned for BackendOptions {}
 
 /// A host memory region for compute inputs/outputs.
 #[repr(C)]
@@ -61,20 +78,34 @@ pub struct HostTensor {
     pub len: usize,
 }
 
-/// The K and V cache buffers of one attention layer, each `[num_blocks, block_size, n_kv, head_dim]`.
+/// The state buffers of one layer (an array element: the stride is its `size`).
+///
+/// Attention layers have `k` and `v`, each `num_blocks × block_size` slots of their group in the layout
+/// the backend chose at [`BackendVTable::kv_alloc`] (or, from a backend without `kv_alloc`, f32
+/// `[num_blocks, block_size, n_kv_heads, head_dim]`). Recurrent layers have `state`: one row of the
+/// layer's `state_elems` f32 values per state slot, updated in place.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct KvBinding {
+    pub size: usize,
     pub k: BufferHandle,
     pub v: BufferHandle,
-    /// [`crate::DType`] of the cache as a raw number (`F32` or `F16`).
+    /// [`crate::DType`] of the K/V cache as a raw number.
     pub dtype: u32,
+    /// Which [`crate::KvGroupTables`] of the step's batch this layer's block tables are.
+    pub group: u32,
+    /// Recurrent state, or null.
+    pub state: BufferHandle,
 }
+
+// SAFETY: repr(C), `size` first, plain data.
+unsafe impl Versioned for KvBinding {}
 
 /// Everything one `compute` call needs.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct ComputeArgs {
+    pub size: usize,
     pub graph: GraphRef,
     /// Host data for `Input` nodes, indexed by slot.
     pub inputs: *const HostTensor,
@@ -82,24 +113,55 @@ pub struct ComputeArgs {
     /// Device buffers for `Weight` nodes, indexed by weight index (null for unused entries).
     pub weights: *const BufferHandle,
     pub n_weights: usize,
-    /// KV cache buffers, indexed by the `Attention` node's layer.
+    /// State buffers, indexed by the layer parameter of `Attention` (and other stateful) nodes.
     pub kv: *const KvBinding,
     pub n_kv: usize,
-    /// Null when the graph has no `Attention` node.
-    pub batch: *const AttentionBatch,
+    /// Null when the graph has no node that reads the step's batch.
+    pub batch: *const StepBatch,
     /// Host destinations for the graph outputs (as `F32`), in `graph.outputs` order.
     pub outputs: *const HostTensor,
     pub n_outputs: usize,
 }
 
+// SAFETY: repr(C), `size` first, plain data.
+unsafe impl Versioned for ComputeArgs {}
+
+/// One layer's K or V cache as the host asks for it (ABI 2.1, [`BackendVTable::kv_alloc`]).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct KvCacheDesc {
+    pub size: usize,
+    pub num_blocks: u32,
+    pub block_size: u32,
+    pub n_kv_heads: u32,
+    pub head_dim: u32,
+    /// [`crate::DType`] the host would like (`F32`, `F16`, `BF16`); the backend may refuse one it lacks.
+    pub dtype: u32,
+}
+
+// SAFETY: repr(C), `size` first, plain data.
+unsafe impl Versioned for KvCacheDesc {}
+
+/// Copy block `src` to block `dst` (same cache, all slots of the block).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockCopy {
+    pub src: u32,
+    pub dst: u32,
+}
+
 /// The function table a backend plugin exports.
 ///
 /// Buffers from `buffer_from_host` may alias host memory (zero-copy on CPU); the host keeps that memory
-/// alive and unchanged until `buffer_free`. A context is used by one thread at a time.
+/// alive and unchanged until `buffer_free`. A context and its buffers are used by one thread at a time.
+/// Entries after the 2.0 ones are `Option`s: absent when `size` ends before them (an older minor) or
+/// when null.
 #[repr(C)]
+#[derive(Clone, Copy)]
 pub struct BackendVTable {
     /// `size_of::<BackendVTable>()` in the plugin; fields beyond it are absent.
     pub size: usize,
+    /// Writes a [`BackendInfo`] (the caller sets its `size` first).
     pub describe: unsafe extern "C" fn(out: *mut BackendInfo) -> Status,
     pub create: unsafe extern "C" fn(opts: *const BackendOptions, out: *mut *mut c_void, err: *mut ErrorBuf) -> Status,
     pub destroy: unsafe extern "C" fn(ctx: *mut c_void),
@@ -130,7 +192,39 @@ pub struct BackendVTable {
         err: *mut ErrorBuf,
     ) -> Status,
     pub buffer_free: unsafe extern "C" fn(ctx: *mut c_void, buf: BufferHandle),
-    /// 1 if the backend can execute this node (op, dtypes, parameters), else 0.
-    pub supports_op: unsafe extern "C" fn(ctx: *mut c_void, node: *const crate::Node) -> u32,
+    /// 1 if the backend can execute this node (op, dtypes, parameters), else 0. `node_size` is the
+    /// caller's `size_of::<Node>()`.
+    pub supports_op: unsafe extern "C" fn(ctx: *mut c_void, node: *const crate::Node, node_size: usize) -> u32,
     pub compute: unsafe extern "C" fn(ctx: *mut c_void, args: *const ComputeArgs, err: *mut ErrorBuf) -> Status,
+
+    // ---- ABI 2.1 ----
+    /// Allocates one layer's K or V cache in a layout private to the backend and reports its bytes.
+    /// Absent: the host allocates f32 `[num_blocks, block_size, n_kv_heads, head_dim]` with
+    /// `buffer_alloc`.
+    pub kv_alloc: Option<
+        unsafe extern "C" fn(
+            ctx: *mut c_void,
+            desc: *const KvCacheDesc,
+            out: *mut BufferHandle,
+            out_bytes: *mut u64,
+            err: *mut ErrorBuf,
+        ) -> Status,
+    >,
+    /// Copies whole blocks inside one cache buffer made by `kv_alloc` (copy-on-write for shared
+    /// prefixes). Absent: the host cannot copy blocks on this backend.
+    pub copy_blocks: Option<
+        unsafe extern "C" fn(
+            ctx: *mut c_void,
+            buf: BufferHandle,
+            desc: *const KvCacheDesc,
+            copies: *const BlockCopy,
+            n_copies: usize,
+            err: *mut ErrorBuf,
+        ) -> Status,
+    >,
+}
+
+impl BackendVTable {
+    /// The size of the table of ABI 2.0, the smallest a major-2 host accepts.
+    pub const MIN_SIZE: usize = std::mem::offset_of!(BackendVTable, kv_alloc);
 }

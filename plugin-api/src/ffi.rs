@@ -35,7 +35,8 @@ impl StrRef {
         if self.ptr.is_null() || self.len == 0 {
             return "";
         }
-        let bytes = std::slice::from_raw_parts(self.ptr, self.len);
+        // SAFETY: the caller guarantees `ptr..ptr+len` is readable for `'a`.
+        let bytes = unsafe { std::slice::from_raw_parts(self.ptr, self.len) };
         std::str::from_utf8(bytes).unwrap_or("<invalid utf-8>")
     }
 }
@@ -75,7 +76,8 @@ impl ErrorBuf {
     /// # Safety
     /// `this` is null or points to a valid `ErrorBuf` whose `ptr` has `cap` writable bytes.
     pub unsafe fn write(this: *mut ErrorBuf, msg: &str) {
-        let Some(buf) = this.as_mut() else { return };
+        // SAFETY: `this` is null or valid (caller's contract).
+        let Some(buf) = (unsafe { this.as_mut() }) else { return };
         if buf.ptr.is_null() {
             return;
         }
@@ -83,7 +85,8 @@ impl ErrorBuf {
         while n > 0 && !msg.is_char_boundary(n) {
             n -= 1;
         }
-        std::ptr::copy_nonoverlapping(msg.as_ptr(), buf.ptr, n);
+        // SAFETY: `buf.ptr` has `cap >= n` writable bytes (caller's contract).
+        unsafe { std::ptr::copy_nonoverlapping(msg.as_ptr(), buf.ptr, n) };
         buf.len = n;
     }
 }
@@ -148,6 +151,7 @@ pub fn guard(err: *mut ErrorBuf, f: impl FnOnce() -> Result<(), PluginError>) ->
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => Status::OK,
         Ok(Err(e)) => {
+            // SAFETY: every exported function receives `err` from its caller as a valid or null buffer.
             unsafe { ErrorBuf::write(err, &e.message) };
             if e.status.is_ok() {
                 Status::FAILED
@@ -161,6 +165,7 @@ pub fn guard(err: *mut ErrorBuf, f: impl FnOnce() -> Result<(), PluginError>) ->
                 .map(|s| s.to_string())
                 .or_else(|| payload.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "unknown panic".to_string());
+            // SAFETY: as above.
             unsafe { ErrorBuf::write(err, &format!("plugin panicked: {what}")) };
             Status::PANIC
         }
@@ -172,6 +177,102 @@ pub fn guard_value<T>(fallback: T, f: impl FnOnce() -> T) -> T {
     catch_unwind(AssertUnwindSafe(f)).unwrap_or(fallback)
 }
 
+/// A `#[repr(C)]` struct that crosses the boundary with its own byte size in its first field, so that
+/// either side can be a newer minor than the other: a reader takes the prefix both know and sees zeros
+/// for the rest; a writer fills only what the reader has room for.
+///
+/// # Safety
+/// The implementing type is `#[repr(C)]`, its first field is `size: usize`, and every field is valid when
+/// zero-filled (integers, floats, raw pointers, `Option` of function pointers).
+pub unsafe trait Versioned: Copy {
+    /// An all-zero value with `size` set to this build's `size_of::<Self>()`.
+    fn zeroed() -> Self {
+        // SAFETY: the trait's contract says all-zero bytes are a valid value.
+        let mut v: Self = unsafe { std::mem::zeroed() };
+        // SAFETY: the first field is a `usize` (trait contract).
+        unsafe { *(&mut v as *mut Self as *mut usize) = std::mem::size_of::<Self>() };
+        v
+    }
+}
+
+/// Reads a struct the other side wrote: its first `(*ptr).size` bytes (at most ours), zeros after.
+/// Returns `None` for a null pointer or a size too small to hold even the `size` field.
+///
+/// # Safety
+/// `ptr` is null or points to a struct of the other side's version whose `size` bytes are readable.
+pub unsafe fn read_versioned<T: Versioned>(ptr: *const T) -> Option<T> {
+    if ptr.is_null() {
+        return None;
+    }
+    // SAFETY: the first field of every `Versioned` struct is its size (caller's contract).
+    let theirs = unsafe { *(ptr as *const usize) };
+    if theirs < std::mem::size_of::<usize>() {
+        return None;
+    }
+    Some(unsafe { read_prefix(ptr as *const u8, theirs) })
+}
+
+/// Reads element `i` of an array the other side laid out with `stride` bytes per element: the prefix
+/// both sides know, zeros after. Used for arrays of plain structs (nodes, layers, devices), whose element
+/// size the enclosing struct states.
+///
+/// # Safety
+/// `base` points to at least `i + 1` elements of `stride` bytes each.
+pub unsafe fn read_element<T: Copy>(base: *const u8, stride: usize, i: usize) -> T {
+    // SAFETY: the caller guarantees the element is readable for `stride` bytes.
+    unsafe { read_prefix(base.add(i * stride), stride) }
+}
+
+/// Reads an array of versioned structs the other side wrote: each element's stride is the `size` of
+/// the first one (all elements of one array have the writer's layout).
+///
+/// # Safety
+/// `ptr` is null or points to `n` elements of the writer's layout.
+pub unsafe fn read_versioned_array<T: Versioned>(ptr: *const T, n: usize) -> Vec<T> {
+    if ptr.is_null() || n == 0 {
+        return Vec::new();
+    }
+    // SAFETY: the first element starts with its size (caller's contract).
+    let stride = unsafe { *(ptr as *const usize) };
+    // SAFETY: `n` elements of `stride` bytes (caller's contract).
+    (0..n).map(|i| unsafe { read_element(ptr as *const u8, stride, i) }).collect()
+}
+
+/// Copies `min(len, size_of::<T>())` bytes from `src` into a zero-filled `T`.
+///
+/// # Safety
+/// `src` is readable for `len` bytes and all-zero bytes are a valid `T`.
+unsafe fn read_prefix<T: Copy>(src: *const u8, len: usize) -> T {
+    // SAFETY: zero bytes are valid for the plain `repr(C)` types this is used with (caller's contract).
+    let mut v: T = unsafe { std::mem::zeroed() };
+    let n = len.min(std::mem::size_of::<T>());
+    // SAFETY: `src` has `len >= n` readable bytes; `v` has `size_of::<T>() >= n` writable bytes.
+    unsafe { std::ptr::copy_nonoverlapping(src, &mut v as *mut T as *mut u8, n) };
+    v
+}
+
+/// Writes `value` into a struct the caller sized (its `size` field, set before the call, says how much
+/// room it has): only the prefix the caller knows is written, and `size` then tells the caller how many
+/// bytes were filled. A null `out` is ignored.
+///
+/// # Safety
+/// `out` is null or points to a caller struct whose `size` field states how many bytes are writable.
+pub unsafe fn write_versioned<T: Versioned>(out: *mut T, value: &T) {
+    if out.is_null() {
+        return;
+    }
+    // SAFETY: the first field is the caller's size (caller's contract).
+    let room = unsafe { *(out as *const usize) };
+    let n = room.min(std::mem::size_of::<T>());
+    // SAFETY: the caller has `room >= n` writable bytes; `value` has `size_of::<T>() >= n`.
+    unsafe {
+        std::ptr::copy_nonoverlapping(value as *const T as *const u8, out as *mut u8, n);
+        if n >= std::mem::size_of::<usize>() {
+            *(out as *mut usize) = n;
+        }
+    }
+}
+
 /// Borrows a C array as a slice (empty when null).
 ///
 /// # Safety
@@ -180,6 +281,7 @@ pub unsafe fn slice_from<'a, T>(ptr: *const T, len: usize) -> &'a [T] {
     if ptr.is_null() || len == 0 {
         &[]
     } else {
-        std::slice::from_raw_parts(ptr, len)
+        // SAFETY: non-null and valid for `len` elements (caller's contract).
+        unsafe { std::slice::from_raw_parts(ptr, len) }
     }
 }

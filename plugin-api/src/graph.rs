@@ -129,7 +129,7 @@ pub enum OpCode {
     /// src: q `[T, Hq*Dh]`, k `[T, Hkv*Dh]`, v `[T, Hkv*Dh]`. out `[T, Hq*Dh]`.
     /// `iparams[0]` = KV cache layer, `[1]` = Hq, `[2]` = Hkv, `[3]` = Dh, `[4]` = sliding window
     /// (0 = full). `fparams[0]` = score scale, `fparams[1]` = score soft-cap (0 = none).
-    /// Which sequence each token belongs to and where its keys live come from [`AttentionBatch`].
+    /// Which sequence each token belongs to and where its keys live come from [`StepBatch`].
     Attention = 50,
 }
 
@@ -194,13 +194,26 @@ impl OpCode {
 pub const INPUT_TOKENS: i64 = 0;
 /// Input slot for the step's positions (`I32 [T]`), position of each token within its sequence.
 pub const INPUT_POSITIONS: i64 = 1;
-/// Input slot for the rows whose logits are wanted (`I32 [R]`).
-pub const INPUT_LOGIT_ROWS: i64 = 2;
+/// Input slot for the rows whose outputs (logits, embeddings, scores) are wanted (`I32 [R]`).
+pub const INPUT_OUTPUT_ROWS: i64 = 2;
+/// Input slot for each token's sequence index in the step (`I32 [T]`), for ops that work per sequence.
+pub const INPUT_TOKEN_SEQ: i64 = 3;
+/// Input slot for token-type (segment) ids (`I32 [T]`), for encoders that embed them.
+pub const INPUT_TOKEN_TYPES: i64 = 4;
 
 /// Maximum number of dimensions of a tensor.
 pub const MAX_DIMS: usize = 4;
+/// Maximum number of sources of a node.
+pub const MAX_SRC: usize = 8;
+/// Integer parameters per node.
+pub const MAX_IPARAMS: usize = 8;
+/// Float parameters per node.
+pub const MAX_FPARAMS: usize = 4;
 
 /// One node of the graph; defines the tensor with the node's index.
+///
+/// Nodes are an array whose element size travels in [`GraphRef::node_size`]: a newer minor may append
+/// fields, and a reader of an older minor reads the prefix it knows (the rest are zero to a newer one).
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct Node {
@@ -212,17 +225,17 @@ pub struct Node {
     pub n_src: u32,
     pub shape: [u64; MAX_DIMS],
     /// Indices of earlier nodes this one reads.
-    pub src: [u32; 4],
-    pub iparams: [i64; 6],
-    pub fparams: [f32; 4],
+    pub src: [u32; MAX_SRC],
+    pub iparams: [i64; MAX_IPARAMS],
+    pub fparams: [f32; MAX_FPARAMS],
 }
 
 impl Node {
     pub fn new(op: OpCode, dtype: DType, shape: &[u64], src: &[u32]) -> Node {
-        assert!(shape.len() <= MAX_DIMS && src.len() <= 4);
+        assert!(shape.len() <= MAX_DIMS && src.len() <= MAX_SRC);
         let mut s = [1u64; MAX_DIMS];
         s[..shape.len()].copy_from_slice(shape);
-        let mut sr = [0u32; 4];
+        let mut sr = [0u32; MAX_SRC];
         sr[..src.len()].copy_from_slice(src);
         Node {
             op: op as u32,
@@ -231,8 +244,8 @@ impl Node {
             n_src: src.len() as u32,
             shape: s,
             src: sr,
-            iparams: [0; 6],
-            fparams: [0.0; 4],
+            iparams: [0; MAX_IPARAMS],
+            fparams: [0.0; MAX_FPARAMS],
         }
     }
 
@@ -249,7 +262,7 @@ impl Node {
     }
 
     pub fn sources(&self) -> &[u32] {
-        &self.src[..(self.n_src as usize).min(4)]
+        &self.src[..(self.n_src as usize).min(MAX_SRC)]
     }
 
     /// Number of elements.
@@ -277,8 +290,10 @@ impl Node {
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct GraphRef {
+    /// `n_nodes` elements of `node_size` bytes each (the writer's `size_of::<Node>()`).
     pub nodes: *const Node,
     pub n_nodes: usize,
+    pub node_size: usize,
     /// Bytes referenced by [`OpCode::Constant`] nodes.
     pub constants: *const u8,
     pub n_constant_bytes: usize,
@@ -292,6 +307,7 @@ impl GraphRef {
         GraphRef {
             nodes: std::ptr::null(),
             n_nodes: 0,
+            node_size: std::mem::size_of::<Node>(),
             constants: std::ptr::null(),
             n_constant_bytes: 0,
             outputs: std::ptr::null(),
@@ -299,20 +315,34 @@ impl GraphRef {
         }
     }
 
+    /// The nodes as this build's [`Node`]s: borrowed when the writer's layout is ours, else each
+    /// node's known prefix copied and the rest zero-filled.
+    ///
     /// # Safety
     /// The pointers must be valid for their lengths.
-    pub unsafe fn nodes(&self) -> &[Node] {
-        crate::ffi::slice_from(self.nodes, self.n_nodes)
+    pub unsafe fn nodes(&self) -> std::borrow::Cow<'_, [Node]> {
+        if self.node_size == std::mem::size_of::<Node>() || self.nodes.is_null() {
+            // SAFETY: same layout; valid for `n_nodes` elements (caller's contract).
+            std::borrow::Cow::Borrowed(unsafe { crate::ffi::slice_from(self.nodes, self.n_nodes) })
+        } else {
+            let base = self.nodes as *const u8;
+            // SAFETY: `n_nodes` elements of `node_size` bytes (caller's contract).
+            std::borrow::Cow::Owned(
+                (0..self.n_nodes).map(|i| unsafe { crate::ffi::read_element(base, self.node_size, i) }).collect(),
+            )
+        }
     }
     /// # Safety
     /// As for [`GraphRef::nodes`].
     pub unsafe fn constants(&self) -> &[u8] {
-        crate::ffi::slice_from(self.constants, self.n_constant_bytes)
+        // SAFETY: caller's contract.
+        unsafe { crate::ffi::slice_from(self.constants, self.n_constant_bytes) }
     }
     /// # Safety
     /// As for [`GraphRef::nodes`].
     pub unsafe fn outputs(&self) -> &[u32] {
-        crate::ffi::slice_from(self.outputs, self.n_outputs)
+        // SAFETY: caller's contract.
+        unsafe { crate::ffi::slice_from(self.outputs, self.n_outputs) }
     }
 }
 
@@ -399,6 +429,7 @@ impl Graph {
         GraphRef {
             nodes: self.nodes.as_ptr(),
             n_nodes: self.nodes.len(),
+            node_size: std::mem::size_of::<Node>(),
             constants: self.constants.as_ptr(),
             n_constant_bytes: self.constants.len(),
             outputs: self.outputs.as_ptr(),
@@ -407,29 +438,60 @@ impl Graph {
     }
 }
 
-/// Where each token of a step belongs and where its keys and values live in the paged KV cache.
+/// Where each token of a step belongs and where its keys, values and recurrent state live.
 ///
-/// The cache of one layer is `[num_blocks, block_size, n_kv_heads, head_dim]` for K and for V. The
-/// key of position `p` of sequence `s` lives in block `block_tables[s * max_blocks_per_seq + p /
-/// block_size]` at offset `p % block_size`. Token `t` attends to positions `0..=positions[t]` of its
-/// sequence (less with a sliding window); its own K/V are written to `slot_mapping[t]` first.
+/// Tokens of one sequence are contiguous and in position order; sequences follow each other.
+///
+/// Layers are grouped by how they keep state ([`KvGroupTables`]): all full-attention layers share one
+/// group, sliding-window layers of one window size another, so each group has its own block table and
+/// a window group can release pages that fell out of its window. The cache of one layer is
+/// `num_blocks × block_size` slots (the byte layout of a slot is the backend's). The key of position `p`
+/// of sequence `s` in group `g` lives in slot `block_tables[s * max_blocks_per_seq + p / block_size] *
+/// block_size + p % block_size` of that group; a block id of [`NO_BLOCK`] marks a page that was
+/// released (a sliding-window layer never reads it). Token `t` attends to positions `0..=positions[t]`
+/// of its sequence (less with a sliding window); its own K/V are written to `slot_mapping[t]` first.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
-pub struct AttentionBatch {
+pub struct StepBatch {
+    /// `size_of::<StepBatch>()` of the writer.
+    pub size: usize,
     pub n_tokens: u32,
     pub n_seqs: u32,
     /// `[n_tokens]` sequence index of each token.
     pub token_seq: *const u32,
     /// `[n_tokens]` position of each token in its sequence.
     pub positions: *const i32,
-    /// `[n_tokens]` absolute cache slot (`block * block_size + offset`) of each token.
+    /// `[n_seqs]` the row of each sequence in every recurrent state buffer.
+    pub seq_state_slots: *const u32,
+    /// `[n_groups]` block tables, indexed by [`crate::KvBinding::group`].
+    pub groups: *const KvGroupTables,
+    pub n_groups: u32,
+    /// `[n_seqs]` tokens each sequence has in this step (so kernels can pick paths per sequence).
+    pub seq_n_tokens: *const u32,
+}
+
+// SAFETY: plain data (pointers are only read under the documented lifetimes).
+unsafe impl crate::ffi::Versioned for StepBatch {}
+
+/// A page that is not held (released by a sliding-window group, or never needed).
+pub const NO_BLOCK: u32 = u32::MAX;
+
+/// The block tables of one KV group for one step (an array element: the stride is its `size`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct KvGroupTables {
+    pub size: usize,
+    /// `[n_tokens]` cache slot (`block * block_size + offset`) each token's K/V are written to.
     pub slot_mapping: *const i64,
-    /// `[n_seqs * max_blocks_per_seq]` block ids.
+    /// `[n_seqs * max_blocks_per_seq]` block ids ([`NO_BLOCK`] for released pages).
     pub block_tables: *const u32,
     pub max_blocks_per_seq: u32,
     pub block_size: u32,
     pub num_blocks: u32,
 }
+
+// SAFETY: repr(C), `size` first, plain data.
+unsafe impl crate::ffi::Versioned for KvGroupTables {}
 
 /// A name and a tensor description, as the host finds it in a checkpoint.
 #[repr(C)]

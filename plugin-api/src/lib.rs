@@ -5,8 +5,11 @@
 //!
 //! * A plugin exports one symbol, [`ROOT_SYMBOL`], a function returning a [`PluginRoot`].
 //!   The first two fields of the root (`abi_major`, `abi_minor`) are frozen forever.
-//! * Same [`ABI_MAJOR`] is required. A newer minor only appends fields at the end of a struct or vtable;
-//!   every vtable starts with its own `size` so the reader can tell which fields exist.
+//! * Same [`ABI_MAJOR`] is required. A newer minor only appends fields at the end of a struct or vtable.
+//!   Every struct that crosses starts with its own `size` ([`Versioned`]): a reader takes the prefix it
+//!   knows and sees zeros past it, a writer fills no more than the reader's `size`. Arrays carry their
+//!   element size (the first element's `size`, or [`GraphRef::node_size`]). A vtable from an older minor
+//!   is shorter: the host treats its missing entries as unsupported.
 //! * Every exported function catches panics ([`guard`]) and reports failures as a [`Status`] code plus a
 //!   message written into a caller-owned [`ErrorBuf`]. Each side frees what it allocated.
 //! * Plugins are never unloaded.
@@ -14,20 +17,28 @@
 //! Families never see devices, backends never see model configs: they meet only in the op graph of
 //! [`graph`].
 
+#![deny(unsafe_op_in_unsafe_fn)]
+
 pub mod backend;
+pub mod export;
 pub mod family;
 pub mod ffi;
 pub mod graph;
 
+#[cfg(test)]
+mod tests;
+
 pub use backend::*;
+pub use export::*;
 pub use family::*;
 pub use ffi::*;
 pub use graph::*;
 
 /// Major version of the plugin ABI. A plugin with another major is refused.
-pub const ABI_MAJOR: u32 = 1;
-/// Minor version of the plugin ABI: fields appended since the last major.
-pub const ABI_MINOR: u32 = 0;
+pub const ABI_MAJOR: u32 = 2;
+/// Minor version of the plugin ABI: fields appended since the last major. 2.1 added
+/// [`BackendVTable::kv_alloc`] and [`BackendVTable::copy_blocks`].
+pub const ABI_MINOR: u32 = 1;
 
 /// The symbol every plugin exports: `extern "C" fn() -> *const PluginRoot`.
 pub const ROOT_SYMBOL: &[u8] = b"mlxcel_plugin_root\0";

@@ -1,10 +1,18 @@
 //! Safe wrappers over a backend plugin's vtable.
+//!
+//! A plugin context is single-threaded by contract, so the wrappers say so: [`BackendContext`] is
+//! `Send` but not `Sync` and every call takes `&mut self`; buffers hold the context through a mutex, so
+//! a buffer dropped on another thread still frees under the same lock as every other call. A context
+//! whose plugin panicked is poisoned: every later call fails, and the owner must build a new one.
 
+use std::cell::Cell;
 use std::ffi::c_void;
-use std::sync::Arc;
+use std::marker::PhantomData;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use mlxcel_plugin_api::{
-    BackendInfo, BackendOptions, BackendVTable, BufferHandle, ComputeArgs, DeviceKind, ErrorMessage, Node,
+    read_versioned_array, BackendInfo, BackendOptions, BackendVTable, BlockCopy, BufferHandle, ComputeArgs, DeviceInfo,
+    DeviceKind, ErrorMessage, KvCacheDesc, Node, Status, Versioned,
 };
 
 use crate::{check, CallError, PluginMeta};
@@ -22,6 +30,8 @@ pub struct Device {
     pub name: String,
     pub kind: &'static str,
     pub memory_bytes: u64,
+    /// Free for new allocations when described (0 = unknown).
+    pub free_memory_bytes: u64,
 }
 
 /// The cheap, no-init description of a backend on this machine.
@@ -48,15 +58,15 @@ impl BackendPlugin {
         &self.meta.name
     }
 
+    /// Whether the plugin manages KV caches itself (ABI 2.1 `kv_alloc` / `copy_blocks`).
+    pub fn owns_kv_layout(&self) -> bool {
+        self.vt.kv_alloc.is_some()
+    }
+
     /// Score, features and devices; a plugin that fails to describe itself scores 0.
     pub fn describe(&self) -> BackendDescription {
-        let mut info = BackendInfo {
-            score: 0,
-            features: mlxcel_plugin_api::StrRef::empty(),
-            reason: mlxcel_plugin_api::StrRef::empty(),
-            devices: std::ptr::null(),
-            n_devices: 0,
-        };
+        let mut info = BackendInfo::zeroed();
+        // SAFETY: `info` is a zeroed struct with its size set, as the ABI asks.
         let status = unsafe { (self.vt.describe)(&mut info) };
         if !status.is_ok() {
             return BackendDescription {
@@ -66,16 +76,20 @@ impl BackendPlugin {
                 devices: vec![],
             };
         }
-        let devices = unsafe { mlxcel_plugin_api::slice_from(info.devices, info.n_devices) }
+        // SAFETY: the plugin's description lives in its static memory.
+        let devices = unsafe { read_versioned_array::<DeviceInfo>(info.devices, info.n_devices) }
             .iter()
             .map(|d| Device {
+                // SAFETY: static strings of the plugin.
                 name: unsafe { d.name.as_str() }.to_string(),
                 kind: if d.kind == DeviceKind::Gpu as u32 { "gpu" } else { "cpu" },
                 memory_bytes: d.memory_bytes,
+                free_memory_bytes: d.free_memory_bytes,
             })
             .collect();
         BackendDescription {
             score: info.score,
+            // SAFETY: static strings of the plugin.
             features: unsafe { info.features.as_str() }.to_string(),
             reason: unsafe { info.reason.as_str() }.to_string(),
             devices,
@@ -84,47 +98,85 @@ impl BackendPlugin {
 
     /// Creates a context on device `device` with `n_threads` workers (0 = backend default).
     pub fn create(&self, n_threads: u32, device: u32) -> Result<BackendContext, CallError> {
-        let opts = BackendOptions { n_threads, device };
+        let opts = BackendOptions { n_threads, device, ..BackendOptions::zeroed() };
         let mut ctx: *mut c_void = std::ptr::null_mut();
         let mut err = ErrorMessage::new();
+        // SAFETY: valid options and output slot.
         let status = unsafe { (self.vt.create)(&opts, &mut ctx, err.as_ptr()) };
         check(&self.meta.name, status, &err)?;
-        Ok(BackendContext(Arc::new(ContextInner { name: self.meta.name.clone(), vt: self.vt, ctx })))
+        Ok(BackendContext {
+            raw: Arc::new(Mutex::new(RawContext { name: self.meta.name.clone(), vt: self.vt, ctx, poisoned: false })),
+            name: self.meta.name.clone(),
+            owns_kv_layout: self.owns_kv_layout(),
+            not_sync: PhantomData,
+        })
     }
 }
 
-struct ContextInner {
+struct RawContext {
     name: String,
     vt: &'static BackendVTable,
     ctx: *mut c_void,
+    /// Set when a call panicked inside the plugin: its state may be half-written.
+    poisoned: bool,
 }
 
-// A context is only used behind `&mut`-free calls that the plugin serialises per context; the engine
-// drives one context from one thread at a time.
-unsafe impl Send for ContextInner {}
-unsafe impl Sync for ContextInner {}
+// SAFETY: the plugin context may move between threads; calls are serialised by the mutex around it.
+unsafe impl Send for RawContext {}
 
-impl Drop for ContextInner {
+impl RawContext {
+    /// Runs a fallible call unless poisoned; a panic inside the plugin poisons the context.
+    fn call(&mut self, f: impl FnOnce(&Self, *mut mlxcel_plugin_api::ErrorBuf) -> Status) -> Result<(), CallError> {
+        if self.poisoned {
+            return Err(CallError {
+                plugin: self.name.clone(),
+                status: Status::PANIC.0,
+                message: "this backend context is unusable after an earlier panic in the plugin; it must be rebuilt"
+                    .into(),
+            });
+        }
+        let mut err = ErrorMessage::new();
+        let status = f(self, err.as_ptr());
+        if status == Status::PANIC {
+            self.poisoned = true;
+        }
+        check(&self.name, status, &err)
+    }
+}
+
+impl Drop for RawContext {
     fn drop(&mut self) {
+        // SAFETY: the context came from `create`; no buffer outlives it (each holds the Arc).
         unsafe { (self.vt.destroy)(self.ctx) };
     }
 }
 
-/// A live backend context. Cheap to clone; destroyed when the last clone and buffer are gone.
-#[derive(Clone)]
-pub struct BackendContext(Arc<ContextInner>);
+fn lock(raw: &Mutex<RawContext>) -> MutexGuard<'_, RawContext> {
+    // A panic while holding the lock happened on the host side, not in the plugin; the context itself
+    // is as consistent as the plugin left it.
+    raw.lock().unwrap_or_else(|e| e.into_inner())
+}
 
-/// A device buffer, freed on drop.
+/// A live backend context: one thread at a time (`Send`, not `Sync`), mutation through `&mut self`.
+pub struct BackendContext {
+    raw: Arc<Mutex<RawContext>>,
+    name: String,
+    owns_kv_layout: bool,
+    not_sync: PhantomData<Cell<()>>,
+}
+
+/// A device buffer, freed on drop (under the context's lock, on whichever thread drops it).
 pub struct DeviceBuffer {
-    ctx: Arc<ContextInner>,
+    raw: Arc<Mutex<RawContext>>,
     handle: BufferHandle,
     len: usize,
 }
 
+// SAFETY: the handle is only used under the context's mutex (calls take the buffer through the context).
 unsafe impl Send for DeviceBuffer {}
-unsafe impl Sync for DeviceBuffer {}
 
 impl DeviceBuffer {
+    /// The raw handle, for [`ComputeArgs`].
     pub fn handle(&self) -> BufferHandle {
         self.handle
     }
@@ -138,63 +190,131 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        unsafe { (self.ctx.vt.buffer_free)(self.ctx.ctx, self.handle) };
+        let raw = lock(&self.raw);
+        // SAFETY: a live handle of this context, freed once.
+        unsafe { (raw.vt.buffer_free)(raw.ctx, self.handle) };
     }
 }
 
 impl BackendContext {
     pub fn name(&self) -> &str {
-        &self.0.name
+        &self.name
+    }
+
+    /// Whether the backend lays out KV caches itself (ABI 2.1); else the host allocates f32 caches.
+    pub fn owns_kv_layout(&self) -> bool {
+        self.owns_kv_layout
+    }
+
+    fn check_buffer(&self, buf: &DeviceBuffer) -> Result<(), CallError> {
+        if Arc::ptr_eq(&self.raw, &buf.raw) {
+            Ok(())
+        } else {
+            Err(CallError { plugin: self.name.clone(), status: 1, message: "buffer of another context".into() })
+        }
+    }
+
+    fn buffer(&self, handle: BufferHandle, len: usize) -> DeviceBuffer {
+        DeviceBuffer { raw: self.raw.clone(), handle, len }
     }
 
     /// Wraps host memory as a device buffer (zero-copy where the device shares host memory).
     ///
     /// # Safety
     /// `data` must stay alive and unchanged until the buffer is dropped.
-    pub unsafe fn buffer_from_host(&self, data: &[u8]) -> Result<DeviceBuffer, CallError> {
+    pub unsafe fn buffer_from_host(&mut self, data: &[u8]) -> Result<DeviceBuffer, CallError> {
         let mut handle: BufferHandle = std::ptr::null_mut();
-        let mut err = ErrorMessage::new();
-        let status = (self.0.vt.buffer_from_host)(self.0.ctx, data.as_ptr(), data.len(), &mut handle, err.as_ptr());
-        check(&self.0.name, status, &err)?;
-        Ok(DeviceBuffer { ctx: self.0.clone(), handle, len: data.len() })
+        lock(&self.raw).call(|r, err| {
+            // SAFETY: `data` outlives the buffer (caller's contract); valid output slot.
+            unsafe { (r.vt.buffer_from_host)(r.ctx, data.as_ptr(), data.len(), &mut handle, err) }
+        })?;
+        Ok(self.buffer(handle, data.len()))
     }
 
     /// A zero-filled device buffer of `len` bytes.
-    pub fn alloc(&self, len: usize) -> Result<DeviceBuffer, CallError> {
+    pub fn alloc(&mut self, len: usize) -> Result<DeviceBuffer, CallError> {
         let mut handle: BufferHandle = std::ptr::null_mut();
-        let mut err = ErrorMessage::new();
-        let status = unsafe { (self.0.vt.buffer_alloc)(self.0.ctx, len, &mut handle, err.as_ptr()) };
-        check(&self.0.name, status, &err)?;
-        Ok(DeviceBuffer { ctx: self.0.clone(), handle, len })
+        // SAFETY: valid output slot.
+        lock(&self.raw).call(|r, err| unsafe { (r.vt.buffer_alloc)(r.ctx, len, &mut handle, err) })?;
+        Ok(self.buffer(handle, len))
     }
 
-    pub fn write(&self, buf: &DeviceBuffer, offset: usize, data: &[u8]) -> Result<(), CallError> {
-        let mut err = ErrorMessage::new();
-        let status = unsafe {
-            (self.0.vt.buffer_write)(self.0.ctx, buf.handle, offset, data.as_ptr(), data.len(), err.as_ptr())
+    /// One layer's K or V cache: in the backend's own layout when it has `kv_alloc` (ABI 2.1), else
+    /// f32 `[blocks, block_size, heads, head_dim]` the host sizes. Returns the buffer and its bytes.
+    pub fn kv_alloc(&mut self, desc: &KvCacheDesc) -> Result<DeviceBuffer, CallError> {
+        let mut raw = lock(&self.raw);
+        match raw.vt.kv_alloc {
+            Some(kv_alloc) => {
+                let mut handle: BufferHandle = std::ptr::null_mut();
+                let mut bytes = 0u64;
+                // SAFETY: valid description and output slots.
+                raw.call(|r, err| unsafe { kv_alloc(r.ctx, desc, &mut handle, &mut bytes, err) })?;
+                drop(raw);
+                Ok(self.buffer(handle, bytes as usize))
+            }
+            None => {
+                drop(raw);
+                if desc.dtype != mlxcel_plugin_api::DType::F32 as u32 {
+                    return Err(CallError {
+                        plugin: self.name.clone(),
+                        status: 1,
+                        message: "this backend (ABI 2.0) only has f32 KV caches".into(),
+                    });
+                }
+                let slots = desc.num_blocks as usize * desc.block_size as usize;
+                self.alloc(slots * desc.n_kv_heads as usize * desc.head_dim as usize * 4)
+            }
+        }
+    }
+
+    /// Copies whole blocks inside a cache from [`BackendContext::kv_alloc`].
+    pub fn copy_blocks(
+        &mut self,
+        buf: &mut DeviceBuffer,
+        desc: &KvCacheDesc,
+        copies: &[BlockCopy],
+    ) -> Result<(), CallError> {
+        self.check_buffer(buf)?;
+        let mut raw = lock(&self.raw);
+        let Some(copy) = raw.vt.copy_blocks else {
+            return Err(CallError {
+                plugin: self.name.clone(),
+                status: 1,
+                message: "this backend cannot copy KV blocks (ABI 2.0)".into(),
+            });
         };
-        check(&self.0.name, status, &err)
+        // SAFETY: a live buffer of this context and `copies.len()` copies.
+        raw.call(|r, err| unsafe { copy(r.ctx, buf.handle, desc, copies.as_ptr(), copies.len(), err) })
     }
 
-    pub fn read(&self, buf: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<(), CallError> {
-        let mut err = ErrorMessage::new();
-        let status = unsafe {
-            (self.0.vt.buffer_read)(self.0.ctx, buf.handle, offset, out.as_mut_ptr(), out.len(), err.as_ptr())
-        };
-        check(&self.0.name, status, &err)
+    pub fn write(&mut self, buf: &mut DeviceBuffer, offset: usize, data: &[u8]) -> Result<(), CallError> {
+        self.check_buffer(buf)?;
+        // SAFETY: a live buffer of this context; `data` readable for its length.
+        lock(&self.raw)
+            .call(|r, err| unsafe { (r.vt.buffer_write)(r.ctx, buf.handle, offset, data.as_ptr(), data.len(), err) })
     }
 
-    pub fn supports(&self, node: &Node) -> bool {
-        unsafe { (self.0.vt.supports_op)(self.0.ctx, node) != 0 }
+    pub fn read(&mut self, buf: &DeviceBuffer, offset: usize, out: &mut [u8]) -> Result<(), CallError> {
+        self.check_buffer(buf)?;
+        // SAFETY: a live buffer of this context; `out` writable for its length.
+        lock(&self.raw)
+            .call(|r, err| unsafe { (r.vt.buffer_read)(r.ctx, buf.handle, offset, out.as_mut_ptr(), out.len(), err) })
+    }
+
+    /// Whether the backend can run this node.
+    pub fn supports(&mut self, node: &Node) -> bool {
+        let raw = lock(&self.raw);
+        // SAFETY: one node of our layout.
+        !raw.poisoned && unsafe { (raw.vt.supports_op)(raw.ctx, node, std::mem::size_of::<Node>()) != 0 }
     }
 
     /// Runs a graph.
     ///
     /// # Safety
-    /// Every pointer in `args` must be valid for the sizes the graph implies.
-    pub unsafe fn compute(&self, args: &ComputeArgs) -> Result<(), CallError> {
-        let mut err = ErrorMessage::new();
-        let status = (self.0.vt.compute)(self.0.ctx, args, err.as_ptr());
-        check(&self.0.name, status, &err)
+    /// Every pointer in `args` must be valid for the sizes the graph implies, and every buffer it names
+    /// must belong to this context.
+    pub unsafe fn compute(&mut self, args: &ComputeArgs) -> Result<(), CallError> {
+        // SAFETY: caller's contract.
+        lock(&self.raw).call(|r, err| unsafe { (r.vt.compute)(r.ctx, args, err) })
     }
 }

@@ -3,7 +3,8 @@
 use std::ffi::c_void;
 
 use mlxcel_plugin_api::{
-    ErrorMessage, FamilyVTable, GraphRef, KvKind, KvLayerDesc, ModelDesc, StepShape, StrRef, Task, WeightInfo,
+    read_versioned_array, ErrorMessage, FamilyVTable, GraphRef, KvKind, KvLayerDesc, ModelDesc, OutputKind, Status,
+    StepDesc, StrRef, Task, Versioned, WeightInfo,
 };
 
 use crate::{check, CallError, PluginMeta};
@@ -33,6 +34,7 @@ impl FamilyPlugin {
     /// The `model_type` values this family handles.
     pub fn architectures(&self) -> Vec<String> {
         let mut n = 0usize;
+        // SAFETY: the list and its strings are static in the plugin.
         let ptr = unsafe { (self.vt.architectures)(&mut n) };
         unsafe { mlxcel_plugin_api::slice_from(ptr, n) }.iter().map(|s| unsafe { s.as_str() }.to_string()).collect()
     }
@@ -50,7 +52,7 @@ impl FamilyPlugin {
             (self.vt.model_create)(StrRef::new(config_json), weights.as_ptr(), weights.len(), &mut model, err.as_ptr())
         };
         check(&self.meta.name, status, &err)?;
-        let mut m = FamilyModel { plugin: self.meta.name.clone(), vt: self.vt, model, info: None };
+        let mut m = FamilyModel { plugin: self.meta.name.clone(), vt: self.vt, model, info: None, poisoned: false };
         m.info = Some(m.read_info()?);
         Ok(m)
     }
@@ -69,6 +71,9 @@ pub struct ModelInfo {
     pub used_weights: Vec<u32>,
     pub activation_bytes_per_token: u64,
     pub quantization: String,
+    pub output_kind: OutputKind,
+    /// Floats per output row (the vocabulary for logits).
+    pub output_dim: usize,
 }
 
 /// The KV layout of one layer.
@@ -78,7 +83,8 @@ pub struct KvLayer {
     pub n_kv_heads: usize,
     pub head_dim: usize,
     pub window: usize,
-    pub state_bytes: u64,
+    /// f32 values of recurrent state per sequence.
+    pub state_elems: usize,
 }
 
 impl From<&KvLayerDesc> for KvLayer {
@@ -94,7 +100,7 @@ impl From<&KvLayerDesc> for KvLayer {
             n_kv_heads: d.n_kv_heads as usize,
             head_dim: d.head_dim as usize,
             window: d.window as usize,
-            state_bytes: d.state_bytes,
+            state_elems: d.state_elems as usize,
         }
     }
 }
@@ -105,38 +111,51 @@ pub struct FamilyModel {
     vt: &'static FamilyVTable,
     model: *mut c_void,
     info: Option<ModelInfo>,
+    /// Set when a call panicked inside the plugin: the model may be half-updated.
+    poisoned: bool,
 }
 
-// The model is used by one thread at a time (`build_graph` takes `&mut self`).
+// SAFETY: the model is used by one thread at a time (`build_graph` takes `&mut self`; not `Sync`).
 unsafe impl Send for FamilyModel {}
 
 impl FamilyModel {
     fn read_info(&self) -> Result<ModelInfo, CallError> {
-        let mut d = std::mem::MaybeUninit::<ModelDesc>::zeroed();
-        let status = unsafe { (self.vt.model_describe)(self.model, d.as_mut_ptr()) };
+        let fail = |message: String| CallError { plugin: self.plugin.clone(), status: 1, message };
+        let mut d = ModelDesc::zeroed();
+        // SAFETY: a live model and a zeroed description with its size set.
+        let status = unsafe { (self.vt.model_describe)(self.model, &mut d) };
         if !status.is_ok() {
-            return Err(CallError { plugin: self.plugin.clone(), status: status.0, message: "describe failed".into() });
+            return Err(fail("describe failed".into()));
         }
-        let d = unsafe { d.assume_init() };
-        let task = Task::from_raw(d.task).ok_or_else(|| CallError {
-            plugin: self.plugin.clone(),
-            status: 1,
-            message: format!("unknown task {}", d.task),
-        })?;
+        let task = Task::from_raw(d.task).ok_or_else(|| fail(format!("unknown task {}", d.task)))?;
+        let output_kind = match d.output_kind {
+            0 => OutputKind::Logits,
+            1 => OutputKind::Embeddings,
+            2 => OutputKind::Scores,
+            k => return Err(fail(format!("unknown output kind {k}"))),
+        };
+        // SAFETY: the description's pointers live until `model_destroy` (ABI contract).
+        let (kv_layers, used_weights, architecture, quantization) = unsafe {
+            (
+                read_versioned_array::<KvLayerDesc>(d.kv_layers, d.n_kv_layers),
+                mlxcel_plugin_api::slice_from(d.used_weights, d.n_used_weights).to_vec(),
+                d.architecture.as_str().to_string(),
+                d.quantization.as_str().to_string(),
+            )
+        };
         Ok(ModelInfo {
             task,
-            architecture: unsafe { d.architecture.as_str() }.to_string(),
+            architecture,
             vocab_size: d.vocab_size as usize,
             hidden_size: d.hidden_size as usize,
             n_layers: d.n_layers as usize,
             max_positions: d.max_positions as usize,
-            kv_layers: unsafe { mlxcel_plugin_api::slice_from(d.kv_layers, d.n_kv_layers) }
-                .iter()
-                .map(KvLayer::from)
-                .collect(),
-            used_weights: unsafe { mlxcel_plugin_api::slice_from(d.used_weights, d.n_used_weights) }.to_vec(),
+            kv_layers: kv_layers.iter().map(KvLayer::from).collect(),
+            used_weights,
             activation_bytes_per_token: d.activation_bytes_per_token,
-            quantization: unsafe { d.quantization.as_str() }.to_string(),
+            quantization,
+            output_kind,
+            output_dim: d.output_dim as usize,
         })
     }
 
@@ -145,10 +164,21 @@ impl FamilyModel {
     }
 
     /// Builds one step's graph; the graph lives until the next call.
-    pub fn build_graph(&mut self, step: StepShape) -> Result<GraphRef, CallError> {
+    pub fn build_graph(&mut self, step: &StepDesc) -> Result<GraphRef, CallError> {
+        if self.poisoned {
+            return Err(CallError {
+                plugin: self.plugin.clone(),
+                status: Status::PANIC.0,
+                message: "this model is unusable after an earlier panic in the plugin; load it again".into(),
+            });
+        }
         let mut out = GraphRef::empty();
         let mut err = ErrorMessage::new();
-        let status = unsafe { (self.vt.build_graph)(self.model, &step, &mut out, err.as_ptr()) };
+        // SAFETY: a live model, a valid step and output slot.
+        let status = unsafe { (self.vt.build_graph)(self.model, step, &mut out, err.as_ptr()) };
+        if status == Status::PANIC {
+            self.poisoned = true;
+        }
         check(&self.plugin, status, &err)?;
         Ok(out)
     }

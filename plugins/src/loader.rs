@@ -33,7 +33,8 @@ impl std::fmt::Display for LoadProblem {
 }
 
 /// A plugin that passed every check. Its library is leaked on purpose: plugins are never unloaded,
-/// so `'static` references into it stay valid.
+/// so `'static` references into it stay valid. The tables are the host's own full-size copies of the
+/// plugin's: entries an older minor lacks are `None`.
 pub enum Loaded {
     Backend(PluginMeta, &'static BackendVTable),
     Family(PluginMeta, &'static FamilyVTable),
@@ -62,9 +63,14 @@ pub fn load_plugin(path: &Path) -> Result<Loaded, LoadProblem> {
     };
     let name = unsafe { root.name.as_str() }.to_string();
     if root.abi_major != ABI_MAJOR {
+        let advice = if root.abi_major < ABI_MAJOR {
+            "it is older than this mlxcel: rebuild the plugin against this mlxcel's plugin-api"
+        } else {
+            "it is newer than this mlxcel: upgrade mlxcel or install a plugin built for this one"
+        };
         return Err(problem(format!(
             "plugin `{name}` was built for plugin ABI {}.{}, this mlxcel speaks ABI {}.{} (same major \
-             required); rebuild the plugin against this mlxcel or install a matching mlxcel",
+             required); {advice}",
             root.abi_major, root.abi_minor, ABI_MAJOR, ABI_MINOR
         )));
     }
@@ -95,28 +101,47 @@ pub fn load_plugin(path: &Path) -> Result<Loaded, LoadProblem> {
 
     match kind {
         PluginKind::Backend => {
+            // SAFETY: a non-null table pointer of a checked root; `size` comes first.
             let vt = unsafe { root.backend.as_ref() }
                 .ok_or_else(|| problem(format!("backend plugin `{name}` has no backend table")))?;
-            if vt.size < std::mem::size_of::<BackendVTable>() {
-                return Err(problem(format!(
-                    "backend plugin `{name}` has a truncated function table ({} < {} bytes)",
-                    vt.size,
-                    std::mem::size_of::<BackendVTable>()
-                )));
-            }
-            Ok(Loaded::Backend(meta, vt))
+            check_table_size(&name, "backend", vt.size, BackendVTable::MIN_SIZE).map_err(problem)?;
+            // SAFETY: the plugin's table has `vt.size >= MIN_SIZE` readable bytes, so every 2.0 entry
+            // is filled; later entries are `Option`s, zero (absent) past the plugin's size.
+            let table: BackendVTable = unsafe { copy_table(vt, vt.size) };
+            Ok(Loaded::Backend(meta, Box::leak(Box::new(table))))
         }
         PluginKind::Family => {
+            // SAFETY: as above.
             let vt = unsafe { root.family.as_ref() }
                 .ok_or_else(|| problem(format!("family plugin `{name}` has no family table")))?;
-            if vt.size < std::mem::size_of::<FamilyVTable>() {
-                return Err(problem(format!(
-                    "family plugin `{name}` has a truncated function table ({} < {} bytes)",
-                    vt.size,
-                    std::mem::size_of::<FamilyVTable>()
-                )));
-            }
-            Ok(Loaded::Family(meta, vt))
+            check_table_size(&name, "family", vt.size, FamilyVTable::MIN_SIZE).map_err(problem)?;
+            // SAFETY: as above.
+            let table: FamilyVTable = unsafe { copy_table(vt, vt.size) };
+            Ok(Loaded::Family(meta, Box::leak(Box::new(table))))
         }
     }
+}
+
+/// The host's own full-size copy of a plugin's table: its first `size` bytes, zeros after.
+///
+/// # Safety
+/// `size` covers every non-`Option` entry of `T` (checked against `MIN_SIZE` by the caller), so the
+/// zero-filled rest are `None`s; the plugin's table has `size` readable bytes.
+unsafe fn copy_table<T>(table: &T, size: usize) -> T {
+    let mut out = std::mem::MaybeUninit::<T>::zeroed();
+    let n = size.min(std::mem::size_of::<T>());
+    // SAFETY: `table` has `size >= n` readable bytes; `out` has `size_of::<T>() >= n` writable bytes.
+    unsafe { std::ptr::copy_nonoverlapping(table as *const T as *const u8, out.as_mut_ptr() as *mut u8, n) };
+    // SAFETY: every required entry was copied; the rest are zero, a valid `None` (caller's contract).
+    unsafe { out.assume_init() }
+}
+
+fn check_table_size(name: &str, kind: &str, size: usize, min: usize) -> Result<(), String> {
+    if size < min {
+        return Err(format!(
+            "{kind} plugin `{name}` has a truncated function table ({size} < {min} bytes, the size of ABI \
+             {ABI_MAJOR}.0's)"
+        ));
+    }
+    Ok(())
 }

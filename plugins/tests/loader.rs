@@ -38,10 +38,83 @@ fn another_abi_major_is_refused_by_name_and_the_rest_still_load() {
     let p = &cat.problems[0];
     assert!(p.path.ends_with("libfuture.so"));
     assert!(
-        p.reason.contains("`future-abi`") && p.reason.contains("ABI 2.0") && p.reason.contains("ABI 1."),
+        p.reason.contains("`future-abi`")
+            && p.reason.contains("ABI 3.0")
+            && p.reason.contains("ABI 2.")
+            && p.reason.contains("newer"),
         "{}",
         p.reason
     );
+}
+
+#[test]
+fn a_plugin_of_abi_major_1_is_refused_by_name_as_older() {
+    let old = common::built("mlxcel_testplugin_abi_1");
+    let dir = folder_with(&[(&old, "libold.so")]);
+    let cat = Catalog::load(&PluginSearch { dirs: vec![dir.path().to_path_buf()] });
+    assert!(cat.backends.is_empty());
+    assert_eq!(cat.problems.len(), 1);
+    let p = &cat.problems[0];
+    assert!(p.path.ends_with("libold.so"));
+    assert!(
+        p.reason.contains("`abi-one`") && p.reason.contains("ABI 1.0") && p.reason.contains("rebuild"),
+        "{}",
+        p.reason
+    );
+}
+
+/// The evolution rule end to end: a backend exported as ABI 2.0 (its table ends before `kv_alloc`
+/// and `copy_blocks`) loads beside current plugins, its missing entries are treated as absent, and its
+/// 2.0 entries run graphs.
+#[test]
+fn a_plugin_of_an_older_minor_loads_and_runs() {
+    use mlxcel_plugin_api::*;
+    let older = common::built("mlxcel_testplugin_older_minor");
+    let staged = common::staged_dir();
+    let dir = folder_with(&[
+        (&older, "libolder.so"),
+        (&staged.join(common::lib("mlxcel_backend_cpu")), &common::lib("mlxcel_backend_cpu")),
+    ]);
+    let cat = Catalog::load(&PluginSearch { dirs: vec![dir.path().to_path_buf()] });
+    assert!(cat.problems.is_empty(), "{:?}", cat.problems);
+    let plugin = cat.backends.iter().find(|b| b.name() == "older-minor").expect("older-minor loaded");
+    assert_eq!((plugin.meta.abi_major, plugin.meta.abi_minor), (ABI_MAJOR, 0));
+    assert!(!plugin.owns_kv_layout(), "kv_alloc is past the end of a 2.0 table");
+    let cpu = cat.backends.iter().find(|b| b.name() == "cpu").unwrap();
+    assert!(cpu.owns_kv_layout());
+    let d = plugin.describe();
+    assert_eq!((d.score, d.devices.len(), d.devices[0].free_memory_bytes), (1, 1, 1 << 29));
+
+    let mut ctx = plugin.create(1, 0).unwrap();
+    // Absent entries: the host allocates f32 caches itself and refuses block copies.
+    let desc =
+        KvCacheDesc { num_blocks: 2, block_size: 4, n_kv_heads: 1, head_dim: 8, dtype: 0, ..Versioned::zeroed() };
+    let mut kv = ctx.kv_alloc(&desc).unwrap();
+    assert_eq!(kv.len(), 2 * 4 * 8 * 4);
+    let e = ctx.copy_blocks(&mut kv, &desc, &[BlockCopy { src: 0, dst: 1 }]).unwrap_err();
+    assert!(e.message.contains("2.0"), "{}", e.message);
+
+    // `2x + x` through the plugin's 2.0 entries.
+    let x = [1.0f32, -2.0, 3.5];
+    let mut g = Graph::new();
+    let xi = g.input(0, DType::F32, &[1, 3]);
+    let s = g.op_with(OpCode::Scale, &[1, 3], &[xi], &[], &[2.0]);
+    let o = g.op(OpCode::Add, &[1, 3], &[s, xi]);
+    g.mark_output(o);
+    assert!(g.nodes.iter().all(|n| ctx.supports(n)));
+    let mut out = [0f32; 3];
+    let inputs = [HostTensor { ptr: x.as_ptr() as *mut u8, len: 12 }];
+    let outputs = [HostTensor { ptr: out.as_mut_ptr() as *mut u8, len: 12 }];
+    let args = ComputeArgs {
+        graph: g.as_ref(),
+        inputs: inputs.as_ptr(),
+        n_inputs: 1,
+        outputs: outputs.as_ptr(),
+        n_outputs: 1,
+        ..Versioned::zeroed()
+    };
+    unsafe { ctx.compute(&args) }.unwrap();
+    assert_eq!(out, [3.0, -6.0, 10.5]);
 }
 
 #[test]

@@ -95,7 +95,7 @@ fn quant_weight(rng: &mut Rng, n: usize, k: usize, bits: usize, group: usize, sd
 
 /// One graph run on a backend.
 struct Run<'a> {
-    ctx: &'a BackendContext,
+    ctx: &'a mut BackendContext,
     g: Graph,
     inputs: Vec<Vec<u8>>,
     weights: Vec<DeviceBuffer>,
@@ -114,7 +114,7 @@ struct BatchData {
 }
 
 impl<'a> Run<'a> {
-    fn new(ctx: &'a BackendContext) -> Self {
+    fn new(ctx: &'a mut BackendContext) -> Self {
         Run { ctx, g: Graph::new(), inputs: vec![], weights: vec![], kv: vec![], batch: None }
     }
     fn input_f32(&mut self, v: &[f32], shape: &[u64]) -> TensorId {
@@ -163,18 +163,37 @@ impl<'a> Run<'a> {
         let inputs: Vec<HostTensor> =
             self.inputs.iter().map(|b| HostTensor { ptr: b.as_ptr() as *mut u8, len: b.len() }).collect();
         let weights: Vec<BufferHandle> = self.weights.iter().map(|b| b.handle()).collect();
-        let kv: Vec<KvBinding> =
-            self.kv.iter().map(|(k, v)| KvBinding { k: k.handle(), v: v.handle(), dtype: DType::F32 as u32 }).collect();
-        let batch = self.batch.as_ref().map(|b| AttentionBatch {
+        let kv: Vec<KvBinding> = self
+            .kv
+            .iter()
+            .map(|(k, v)| KvBinding { k: k.handle(), v: v.handle(), dtype: DType::F32 as u32, ..KvBinding::zeroed() })
+            .collect();
+        let groups: Vec<KvGroupTables> = self
+            .batch
+            .iter()
+            .map(|b| KvGroupTables {
+                slot_mapping: b.slots.as_ptr(),
+                block_tables: b.tables.as_ptr(),
+                max_blocks_per_seq: b.max_blocks,
+                block_size: b.block_size,
+                num_blocks: b.num_blocks,
+                ..KvGroupTables::zeroed()
+            })
+            .collect();
+        let n_seqs = self.batch.as_ref().map_or(0, |b| b.tables.len() / b.max_blocks as usize);
+        let mut seq_n_tokens = vec![0u32; n_seqs];
+        for &s in self.batch.iter().flat_map(|b| &b.token_seq) {
+            seq_n_tokens[s as usize] += 1;
+        }
+        let batch = self.batch.as_ref().map(|b| StepBatch {
             n_tokens: b.token_seq.len() as u32,
-            n_seqs: (b.tables.len() / b.max_blocks as usize) as u32,
+            n_seqs: n_seqs as u32,
             token_seq: b.token_seq.as_ptr(),
             positions: b.positions.as_ptr(),
-            slot_mapping: b.slots.as_ptr(),
-            block_tables: b.tables.as_ptr(),
-            max_blocks_per_seq: b.max_blocks,
-            block_size: b.block_size,
-            num_blocks: b.num_blocks,
+            groups: groups.as_ptr(),
+            n_groups: 1,
+            seq_n_tokens: seq_n_tokens.as_ptr(),
+            ..StepBatch::zeroed()
         });
         let outputs = [HostTensor { ptr: result.as_mut_ptr() as *mut u8, len: result.len() * 4 }];
         let args = ComputeArgs {
@@ -188,6 +207,7 @@ impl<'a> Run<'a> {
             batch: batch.as_ref().map_or(std::ptr::null(), |b| b as *const _),
             outputs: outputs.as_ptr(),
             n_outputs: 1,
+            ..ComputeArgs::zeroed()
         };
         unsafe { self.ctx.compute(&args) }.unwrap_or_else(|e| panic!("compute failed: {e}"));
         result
@@ -262,10 +282,10 @@ fn backends() -> Vec<BackendContext> {
     usable
 }
 
-fn each_backend(f: impl Fn(&BackendContext, &mut Rng)) {
-    for ctx in backends() {
+fn each_backend(f: impl Fn(&mut BackendContext, &mut Rng)) {
+    for mut ctx in backends() {
         let mut rng = Rng(0x9E3779B97F4A7C15);
-        f(&ctx, &mut rng);
+        f(&mut ctx, &mut rng);
     }
 }
 
@@ -658,11 +678,11 @@ fn paged_attention_matches_reference() {
             tables[..a_blocks.len()].copy_from_slice(&a_blocks);
             tables[max_blocks..max_blocks + b_blocks.len()].copy_from_slice(&b_blocks);
 
+            let mut kb = ctx.alloc(kcache.len() * 4).unwrap();
+            let mut vb = ctx.alloc(vcache.len() * 4).unwrap();
+            ctx.write(&mut kb, 0, &bytes(&kcache)).unwrap();
+            ctx.write(&mut vb, 0, &bytes(&vcache)).unwrap();
             let mut run = Run::new(ctx);
-            let kb = ctx.alloc(kcache.len() * 4).unwrap();
-            let vb = ctx.alloc(vcache.len() * 4).unwrap();
-            ctx.write(&kb, 0, &bytes(&kcache)).unwrap();
-            ctx.write(&vb, 0, &bytes(&vcache)).unwrap();
             run.kv.push((kb, vb));
             run.batch = Some(BatchData {
                 token_seq,
@@ -750,8 +770,9 @@ fn bad_graphs_are_refused_with_a_message_not_a_crash() {
             batch: std::ptr::null(),
             outputs: outputs.as_ptr(),
             n_outputs: 1,
+            ..ComputeArgs::zeroed()
         };
-        let err = unsafe { ctx.compute(&args) }.unwrap_err();
+        let err = unsafe { run.ctx.compute(&args) }.unwrap_err();
         assert!(err.message.contains("MatMul"), "message should name the op: {}", err.message);
         // Embedding with an out-of-range token id.
         let tbl = float_weight(rng, 4 * 3, DType::F32, 1.0);

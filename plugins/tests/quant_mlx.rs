@@ -71,7 +71,7 @@ fn backends_dequantize_exactly_like_mlx() {
     let st = SafeTensors::deserialize(&data).unwrap();
     let cat = Catalog::load(&PluginSearch { dirs: vec![common::staged_dir()] });
     for plugin in cat.backends.iter().filter(|b| b.describe().score > 0) {
-        let ctx = plugin.create(2, 0).unwrap();
+        let mut ctx = plugin.create(2, 0).unwrap();
         for bits in [2usize, 3, 4, 5, 6, 8] {
             for group in [32usize, 64, 128] {
                 let key = format!("b{bits}_g{group}");
@@ -105,6 +105,7 @@ fn backends_dequantize_exactly_like_mlx() {
                     batch: std::ptr::null(),
                     outputs: outputs.as_ptr(),
                     n_outputs: 1,
+                    ..ComputeArgs::zeroed()
                 };
                 unsafe { ctx.compute(&args) }.unwrap();
                 for (i, (g, w)) in out.iter().zip(&want).enumerate() {

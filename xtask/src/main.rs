@@ -54,8 +54,23 @@ enum Cmd {
     },
 }
 
-/// Plugin crates: (cargo package, library file stem).
-const PLUGINS: &[&str] = &["mlxcel_backend_cpu", "mlxcel_family_llama"];
+/// The library file stems of the workspace's plugin crates: those whose Cargo.toml says
+/// `[package.metadata.mlxcel] plugin = "backend"` or `"family"`, so a new plugin crate needs no list here.
+fn plugin_crates() -> Result<Vec<String>> {
+    let out = cargo().args(["metadata", "--format-version", "1", "--no-deps"]).output().context("cargo metadata")?;
+    if !out.status.success() {
+        bail!("cargo metadata failed: {}", String::from_utf8_lossy(&out.stderr));
+    }
+    let meta: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let mut stems = Vec::new();
+    for p in meta["packages"].as_array().into_iter().flatten() {
+        let kind = p["metadata"]["mlxcel"]["plugin"].as_str();
+        if matches!(kind, Some("backend" | "family")) {
+            stems.push(p["name"].as_str().context("package without a name")?.replace('-', "_"));
+        }
+    }
+    Ok(stems)
+}
 
 pub(crate) fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()
@@ -87,8 +102,8 @@ pub(crate) fn build() -> Result<PathBuf> {
     // `<exe dir>/../lib/mlxcel/plugins` is where the binaries look by default.
     let staged = root().join("target").join("lib").join("mlxcel").join("plugins");
     std::fs::create_dir_all(&staged)?;
-    for p in PLUGINS {
-        let name = lib_name(p);
+    for p in plugin_crates()? {
+        let name = lib_name(&p);
         std::fs::copy(out.join(&name), staged.join(&name)).with_context(|| format!("staging {name}"))?;
     }
     println!("plugins staged in {}", staged.display());
@@ -105,8 +120,8 @@ fn install(prefix: &Path) -> Result<()> {
         let name = format!("{exe}{}", std::env::consts::EXE_SUFFIX);
         std::fs::copy(out.join(&name), bin.join(&name)).with_context(|| format!("installing {name}"))?;
     }
-    for p in PLUGINS {
-        let name = lib_name(p);
+    for p in plugin_crates()? {
+        let name = lib_name(&p);
         std::fs::copy(out.join(&name), plugins.join(&name)).with_context(|| format!("installing {name}"))?;
     }
     println!("installed into {}", prefix.display());

@@ -6,7 +6,7 @@ use std::time::Instant;
 
 use mlxcel_backend_cpu::isa::Isa;
 use mlxcel_backend_cpu::kernels::int_dot::IntActs;
-use mlxcel_backend_cpu::kernels::quantized::{qmatmul, QuantMatrix};
+use mlxcel_backend_cpu::kernels::quantized::{qmatmul, QuantMatrix, QuantPath};
 use mlxcel_backend_cpu::kernels::Floats;
 
 /// Weight width: `BITS` (default 4).
@@ -95,6 +95,7 @@ fn main() {
                     w,
                     m.n,
                     &mut out[..t * m.n],
+                    QuantPath::for_sequence(isa, bits(), t, int),
                     int.then_some((&mut acts, source)),
                 );
             }

@@ -4,14 +4,17 @@
 
 use std::borrow::Cow;
 
-use mlxcel_plugin_api::{slice_from, BufferHandle, ComputeArgs, DType, HostTensor, Node, OpCode, PluginError};
+use mlxcel_plugin_api::{
+    read_versioned, read_versioned_array, slice_from, BufferHandle, ComputeArgs, DType, HostTensor, KvBinding,
+    KvGroupTables, Node, OpCode, PluginError, StepBatch, NO_BLOCK,
+};
 
 use crate::buffer::{as_f32, as_i32, as_u16, Buffer};
 use crate::isa::Isa;
 use crate::kernels::attention::{self, AttentionScratch, AttentionShape, PagedLayout};
 use crate::kernels::elementwise::{self as ew, binary, unary};
 use crate::kernels::int_dot::IntActs;
-use crate::kernels::quantized::{self, QuantMatrix};
+use crate::kernels::quantized::{self, QuantMatrix, QuantPath};
 use crate::kernels::{matmul, norm, rope, Floats};
 
 /// A backend context: worker pool, kernel path, and recycled scratch.
@@ -59,8 +62,24 @@ impl CpuContext {
 }
 
 struct SendArgs<'a>(&'a ComputeArgs);
+// SAFETY: the arguments are only read, by the pool's threads, while `compute` waits for them.
 unsafe impl Send for SendArgs<'_> {}
 unsafe impl Sync for SendArgs<'_> {}
+
+/// Which sequence each row of a node belongs to, when known: the step's tokens, or the rows a
+/// `GetRows` node selected from them. Kernel paths are chosen per sequence from this.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum RowOwners {
+    Tokens,
+    Selected(usize),
+    Unknown,
+}
+
+/// The step's sequence bookkeeping, when the caller gave a batch.
+struct Sequences<'a> {
+    token_seq: &'a [u32],
+    seq_n_tokens: &'a [u32],
+}
 
 /// Executes `args.graph`. The whole graph runs inside the worker pool, so kernels fan out to the
 /// workers without a cross-thread hand-off (and its wake-up latency) per op.
@@ -259,6 +278,54 @@ fn free_last_uses(ctx: &mut ExecState, vals: &mut [Val], last_use: &[usize], nod
     }
 }
 
+/// Checks the host's bookkeeping before any memory is touched: every token's sequence, position and
+/// slot in range, and every block it will read (those inside its window) held and in range.
+fn validate_layout(
+    layout: &PagedLayout,
+    n_seqs: usize,
+    slots: usize,
+    num_blocks: usize,
+    window: usize,
+) -> Result<(), String> {
+    for ti in 0..layout.token_seq.len() {
+        let s = layout.token_seq[ti] as usize;
+        let p = layout.positions[ti];
+        let slot = layout.slot_mapping[ti];
+        if s >= n_seqs || p < 0 || slot < 0 || slot as usize >= slots {
+            return Err(format!("token {ti}: bad sequence/position/slot"));
+        }
+        let p = p as usize;
+        let last = p / layout.block_size;
+        if last >= layout.max_blocks_per_seq {
+            return Err(format!("token {ti}: position {p} beyond its block table"));
+        }
+        let first = if window > 0 { (p + 1).saturating_sub(window) / layout.block_size } else { 0 };
+        for b in first..=last {
+            let id = layout.block_tables[s * layout.max_blocks_per_seq + b];
+            if id == NO_BLOCK || id as usize >= num_blocks {
+                return Err(format!("sequence {s}: block {b} (needed by position {p}) is not held or out of range"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Splits rows `0..row_seq.len()` into maximal runs that take the same kernel path.
+fn path_runs(row_seq: &[u32], path_of: impl Fn(u32) -> QuantPath) -> Vec<(usize, usize, QuantPath)> {
+    let mut runs: Vec<(usize, usize, QuantPath)> = Vec::new();
+    for (r, &q) in row_seq.iter().enumerate() {
+        let p = path_of(q);
+        match runs.last_mut() {
+            Some(last) if last.2 == p => last.1 = r + 1,
+            _ => runs.push((r, r + 1, p)),
+        }
+    }
+    if runs.is_empty() {
+        runs.push((0, 0, QuantPath::RowDot));
+    }
+    runs
+}
+
 /// Up to this many matmuls of one input run as one parallel loop (q/k/v; gate/up).
 const MAX_FUSED: usize = 4;
 
@@ -324,13 +391,29 @@ fn fusable_after<'a>(
 fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), PluginError> {
     // Quantized activations are keyed by node id, which only means something within one graph run.
     ctx.int_scratch.key = None;
+    // SAFETY (this block): the host guarantees every pointer of `args` for the sizes it states.
     let nodes = unsafe { args.graph.nodes() };
+    let nodes: &[Node] = &nodes;
     let constants = unsafe { args.graph.constants() };
     let outputs = unsafe { args.graph.outputs() };
     let inputs = unsafe { slice_from(args.inputs, args.n_inputs) };
     let weights = unsafe { slice_from(args.weights, args.n_weights) };
-    let kv = unsafe { slice_from(args.kv, args.n_kv) };
+    let kv: Vec<KvBinding> = unsafe { read_versioned_array(args.kv, args.n_kv) };
     let outs = unsafe { slice_from(args.outputs, args.n_outputs) };
+    let batch: Option<StepBatch> = unsafe { read_versioned(args.batch) };
+    let groups: Vec<KvGroupTables> =
+        batch.as_ref().map_or_else(Vec::new, |b| unsafe { read_versioned_array(b.groups, b.n_groups as usize) });
+    let seqs = batch.as_ref().map(|b| unsafe {
+        Sequences {
+            token_seq: slice_from(b.token_seq, b.n_tokens as usize),
+            seq_n_tokens: slice_from(b.seq_n_tokens, b.n_seqs as usize),
+        }
+    });
+    if let Some(s) = &seqs {
+        if s.token_seq.iter().any(|&q| q as usize >= s.seq_n_tokens.len()) {
+            return Err(PluginError::invalid("a token's sequence index is out of range".to_string()));
+        }
+    }
     if outs.len() != outputs.len() {
         return Err(PluginError::invalid(format!(
             "graph has {} outputs but {} destinations were given",
@@ -341,7 +424,23 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
 
     // Last reader of each node, so storage is recycled early.
     let mut last_use = vec![0usize; nodes.len()];
+    let n_tokens = batch.as_ref().map_or(usize::MAX, |b| b.n_tokens as usize);
+    let mut owners = vec![RowOwners::Unknown; nodes.len()];
     for (i, n) in nodes.iter().enumerate() {
+        owners[i] = match (n.opcode(), n.sources().first()) {
+            (Some(OpCode::GetRows), Some(&x)) if (x as usize) < i && owners[x as usize] == RowOwners::Tokens => {
+                RowOwners::Selected(i)
+            }
+            (Some(op), Some(&x))
+                if !matches!(op, OpCode::GetRows) && (x as usize) < i && nodes[x as usize].rows() == n.rows() =>
+            {
+                owners[x as usize]
+            }
+            _ if n.rows() == n_tokens && !matches!(n.opcode(), Some(OpCode::Weight | OpCode::Constant)) => {
+                RowOwners::Tokens
+            }
+            _ => RowOwners::Unknown,
+        };
         if n.opcode().is_none() {
             return Err(PluginError::invalid(format!("node {i}: unknown op code {}", n.op)));
         }
@@ -365,6 +464,8 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
     let isa = ctx.isa;
     let threads = ctx.threads;
     let mut vals: Vec<Val> = (0..nodes.len()).map(|_| Val::Pending).collect();
+    // The sequence of each row a `GetRows` node selected, kept for the kernels that read its rows.
+    let mut selected: Vec<Option<Vec<u32>>> = vec![None; nodes.len()];
     for (i, node) in nodes.iter().enumerate() {
         let op = node.opcode().unwrap();
         let src = node.sources();
@@ -376,7 +477,35 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
         }
         // Matmuls after this one that share its input run with it (results stored below).
         let mut fused_ids = [0usize; MAX_FUSED - 1];
-        let n_fused = if op == OpCode::QuantMatMul {
+        // Kernel paths for a matmul's rows, chosen per sequence (batch invariance).
+        let paths = if matches!(op, OpCode::QuantMatMul | OpCode::MatMul) && !src.is_empty() {
+            let x = src[0] as usize;
+            let t = nodes[x].rows();
+            let row_seq: Option<&[u32]> = match (owners[x], &seqs) {
+                (RowOwners::Tokens, Some(s)) => Some(s.token_seq),
+                (RowOwners::Selected(g), Some(_)) => selected[g].as_deref(),
+                _ => None,
+            };
+            let bits = node.iparams[0] as usize;
+            let path = |n: usize| {
+                if op == OpCode::MatMul {
+                    if n <= matmul::ROW_DOT_MAX_TOKENS {
+                        QuantPath::RowDot
+                    } else {
+                        QuantPath::Tiles
+                    }
+                } else {
+                    QuantPath::for_sequence(isa, bits, n, ctx.int_activations)
+                }
+            };
+            match (row_seq, &seqs) {
+                (Some(rs), Some(s)) if rs.len() == t => path_runs(rs, |q| path(s.seq_n_tokens[q as usize] as usize)),
+                _ => vec![(0, t, path(t))],
+            }
+        } else {
+            Vec::new()
+        };
+        let n_fused = if op == OpCode::QuantMatMul && paths.len() == 1 && paths[0].2 == QuantPath::Int {
             fusable_after(ctx, nodes, i, &mut vals, inputs, weights, constants, &mut fused_ids)?
         } else {
             0
@@ -441,7 +570,10 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                                     sn(1).cols()
                                 )));
                             }
-                            matmul::matmul(isa, threads, &x, t, k, w, n, &mut out);
+                            for &(r0, r1, path) in &paths {
+                                let (xr, or) = (&x[r0 * k..r1 * k], &mut out[r0 * n..r1 * n]);
+                                matmul::matmul(isa, threads, xr, r1 - r0, k, w, n, or, path == QuantPath::RowDot);
+                            }
                         } else {
                             let (q, rows) = quant_matrix(&vals, nodes, node, k).map_err(e)?;
                             if rows != n {
@@ -475,12 +607,15 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                                     &mut ctx.int_scratch,
                                 );
                             } else {
-                                let int = if ctx.int_activations {
-                                    Some((&mut ctx.int_scratch, src[0] as usize))
-                                } else {
-                                    None
-                                };
-                                quantized::qmatmul(isa, threads, &x, t, q, n, &mut out, int);
+                                for &(r0, r1, path) in &paths {
+                                    // Each run quantizes its own rows: forget activations of another run.
+                                    if paths.len() > 1 {
+                                        ctx.int_scratch.key = None;
+                                    }
+                                    let int = ctx.int_activations.then_some((&mut ctx.int_scratch, src[0] as usize));
+                                    let (xr, or) = (&x[r0 * k..r1 * k], &mut out[r0 * n..r1 * n]);
+                                    quantized::qmatmul(isa, threads, xr, r1 - r0, q, n, or, path, int);
+                                }
                             }
                         }
                     }
@@ -497,6 +632,9 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                                 return Err(e(format!("row {row} out of range for {r} rows")));
                             }
                             out[j * c..(j + 1) * c].copy_from_slice(&x[row as usize * c..(row as usize + 1) * c]);
+                        }
+                        if let (RowOwners::Selected(_), Some(s)) = (owners[i], &seqs) {
+                            selected[i] = Some(rows.iter().map(|&r| s.token_seq[r as usize]).collect());
                         }
                     }
                     OpCode::Add | OpCode::Mul | OpCode::SiluMul | OpCode::GeluTanhMul => {
@@ -562,26 +700,41 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                         let inv = f32s(v(2), "inv_freq").map_err(e)?;
                         let (hd, rot) = (node.iparams[0] as usize, node.iparams[1] as usize);
                         let c = sn(0).cols();
-                        if hd == 0 || c % hd != 0 || rot > hd || rot % 2 != 0 || inv.len() < rot / 2 {
-                            return Err(e(format!("bad rope shape: cols {c}, head_dim {hd}, rotary {rot}")));
+                        if hd == 0 || c % hd != 0 || rot > hd || rot % 2 != 0 || sn(2).cols() != rot / 2 {
+                            return Err(e(format!(
+                                "bad rope shape: cols {c}, head_dim {hd}, rotary {rot}, {} frequencies",
+                                sn(2).cols()
+                            )));
                         }
-                        if pos.len() != sn(0).rows() {
+                        let rows = sn(0).rows();
+                        if pos.len() != rows {
                             return Err(e("one position per row required".into()));
                         }
                         let trad = node.iparams[2] == 1;
                         let ms = if node.fparams[0] == 0.0 { 1.0 } else { node.fparams[0] };
-                        rope::rope(&x, pos, &inv, hd, rot, trad, ms, &mut out);
+                        if sn(2).rows() == 1 {
+                            rope::rope(&x, pos, &inv, hd, rot, trad, ms, &mut out);
+                        } else if sn(2).rows() == rows {
+                            // Frequencies per row (per-sequence scaling such as dynamic NTK).
+                            let f = rot / 2;
+                            for r in 0..rows {
+                                let (xr, or) = (&x[r * c..(r + 1) * c], &mut out[r * c..(r + 1) * c]);
+                                rope::rope(xr, &pos[r..r + 1], &inv[r * f..(r + 1) * f], hd, rot, trad, ms, or);
+                            }
+                        } else {
+                            return Err(e(format!("inv_freq must have 1 or {rows} rows, has {}", sn(2).rows())));
+                        }
                     }
                     OpCode::Attention => {
                         need(3)?;
-                        let batch =
-                            unsafe { args.batch.as_ref() }.ok_or_else(|| e("no attention batch given".into()))?;
+                        let batch = batch.as_ref().ok_or_else(|| e("no step batch given".into()))?;
                         let layer = node.iparams[0] as usize;
                         let (hq, hkv, dh) =
                             (node.iparams[1] as usize, node.iparams[2] as usize, node.iparams[3] as usize);
                         if hq == 0 || hkv == 0 || dh == 0 || hq % hkv != 0 {
                             return Err(e(format!("bad head counts {hq}/{hkv} x {dh}")));
                         }
+                        let window = node.iparams[4].max(0) as usize;
                         let t = batch.n_tokens as usize;
                         let q = f32s(v(0), "q").map_err(e)?;
                         let kx = f32s(v(1), "k").map_err(e)?;
@@ -593,21 +746,29 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                         if binding.dtype != DType::F32 as u32 {
                             return Err(e("the cpu backend keeps its KV cache in f32".into()));
                         }
+                        let group = groups
+                            .get(binding.group as usize)
+                            .ok_or_else(|| e(format!("layer {layer}: KV group {} not given", binding.group)))?;
+                        if group.block_size == 0 {
+                            return Err(e("block size 0".into()));
+                        }
+                        // SAFETY: the host guarantees the batch's arrays for the sizes it states.
                         let layout = unsafe {
                             PagedLayout {
                                 token_seq: slice_from(batch.token_seq, t),
                                 positions: slice_from(batch.positions, t),
-                                slot_mapping: slice_from(batch.slot_mapping, t),
+                                slot_mapping: slice_from(group.slot_mapping, t),
                                 block_tables: slice_from(
-                                    batch.block_tables,
-                                    batch.n_seqs as usize * batch.max_blocks_per_seq as usize,
+                                    group.block_tables,
+                                    batch.n_seqs as usize * group.max_blocks_per_seq as usize,
                                 ),
-                                max_blocks_per_seq: batch.max_blocks_per_seq as usize,
-                                block_size: batch.block_size as usize,
+                                max_blocks_per_seq: group.max_blocks_per_seq as usize,
+                                block_size: group.block_size as usize,
                             }
                         };
                         let kv_row = hkv * dh;
-                        let slots = batch.num_blocks as usize * batch.block_size as usize;
+                        let slots = group.num_blocks as usize * group.block_size as usize;
+                        // SAFETY: handles the host bound for this layer; used by this thread only.
                         let (kb, vb) =
                             unsafe { ((binding.k as *mut Buffer).as_mut(), (binding.v as *mut Buffer).as_mut()) };
                         let (Some(kb), Some(vb)) = (kb, vb) else { return Err(e("null KV buffer".into())) };
@@ -618,32 +779,14 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                         }
                         let kc = crate::buffer::as_f32_mut(kc);
                         let vc = crate::buffer::as_f32_mut(vc);
-                        // Validate bookkeeping before touching memory.
-                        for ti in 0..t {
-                            let s = layout.token_seq[ti] as usize;
-                            let p = layout.positions[ti];
-                            let slot = layout.slot_mapping[ti];
-                            if s >= batch.n_seqs as usize || p < 0 || slot < 0 || slot as usize >= slots {
-                                return Err(e(format!("token {ti}: bad sequence/position/slot")));
-                            }
-                            let nb = (p as usize) / layout.block_size;
-                            if nb >= layout.max_blocks_per_seq {
-                                return Err(e(format!("token {ti}: position {p} beyond its block table")));
-                            }
-                            for b in 0..=nb {
-                                if layout.block_tables[s * layout.max_blocks_per_seq + b] as usize
-                                    >= batch.num_blocks as usize
-                                {
-                                    return Err(e(format!("sequence {s}: block id out of range")));
-                                }
-                            }
-                        }
+                        validate_layout(&layout, batch.n_seqs as usize, slots, group.num_blocks as usize, window)
+                            .map_err(e)?;
                         attention::write_kv(&layout, &kx, &vx, kv_row, kc, vc);
                         let shape = AttentionShape {
                             n_heads: hq,
                             n_kv_heads: hkv,
                             head_dim: dh,
-                            window: node.iparams[4].max(0) as usize,
+                            window,
                             scale: node.fparams[0],
                             softcap: node.fparams[1],
                         };

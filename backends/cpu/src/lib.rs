@@ -1,14 +1,14 @@
 //! The CPU backend plugin: executes mlxcel op graphs on the host CPU.
 //!
-//! Every exported function is a thin, panic-guarded shim over [`executor`] and [`buffer`]; kernels live
-//! in [`kernels`], one file per kind of op, each compiled per SIMD path ([`isa`]).
+//! [`CpuBackend`] implements the plugin API's [`Backend`] trait and `export_backend!` generates the C
+//! entry points; [`executor`] runs graphs, [`buffer`] holds memory, and kernels live in [`kernels`], one
+//! file per kind of op, each compiled per SIMD path ([`isa`]).
 
 pub mod buffer;
 pub mod executor;
 pub mod isa;
 pub mod kernels;
 
-use std::ffi::c_void;
 use std::sync::OnceLock;
 
 use mlxcel_plugin_api::*;
@@ -16,10 +16,6 @@ use mlxcel_plugin_api::*;
 use buffer::{AlignedBytes, Buffer};
 use executor::CpuContext;
 use isa::Isa;
-
-unsafe extern "C" fn init(err: *mut ErrorBuf) -> Status {
-    guard(err, || Ok(()))
-}
 
 fn cpu_name() -> &'static str {
     static NAME: OnceLock<String> = OnceLock::new();
@@ -36,107 +32,62 @@ fn cpu_name() -> &'static str {
     })
 }
 
-fn total_memory() -> u64 {
+/// A `/proc/meminfo` field in bytes (0 where unknown).
+fn meminfo(field: &str) -> u64 {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
         .and_then(|s| {
             s.lines()
-                .find(|l| l.starts_with("MemTotal:"))
+                .find(|l| l.starts_with(field))
                 .and_then(|l| l.split_whitespace().nth(1))
                 .and_then(|kb| kb.parse::<u64>().ok())
         })
         .map_or(0, |kb| kb * 1024)
 }
 
-unsafe extern "C" fn describe(out: *mut BackendInfo) -> Status {
-    static DEVICES: OnceLock<[DeviceInfo; 1]> = OnceLock::new();
-    static FEATURES: OnceLock<String> = OnceLock::new();
-    guard(std::ptr::null_mut(), || {
-        let devices = DEVICES.get_or_init(|| {
-            [DeviceInfo {
-                name: StrRef::from_static(cpu_name()),
-                kind: DeviceKind::Cpu as u32,
-                memory_bytes: total_memory(),
-            }]
-        });
-        let features = FEATURES.get_or_init(|| match Isa::from_env() {
-            Ok(i) => i.name().to_string(),
-            Err(e) => format!("invalid ({e})"),
-        });
-        // Always usable, but ranked below any accelerator backend that can run here.
-        let info = BackendInfo {
-            score: 10,
-            features: StrRef::from_static(features),
-            reason: StrRef::from_static("the host CPU is always available"),
-            devices: devices.as_ptr(),
-            n_devices: devices.len(),
-        };
-        if let Some(o) = out.as_mut() {
-            *o = info;
-        }
-        Ok(())
-    })
-}
-
 fn default_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
-unsafe extern "C" fn create(opts: *const BackendOptions, out: *mut *mut c_void, err: *mut ErrorBuf) -> Status {
-    guard(err, || {
-        let opts = opts.as_ref().ok_or_else(|| PluginError::invalid("null options"))?;
-        if opts.device != 0 {
-            return Err(PluginError::invalid(format!("the cpu backend has one device (0), not {}", opts.device)));
+/// The CPU backend plugin.
+pub struct CpuBackend;
+
+impl Backend for CpuBackend {
+    const NAME: &'static str = "cpu";
+    const DESCRIPTION: &'static str = "host CPU (AVX-512 / AVX2 / NEON / scalar kernels, chosen at run time)";
+    type Context = CpuContext;
+
+    fn describe() -> BackendDescription {
+        let features = match Isa::from_env() {
+            Ok(i) => i.name().to_string(),
+            Err(e) => format!("invalid ({e})"),
+        };
+        // Always usable, but ranked below any accelerator backend that can run here.
+        BackendDescription {
+            score: 10,
+            features,
+            reason: "the host CPU is always available".into(),
+            devices: vec![DeviceDescription {
+                name: cpu_name().to_string(),
+                kind: DeviceKind::Cpu,
+                memory_bytes: meminfo("MemTotal:"),
+                free_memory_bytes: meminfo("MemAvailable:"),
+            }],
+        }
+    }
+
+    fn create(n_threads: u32, device: u32) -> Result<CpuContext, PluginError> {
+        if device != 0 {
+            return Err(PluginError::invalid(format!("the cpu backend has one device (0), not {device}")));
         }
         let isa = Isa::from_env().map_err(PluginError::invalid)?;
-        let threads = if opts.n_threads == 0 { default_threads() } else { opts.n_threads as usize };
-        let ctx = CpuContext::new(threads, isa).map_err(PluginError::failed)?;
-        *out = Box::into_raw(Box::new(ctx)) as *mut c_void;
-        Ok(())
-    })
+        let threads = if n_threads == 0 { default_threads() } else { n_threads as usize };
+        CpuContext::new(threads, isa).map_err(PluginError::failed)
+    }
 }
 
-unsafe extern "C" fn destroy(ctx: *mut c_void) {
-    guard_value((), || {
-        if !ctx.is_null() {
-            drop(Box::from_raw(ctx as *mut CpuContext));
-        }
-    })
-}
-
-unsafe extern "C" fn buffer_from_host(
-    _ctx: *mut c_void,
-    ptr: *const u8,
-    len: usize,
-    out: *mut BufferHandle,
-    err: *mut ErrorBuf,
-) -> Status {
-    guard(err, || {
-        // Zero-copy when aligned for the widest element type; otherwise a private aligned copy.
-        let buf = if len == 0 || ptr as usize % 8 == 0 {
-            Buffer::Borrowed { ptr, len }
-        } else {
-            let mut a = AlignedBytes::zeroed(len).ok_or_else(|| PluginError {
-                status: Status::OUT_OF_MEMORY,
-                message: format!("cannot allocate {len} bytes"),
-            })?;
-            a.as_mut_slice().copy_from_slice(std::slice::from_raw_parts(ptr, len));
-            Buffer::Owned(a)
-        };
-        *out = Box::into_raw(Box::new(buf)) as BufferHandle;
-        Ok(())
-    })
-}
-
-unsafe extern "C" fn buffer_alloc(_ctx: *mut c_void, len: usize, out: *mut BufferHandle, err: *mut ErrorBuf) -> Status {
-    guard(err, || {
-        let a = AlignedBytes::zeroed(len).ok_or_else(|| PluginError {
-            status: Status::OUT_OF_MEMORY,
-            message: format!("cannot allocate {len} bytes"),
-        })?;
-        *out = Box::into_raw(Box::new(Buffer::Owned(a))) as BufferHandle;
-        Ok(())
-    })
+fn out_of_memory(len: usize) -> PluginError {
+    PluginError { status: Status::OUT_OF_MEMORY, message: format!("cannot allocate {len} bytes") }
 }
 
 fn range_check(buf: &Buffer, offset: usize, len: usize) -> Result<(), PluginError> {
@@ -150,83 +101,76 @@ fn range_check(buf: &Buffer, offset: usize, len: usize) -> Result<(), PluginErro
     Ok(())
 }
 
-unsafe extern "C" fn buffer_write(
-    _ctx: *mut c_void,
-    buf: BufferHandle,
-    offset: usize,
-    src: *const u8,
-    len: usize,
-    err: *mut ErrorBuf,
-) -> Status {
-    guard(err, || {
-        let b = (buf as *mut Buffer).as_mut().ok_or_else(|| PluginError::invalid("null buffer"))?;
-        range_check(b, offset, len)?;
-        let dst = b.bytes_mut().ok_or_else(|| PluginError::invalid("cannot write into a borrowed host buffer"))?;
-        dst[offset..offset + len].copy_from_slice(std::slice::from_raw_parts(src, len));
-        Ok(())
-    })
+/// Bytes per cache slot of a layer, or an error for a cache type the CPU backend does not keep.
+fn kv_slot_bytes(desc: &KvCacheDesc) -> Result<usize, PluginError> {
+    if desc.dtype != DType::F32 as u32 {
+        return Err(PluginError::invalid(format!(
+            "the cpu backend keeps KV caches in f32, not {}",
+            DType::from_raw(desc.dtype).name()
+        )));
+    }
+    Ok(desc.n_kv_heads as usize * desc.head_dim as usize * 4)
 }
 
-unsafe extern "C" fn buffer_read(
-    _ctx: *mut c_void,
-    buf: BufferHandle,
-    offset: usize,
-    dst: *mut u8,
-    len: usize,
-    err: *mut ErrorBuf,
-) -> Status {
-    guard(err, || {
-        let b = (buf as *const Buffer).as_ref().ok_or_else(|| PluginError::invalid("null buffer"))?;
-        range_check(b, offset, len)?;
-        std::ptr::copy_nonoverlapping(b.bytes()[offset..].as_ptr(), dst, len);
-        Ok(())
-    })
-}
+impl BackendContext for CpuContext {
+    type Buffer = Buffer;
 
-unsafe extern "C" fn buffer_free(_ctx: *mut c_void, buf: BufferHandle) {
-    guard_value((), || {
-        if !buf.is_null() {
-            drop(Box::from_raw(buf as *mut Buffer));
+    unsafe fn buffer_from_host(&mut self, ptr: *const u8, len: usize) -> Result<Buffer, PluginError> {
+        // Zero-copy when aligned for the widest element type; otherwise a private aligned copy.
+        if len == 0 || ptr as usize % 8 == 0 {
+            return Ok(Buffer::Borrowed { ptr, len });
         }
-    })
+        let mut a = AlignedBytes::zeroed(len).ok_or_else(|| out_of_memory(len))?;
+        // SAFETY: the host keeps `ptr` readable for `len` bytes (trait contract).
+        a.as_mut_slice().copy_from_slice(unsafe { std::slice::from_raw_parts(ptr, len) });
+        Ok(Buffer::Owned(a))
+    }
+
+    fn buffer_alloc(&mut self, len: usize) -> Result<Buffer, PluginError> {
+        Ok(Buffer::Owned(AlignedBytes::zeroed(len).ok_or_else(|| out_of_memory(len))?))
+    }
+
+    fn buffer_write(&mut self, buf: &mut Buffer, offset: usize, src: &[u8]) -> Result<(), PluginError> {
+        range_check(buf, offset, src.len())?;
+        let dst = buf.bytes_mut().ok_or_else(|| PluginError::invalid("cannot write into a borrowed host buffer"))?;
+        dst[offset..offset + src.len()].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn buffer_read(&mut self, buf: &Buffer, offset: usize, dst: &mut [u8]) -> Result<(), PluginError> {
+        range_check(buf, offset, dst.len())?;
+        dst.copy_from_slice(&buf.bytes()[offset..offset + dst.len()]);
+        Ok(())
+    }
+
+    fn supports(&self, node: &Node) -> bool {
+        executor::supports(node)
+    }
+
+    unsafe fn compute(&mut self, args: &ComputeArgs) -> Result<(), PluginError> {
+        executor::compute(self, args)
+    }
+
+    fn kv_alloc(&mut self, desc: &KvCacheDesc) -> Result<(Buffer, u64), PluginError> {
+        let bytes = desc.num_blocks as usize * desc.block_size as usize * kv_slot_bytes(desc)?;
+        Ok((self.buffer_alloc(bytes)?, bytes as u64))
+    }
+
+    fn copy_blocks(&mut self, buf: &mut Buffer, desc: &KvCacheDesc, copies: &[BlockCopy]) -> Result<(), PluginError> {
+        let block_bytes = desc.block_size as usize * kv_slot_bytes(desc)?;
+        let bytes = buf.bytes_mut().ok_or_else(|| PluginError::invalid("not a KV cache buffer"))?;
+        let n_blocks = bytes.len() / block_bytes.max(1);
+        for c in copies {
+            let (s, d) = (c.src as usize, c.dst as usize);
+            if s >= n_blocks || d >= n_blocks {
+                return Err(PluginError::invalid(format!(
+                    "block copy {s} -> {d} outside a cache of {n_blocks} blocks"
+                )));
+            }
+            bytes.copy_within(s * block_bytes..(s + 1) * block_bytes, d * block_bytes);
+        }
+        Ok(())
+    }
 }
 
-unsafe extern "C" fn supports_op(_ctx: *mut c_void, node: *const Node) -> u32 {
-    guard_value(0, || node.as_ref().is_some_and(executor::supports) as u32)
-}
-
-unsafe extern "C" fn compute(ctx: *mut c_void, args: *const ComputeArgs, err: *mut ErrorBuf) -> Status {
-    guard(err, || {
-        let ctx = (ctx as *mut CpuContext).as_mut().ok_or_else(|| PluginError::invalid("null context"))?;
-        let args = args.as_ref().ok_or_else(|| PluginError::invalid("null arguments"))?;
-        executor::compute(ctx, args)
-    })
-}
-
-static VTABLE: BackendVTable = BackendVTable {
-    size: std::mem::size_of::<BackendVTable>(),
-    describe,
-    create,
-    destroy,
-    buffer_from_host,
-    buffer_alloc,
-    buffer_write,
-    buffer_read,
-    buffer_free,
-    supports_op,
-    compute,
-};
-
-static ROOT: PluginRoot = PluginRoot {
-    abi_major: ABI_MAJOR,
-    abi_minor: ABI_MINOR,
-    kind: PluginKind::Backend as u32,
-    name: StrRef::from_static("cpu"),
-    version: StrRef::from_static(env!("CARGO_PKG_VERSION")),
-    description: StrRef::from_static("host CPU (AVX-512 / AVX2 / NEON / scalar kernels, chosen at run time)"),
-    init,
-    backend: &VTABLE,
-    family: std::ptr::null(),
-};
-
-export_plugin!(ROOT);
+export_backend!(CpuBackend);

@@ -4,14 +4,15 @@
 //! `h += down(act(gate(x)) * up(x))` over `rms_norm(h)`. Qwen2 adds q/k/v biases, Qwen3 adds a per-head
 //! RMS norm on q and k; both are flags on [`Variant`], not copies of this file.
 
+use mlxcel_family_kit::rope::step_inv_freq;
+use mlxcel_family_kit::{rope_freqs, GraphWriter, Linear, RopeFreqs, WeightRef, WeightTable};
 use mlxcel_plugin_api::{
-    DType, Graph, KvKind, KvLayerDesc, OpCode, StepShape, INPUT_LOGIT_ROWS, INPUT_POSITIONS, INPUT_TOKENS,
+    DType, FamilyModel, Graph, KvKind, KvLayerDesc, ModelDescription, OpCode, OutputKind, PluginError, StepDesc, Task,
+    Versioned, INPUT_OUTPUT_ROWS, INPUT_POSITIONS, INPUT_TOKENS,
 };
 use serde_json::Value;
 
 use crate::config::{LlamaConfig, Variant};
-use crate::layers::{GraphWriter, Linear, WeightRef, WeightTable};
-use crate::rope::{dynamic_inv_freq, rope_freqs, RopeFreqs};
 
 struct Attention {
     q: Linear,
@@ -44,11 +45,11 @@ pub struct LlamaModel {
     /// `None` when tied to the embedding.
     lm_head: Option<Linear>,
     rope: RopeFreqs,
-    pub kv_layers: Vec<KvLayerDesc>,
-    pub used_weights: Vec<u32>,
-    pub quantization: String,
+    kv_layers: Vec<KvLayerDesc>,
+    used_weights: Vec<u32>,
+    quantization: String,
     /// The most recent step's graph, owned here as the ABI requires.
-    pub graph: Graph,
+    graph: Graph,
 }
 
 impl LlamaModel {
@@ -100,7 +101,7 @@ impl LlamaModel {
                 n_kv_heads: nkv as u32,
                 head_dim: hd as u32,
                 window: l.attn.window as u32,
-                state_bytes: 0,
+                ..KvLayerDesc::zeroed()
             })
             .collect();
 
@@ -144,9 +145,9 @@ impl LlamaModel {
     }
 
     /// The forward pass of one step.
-    pub fn build_graph(&mut self, step: &StepShape) -> Result<(), String> {
+    fn forward(&mut self, step: &StepDesc) -> Result<(), String> {
         let t = step.n_tokens as u64;
-        let r = step.n_logit_rows as u64;
+        let r = step.n_output_rows as u64;
         if t == 0 {
             return Err("a step needs at least one token".into());
         }
@@ -163,11 +164,7 @@ impl LlamaModel {
 
         let tokens = w.g.input(INPUT_TOKENS, DType::I32, &[t]);
         let positions = w.g.input(INPUT_POSITIONS, DType::I32, &[t]);
-        let inv_freq = match &self.rope.dynamic {
-            Some(dy) => dynamic_inv_freq(dy, step.max_context as usize),
-            None => self.rope.inv_freq.clone(),
-        };
-        let inv_freq = w.g.constant_f32(&inv_freq, &[hd / 2]);
+        let inv_freq = step_inv_freq(w.g, &self.rope, step);
         let rope_params = [hd as i64, hd as i64, cfg.rope_traditional as i64];
         let mscale = self.rope.mscale;
 
@@ -205,13 +202,38 @@ impl LlamaModel {
         }
 
         // Only the rows that need logits go through the final norm and the vocabulary projection.
-        let rows = w.g.input(INPUT_LOGIT_ROWS, DType::I32, &[r]);
+        let rows = w.g.input(INPUT_OUTPUT_ROWS, DType::I32, &[r]);
         let h = w.g.op(OpCode::GetRows, &[r, d], &[h, rows]);
         let h = w.rms_norm(h, &[r, d], &self.norm, eps);
         let logits = w.linear(h, r, self.lm_head.as_ref().unwrap_or(&self.embed));
         w.g.mark_output(logits);
         self.graph = graph;
         Ok(())
+    }
+}
+
+impl FamilyModel for LlamaModel {
+    fn description(&self) -> ModelDescription {
+        let c = &self.cfg;
+        ModelDescription {
+            task: Task::Text,
+            architecture: c.model_type.clone(),
+            vocab_size: c.vocab_size as u64,
+            hidden_size: c.hidden_size as u64,
+            n_layers: c.num_hidden_layers as u32,
+            max_positions: c.max_position_embeddings.unwrap_or(4096) as u64,
+            kv_layers: self.kv_layers.clone(),
+            used_weights: self.used_weights.clone(),
+            activation_bytes_per_token: self.activation_bytes_per_token(),
+            quantization: self.quantization.clone(),
+            output_kind: OutputKind::Logits,
+            output_dim: c.vocab_size as u64,
+        }
+    }
+
+    fn build_graph(&mut self, step: &StepDesc) -> Result<&Graph, PluginError> {
+        self.forward(step).map_err(PluginError::invalid)?;
+        Ok(&self.graph)
     }
 }
 

@@ -50,7 +50,7 @@ impl MemoryEstimate {
                     per_token += row;
                     kv += row * ctx_size;
                 }
-                KvKind::Recurrent => kv += l.state_bytes,
+                KvKind::Recurrent => kv += 4 * l.state_elems as u64,
                 KvKind::None => {}
             }
         }

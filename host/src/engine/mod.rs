@@ -9,7 +9,7 @@ pub mod runner;
 pub mod sampler;
 
 pub use generate::{FinishReason, GenerateOptions, Generation, Session};
-pub use kv_cache::{KvBlockPool, SeqBlocks};
+pub use kv_cache::{KvBlockPool, KvCache, SeqBlocks};
 pub use request::{EngineError, GenerationEvent, GenerationRequest, TokenLogprob, Usage};
 pub use runner::{Logits, ModelRunner, RunnerOptions, SeqChunk};
 pub use sampler::{Sampler, SamplingParams};

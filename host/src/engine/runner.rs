@@ -6,11 +6,12 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use mlxcel_plugin_api::{
-    AttentionBatch, BufferHandle, ComputeArgs, DType, HostTensor, KvBinding, KvKind, StepShape, Task,
+    BufferHandle, ComputeArgs, DType, HostTensor, KvBinding, KvCacheDesc, KvGroupTables, KvKind, StepBatch, StepDesc,
+    Task, Versioned, NO_BLOCK,
 };
 use mlxcel_plugins::{BackendContext, Catalog, DeviceBuffer, FamilyModel, ModelInfo};
 
-use super::kv_cache::{KvBlockPool, SeqBlocks};
+use super::kv_cache::{KvCache, SeqBlocks};
 use crate::checkpoint::Checkpoint;
 
 /// How to load a model.
@@ -22,14 +23,18 @@ pub struct RunnerOptions {
     pub threads: u32,
     /// Longest context one sequence may reach (0 = the model's maximum).
     pub ctx_size: usize,
-    /// Sequences that may be in flight together (the KV pool holds `ctx_size * parallel` tokens).
+    /// Sequences that may be in flight together (the KV pool holds `ctx_size * parallel` tokens, and
+    /// there are as many rows of recurrent state).
     pub parallel: usize,
     pub block_size: usize,
+    /// Most tokens one sequence brings to a step (the prefill chunk): a sliding-window group holds
+    /// the window plus one such chunk per sequence.
+    pub max_step_tokens: usize,
 }
 
 impl Default for RunnerOptions {
     fn default() -> Self {
-        RunnerOptions { backend: None, threads: 0, ctx_size: 4096, parallel: 1, block_size: 16 }
+        RunnerOptions { backend: None, threads: 0, ctx_size: 4096, parallel: 1, block_size: 16, max_step_tokens: 512 }
     }
 }
 
@@ -49,9 +54,18 @@ pub struct SeqChunk<'a> {
     pub logits: Logits,
 }
 
+/// The state buffers of one layer and the KV group it reads its block tables from.
+struct LayerState {
+    k: Option<DeviceBuffer>,
+    v: Option<DeviceBuffer>,
+    state: Option<DeviceBuffer>,
+    group: u32,
+    state_elems: usize,
+}
+
 pub struct ModelRunner {
     // Field order is drop order: buffers go before the context and the mapped files they view.
-    kv: Vec<(DeviceBuffer, DeviceBuffer)>,
+    layers: Vec<LayerState>,
     /// Owns the device buffers behind `weight_handles` (freed on drop).
     #[allow(dead_code)]
     weights: Vec<Option<DeviceBuffer>>,
@@ -61,9 +75,14 @@ pub struct ModelRunner {
     backend: BackendContext,
     pub checkpoint: Checkpoint,
     pub info: ModelInfo,
-    pub pool: KvBlockPool,
+    /// Block accounting of every KV group and the recurrent-state rows.
+    pub pool: KvCache,
     pub ctx_size: usize,
     max_blocks_per_seq: usize,
+    /// Bytes of KV and state memory the backend reported for this model's caches.
+    pub kv_bytes: u64,
+    /// Node kinds the backend said it runs (op, dtype, integer parameters).
+    supported_ops: std::collections::HashSet<(u32, u32, [i64; mlxcel_plugin_api::MAX_IPARAMS])>,
     pub family_name: String,
     pub backend_name: String,
     pub backend_features: String,
@@ -96,7 +115,7 @@ impl ModelRunner {
             );
         }
         let described = backend_plugin.describe();
-        let backend = backend_plugin.create(opts.threads, 0)?;
+        let mut backend = backend_plugin.create(opts.threads, 0)?;
 
         let mut weights: Vec<Option<DeviceBuffer>> = (0..checkpoint.tensors.len()).map(|_| None).collect();
         for &i in &info.used_weights {
@@ -115,18 +134,65 @@ impl ModelRunner {
         };
         let block_size = opts.block_size.max(1);
         let max_blocks_per_seq = ctx_size.div_ceil(block_size);
-        let num_blocks = max_blocks_per_seq * opts.parallel.max(1);
-        let mut kv = Vec::with_capacity(info.kv_layers.len());
-        for (i, l) in info.kv_layers.iter().enumerate() {
-            if !matches!(l.kind, KvKind::Full | KvKind::SlidingWindow) {
-                bail!("layer {i}: KV kind {:?} is not supported by this engine yet", l.kind);
+        let parallel = opts.parallel.max(1);
+        // KV groups: full-attention layers first (group 0), then one group per sliding-window size,
+        // which only ever holds the pages of its window (plus the one being filled) per sequence.
+        let mut windows: Vec<usize> = Vec::new();
+        let attention_layers = info.kv_layers.iter().filter(|l| matches!(l.kind, KvKind::Full | KvKind::SlidingWindow));
+        if attention_layers.clone().any(|l| l.kind == KvKind::Full || l.window == 0 || l.window >= ctx_size) {
+            windows.push(0);
+        }
+        for l in attention_layers {
+            if l.kind == KvKind::SlidingWindow && l.window > 0 && l.window < ctx_size && !windows.contains(&l.window) {
+                windows.push(l.window);
             }
-            let bytes = num_blocks * block_size * l.n_kv_heads * l.head_dim * 4;
-            kv.push((backend.alloc(bytes)?, backend.alloc(bytes)?));
+        }
+        let group_of = |kind: KvKind, window: usize| -> u32 {
+            let w = if kind == KvKind::SlidingWindow && window < ctx_size { window } else { 0 };
+            windows.iter().position(|&g| g == w).unwrap_or(0) as u32
+        };
+        let blocks_per_group: Vec<usize> = windows
+            .iter()
+            .map(|&w| match w {
+                0 => max_blocks_per_seq,
+                w => ((w + opts.max_step_tokens.max(1)).div_ceil(block_size) + 1).min(max_blocks_per_seq),
+            })
+            .map(|per_seq| per_seq * parallel)
+            .collect();
+        let has_state = info.kv_layers.iter().any(|l| l.kind == KvKind::Recurrent);
+        let pool = KvCache::new(&windows, &blocks_per_group, block_size, if has_state { parallel } else { 0 });
+
+        let mut layers = Vec::with_capacity(info.kv_layers.len());
+        let mut kv_bytes = 0u64;
+        for l in info.kv_layers.iter() {
+            let mut st = LayerState { k: None, v: None, state: None, group: 0, state_elems: l.state_elems };
+            match l.kind {
+                KvKind::Full | KvKind::SlidingWindow => {
+                    st.group = group_of(l.kind, l.window);
+                    let desc = KvCacheDesc {
+                        num_blocks: blocks_per_group[st.group as usize] as u32,
+                        block_size: block_size as u32,
+                        n_kv_heads: l.n_kv_heads as u32,
+                        head_dim: l.head_dim as u32,
+                        dtype: DType::F32 as u32,
+                        ..KvCacheDesc::zeroed()
+                    };
+                    let (k, v) = (backend.kv_alloc(&desc)?, backend.kv_alloc(&desc)?);
+                    kv_bytes += (k.len() + v.len()) as u64;
+                    (st.k, st.v) = (Some(k), Some(v));
+                }
+                KvKind::Recurrent => {
+                    let state = backend.alloc(parallel * l.state_elems * 4)?;
+                    kv_bytes += state.len() as u64;
+                    st.state = Some(state);
+                }
+                KvKind::None => {}
+            }
+            layers.push(st);
         }
         let weight_handles = weights.iter().map(|w| w.as_ref().map_or(std::ptr::null_mut(), |b| b.handle())).collect();
         Ok(ModelRunner {
-            kv,
+            layers,
             weights,
             weight_handles,
             model,
@@ -136,38 +202,61 @@ impl ModelRunner {
             backend_features: described.features,
             checkpoint,
             info,
-            pool: KvBlockPool::new(num_blocks, block_size),
+            pool,
             ctx_size,
             max_blocks_per_seq,
+            kv_bytes,
+            supported_ops: Default::default(),
         })
     }
 
-    /// Bytes of KV cache per token of context (all layers, K and V).
+    /// Bytes of KV cache per token of context (all layers, K and V, f32).
     pub fn kv_bytes_per_token(&self) -> usize {
-        self.info.kv_layers.iter().map(|l| 2 * l.n_kv_heads * l.head_dim * 4).sum()
+        self.info
+            .kv_layers
+            .iter()
+            .filter(|l| matches!(l.kind, KvKind::Full | KvKind::SlidingWindow))
+            .map(|l| 2 * l.n_kv_heads * l.head_dim * 4)
+            .sum()
     }
 
-    /// Runs one step over `chunks` (each chunk's blocks must already cover its positions) and returns
-    /// the requested logits rows, `[rows, vocab]`, in chunk order.
+    /// Runs one step over `chunks` (each chunk's blocks must already cover its positions, see
+    /// [`KvCache::reserve`]) and returns the requested output rows, `[rows, output_dim]`, in chunk order.
     pub fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Vec<f32>> {
         let bs = self.pool.block_size;
+        let n_groups = self.pool.groups().len();
         let mut tokens: Vec<i32> = Vec::new();
         let mut positions: Vec<i32> = Vec::new();
         let mut token_seq: Vec<u32> = Vec::new();
-        let mut slots: Vec<i64> = Vec::new();
+        let mut slots: Vec<Vec<i64>> = vec![Vec::new(); n_groups];
         let mut rows: Vec<i32> = Vec::new();
-        let mut tables = vec![0u32; chunks.len() * self.max_blocks_per_seq];
-        let mut max_context = 0usize;
+        let mut tables = vec![vec![NO_BLOCK; chunks.len() * self.max_blocks_per_seq]; n_groups];
+        let mut seq_n_tokens: Vec<u32> = Vec::with_capacity(chunks.len());
+        let mut seq_context: Vec<u32> = Vec::with_capacity(chunks.len());
+        let mut state_slots: Vec<u32> = Vec::with_capacity(chunks.len());
         for (s, c) in chunks.iter().enumerate() {
             let end = c.start_pos + c.tokens.len();
             if end > self.ctx_size {
                 bail!("context of {end} tokens exceeds the context size {}", self.ctx_size);
             }
-            if c.blocks.blocks.len() * bs < end {
-                bail!("internal: sequence blocks do not cover position {end}");
+            for (g, table) in tables.iter_mut().enumerate() {
+                let held = self.pool.table(c.blocks, g);
+                if held.len() * bs < end || held.len() > self.max_blocks_per_seq {
+                    bail!("internal: sequence blocks do not cover position {end}");
+                }
+                table[s * self.max_blocks_per_seq..][..held.len()].copy_from_slice(held);
             }
-            tables[s * self.max_blocks_per_seq..][..c.blocks.blocks.len()].copy_from_slice(&c.blocks.blocks);
-            max_context = max_context.max(end);
+            if self.pool.state_slots > 0 {
+                let slot = c.blocks.state_slot.context("internal: sequence has no recurrent state row")?;
+                if c.start_pos == 0 {
+                    self.clear_state_row(slot)?;
+                }
+                state_slots.push(slot);
+            } else {
+                state_slots.push(0);
+            }
+            seq_n_tokens.push(c.tokens.len() as u32);
+            seq_context.push(end as u32);
             for (j, &tok) in c.tokens.iter().enumerate() {
                 let pos = c.start_pos + j;
                 if tok as usize >= self.info.vocab_size {
@@ -184,41 +273,77 @@ impl ModelRunner {
                 tokens.push(tok as i32);
                 positions.push(pos as i32);
                 token_seq.push(s as u32);
-                slots.push((c.blocks.blocks[pos / bs] as usize * bs + pos % bs) as i64);
+                for (g, slot) in slots.iter_mut().enumerate() {
+                    let block = self.pool.table(c.blocks, g)[pos / bs];
+                    if block == NO_BLOCK {
+                        bail!("internal: position {pos} falls in a released page");
+                    }
+                    slot.push((block as usize * bs + pos % bs) as i64);
+                }
             }
         }
         if tokens.is_empty() {
             return Ok(Vec::new());
         }
-        let step = StepShape {
+        let step = StepDesc {
             n_tokens: tokens.len() as u32,
             n_seqs: chunks.len() as u32,
-            n_logit_rows: rows.len() as u32,
-            max_context: max_context as u32,
+            n_output_rows: rows.len() as u32,
+            seq_n_tokens: seq_n_tokens.as_ptr(),
+            seq_context: seq_context.as_ptr(),
+            ..StepDesc::zeroed()
         };
-        let graph = self.model.build_graph(step)?;
-        let mut logits = vec![0f32; rows.len() * self.info.vocab_size];
+        let graph = self.model.build_graph(&step)?;
+        self.check_supported(&graph)?;
+        let mut out = vec![0f32; rows.len() * self.info.output_dim];
 
         let host = |p: *const u8, len: usize| HostTensor { ptr: p as *mut u8, len };
+        let token_seq_i32: Vec<i32> = token_seq.iter().map(|&s| s as i32).collect();
         let inputs = [
             host(tokens.as_ptr() as *const u8, tokens.len() * 4),
             host(positions.as_ptr() as *const u8, positions.len() * 4),
             host(rows.as_ptr() as *const u8, rows.len() * 4),
+            host(token_seq_i32.as_ptr() as *const u8, token_seq_i32.len() * 4),
         ];
-        let kv: Vec<KvBinding> =
-            self.kv.iter().map(|(k, v)| KvBinding { k: k.handle(), v: v.handle(), dtype: DType::F32 as u32 }).collect();
-        let batch = AttentionBatch {
+        let handle = |b: &Option<DeviceBuffer>| b.as_ref().map_or(std::ptr::null_mut(), |b| b.handle());
+        let kv: Vec<KvBinding> = self
+            .layers
+            .iter()
+            .map(|l| KvBinding {
+                k: handle(&l.k),
+                v: handle(&l.v),
+                dtype: DType::F32 as u32,
+                group: l.group,
+                state: handle(&l.state),
+                ..KvBinding::zeroed()
+            })
+            .collect();
+        let groups: Vec<KvGroupTables> = self
+            .pool
+            .groups()
+            .iter()
+            .enumerate()
+            .map(|(g, grp)| KvGroupTables {
+                slot_mapping: slots[g].as_ptr(),
+                block_tables: tables[g].as_ptr(),
+                max_blocks_per_seq: self.max_blocks_per_seq as u32,
+                block_size: bs as u32,
+                num_blocks: grp.pool.num_blocks as u32,
+                ..KvGroupTables::zeroed()
+            })
+            .collect();
+        let batch = StepBatch {
             n_tokens: tokens.len() as u32,
             n_seqs: chunks.len() as u32,
             token_seq: token_seq.as_ptr(),
             positions: positions.as_ptr(),
-            slot_mapping: slots.as_ptr(),
-            block_tables: tables.as_ptr(),
-            max_blocks_per_seq: self.max_blocks_per_seq as u32,
-            block_size: bs as u32,
-            num_blocks: self.pool.num_blocks as u32,
+            seq_state_slots: state_slots.as_ptr(),
+            groups: groups.as_ptr(),
+            n_groups: groups.len() as u32,
+            seq_n_tokens: seq_n_tokens.as_ptr(),
+            ..StepBatch::zeroed()
         };
-        let outputs = [HostTensor { ptr: logits.as_mut_ptr() as *mut u8, len: logits.len() * 4 }];
+        let outputs = [HostTensor { ptr: out.as_mut_ptr() as *mut u8, len: out.len() * 4 }];
         let args = ComputeArgs {
             graph,
             inputs: inputs.as_ptr(),
@@ -230,9 +355,48 @@ impl ModelRunner {
             batch: &batch,
             outputs: outputs.as_ptr(),
             n_outputs: outputs.len(),
+            ..ComputeArgs::zeroed()
         };
-        // SAFETY: every pointer above lives until compute returns; sizes match the step shape.
+        // SAFETY: every pointer above lives until compute returns; sizes match the step; every buffer
+        // belongs to this runner's context.
         unsafe { self.backend.compute(&args) }?;
-        Ok(logits)
+        Ok(out)
+    }
+
+    /// Asks the backend about every kind of node the family emits (once per op, dtype and integer
+    /// parameters), so a graph the backend cannot run fails with the op's name before it runs.
+    fn check_supported(&mut self, graph: &mlxcel_plugin_api::GraphRef) -> Result<()> {
+        // SAFETY: the graph lives until the next `build_graph` on this model.
+        let nodes = unsafe { graph.nodes() };
+        for n in nodes.iter() {
+            let key = (n.op, n.dtype, n.iparams);
+            if self.supported_ops.contains(&key) {
+                continue;
+            }
+            if !self.backend.supports(n) {
+                let op = n.opcode().map_or_else(|| format!("op {}", n.op), |o| format!("{o:?}"));
+                bail!(
+                    "backend `{}` cannot run {op} ({}, parameters {:?}) that the `{}` family needs; try another \
+                     --backend",
+                    self.backend_name,
+                    n.dtype().name(),
+                    n.iparams,
+                    self.family_name
+                );
+            }
+            self.supported_ops.insert(key);
+        }
+        Ok(())
+    }
+
+    /// Zeroes one sequence's row of every recurrent state buffer (a new sequence starts from zero).
+    fn clear_state_row(&mut self, slot: u32) -> Result<()> {
+        for l in &mut self.layers {
+            if let Some(state) = &mut l.state {
+                let row = l.state_elems * 4;
+                self.backend.write(state, slot as usize * row, &vec![0u8; row])?;
+            }
+        }
+        Ok(())
     }
 }

@@ -99,8 +99,24 @@ pub unsafe fn gemm_tile(
 }
 
 /// `out[T, N] = x[T, K] · w[N, K]ᵀ` for float weights.
-pub fn matmul(isa: Isa, threads: usize, x: &[f32], t: usize, k: usize, w: Floats, n: usize, out: &mut [f32]) {
-    if t < 4 {
+/// Below this many tokens of a sequence, float matmuls take per-row dots instead of gemm tiles.
+pub const ROW_DOT_MAX_TOKENS: usize = 3;
+
+/// `out[t, n] = x[t, k] · wᵀ`; `row_dots` picks per-row dots (few tokens) over gemm tiles. The caller
+/// chooses it per sequence (see [`ROW_DOT_MAX_TOKENS`]) so results do not depend on batch-mates.
+#[allow(clippy::too_many_arguments)]
+pub fn matmul(
+    isa: Isa,
+    threads: usize,
+    x: &[f32],
+    t: usize,
+    k: usize,
+    w: Floats,
+    n: usize,
+    out: &mut [f32],
+    row_dots: bool,
+) {
+    if row_dots {
         // Decode: one pass over the weights, each row dotted with every token.
         let rows_per_task = 16;
         out.fill(0.0);

@@ -143,6 +143,7 @@ pub fn qmatmul(
     w: QuantMatrix,
     n: usize,
     out: &mut [f32],
+    path: QuantPath,
     int: Option<(&mut IntActs, usize)>,
 ) {
     let k = w.k;
@@ -150,13 +151,13 @@ pub fn qmatmul(
         out.fill(0.0); // an empty sum (and no division by a zero row length below)
         return;
     }
-    if int_path_applies(isa, w.bits, t, int.is_some()) {
+    if path == QuantPath::Int {
         if let Some((acts, source)) = int {
             qmatmul_shared_input(isa, x, source, t, [QuantPart { w, n, out }], acts);
             return;
         }
     }
-    if t <= ROW_DOT_MAX_TOKENS {
+    if path != QuantPath::Tiles {
         let gpr = w.groups_per_row();
         let wpr = w.words_per_row();
         let wpg = w.group * w.bits / 32;
@@ -216,6 +217,31 @@ pub struct QuantPart<'a, 'o> {
 /// choice by reasoning, not yet measured on ARM hardware.
 pub fn int_path_applies(isa: Isa, bits: usize, t: usize, int_enabled: bool) -> bool {
     int_enabled && !matches!(isa, Isa::Neon) && matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) && t < FLOAT_TILES_MIN_TOKENS
+}
+
+/// The kernel a quantized matmul takes for rows of a sequence with `seq_tokens` tokens in the step.
+/// Chosen per sequence, never from the step's total, so that a sequence's result does not depend on
+/// what else is batched with it (each path's result for a row depends only on that row).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum QuantPath {
+    /// int16 activations ([`int_path_applies`]).
+    Int,
+    /// Exact f32 per-row dots (few tokens).
+    RowDot,
+    /// Exact f32: dequantized row tiles through gemm (many tokens).
+    Tiles,
+}
+
+impl QuantPath {
+    pub fn for_sequence(isa: Isa, bits: usize, seq_tokens: usize, int_enabled: bool) -> QuantPath {
+        if int_path_applies(isa, bits, seq_tokens, int_enabled) {
+            QuantPath::Int
+        } else if seq_tokens <= ROW_DOT_MAX_TOKENS {
+            QuantPath::RowDot
+        } else {
+            QuantPath::Tiles
+        }
+    }
 }
 
 /// The int16-activation path (see [`int_dot`](super::int_dot)) for one or several matmuls of the

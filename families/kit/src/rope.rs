@@ -1,6 +1,7 @@
 //! Rotary frequencies for the scaling types a config can name, computed the way mlx-lm does
 //! (`mlx_lm/models/rope_utils.py`). The backend only sees the final inverse frequencies.
 
+use mlxcel_plugin_api::{Graph, StepDesc, TensorId};
 use serde_json::Value;
 
 /// Inverse frequencies `[dims/2]` and the cos/sin scale (YaRN's attention factor, else 1).
@@ -103,9 +104,7 @@ pub fn rope_freqs(dims: usize, base: f64, scaling: Option<&Value>, max_positions
                 dynamic: None,
             })
         }
-        other => Err(format!(
-            "rope_scaling type `{other}` is not supported by the llama family (default, linear, dynamic, llama3, yarn)"
-        )),
+        other => Err(format!("rope_scaling type `{other}` is not supported (default, linear, dynamic, llama3, yarn)")),
     }
 }
 
@@ -117,9 +116,55 @@ pub fn dynamic_inv_freq(d: &DynamicNtk, context_len: usize) -> Vec<f32> {
     inv(&base_freqs(d.dims, base))
 }
 
+/// The frequencies of one step as a graph constant: one row `[1, dims/2]` shared by every token, or,
+/// for context-dependent scaling (dynamic NTK), one row per token computed from that token's own
+/// sequence length, so a sequence's result never depends on what it is batched with.
+pub fn step_inv_freq(g: &mut Graph, freqs: &RopeFreqs, step: &StepDesc) -> TensorId {
+    let Some(dy) = &freqs.dynamic else {
+        return g.constant_f32(&freqs.inv_freq, &[1, freqs.inv_freq.len() as u64]);
+    };
+    // SAFETY: the host gives `n_seqs` entries in each per-sequence array.
+    let (counts, contexts) = unsafe { (step.seq_n_tokens(), step.seq_context()) };
+    let half = dy.dims / 2;
+    let mut rows = Vec::with_capacity(step.n_tokens as usize * half);
+    for (&n, &ctx) in counts.iter().zip(contexts) {
+        let f = dynamic_inv_freq(dy, ctx as usize);
+        for _ in 0..n {
+            rows.extend_from_slice(&f);
+        }
+    }
+    let n_rows = (rows.len() / half.max(1)) as u64;
+    g.constant_f32(&rows, &[n_rows, half as u64])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn dynamic_frequencies_follow_each_sequence_not_the_batch() {
+        let s: Value = serde_json::json!({"type": "dynamic", "factor": 2.0});
+        let f = rope_freqs(8, 10000.0, Some(&s), 16).unwrap();
+        let counts = [2u32, 1];
+        let contexts = [40u32, 5];
+        let step = StepDesc {
+            n_tokens: 3,
+            n_seqs: 2,
+            n_output_rows: 2,
+            seq_n_tokens: counts.as_ptr(),
+            seq_context: contexts.as_ptr(),
+            ..mlxcel_plugin_api::Versioned::zeroed()
+        };
+        let mut g = Graph::new();
+        let id = step_inv_freq(&mut g, &f, &step);
+        assert_eq!(g.node(id).dims(), &[3, 4]);
+        let vals: Vec<f32> =
+            g.constants.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        assert_eq!(&vals[0..4], &dynamic_inv_freq(f.dynamic.as_ref().unwrap(), 40)[..]);
+        assert_eq!(&vals[4..8], &vals[0..4]);
+        // The short sequence is below the trained length: plain frequencies, whatever its batch-mate.
+        assert_eq!(&vals[8..12], &rope_freqs(8, 10000.0, None, 16).unwrap().inv_freq[..]);
+    }
 
     #[test]
     fn default_rope_matches_the_textbook_formula() {

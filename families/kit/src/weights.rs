@@ -1,13 +1,13 @@
 //! Checkpoint tensors as graph building blocks: find a weight by name and check its shape, resolve a
 //! linear layer (float or MLX affine-quantized, with the bits derived from the packed shape and checked
-//! against config), and emit its nodes. Nothing here is llama-specific.
+//! against config), and emit its nodes. Nothing here is specific to one architecture.
 
 use std::collections::HashMap;
 
 use mlxcel_plugin_api::{DType, Graph, OpCode, TensorId, WeightInfo};
 use serde_json::Value;
 
-use crate::config::{module_quant, QuantSpec};
+use crate::quant::{module_quant, QuantSpec};
 
 /// One checkpoint tensor as the graph refers to it.
 #[derive(Debug, Clone)]

@@ -1,0 +1,21 @@
+//! The family kit: what every family plugin shares, so that a family crate is its config, its blocks and
+//! its wiring (see `docs/adding-a-family.md`).
+//!
+//! - [`weights`]: the checkpoint's weight table, float and MLX-quantized linear layers, and a
+//!   [`GraphWriter`] that emits their nodes (linear, embedding, RMS norm);
+//! - [`quant`]: quantization specs from `config.json`, with per-module overrides;
+//! - [`rope`]: rotary frequencies for every scaling type mlx-lm knows, and per-sequence frequencies for
+//!   the context-dependent ones ([`rope::step_inv_freq`]);
+//! - [`config`]: reading `model_type` (top level or `text_config`).
+//!
+//! The plugin's C entry points come from `mlxcel_plugin_api::export_family!` over the
+//! [`mlxcel_plugin_api::Family`] trait.
+
+pub mod config;
+pub mod quant;
+pub mod rope;
+pub mod weights;
+
+pub use quant::{module_quant, QuantSpec};
+pub use rope::{rope_freqs, RopeFreqs};
+pub use weights::{GraphWriter, Linear, LinearWeights, WeightRef, WeightTable};
