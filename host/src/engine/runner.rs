@@ -12,6 +12,7 @@ use mlxcel_plugin_api::{
 use mlxcel_plugins::{BackendContext, Catalog, DeviceBuffer, FamilyModel, ModelInfo};
 
 use super::kv_cache::{KvCache, SeqBlocks};
+use super::kv_plan::KvPlan;
 use crate::checkpoint::Checkpoint;
 
 /// How to load a model.
@@ -132,46 +133,20 @@ impl ModelRunner {
             0 => info.max_positions,
             n => n.min(info.max_positions.max(1)),
         };
-        let block_size = opts.block_size.max(1);
-        let max_blocks_per_seq = ctx_size.div_ceil(block_size);
-        let parallel = opts.parallel.max(1);
-        // KV groups: full-attention layers first (group 0), then one group per sliding-window size,
-        // which only ever holds the pages of its window (plus the one being filled) per sequence.
-        let mut windows: Vec<usize> = Vec::new();
-        let attention_layers = info.kv_layers.iter().filter(|l| matches!(l.kind, KvKind::Full | KvKind::SlidingWindow));
-        if attention_layers.clone().any(|l| l.kind == KvKind::Full || l.window == 0 || l.window >= ctx_size) {
-            windows.push(0);
-        }
-        for l in attention_layers {
-            if l.kind == KvKind::SlidingWindow && l.window > 0 && l.window < ctx_size && !windows.contains(&l.window) {
-                windows.push(l.window);
-            }
-        }
-        let group_of = |kind: KvKind, window: usize| -> u32 {
-            let w = if kind == KvKind::SlidingWindow && window < ctx_size { window } else { 0 };
-            windows.iter().position(|&g| g == w).unwrap_or(0) as u32
-        };
-        let blocks_per_group: Vec<usize> = windows
-            .iter()
-            .map(|&w| match w {
-                0 => max_blocks_per_seq,
-                w => ((w + opts.max_step_tokens.max(1)).div_ceil(block_size) + 1).min(max_blocks_per_seq),
-            })
-            .map(|per_seq| per_seq * parallel)
-            .collect();
-        let has_state = info.kv_layers.iter().any(|l| l.kind == KvKind::Recurrent);
-        let pool = KvCache::new(&windows, &blocks_per_group, block_size, if has_state { parallel } else { 0 });
+        let plan = KvPlan::new(&info, ctx_size, opts.block_size, opts.parallel, opts.max_step_tokens);
+        let pool = KvCache::new(&plan.windows, &plan.blocks_per_group, plan.block_size, plan.state_slots);
+        let max_blocks_per_seq = plan.max_blocks_per_seq;
 
         let mut layers = Vec::with_capacity(info.kv_layers.len());
         let mut kv_bytes = 0u64;
-        for l in info.kv_layers.iter() {
+        for (l, group) in info.kv_layers.iter().zip(&plan.layer_group) {
             let mut st = LayerState { k: None, v: None, state: None, group: 0, state_elems: l.state_elems };
-            match l.kind {
-                KvKind::Full | KvKind::SlidingWindow => {
-                    st.group = group_of(l.kind, l.window);
+            match (l.kind, group) {
+                (KvKind::Full | KvKind::SlidingWindow, Some(group)) => {
+                    st.group = *group;
                     let desc = KvCacheDesc {
-                        num_blocks: blocks_per_group[st.group as usize] as u32,
-                        block_size: block_size as u32,
+                        num_blocks: plan.blocks_per_group[st.group as usize] as u32,
+                        block_size: plan.block_size as u32,
                         n_kv_heads: l.n_kv_heads as u32,
                         head_dim: l.head_dim as u32,
                         dtype: DType::F32 as u32,
@@ -181,12 +156,12 @@ impl ModelRunner {
                     kv_bytes += (k.len() + v.len()) as u64;
                     (st.k, st.v) = (Some(k), Some(v));
                 }
-                KvKind::Recurrent => {
-                    let state = backend.alloc(parallel * l.state_elems * 4)?;
+                (KvKind::Recurrent, _) => {
+                    let state = backend.alloc(plan.state_slots * l.state_elems * 4)?;
                     kv_bytes += state.len() as u64;
                     st.state = Some(state);
                 }
-                KvKind::None => {}
+                _ => {}
             }
             layers.push(st);
         }
