@@ -58,7 +58,7 @@ pub fn load_audio(path: &Path) -> Result<Vec<f32>, AudioError> {
         return Err(AudioError::Empty { name });
     }
     let extension = path.extension().and_then(|e| e.to_str());
-    decode_source(Box::new(file), extension, &name)
+    guarded(&name, || decode_source(Box::new(file), extension, &name))
 }
 
 /// Decodes an audio file held in memory (an HTTP upload) like [`load_audio`].
@@ -75,7 +75,20 @@ pub fn decode_audio_bytes(bytes: &[u8], name_hint: &str) -> Result<Vec<f32>, Aud
         None if !name_hint.is_empty() => Some(name_hint),
         None => None,
     };
-    decode_source(Box::new(Cursor::new(bytes)), extension, &name)
+    guarded(&name, || decode_source(Box::new(Cursor::new(bytes)), extension, &name))
+}
+
+/// Runs a decode, turning a panic inside a third-party decoder (on hostile input) into an error: a server
+/// thread must not die on an upload.
+fn guarded(name: &str, decode: impl FnOnce() -> Result<Vec<f32>, AudioError>) -> Result<Vec<f32>, AudioError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(decode)).unwrap_or_else(|panic| {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_string());
+        Err(AudioError::Malformed { name: name.to_string(), reason: format!("the decoder failed: {message}") })
+    })
 }
 
 fn decode_source(

@@ -189,7 +189,7 @@ pub fn pad_or_trim(samples: &[f32], length: usize) -> Vec<f32> {
 /// `whisper.transcribe` computes the log-mel of the whole recording plus 30 s of silence, then walks it in
 /// windows of `N_FRAMES` frames starting wherever the last window's transcript ended; this cuts one such window.
 pub fn mel_window(mel: &[f32], n_mels: usize, start: usize, n_frames: usize) -> Vec<f32> {
-    let frames = if n_mels == 0 { 0 } else { mel.len() / n_mels };
+    let frames = mel.len().checked_div(n_mels).unwrap_or(0);
     let mut out = vec![0.0f32; n_mels * n_frames];
     let (from, to) = (start.min(frames), (start + n_frames).min(frames));
     for (row_out, row) in out.chunks_exact_mut(n_frames.max(1)).zip(mel.chunks_exact(frames.max(1))) {
