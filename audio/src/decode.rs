@@ -50,6 +50,11 @@ pub enum AudioError {
 ///
 /// Channels are averaged (ffmpeg's `-ac 1` does the same for stereo), and any other sample rate is converted
 /// with rubato's FFT resampler. Unlike Whisper's ffmpeg pipe the result is not rounded to 16 bits.
+///
+/// Damaged packets inside a stream are skipped, as ffmpeg skips them. A file shorter than the length its
+/// header declares (WAV, FLAC, MP3 with a Xing/LAME header) is [`AudioError::Truncated`]; where the
+/// container declares no length (a streamed WAV, Ogg), what decodes is returned. Input never panics: a panic
+/// inside a decoder becomes [`AudioError::Malformed`].
 pub fn load_audio(path: &Path) -> Result<Vec<f32>, AudioError> {
     let name = path.display().to_string();
     let io_error = |source| AudioError::Io { name: name.clone(), source };
