@@ -289,3 +289,12 @@ fn every_truncation_of_every_clip_returns_without_panicking() {
         eprintln!("{name}: {ok} truncations decoded, {errors} refused");
     }
 }
+
+#[test]
+fn streamed_wav_with_unknown_length_decodes_fully() {
+    // Writers that cannot seek back (ffmpeg to a pipe) leave the RIFF and data sizes at 0xFFFFFFFF.
+    let mut bytes = std::fs::read(fixture("speech_16k_mono.wav")).unwrap();
+    bytes[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+    bytes[40..44].copy_from_slice(&u32::MAX.to_le_bytes());
+    assert_eq!(decode_audio_bytes(&bytes, "live.wav").unwrap(), source_clip());
+}
