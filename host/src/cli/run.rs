@@ -156,7 +156,13 @@ fn load(global: &GlobalArgs, args: &RunArgs) -> Result<Loaded> {
         ..Default::default()
     };
     let runner = ModelRunner::load(&catalog, &dir, &opts)?;
-    let est = MemoryEstimate::new(&runner.info, runner.checkpoint.weight_bytes(), runner.ctx_size as u64, 1);
+    let est = MemoryEstimate::new(
+        &runner.info,
+        runner.checkpoint.weight_bytes(),
+        runner.ctx_size as u64,
+        1,
+        runner.device_free_memory,
+    );
     if !est.fits && !args.force {
         bail!("{} does not fit in memory: {}; lower --ctx-size or pass --force", dir.display(), est.summary());
     }

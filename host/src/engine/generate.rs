@@ -78,6 +78,8 @@ pub struct Generation {
 pub struct Session {
     blocks: SeqBlocks,
     cached: Vec<u32>,
+    /// The runner's state epoch the cached blocks belong to (see [`ModelRunner::state_epoch`]).
+    epoch: u64,
 }
 
 impl Session {
@@ -114,11 +116,19 @@ impl Session {
         }
         let vocab = runner.info.vocab_size;
         let mut stats = GenerationStats::default();
+        if self.epoch != runner.state_epoch {
+            // The runner rebuilt its device state after a plugin panic: our pages are gone with it.
+            self.blocks = SeqBlocks::default();
+            self.cached.clear();
+            self.epoch = runner.state_epoch;
+        }
 
         // Reuse the cached prefix; at least one prompt token is computed to get logits.
         let mut common = self.cached.iter().zip(prompt).take_while(|(a, b)| a == b).count();
         common = common.min(prompt.len() - 1);
-        runner.pool.truncate(&mut self.blocks, common);
+        // A model with sliding windows or recurrent state may not be able to cut back: it says how
+        // much it kept.
+        common = runner.pool.truncate(&mut self.blocks, common);
         self.cached.truncate(common);
         stats.prompt_reused = common;
 

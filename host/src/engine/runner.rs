@@ -9,7 +9,7 @@ use mlxcel_plugin_api::{
     BufferHandle, ComputeArgs, DType, HostTensor, KvBinding, KvCacheDesc, KvGroupTables, KvKind, StepBatch, StepDesc,
     Task, Versioned, NO_BLOCK,
 };
-use mlxcel_plugins::{BackendContext, Catalog, DeviceBuffer, FamilyModel, ModelInfo};
+use mlxcel_plugins::{BackendContext, BackendPlugin, Catalog, DeviceBuffer, FamilyModel, FamilyPlugin, ModelInfo};
 
 use super::kv_cache::{KvCache, SeqBlocks};
 use super::kv_plan::KvPlan;
@@ -64,79 +64,39 @@ struct LayerState {
     state_elems: usize,
 }
 
-pub struct ModelRunner {
-    // Field order is drop order: buffers go before the context and the mapped files they view.
+/// Everything that lives on the backend: its context, the weights bound to it and the caches.
+struct DeviceState {
+    // Field order is drop order: buffers go before the context.
     layers: Vec<LayerState>,
     /// Owns the device buffers behind `weight_handles` (freed on drop).
     #[allow(dead_code)]
     weights: Vec<Option<DeviceBuffer>>,
     /// `weights` as the raw handles `compute` takes (null where unused), built once.
     weight_handles: Vec<BufferHandle>,
-    model: FamilyModel,
     backend: BackendContext,
-    pub checkpoint: Checkpoint,
-    pub info: ModelInfo,
-    /// Block accounting of every KV group and the recurrent-state rows.
-    pub pool: KvCache,
-    pub ctx_size: usize,
-    max_blocks_per_seq: usize,
-    /// Bytes of KV and state memory the backend reported for this model's caches.
-    pub kv_bytes: u64,
-    /// Node kinds the backend said it runs (op, dtype, integer parameters).
-    supported_ops: std::collections::HashSet<(u32, u32, [i64; mlxcel_plugin_api::MAX_IPARAMS])>,
-    pub family_name: String,
-    pub backend_name: String,
-    pub backend_features: String,
+    kv_bytes: u64,
 }
 
-impl ModelRunner {
-    pub fn load(catalog: &Catalog, dir: &Path, opts: &RunnerOptions) -> Result<ModelRunner> {
-        let checkpoint = Checkpoint::open(dir)?;
-        Self::from_checkpoint(catalog, checkpoint, opts)
-    }
-
-    pub fn from_checkpoint(catalog: &Catalog, checkpoint: Checkpoint, opts: &RunnerOptions) -> Result<ModelRunner> {
-        let model_type = checkpoint
-            .model_type()
-            .with_context(|| format!("{}: config.json has no `model_type`", checkpoint.dir.display()))?
-            .to_string();
-        let family = catalog.select_family(&checkpoint.config_text, &model_type)?;
-        let backend_plugin = catalog.select_backend(opts.backend.as_deref())?;
-
-        let infos = checkpoint.weight_infos()?;
-        let model = family
-            .create_model(&checkpoint.config_text, &infos)
-            .map_err(|e| anyhow::anyhow!("{}: {}", checkpoint.dir.display(), e.message))?;
-        let info = model.info().clone();
-        if info.task != Task::Text {
-            bail!(
-                "{} is a {} model; `run`/`generate` need a text-generation model",
-                checkpoint.dir.display(),
-                info.task.name()
-            );
-        }
-        let described = backend_plugin.describe();
-        let mut backend = backend_plugin.create(opts.threads, 0)?;
-
+impl DeviceState {
+    /// A fresh context with the weights bound (zero-copy where the device can) and the caches of `plan`.
+    fn bind(
+        plugin: &BackendPlugin,
+        threads: u32,
+        checkpoint: &Checkpoint,
+        info: &ModelInfo,
+        plan: &KvPlan,
+    ) -> Result<DeviceState> {
+        let mut backend = plugin.create(threads, 0)?;
         let mut weights: Vec<Option<DeviceBuffer>> = (0..checkpoint.tensors.len()).map(|_| None).collect();
         for &i in &info.used_weights {
             let t = checkpoint
                 .tensors
                 .get(i as usize)
                 .with_context(|| format!("family referenced weight {i}, which does not exist"))?;
-            // SAFETY: the mapping lives in `checkpoint`, which outlives `weights` (field order).
+            // SAFETY: the mapping lives in the runner's `checkpoint`, which outlives this state.
             let buf = unsafe { backend.buffer_from_host(checkpoint.bytes(t)) }?;
             weights[i as usize] = Some(buf);
         }
-
-        let ctx_size = match opts.ctx_size {
-            0 => info.max_positions,
-            n => n.min(info.max_positions.max(1)),
-        };
-        let plan = KvPlan::new(&info, ctx_size, opts.block_size, opts.parallel, opts.max_step_tokens);
-        let pool = KvCache::new(&plan.windows, &plan.blocks_per_group, plan.block_size, plan.state_slots);
-        let max_blocks_per_seq = plan.max_blocks_per_seq;
-
         let mut layers = Vec::with_capacity(info.kv_layers.len());
         let mut kv_bytes = 0u64;
         for (l, group) in info.kv_layers.iter().zip(&plan.layer_group) {
@@ -166,23 +126,109 @@ impl ModelRunner {
             layers.push(st);
         }
         let weight_handles = weights.iter().map(|w| w.as_ref().map_or(std::ptr::null_mut(), |b| b.handle())).collect();
+        Ok(DeviceState { layers, weights, weight_handles, backend, kv_bytes })
+    }
+}
+
+pub struct ModelRunner {
+    // Field order is drop order: device buffers go before the mapped files they view.
+    device: DeviceState,
+    model: FamilyModel,
+    family: FamilyPlugin,
+    backend_plugin: BackendPlugin,
+    threads: u32,
+    plan: KvPlan,
+    /// Bumped whenever the device state was rebuilt (after a plugin panic): every cached KV page and
+    /// state row of an older epoch is gone, and sequences holding them must start over.
+    pub state_epoch: u64,
+    pub checkpoint: Checkpoint,
+    pub info: ModelInfo,
+    /// Block accounting of every KV group and the recurrent-state rows.
+    pub pool: KvCache,
+    pub ctx_size: usize,
+    max_blocks_per_seq: usize,
+    /// Node kinds the backend said it runs (op, dtype, integer parameters).
+    supported_ops: std::collections::HashSet<(u32, u32, [i64; mlxcel_plugin_api::MAX_IPARAMS])>,
+    pub family_name: String,
+    pub backend_name: String,
+    pub backend_features: String,
+    /// Free memory of the device when the model was loaded (the backend's report; 0 = unknown).
+    pub device_free_memory: u64,
+}
+
+impl ModelRunner {
+    pub fn load(catalog: &Catalog, dir: &Path, opts: &RunnerOptions) -> Result<ModelRunner> {
+        let checkpoint = Checkpoint::open(dir)?;
+        Self::from_checkpoint(catalog, checkpoint, opts)
+    }
+
+    pub fn from_checkpoint(catalog: &Catalog, checkpoint: Checkpoint, opts: &RunnerOptions) -> Result<ModelRunner> {
+        let model_type = checkpoint
+            .model_type()
+            .with_context(|| format!("{}: config.json has no `model_type`", checkpoint.dir.display()))?
+            .to_string();
+        let family = catalog.select_family(&checkpoint.config_text, &model_type)?;
+        let backend_plugin = catalog.select_backend(opts.backend.as_deref())?;
+
+        let infos = checkpoint.weight_infos()?;
+        let model = family
+            .create_model(&checkpoint.config_text, &infos)
+            .map_err(|e| anyhow::anyhow!("{}: {}", checkpoint.dir.display(), e.message))?;
+        let info = model.info().clone();
+        if info.task != Task::Text {
+            bail!(
+                "{} is a {} model; `run`/`generate` need a text-generation model",
+                checkpoint.dir.display(),
+                info.task.name()
+            );
+        }
+        let described = backend_plugin.describe();
+        let ctx_size = match opts.ctx_size {
+            0 => info.max_positions,
+            n => n.min(info.max_positions.max(1)),
+        };
+        let plan = KvPlan::new(&info, ctx_size, opts.block_size, opts.parallel, opts.max_step_tokens);
+        let pool = KvCache::new(&plan.windows, &plan.blocks_per_group, plan.block_size, plan.state_slots);
+        let device = DeviceState::bind(backend_plugin, opts.threads, &checkpoint, &info, &plan)?;
         Ok(ModelRunner {
-            layers,
-            weights,
-            weight_handles,
+            backend_name: device.backend.name().to_string(),
+            device,
             model,
-            backend_name: backend.name().to_string(),
-            backend,
+            family: family.clone(),
+            backend_plugin: backend_plugin.clone(),
+            threads: opts.threads,
+            max_blocks_per_seq: plan.max_blocks_per_seq,
+            plan,
+            state_epoch: 0,
             family_name: family.name().to_string(),
+            device_free_memory: described.devices.first().map_or(0, |d| d.free_memory_bytes),
             backend_features: described.features,
             checkpoint,
             info,
             pool,
             ctx_size,
-            max_blocks_per_seq,
-            kv_bytes,
             supported_ops: Default::default(),
         })
+    }
+
+    /// Bytes of KV and state memory the backend allocated for this model's caches.
+    pub fn kv_bytes(&self) -> u64 {
+        self.device.kv_bytes
+    }
+
+    /// After a panic inside a plugin the context (or the model) is poisoned: build fresh ones, bind the
+    /// weights again and reallocate the caches. Cached KV and state are lost: the block accounting is
+    /// reset and [`ModelRunner::state_epoch`] moves on, so sequences know to start over.
+    pub fn rebuild_after_panic(&mut self) -> Result<()> {
+        tracing::warn!("a plugin panicked: rebuilding the `{}` backend context and the model", self.backend_name);
+        let infos = self.checkpoint.weight_infos()?;
+        self.model = self.family.create_model(&self.checkpoint.config_text, &infos)?;
+        self.device = DeviceState::bind(&self.backend_plugin, self.threads, &self.checkpoint, &self.info, &self.plan)?;
+        let p = &self.plan;
+        self.pool = KvCache::new(&p.windows, &p.blocks_per_group, p.block_size, p.state_slots);
+        self.supported_ops.clear();
+        self.state_epoch += 1;
+        Ok(())
     }
 
     /// Bytes of KV cache per token of context (all layers, K and V, f32).
@@ -268,7 +314,10 @@ impl ModelRunner {
             seq_context: seq_context.as_ptr(),
             ..StepDesc::zeroed()
         };
-        let graph = self.model.build_graph(&step)?;
+        let graph = match self.model.build_graph(&step) {
+            Ok(g) => g,
+            Err(e) => return Err(self.after_plugin_error(e)),
+        };
         self.check_supported(&graph)?;
         let mut out = vec![0f32; rows.len() * self.info.output_dim];
 
@@ -282,6 +331,7 @@ impl ModelRunner {
         ];
         let handle = |b: &Option<DeviceBuffer>| b.as_ref().map_or(std::ptr::null_mut(), |b| b.handle());
         let kv: Vec<KvBinding> = self
+            .device
             .layers
             .iter()
             .map(|l| KvBinding {
@@ -323,8 +373,8 @@ impl ModelRunner {
             graph,
             inputs: inputs.as_ptr(),
             n_inputs: inputs.len(),
-            weights: self.weight_handles.as_ptr(),
-            n_weights: self.weight_handles.len(),
+            weights: self.device.weight_handles.as_ptr(),
+            n_weights: self.device.weight_handles.len(),
             kv: kv.as_ptr(),
             n_kv: kv.len(),
             batch: &batch,
@@ -334,8 +384,22 @@ impl ModelRunner {
         };
         // SAFETY: every pointer above lives until compute returns; sizes match the step; every buffer
         // belongs to this runner's context.
-        unsafe { self.backend.compute(&args) }?;
+        if let Err(e) = unsafe { self.device.backend.compute(&args) } {
+            return Err(self.after_plugin_error(e));
+        }
         Ok(out)
+    }
+
+    /// A plugin call failed: after a panic, rebuild what it may have left half-written (the error is
+    /// still returned, saying what happened to the cached state).
+    fn after_plugin_error(&mut self, e: mlxcel_plugins::CallError) -> anyhow::Error {
+        if e.status != mlxcel_plugin_api::Status::PANIC.0 {
+            return e.into();
+        }
+        match self.rebuild_after_panic() {
+            Ok(()) => anyhow::anyhow!("{e} (the backend context and model were rebuilt; cached context was dropped)"),
+            Err(r) => anyhow::anyhow!("{e}; rebuilding after it failed too: {r:#}"),
+        }
     }
 
     /// Asks the backend about every kind of node the family emits (once per op, dtype and integer
@@ -348,7 +412,7 @@ impl ModelRunner {
             if self.supported_ops.contains(&key) {
                 continue;
             }
-            if !self.backend.supports(n) {
+            if !self.device.backend.supports(n) {
                 let op = n.opcode().map_or_else(|| format!("op {}", n.op), |o| format!("{o:?}"));
                 bail!(
                     "backend `{}` cannot run {op} ({}, parameters {:?}) that the `{}` family needs; try another \
@@ -366,10 +430,11 @@ impl ModelRunner {
 
     /// Zeroes one sequence's row of every recurrent state buffer (a new sequence starts from zero).
     fn clear_state_row(&mut self, slot: u32) -> Result<()> {
-        for l in &mut self.layers {
+        let dev = &mut self.device;
+        for l in &mut dev.layers {
             if let Some(state) = &mut l.state {
                 let row = l.state_elems * 4;
-                self.backend.write(state, slot as usize * row, &vec![0u8; row])?;
+                dev.backend.write(state, slot as usize * row, &vec![0u8; row])?;
             }
         }
         Ok(())
