@@ -391,7 +391,10 @@ impl ServerArgs {
             (Some(f), _) => Some(
                 std::fs::read_to_string(f).with_context(|| format!("reading --chat-template-file {}", f.display()))?,
             ),
-            (None, Some(s)) => Some(s.clone()),
+            (None, Some(s)) if s.contains("{{") || s.contains("{%") => Some(s.clone()),
+            (None, Some(s)) => bail!(
+                "--chat-template {s:?}: mlxcel takes the template's Jinja source here (or a file with --chat-template-file); llama-server's built-in template names are not supported"
+            ),
             _ => None,
         };
         if self.parallel == 0 {

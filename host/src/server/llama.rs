@@ -361,7 +361,7 @@ pub async fn props(State(state): State<Arc<AppState>>) -> Response {
     let n_predict = c.n_predict.map_or(-1, |n| n as i64);
     Json(json!({
         "default_generation_settings": generation_settings(model, &f.default_sampling, n_predict),
-        "total_slots": c.parallel,
+        "total_slots": stats.slots.len().max(1),
         "model_alias": f.id,
         "model_path": f.path,
         "chat_template": f.chat_template.clone().unwrap_or_default(),

@@ -216,7 +216,11 @@ pub fn run(config: ServerConfig) -> Result<()> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    runtime.block_on(serve(config))
+    let result = runtime.block_on(serve(config));
+    // Connections still open after the grace period are dropped here (cancelling their requests); a
+    // model still loading on a blocking thread is not waited for.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    result
 }
 
 async fn serve(config: ServerConfig) -> Result<()> {
