@@ -120,6 +120,54 @@ async fn chat_answers_paris_plain_and_streamed_and_sigterm_exits_cleanly() {
     assert_eq!(status.code(), Some(0), "SIGTERM should exit 0");
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_mid_stream_frees_the_slot_and_timeouts_cut_answers_short() {
+    let Some(model) = smollm2() else { return };
+    let server = tokio::task::spawn_blocking(move || start(&model, &["-to", "1"])).await.unwrap();
+    let http = reqwest::Client::new();
+    let story = json!({"messages": [{"role": "user", "content": "Tell me a very long story about dragons."}],
+                       "max_tokens": 1500, "ignore_eos": true, "stream": true});
+    for _ in 0..3 {
+        let mut r = http
+            .post(format!("{}/v1/chat/completions", server.base))
+            .bearer_auth(KEY)
+            .json(&story)
+            .send()
+            .await
+            .unwrap();
+        r.chunk().await.unwrap().expect("a first chunk");
+        drop(r);
+    }
+    // The slot is free again within a moment of the last client leaving.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let slots: Value =
+            http.get(format!("{}/slots", server.base)).bearer_auth(KEY).send().await.unwrap().json().await.unwrap();
+        if slots[0]["is_processing"] == false {
+            break;
+        }
+        assert!(Instant::now() < deadline, "slot still busy after the client left: {slots}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // `-to 1`: a request that would run for long is cut after about a second.
+    let t = Instant::now();
+    let mut plain = story.clone();
+    plain["stream"] = json!(false);
+    let v: Value = http
+        .post(format!("{}/v1/chat/completions", server.base))
+        .bearer_auth(KEY)
+        .json(&plain)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() < 1500, "{v}");
+    assert!(t.elapsed() < Duration::from_secs(5), "the timeout did not cut the request: {:?}", t.elapsed());
+}
+
 /// A venv with the SDKs pinned in `tests/sdk/requirements.txt` (target/sdk-venv, made once; `cargo xtask
 /// test` prepares it before the tests run).
 fn sdk_python() -> PathBuf {

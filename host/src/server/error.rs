@@ -171,8 +171,23 @@ pub fn json_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError 
     }
     // serde's message ends with the position in the body, which says less than the field name.
     let msg = inner.to_string();
-    let msg = msg.split(" at line ").next().unwrap_or(&msg).to_string();
+    let mut msg = msg.split(" at line ").next().unwrap_or(&msg).to_string();
+    if let Some(name) = msg.strip_prefix("data did not match any variant of untagged enum ") {
+        msg = format!("expected {}", expected_shape(name));
+    }
     ApiError::field(&path, format!("invalid value for `{path}`: {msg}"))
+}
+
+/// What an untagged request type accepts, in words.
+fn expected_shape(type_name: &str) -> &'static str {
+    match type_name {
+        "StopField" => "a string or a list of strings",
+        "Content" => "a string or a list of content parts",
+        "Blocks" => "a string or a list of content blocks",
+        "PromptField" => "a string, a list of strings, a list of token ids or a list of token-id lists",
+        "Prompt" => "a string or a list of token ids",
+        _ => "another type",
+    }
 }
 
 /// Parses a JSON request body into `T`, reporting a wrong field by its path.
@@ -198,6 +213,11 @@ mod tests {
     }
     #[derive(serde::Deserialize, Debug)]
     #[allow(dead_code)]
+    struct S {
+        stop: Option<crate::server::openai::StopField>,
+    }
+    #[derive(serde::Deserialize, Debug)]
+    #[allow(dead_code)]
     struct M {
         role: String,
     }
@@ -209,6 +229,8 @@ mod tests {
         assert!(e.message.contains("`temperature`") && !e.message.contains("line 1"), "{}", e.message);
         let e = parse_body::<R>(br#"{"messages": [{"role": 3}]}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages[0].role"));
+        let e = parse_body::<S>(br#"{"stop": 5}"#).unwrap_err();
+        assert_eq!(e.message, "invalid value for `stop`: expected a string or a list of strings");
         let e = parse_body::<R>(b"{not json").unwrap_err();
         assert!(e.message.contains("not valid JSON"), "{}", e.message);
         assert!(parse_body::<R>(br#"{"unknown": 1}"#).is_ok());

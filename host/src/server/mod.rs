@@ -228,8 +228,10 @@ async fn serve(config: ServerConfig) -> Result<()> {
         Some((cert, key)) => Some(listen::tls_acceptor(cert, key)?),
         None => None,
     };
-    let addr = format!("{}:{}", config.host, config.port);
-    let listener = tokio::net::TcpListener::bind(&addr).await.with_context(|| format!("cannot listen on {addr}"))?;
+    let addr = (config.host.as_str(), config.port);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {}:{}", config.host, config.port))?;
     let local = listener.local_addr()?;
     let scheme = if tls.is_some() { "https" } else { "http" };
     eprintln!("mlxcel-server: listening on {scheme}://{local} (loading {})", config.model);
