@@ -121,10 +121,29 @@ async fn chat_answers_paris_plain_and_streamed_and_sigterm_exits_cleanly() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_leaving_mid_stream_frees_the_slot_and_timeouts_cut_answers_short() {
+async fn a_client_leaving_mid_stream_frees_the_slot_timeouts_cut_answers_and_the_template_file_is_used() {
     let Some(model) = smollm2() else { return };
-    let server = tokio::task::spawn_blocking(move || start(&model, &["-to", "1"])).await.unwrap();
+    // A template of our own (ChatML without SmolLM's default system prompt) replaces the model's.
+    let dir = tempfile::tempdir().unwrap();
+    let template = dir.path().join("chatml.jinja");
+    std::fs::write(&template, "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}").unwrap();
+    let args = ["-to".to_string(), "1".into(), "--chat-template-file".into(), template.display().to_string()];
+    let server =
+        tokio::task::spawn_blocking(move || start(&model, &args.iter().map(String::as_str).collect::<Vec<_>>()))
+            .await
+            .unwrap();
     let http = reqwest::Client::new();
+    let v: Value = http
+        .post(format!("{}/apply-template", server.base))
+        .bearer_auth(KEY)
+        .json(&json!({"messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["prompt"], "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
     let story = json!({"messages": [{"role": "user", "content": "Tell me a very long story about dragons."}],
                        "max_tokens": 1500, "ignore_eos": true, "stream": true});
     for _ in 0..3 {

@@ -314,6 +314,16 @@ async fn completions_take_strings_token_ids_and_echo_and_refuse_suffix() {
 }
 
 #[tokio::test]
+async fn llama_server_alias_paths_answer_too() {
+    let s = start().await;
+    let (status, v) = s.post("/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}]})).await;
+    assert_eq!((status, v["object"].as_str()), (200, Some("chat.completion")));
+    let (status, v) = s.post("/completions", json!({"prompt": "hi"})).await;
+    assert_eq!((status, v["content"].as_str()), (200, Some(ANSWER.concat().as_str())));
+    assert_eq!(s.get("/v1/health").await.0, 200);
+}
+
+#[tokio::test]
 async fn models_lists_the_served_model_on_both_paths() {
     let s = start().await;
     for path in ["/v1/models", "/models"] {
