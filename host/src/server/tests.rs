@@ -10,7 +10,9 @@ use tokio::sync::mpsc;
 
 use super::args::{SamplingOverrides, ServerConfig};
 use super::*;
-use crate::engine::{EngineError, FinishReason, GenerationEvent, GenerationRequest, SamplingParams, Usage};
+use crate::engine::{
+    EngineError, FinishReason, GenerationEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage,
+};
 use crate::text::{ChatTemplate, TextTokenizer};
 
 const CHATML: &str = "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
@@ -62,7 +64,18 @@ impl Generator for Fake {
                 }
                 let text = ANSWER[i % ANSWER.len()].to_string();
                 let tokens = tok.encode(&text, false).unwrap();
-                if tx.send(GenerationEvent::Text { text, tokens, logprobs: vec![] }).await.is_err() {
+                let logprobs = match req.logprobs {
+                    Some(k) => tokens
+                        .iter()
+                        .map(|&t| TokenLogprob {
+                            token: t,
+                            logprob: -0.25,
+                            top: (0..k as u32).map(|j| (t + j, -0.25 - j as f32)).collect(),
+                        })
+                        .collect(),
+                    None => vec![],
+                };
+                if tx.send(GenerationEvent::Text { text, tokens, logprobs }).await.is_err() {
                     cancelled.store(true, Ordering::SeqCst);
                     return;
                 }
@@ -311,6 +324,44 @@ async fn completions_take_strings_token_ids_and_echo_and_refuse_suffix() {
         .map(|e| serde_json::from_str::<Value>(&e.1).unwrap()["choices"][0]["text"].as_str().unwrap().to_string())
         .collect();
     assert_eq!(text, ANSWER.concat());
+}
+
+#[tokio::test]
+async fn logprobs_in_each_dialect_shape() {
+    let s = start().await;
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 2});
+    let (status, v) = s.post("/v1/chat/completions", chat.clone()).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(s.last_request().logprobs, Some(2));
+    let content = v["choices"][0]["logprobs"]["content"].as_array().unwrap();
+    let text: String = content.iter().map(|e| e["token"].as_str().unwrap().to_string()).collect();
+    assert_eq!(text, ANSWER.concat());
+    assert_eq!(content[0]["logprob"], -0.25);
+    assert_eq!(content[0]["top_logprobs"].as_array().unwrap().len(), 2);
+    assert!(content[0]["bytes"].is_array() && content[0]["top_logprobs"][1]["logprob"] == -1.25);
+    let mut streamed = chat.clone();
+    streamed["stream"] = json!(true);
+    let (_, body, _) = s.post_text("/v1/chat/completions", streamed).await;
+    let first: Value = serde_json::from_str(&sse(&body)[1].1).unwrap();
+    assert!(first["choices"][0]["logprobs"]["content"][0]["token"].is_string(), "{first}");
+    let (status, v) = s
+        .post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}))
+        .await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("top_logprobs")));
+
+    let (status, v) = s.post("/v1/completions", json!({"prompt": "hi", "logprobs": 3})).await;
+    assert_eq!(status, 200, "{v}");
+    let lp = &v["choices"][0]["logprobs"];
+    let n = lp["tokens"].as_array().unwrap().len();
+    assert_eq!((lp["token_logprobs"].as_array().unwrap().len(), lp["text_offset"].as_array().unwrap().len()), (n, n));
+    assert_eq!(lp["top_logprobs"][0].as_object().unwrap().len(), 3);
+    assert_eq!(lp["text_offset"][0], 0);
+
+    let (status, v) = s.post("/completion", json!({"prompt": "hi", "n_probs": 2})).await;
+    assert_eq!(status, 200, "{v}");
+    let probs = v["completion_probabilities"].as_array().unwrap();
+    assert!(probs[0]["id"].is_number() && probs[0]["token"].is_string() && probs[0]["logprob"] == -0.25);
+    assert_eq!(probs[0]["top_logprobs"].as_array().unwrap().len(), 2);
 }
 
 #[tokio::test]
