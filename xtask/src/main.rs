@@ -128,6 +128,22 @@ fn install(prefix: &Path) -> Result<()> {
     Ok(())
 }
 
+/// target/sdk-venv with the `openai` and `anthropic` Python packages pinned in
+/// host/tests/sdk/requirements.txt (made once; pip leaves satisfied pins alone).
+fn sdk_venv() -> Result<PathBuf> {
+    let venv = root().join("target").join("sdk-venv");
+    if !venv.join("bin").join("python").is_file() {
+        println!("== creating {} for the server's SDK tests", venv.display());
+        let mut c = Command::new("python3");
+        c.args(["-m", "venv"]).arg(&venv);
+        run(c).context("python3 with venv is needed for the server's SDK tests")?;
+    }
+    let mut c = Command::new(venv.join("bin").join("pip"));
+    c.args(["install", "-q", "--disable-pip-version-check", "-r"]).arg(root().join("host/tests/sdk/requirements.txt"));
+    run(c)?;
+    Ok(venv)
+}
+
 /// The CPU kernel paths this machine can run (see `backends/cpu/src/isa.rs`).
 fn supported_isas() -> Vec<&'static str> {
     #[allow(unused_mut)]
@@ -162,6 +178,10 @@ fn main() -> Result<()> {
         Cmd::Test { rest } => {
             build()?;
             let mut c = cargo();
+            if std::env::var_os("MLXCEL_TEST_MODELS").is_some() {
+                // The server's SDK tests (host/tests/server.rs) run the official Python clients.
+                c.env("MLXCEL_SDK_VENV", sdk_venv()?);
+            }
             c.args(["test", "--release", "--workspace", "--exclude", "xtask"]);
             c.args(&rest);
             run(c)?;
