@@ -388,7 +388,7 @@ impl Graph {
     /// An `F32` constant stored in the graph.
     pub fn constant_f32(&mut self, values: &[f32], shape: &[u64]) -> TensorId {
         // Keep constants 4-byte aligned relative to the blob start.
-        while self.constants.len() % 4 != 0 {
+        while !self.constants.len().is_multiple_of(4) {
             self.constants.push(0);
         }
         let off = self.constants.len();
