@@ -162,9 +162,12 @@ impl EngineHandle {
         Ok(RequestStream { id, events: receiver, cancel })
     }
 
-    /// The latest snapshot (updated after every step).
+    /// The latest snapshot (updated after every step). `queued` also counts requests submitted but
+    /// not yet taken by the engine thread.
     pub fn stats(&self) -> EngineStats {
-        self.shared.stats.lock().unwrap_or_else(|e| e.into_inner()).clone()
+        let mut st = self.shared.stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        st.queued = st.queued.max(self.shared.queued.load(Ordering::SeqCst));
+        st
     }
 
     pub fn options(&self) -> &EngineOptions {

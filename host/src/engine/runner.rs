@@ -236,3 +236,8 @@ impl ModelRunner {
         Ok(logits)
     }
 }
+
+// SAFETY: the only fields that are not `Send` are the raw handles in `weight_handles`, copies of the
+// handles owned by `weights` (`DeviceBuffer`, which is `Send`); they move with their owners and are used
+// only through `&mut self`. The batching engine moves the runner onto its own thread.
+unsafe impl Send for ModelRunner {}
