@@ -195,23 +195,28 @@ fn fixture_hundred_requests_with_random_disconnects_leak_no_pages() {
 fn fixture_full_queue_and_shutdown() {
     let (engine, _) = start(&fixture(), 512, 1, EngineOptions { max_queue: 2, ..opts(1) });
     let long = || greedy(random_prompt(90, 10), 400);
-    // Requests count as queued until the engine admits them, so the third or the fourth submission
-    // (depending on whether the first was admitted yet) finds the queue full.
-    let mut streams = Vec::new();
-    let refused = loop {
-        match engine.submit(long()) {
-            Ok(s) => streams.push(s),
-            Err(e) => break e,
-        }
-        assert!(streams.len() <= 3, "parallel 1 + max_queue 2 requests fill the queue");
-    };
-    assert_eq!(refused, EngineError::QueueFull { queued: 2 });
-    assert!(streams.len() >= 2);
+    // One slot and two places in the queue, whether or not the engine has admitted the first yet.
+    let streams: Vec<RequestStream> = (0..3).map(|_| engine.submit(long()).unwrap()).collect();
+    assert!(matches!(engine.submit(long()), Err(EngineError::QueueFull { .. })));
     engine.shutdown();
     for s in streams {
         assert_eq!(collect(s).finish, Some(FinishReason::Cancelled));
     }
     assert_eq!(engine.submit(long()).err(), Some(EngineError::ShuttingDown));
+}
+
+#[test]
+fn fixture_drain_lets_requests_in_flight_finish() {
+    let (engine, _) = start(&fixture(), 512, 2, opts(1));
+    let streams: Vec<RequestStream> =
+        (0..2).map(|i| engine.submit(greedy(random_prompt(i, 10), 20)).unwrap()).collect();
+    assert!(engine.drain(Duration::from_secs(60)));
+    assert_eq!(engine.submit(greedy(vec![5], 1)).err(), Some(EngineError::ShuttingDown));
+    for s in streams {
+        let a = collect(s);
+        assert_eq!((a.finish, a.tokens.len()), (Some(FinishReason::Length), 20));
+    }
+    engine.shutdown();
 }
 
 #[test]

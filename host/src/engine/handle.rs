@@ -3,16 +3,16 @@
 //! [`RequestStream`] of [`GenerationEvent`]s; dropping the stream cancels the request, and its pages are
 //! let go at the next step.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::request::{EngineError, GenerationEvent, GenerationRequest};
-use super::scheduler::{EngineOptions, EngineStats, RequestLimits, Scheduler, StepModel, Submission};
+use super::scheduler::{EngineOptions, EngineStats, QueueCounts, RequestLimits, Scheduler, StepModel, Submission};
 use crate::text::TextTokenizer;
 
 enum Command {
@@ -25,7 +25,7 @@ enum Command {
 struct Shared {
     commands: Mutex<Sender<Command>>,
     accepting: AtomicBool,
-    queued: Arc<AtomicUsize>,
+    counts: Arc<QueueCounts>,
     next_id: AtomicU64,
     limits: RequestLimits,
     options: EngineOptions,
@@ -49,7 +49,7 @@ impl Engine {
         let shared = Arc::new(Shared {
             commands: Mutex::new(tx),
             accepting: AtomicBool::new(true),
-            queued: scheduler.queued_counter(),
+            counts: scheduler.queue_counts(),
             next_id: AtomicU64::new(1),
             limits: scheduler.limits(),
             options: scheduler.options().clone(),
@@ -145,18 +145,14 @@ impl EngineHandle {
             return Err(EngineError::ShuttingDown);
         }
         s.limits.check(&request)?;
-        let queued = s.queued.fetch_add(1, Ordering::SeqCst);
-        if queued >= s.options.max_queue {
-            s.queued.fetch_sub(1, Ordering::SeqCst);
-            return Err(EngineError::QueueFull { queued });
-        }
+        s.counts.try_enter(s.options.parallel, s.options.max_queue)?;
         let (events, receiver) = unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let id = s.next_id.fetch_add(1, Ordering::Relaxed);
         let submission = Submission { id, request, events, cancel: cancel.clone(), submitted: Instant::now() };
         let sent = s.commands.lock().unwrap_or_else(|e| e.into_inner()).send(Command::Submit(Box::new(submission)));
         if sent.is_err() {
-            s.queued.fetch_sub(1, Ordering::SeqCst);
+            s.counts.leave();
             return Err(EngineError::ShuttingDown);
         }
         Ok(RequestStream { id, events: receiver, cancel })
@@ -166,7 +162,7 @@ impl EngineHandle {
     /// not yet taken by the engine thread.
     pub fn stats(&self) -> EngineStats {
         let mut st = self.shared.stats.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        st.queued = st.queued.max(self.shared.queued.load(Ordering::SeqCst));
+        st.queued = st.queued.max(self.shared.counts.waiting());
         st
     }
 
@@ -186,6 +182,23 @@ impl EngineHandle {
     /// Drops every cached prefix page no request is using.
     pub fn clear_prefix_cache(&self) {
         let _ = self.shared.commands.lock().unwrap_or_else(|e| e.into_inner()).send(Command::ClearPrefixCache);
+    }
+
+    /// Stops accepting new requests and waits up to `timeout` for those in flight or queued to finish;
+    /// true if they all did. Follow with [`shutdown`](Self::shutdown), which cancels what is left.
+    pub fn drain(&self, timeout: Duration) -> bool {
+        self.shared.accepting.store(false, Ordering::SeqCst);
+        let t0 = Instant::now();
+        loop {
+            let st = self.stats();
+            if st.busy_slots() == 0 && st.queued == 0 {
+                return true;
+            }
+            if t0.elapsed() >= timeout {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// Stops accepting, cancels every request in flight or waiting (each stream gets `Done` with

@@ -215,6 +215,39 @@ impl RequestLimits {
     }
 }
 
+/// Counts the scheduler shares with submitters, so a full queue is refused without a round trip to
+/// the engine thread.
+#[derive(Debug, Default)]
+pub struct QueueCounts {
+    /// Requests submitted and never admitted yet (including those still in the channel).
+    waiting: AtomicUsize,
+    /// Sequences in slots.
+    running: AtomicUsize,
+}
+
+impl QueueCounts {
+    /// Requests submitted and not admitted yet.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::SeqCst)
+    }
+
+    /// Counts a new request in, unless it would wait behind `max_queue` others for a slot.
+    pub fn try_enter(&self, parallel: usize, max_queue: usize) -> Result<(), EngineError> {
+        let free_slots = parallel.saturating_sub(self.running.load(Ordering::SeqCst));
+        let queued = self.waiting.fetch_add(1, Ordering::SeqCst);
+        if queued >= max_queue + free_slots {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(EngineError::QueueFull { queued });
+        }
+        Ok(())
+    }
+
+    /// Takes back a request counted in but never delivered.
+    pub fn leave(&self) {
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// A request as the engine receives it, with where its events go.
 pub struct Submission {
     pub id: u64,
@@ -301,9 +334,8 @@ pub struct Scheduler<M: StepModel> {
     /// Admitted, oldest request first (the newest is the one preempted).
     running: Vec<Sequence>,
     free_slots: Vec<usize>,
-    /// Requests waiting that were never admitted (what the queue limit counts); shared with the
-    /// submitters so they can refuse without a round trip.
-    queued: Arc<AtomicUsize>,
+    /// What the queue limit counts, shared with the submitters.
+    counts: Arc<QueueCounts>,
     counters: EngineCounters,
 }
 
@@ -324,7 +356,7 @@ impl<M: StepModel> Scheduler<M> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             free_slots: (0..parallel).rev().collect(),
-            queued: Arc::new(AtomicUsize::new(0)),
+            counts: Arc::default(),
             counters: EngineCounters::default(),
         }
     }
@@ -341,9 +373,9 @@ impl<M: StepModel> Scheduler<M> {
         RequestLimits::of(&self.model)
     }
 
-    /// The count of never-admitted waiting requests, shared with submitters.
-    pub fn queued_counter(&self) -> Arc<AtomicUsize> {
-        self.queued.clone()
+    /// The counts the queue limit is checked against, shared with submitters.
+    pub fn queue_counts(&self) -> Arc<QueueCounts> {
+        self.counts.clone()
     }
 
     /// No request is running or waiting.
@@ -351,19 +383,15 @@ impl<M: StepModel> Scheduler<M> {
         self.running.is_empty() && self.waiting.is_empty()
     }
 
-    /// Checks and queues a request (the caller has not counted it in `queued`).
+    /// Checks and queues a request. The queue holds `max_queue` requests beyond the free slots.
     pub fn submit(&mut self, sub: Submission) -> Result<(), EngineError> {
         self.limits().check(&sub.request)?;
-        let queued = self.queued.fetch_add(1, Ordering::SeqCst);
-        if queued >= self.opts.max_queue {
-            self.queued.fetch_sub(1, Ordering::SeqCst);
-            return Err(EngineError::QueueFull { queued });
-        }
+        self.counts.try_enter(self.opts.parallel, self.opts.max_queue)?;
         self.enqueue(sub);
         Ok(())
     }
 
-    /// Queues a request already checked and counted in `queued` (by [`EngineHandle`]).
+    /// Queues a request already checked and counted in by [`QueueCounts::try_enter`] (by [`EngineHandle`]).
     ///
     /// [`EngineHandle`]: super::handle::EngineHandle
     pub fn enqueue(&mut self, sub: Submission) {
@@ -397,17 +425,19 @@ impl<M: StepModel> Scheduler<M> {
     pub fn step(&mut self) -> bool {
         self.drop_cancelled();
         self.admit();
+        self.counts.running.store(self.running.len(), Ordering::SeqCst);
         let plan = self.plan();
-        if plan.is_empty() {
-            return false;
+        let ran = !plan.is_empty();
+        if ran {
+            let outcomes = self.run(&plan);
+            self.counters.steps += 1;
+            for (i, outcome) in outcomes.into_iter().rev() {
+                let seq = self.running.remove(i);
+                self.finish(seq, outcome);
+            }
         }
-        let outcomes = self.run(&plan);
-        self.counters.steps += 1;
-        for (i, outcome) in outcomes.into_iter().rev() {
-            let seq = self.running.remove(i);
-            self.finish(seq, outcome);
-        }
-        true
+        self.counts.running.store(self.running.len(), Ordering::SeqCst);
+        ran
     }
 
     /// Ends every request (shutdown).
@@ -416,6 +446,7 @@ impl<M: StepModel> Scheduler<M> {
         for seq in all {
             self.finish(seq, Outcome::Finished(FinishReason::Cancelled));
         }
+        self.counts.running.store(0, Ordering::SeqCst);
     }
 
     /// Drops every cached page no sequence holds.
@@ -516,7 +547,7 @@ impl<M: StepModel> Scheduler<M> {
             if seq.admitted.is_none() {
                 seq.admitted = Some(Instant::now());
                 seq.cached_tokens = reused;
-                self.queued.fetch_sub(1, Ordering::SeqCst);
+                self.counts.leave();
             }
             seq.slot = self.free_slots.pop();
             let at = self.running.partition_point(|s| s.id < seq.id);
@@ -665,7 +696,7 @@ impl<M: StepModel> Scheduler<M> {
             self.free_slots.push(slot);
         }
         if seq.admitted.is_none() {
-            self.queued.fetch_sub(1, Ordering::SeqCst);
+            self.counts.leave();
         }
         let usage = seq.usage();
         self.counters.generated_tokens += usage.completion_tokens as u64;

@@ -192,7 +192,7 @@ fn assert_no_leak<M: StepModel>(s: &Scheduler<M>) {
     let st = s.stats();
     assert_eq!(st.kv_pages_total - st.kv_pages_used, st.kv_pages_total - st.kv_pages_cached, "pages leaked");
     assert_eq!(st.busy_slots(), 0);
-    assert_eq!(s.queued.load(Ordering::SeqCst), 0, "queue count");
+    assert_eq!(s.counts.waiting(), 0, "queue count");
 }
 
 fn same_answer(a: &Outcome, b: &Outcome) {
@@ -437,12 +437,17 @@ fn a_hundred_requests_with_random_cancellations_leak_no_pages() {
 
 #[test]
 fn a_full_queue_refuses_with_queue_full() {
-    let mut s = scheduler(CheckingModel::new(64, 16, 1024), EngineOptions { max_queue: 2, ..opts(1) });
-    let _a = submit(&mut s, 1, request(prompt(1, 5), 10)).unwrap();
-    let _b = submit(&mut s, 2, request(prompt(2, 5), 10)).unwrap();
-    assert_eq!(submit(&mut s, 3, request(prompt(3, 5), 10)).err(), Some(EngineError::QueueFull { queued: 2 }));
-    s.step(); // the first is admitted: one place frees up
-    assert!(submit(&mut s, 4, request(prompt(4, 5), 10)).is_ok());
+    let mut s = scheduler(CheckingModel::new(64, 16, 1024), EngineOptions { max_queue: 2, ..opts(2) });
+    let long = |i| request(prompt(i, 5), 100);
+    // Two free slots and two places in the queue.
+    let _held: Vec<Client> = (0..4).map(|i| submit(&mut s, i, long(i)).unwrap()).collect();
+    assert_eq!(submit(&mut s, 4, long(4)).err(), Some(EngineError::QueueFull { queued: 4 }));
+    s.step(); // two are admitted: the queue holds two
+    assert_eq!(submit(&mut s, 5, long(5)).err(), Some(EngineError::QueueFull { queued: 2 }));
+    assert_eq!(s.stats().queued, 2);
+    let mut none_waiting = scheduler(CheckingModel::new(64, 16, 1024), EngineOptions { max_queue: 0, ..opts(1) });
+    let _a = submit(&mut none_waiting, 1, long(1)).unwrap();
+    assert!(matches!(submit(&mut none_waiting, 2, long(2)), Err(EngineError::QueueFull { .. })));
 }
 
 #[test]
