@@ -288,3 +288,25 @@ fn smollm2_shared_400_token_prefix_comes_from_the_cache() {
     let reference = collect(engine.submit(uncached).unwrap());
     assert_eq!(cached.text, reference.text);
 }
+
+#[test]
+fn smollm2_small_kv_budget_evicts_and_preempts_without_changing_answers() {
+    let Some(models) = mlxcel::testing::test_models() else { return };
+    let dir = models.join(SMOLLM2);
+    let (roomy, tok) = start(&dir, 2048, 1, opts(1));
+    let reqs: Vec<GenerationRequest> =
+        QUESTIONS[..4].iter().map(|q| GenerationRequest { ignore_eos: true, ..chat(&tok, None, q, 40) }).collect();
+    let want: Vec<Answer> = reqs.iter().map(|r| collect(roomy.submit(r.clone()).unwrap())).collect();
+    roomy.shutdown();
+    // 192 positions of KV (12 pages) for four requests of ~80 tokens each, twice over.
+    let (engine, _) = start(&dir, 192, 1, opts(4));
+    for round in 0..2 {
+        let streams: Vec<RequestStream> = reqs.iter().map(|r| engine.submit(r.clone()).unwrap()).collect();
+        for (i, (s, w)) in streams.into_iter().zip(&want).enumerate() {
+            assert_eq!(collect(s).text, w.text, "round {round}, {:?}", QUESTIONS[i]);
+        }
+    }
+    let st = idle_stats(&engine);
+    assert!(st.counters.preemptions > 0, "{:?}", st.counters);
+    assert_eq!(st.kv_pages_used, st.kv_pages_cached);
+}
