@@ -235,7 +235,7 @@ impl QueueCounts {
     pub fn try_enter(&self, parallel: usize, max_queue: usize) -> Result<(), EngineError> {
         let free_slots = parallel.saturating_sub(self.running.load(Ordering::SeqCst));
         let queued = self.waiting.fetch_add(1, Ordering::SeqCst);
-        if queued >= max_queue + free_slots {
+        if queued >= max_queue.saturating_add(free_slots) {
             self.waiting.fetch_sub(1, Ordering::SeqCst);
             return Err(EngineError::QueueFull { queued });
         }
@@ -410,7 +410,8 @@ impl<M: StepModel> Scheduler<M> {
             text: StreamingText::new(&r.stop, r.ignore_eos, r.max_tokens),
             events: sub.events,
             cancel: sub.cancel,
-            deadline: r.timeout.map(|t| sub.submitted + t),
+            // A timeout too long to represent is no timeout.
+            deadline: r.timeout.and_then(|t| sub.submitted.checked_add(t)),
             submitted: sub.submitted,
             admitted: None,
             first_token: None,

@@ -394,6 +394,13 @@ fn a_timeout_cancels_the_request() {
     drain(&mut s, &mut c);
     assert_eq!(c[0].got.finish, Some(FinishReason::Cancelled));
     assert_eq!(c[0].got.tokens.len(), 2);
+
+    // A timeout too long to represent means none.
+    let mut r = request(prompt(9, 10), 3);
+    r.timeout = Some(Duration::MAX);
+    let mut c = vec![submit(&mut s, 2, r).unwrap()];
+    drain(&mut s, &mut c);
+    assert_eq!(c[0].got.finish, Some(FinishReason::Length));
 }
 
 #[test]
