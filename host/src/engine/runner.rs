@@ -268,7 +268,7 @@ impl ModelRunner {
                 table[s * self.max_blocks_per_seq..][..held.len()].copy_from_slice(held);
             }
             if self.pool.state_slots > 0 {
-                let slot = c.blocks.state_slot.context("internal: sequence has no recurrent state row")?;
+                let slot = c.blocks.state_slot().context("internal: sequence has no recurrent state row")?;
                 if c.start_pos == 0 {
                     self.clear_state_row(slot)?;
                 }
@@ -440,3 +440,8 @@ impl ModelRunner {
         Ok(())
     }
 }
+
+// SAFETY: the only fields that are not `Send` are the raw handles in `weight_handles`, copies of the
+// handles owned by `weights` (`DeviceBuffer`, which is `Send`); they move with their owners and are used
+// only through `&mut self`. The batching engine moves the runner onto its own thread.
+unsafe impl Send for ModelRunner {}

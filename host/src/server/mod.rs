@@ -7,6 +7,7 @@
 
 pub mod anthropic;
 pub mod args;
+pub mod batch_engine;
 pub mod completion;
 pub mod error;
 pub mod generator;
@@ -14,7 +15,6 @@ pub mod listen;
 pub mod llama;
 pub mod model;
 pub mod openai;
-pub mod serial_engine;
 pub mod state;
 #[cfg(test)]
 mod tests;
@@ -239,7 +239,7 @@ async fn serve(config: ServerConfig) -> Result<()> {
     let state = AppState::new(config);
     let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<String>();
     let loader = state.clone();
-    tokio::task::spawn_blocking(move || match serial_engine::start(&loader.config) {
+    tokio::task::spawn_blocking(move || match batch_engine::start(&loader.config) {
         Ok((engine, text, facts)) => {
             eprintln!(
                 "mlxcel-server: model {} ready (context {}, {} slot(s))",
