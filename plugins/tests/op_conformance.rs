@@ -192,7 +192,10 @@ impl<'a> Run<'a> {
         let bi = self.weight(&q.biases.data, sd, &[n64, (k / group) as u64]);
         self.g.op_with(OpCode::QuantMatMul, &[t as u64, n64], &[x, pi, si, bi], &[bits as i64, group as i64], &[])
     }
-    fn execute(mut self, out: TensorId) -> Vec<f32> {
+    fn execute(self, out: TensorId) -> Vec<f32> {
+        self.try_execute(out).unwrap_or_else(|e| panic!("compute failed: {e}"))
+    }
+    fn try_execute(mut self, out: TensorId) -> Result<Vec<f32>, String> {
         self.g.mark_output(out);
         for n in &self.g.nodes {
             assert!(self.ctx.supports(n), "backend `{}` does not support {:?}", self.ctx.name(), n.opcode());
@@ -248,8 +251,8 @@ impl<'a> Run<'a> {
             n_outputs: 1,
             ..ComputeArgs::zeroed()
         };
-        unsafe { self.ctx.compute(&args) }.unwrap_or_else(|e| panic!("compute failed: {e}"));
-        result
+        unsafe { self.ctx.compute(&args) }.map_err(|e| e.to_string())?;
+        Ok(result)
     }
 }
 
@@ -1299,5 +1302,58 @@ fn segment_pooling_matches_reference() {
             }
             check(&format!("{} segment pool {pool}", ctx.name()), &got, &want, t);
         }
+    });
+}
+
+#[test]
+fn encoder_ops_refuse_bad_input_with_a_message() {
+    each_backend(|ctx, rng| {
+        let expect_err = |r: Result<Vec<f32>, String>, what: &str, needle: &str| match r {
+            Ok(_) => panic!("{what}: accepted"),
+            Err(m) => assert!(m.contains(needle), "{what}: message `{m}` should say `{needle}`"),
+        };
+        // A sequence whose rows are not contiguous.
+        let x = rng.vec(3 * 8, 1.0);
+        let mut run = Run::new(ctx);
+        let qi = run.input_f32(&x, &[3, 8]);
+        let si = run.input_i32(&[0, 1, 0]);
+        let o = run.g.op_with(OpCode::StepAttention, &[3, 8], &[qi, qi, qi, si], &[1, 1, 8, 0], &[1.0]);
+        expect_err(run.try_execute(o), "non-contiguous sequence", "not contiguous");
+        // A column range past the row.
+        let mut run = Run::new(ctx);
+        let xi = run.input_f32(&x, &[3, 8]);
+        let o = run.g.op_with(OpCode::Slice, &[3, 4], &[xi], &[6, 10], &[]);
+        expect_err(run.try_execute(o), "slice past the row", "column range");
+        // Pooling into fewer rows than there are sequences.
+        let mut run = Run::new(ctx);
+        let xi = run.input_f32(&x, &[3, 8]);
+        let si = run.input_i32(&[0, 1, 2]);
+        let o = run.g.op_with(OpCode::SegmentPool, &[2, 8], &[xi, si], &[POOL_MEAN], &[]);
+        expect_err(run.try_execute(o), "pool index out of range", "out of range");
+        // A convolution whose output rows do not match its sequences.
+        let w = float_weight(rng, 8 * 3 * 8, DType::F32, 1.0);
+        let mut run = Run::new(ctx);
+        let xi = run.input_f32(&x, &[3, 8]);
+        let wi = run.weight(&w.data, DType::F32, &[8, 3, 8]);
+        let si = run.input_i32(&[0, 0, 0]);
+        let o = run.g.op_with(OpCode::Conv1d, &[3, 8], &[xi, wi, si], &[CONV_WHOLE, 2, 1, 1], &[]);
+        expect_err(run.try_execute(o), "conv output rows", "rows");
+        // Storing more encoder rows than the state row holds, and attending without a state buffer.
+        let max_len = 2usize;
+        let state = state_buffer(ctx, 1, cross_kv_state_elems(max_len as u64, 1, 8) as usize);
+        let mut run = Run::new(ctx);
+        run.kv.push([std::ptr::null_mut(), std::ptr::null_mut(), state.handle()]);
+        run.batch = Some(BatchData::sequences(&[3], &[0]));
+        let ki = run.input_f32(&x, &[3, 8]);
+        let si = run.input_i32(&[0, 0, 0]);
+        let o = run.g.op_with(OpCode::StoreCrossKv, &[1], &[ki, ki, si], &[0, 1, 8, max_len as i64], &[]);
+        expect_err(run.try_execute(o), "store past max_source_len", "more than");
+        let mut run = Run::new(ctx);
+        run.kv.push([std::ptr::null_mut(); 3]);
+        run.batch = Some(BatchData::sequences(&[3], &[0]));
+        let qi = run.input_f32(&x, &[3, 8]);
+        let si = run.input_i32(&[0, 0, 0]);
+        let o = run.g.op_with(OpCode::CrossAttention, &[3, 8], &[qi, si], &[0, 1, 1, 8, 2], &[1.0]);
+        expect_err(run.try_execute(o), "cross attention without state", "no state");
     });
 }
