@@ -12,7 +12,16 @@ use crate::isa::Isa;
 use crate::simd_kernel;
 
 /// Query tokens per tile.
-pub const TILE_TOKENS: usize = 16;
+const TILE_TOKENS: usize = 16;
+
+/// Query rows (tokens × the query heads of one KV head) a tile of the cache-free kernels aims for:
+/// their keys are gathered once per tile, so bigger tiles than the paged path's pay off.
+const TILE_ROWS: usize = 64;
+
+/// Query tokens per tile for the cache-free kernels, given how many query heads share a KV head.
+pub fn tile_tokens(shape: AttentionShape) -> usize {
+    (TILE_ROWS / (shape.n_heads / shape.n_kv_heads).max(1)).max(TILE_TOKENS)
+}
 /// Keys per block.
 const KEY_BLOCK: usize = 64;
 

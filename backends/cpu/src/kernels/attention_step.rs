@@ -6,7 +6,7 @@
 use rayon::prelude::*;
 
 use super::attention::AttentionShape;
-use super::attention_prefill::{attend_tile_scratch, Run, TileKeys, TILE_TOKENS};
+use super::attention_prefill::{attend_tile_scratch, tile_tokens, Run, TileKeys};
 use super::{Segment, SharedMut};
 use crate::isa::Isa;
 
@@ -46,12 +46,13 @@ pub fn step_attention(
     out: &mut [f32],
 ) {
     let kv_row = shape.n_kv_heads * shape.head_dim;
+    let per_tile = tile_tokens(shape);
     // Tasks: (segment, tile of its tokens, KV head), the most keys first so the last tasks are short.
     let mut tasks: Vec<(Segment, Run, usize, usize)> = Vec::new();
     for &seg in segs {
         let mut t0 = seg.start;
         while t0 < seg.end {
-            let tile = Run { start: t0, end: (t0 + TILE_TOKENS).min(seg.end) };
+            let tile = Run { start: t0, end: (t0 + per_tile).min(seg.end) };
             let lo = mask.visible(tile.start - seg.start, seg.len()).0;
             let hi = mask.visible(tile.end - 1 - seg.start, seg.len()).1;
             tasks.extend((0..shape.n_kv_heads).map(|h| (seg, tile, h, hi.saturating_sub(lo))));

@@ -9,7 +9,7 @@ use mlxcel_plugin_api::CROSS_KV_HEADER;
 use rayon::prelude::*;
 
 use super::attention::AttentionShape;
-use super::attention_prefill::{attend_tile_scratch, Run, TileKeys, TILE_TOKENS};
+use super::attention_prefill::{attend_tile_scratch, tile_tokens, Run, TileKeys};
 use super::{Segment, SharedMut};
 use crate::isa::Isa;
 
@@ -63,12 +63,13 @@ pub fn cross_attention(
     out: &mut [f32],
 ) {
     let kv_row = shape.n_kv_heads * shape.head_dim;
+    let per_tile = tile_tokens(shape);
     let re = row_elems(max_len, kv_row);
     let mut tasks: Vec<(Run, usize, usize, usize)> = Vec::new(); // tile, KV head, state row, length
     for ((seg, &row), &len) in segs.iter().zip(rows).zip(lens) {
         let mut t0 = seg.start;
         while t0 < seg.end {
-            let tile = Run { start: t0, end: (t0 + TILE_TOKENS).min(seg.end) };
+            let tile = Run { start: t0, end: (t0 + per_tile).min(seg.end) };
             tasks.extend((0..shape.n_kv_heads).map(|h| (tile, h, row, len)));
             t0 = tile.end;
         }
