@@ -74,6 +74,10 @@ pub enum OpCode {
     /// Host data for this step. `iparams[0]` = input slot (see [`INPUT_TOKENS`] etc.).
     Input = 0,
     /// A model weight. `iparams[0]` = index into the weight table the family received.
+    /// A row-range view of a 2-D weight (one part of a fused projection, such as Phi-3's `qkv_proj`,
+    /// bound without a copy; float or each of a quantized weight's packed/scales/biases): `iparams[2]`
+    /// = rows of the stored tensor (0 = the node is the whole tensor), `iparams[1]` = the view's first
+    /// row; the node's shape is the view's `[rows, cols]`, with the stored tensor's `cols`.
     Weight = 1,
     /// Data carried in the graph's constant blob. `iparams[0]` = byte offset, `iparams[1]` = byte length.
     Constant = 2,
@@ -487,6 +491,23 @@ impl Graph {
     pub fn weight(&mut self, index: u32, dtype: DType, shape: &[u64]) -> TensorId {
         let mut n = Node::new(OpCode::Weight, dtype, shape, &[]);
         n.iparams[0] = index as i64;
+        self.push(n)
+    }
+
+    /// Rows `first_row..first_row + rows` of a 2-D weight `[stored_rows, cols]` (see [`OpCode::Weight`]).
+    pub fn weight_rows(
+        &mut self,
+        index: u32,
+        dtype: DType,
+        stored_rows: u64,
+        first_row: u64,
+        rows: u64,
+        cols: u64,
+    ) -> TensorId {
+        let mut n = Node::new(OpCode::Weight, dtype, &[rows, cols], &[]);
+        n.iparams[0] = index as i64;
+        n.iparams[1] = first_row as i64;
+        n.iparams[2] = stored_rows as i64;
         self.push(n)
     }
 

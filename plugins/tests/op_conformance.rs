@@ -1357,3 +1357,60 @@ fn encoder_ops_refuse_bad_input_with_a_message() {
         expect_err(run.try_execute(o), "cross attention without state", "no state");
     });
 }
+
+/// A fused projection (Phi-3's `qkv_proj`) bound once and used as row-range views, one matmul per part:
+/// float, and MLX-quantized with packed weights, scales and biases each viewed over the same rows.
+#[test]
+fn row_views_of_a_fused_weight_match_its_parts() {
+    each_backend(|ctx, rng| {
+        let (t, k) = (5usize, 128usize);
+        let parts = [(0usize, 48usize), (48, 16), (64, 16)]; // q, k, v rows
+        let n: usize = 80;
+        let x = rng.vec(t * k, 1.0);
+        let w = float_weight(rng, n * k, DType::F16, 0.5);
+        let q = quant_weight(rng, n, k, 4, 64, DType::BF16);
+        for &(r0, rows) in &parts {
+            let mut run = Run::new(ctx);
+            let xi = run.input_f32(&x, &[t as u64, k as u64]);
+            // Bind the whole tensor under index 0, then view it.
+            let whole = run.weight(&w.data, DType::F16, &[n as u64, k as u64]);
+            let idx = run.g.node(whole).iparams[0] as u32;
+            let wi = run.g.weight_rows(idx, DType::F16, n as u64, r0 as u64, rows as u64, k as u64);
+            let o = run.g.op(OpCode::MatMul, &[t as u64, rows as u64], &[xi, wi]);
+            let got = run.execute(o);
+            let want: Vec<f64> = (0..t * rows)
+                .map(|i| (0..k).map(|j| x[(i / rows) * k + j] as f64 * w.values[(r0 + i % rows) * k + j]).sum())
+                .collect();
+            check(&format!("{} float row view {r0}+{rows}", ctx.name()), &got, &want, k);
+
+            let mut run = Run::new(ctx);
+            let xi = run.input_f32(&x, &[t as u64, k as u64]);
+            let (wpr, g) = ((k * 4 / 32) as u64, (k / 64) as u64);
+            let mut view = |data: &[u8], dtype: DType, cols: u64| {
+                let whole = run.weight(data, dtype, &[n as u64, cols]);
+                let idx = run.g.node(whole).iparams[0] as u32;
+                run.g.weight_rows(idx, dtype, n as u64, r0 as u64, rows as u64, cols)
+            };
+            let pi = view(&bytes(&q.packed), DType::U32, wpr);
+            let si = view(&q.scales.data, DType::BF16, g);
+            let bi = view(&q.biases.data, DType::BF16, g);
+            let o = run.g.op_with(OpCode::QuantMatMul, &[t as u64, rows as u64], &[xi, pi, si, bi], &[4, 64], &[]);
+            let got = run.execute(o);
+            let part = QuantWeight {
+                packed: vec![],
+                scales: FloatWeight { data: vec![], values: vec![] },
+                biases: FloatWeight { data: vec![], values: vec![] },
+                dequant: q.dequant[r0 * k..(r0 + rows) * k].to_vec(),
+            };
+            check_qmatmul(&format!("{} quantized row view {r0}+{rows}", ctx.name()), &got, &x, &part, t, k, rows);
+        }
+        // A view past the stored rows is refused.
+        let mut run = Run::new(ctx);
+        let xi = run.input_f32(&x, &[t as u64, k as u64]);
+        let whole = run.weight(&w.data, DType::F16, &[n as u64, k as u64]);
+        let idx = run.g.node(whole).iparams[0] as u32;
+        let wi = run.g.weight_rows(idx, DType::F16, n as u64, 70, 16, k as u64);
+        let o = run.g.op(OpCode::MatMul, &[t as u64, 16], &[xi, wi]);
+        assert!(run.try_execute(o).is_err_and(|m| m.contains("outside")), "a view past the weight's rows");
+    });
+}

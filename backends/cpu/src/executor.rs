@@ -257,10 +257,29 @@ fn bind_source<'a>(
             let idx = node.iparams[0] as usize;
             let h = *weights.get(idx).ok_or_else(|| e(format!("weight {idx} not bound")))?;
             let buf = unsafe { (h as *const Buffer).as_ref() }.ok_or_else(|| e(format!("weight {idx} is null")))?;
-            if buf.bytes().len() != expect_bytes {
-                return Err(e(format!("weight {idx} has {} bytes, expected {expect_bytes}", buf.bytes().len())));
+            let bytes = buf.bytes();
+            let (first, stored_rows) = (node.iparams[1], node.iparams[2]);
+            if stored_rows == 0 {
+                if bytes.len() != expect_bytes {
+                    return Err(e(format!("weight {idx} has {} bytes, expected {expect_bytes}", bytes.len())));
+                }
+                Val::Raw(bytes, node.dtype())
+            } else {
+                // A row-range view: rows first..first+rows of a [stored_rows, cols] tensor.
+                let row_bytes = node.cols() * node.dtype().size();
+                let rows = node.rows();
+                if first < 0 || stored_rows < 0 || first as usize + rows > stored_rows as usize {
+                    return Err(e(format!("rows {first}..+{rows} outside the weight's {stored_rows} rows")));
+                }
+                if bytes.len() != stored_rows as usize * row_bytes {
+                    return Err(e(format!(
+                        "weight {idx} has {} bytes, not {stored_rows} rows of {row_bytes}",
+                        bytes.len()
+                    )));
+                }
+                let start = first as usize * row_bytes;
+                Val::Raw(&bytes[start..start + expect_bytes], node.dtype())
             }
-            Val::Raw(buf.bytes(), node.dtype())
         }
         OpCode::Constant => {
             let (off, len) = (node.iparams[0] as usize, node.iparams[1] as usize);
