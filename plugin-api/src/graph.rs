@@ -79,7 +79,9 @@ pub enum OpCode {
     /// = rows of the stored tensor (0 = the node is the whole tensor), `iparams[1]` = the view's first
     /// row; the node's shape is the view's `[rows, cols]`, with the stored tensor's `cols`.
     Weight = 1,
-    /// Data carried in the graph's constant blob. `iparams[0]` = byte offset, `iparams[1]` = byte length.
+    /// Data carried in the graph's constant blob (little-endian, `F32` or `I32`). `iparams[0]` = byte
+    /// offset, `iparams[1]` = byte length. An `I32` constant can give per-row sequence indices for rows
+    /// that are not the step's tokens (after a strided [`OpCode::Conv1d`]).
     Constant = 2,
 
     /// `out[t, :] = table[ids[t], :]`. src: ids `I32 [T]`, table `[V, D]` float.
@@ -522,6 +524,22 @@ impl Graph {
             self.constants.extend_from_slice(&v.to_le_bytes());
         }
         let mut n = Node::new(OpCode::Constant, DType::F32, shape, &[]);
+        n.iparams[0] = off as i64;
+        n.iparams[1] = (values.len() * 4) as i64;
+        self.push(n)
+    }
+
+    /// An `I32` constant stored in the graph (e.g. the sequence index of each row of a strided
+    /// convolution's output).
+    pub fn constant_i32(&mut self, values: &[i32], shape: &[u64]) -> TensorId {
+        while self.constants.len() % 4 != 0 {
+            self.constants.push(0);
+        }
+        let off = self.constants.len();
+        for v in values {
+            self.constants.extend_from_slice(&v.to_le_bytes());
+        }
+        let mut n = Node::new(OpCode::Constant, DType::I32, shape, &[]);
         n.iparams[0] = off as i64;
         n.iparams[1] = (values.len() * 4) as i64;
         self.push(n)

@@ -1414,3 +1414,45 @@ fn row_views_of_a_fused_weight_match_its_parts() {
         assert!(run.try_execute(o).is_err_and(|m| m.contains("outside")), "a view past the weight's rows");
     });
 }
+
+/// After a strided convolution (Whisper's conv2) the rows are no longer the step's tokens: the family
+/// gives their sequence indices as an `I32` constant, which per-sequence ops read like the input.
+#[test]
+fn rows_after_a_strided_conv_take_sequence_indices_from_an_i32_constant() {
+    each_backend(|ctx, rng| {
+        let (c_in, c_out, k) = (6usize, 10usize, 3usize);
+        let lens = [9usize, 6];
+        let t: usize = lens.iter().sum();
+        let x = rng.vec(t * c_in, 1.0);
+        let w = float_weight(rng, c_out * k * c_in, DType::F32, 0.5);
+        let mut conv = Vec::new();
+        let mut out_lens = Vec::new();
+        let mut start = 0;
+        for &len in &lens {
+            let mut p = vec![0f64; c_in];
+            p.extend(x[start * c_in..(start + len) * c_in].iter().map(|&v| v as f64));
+            p.extend(vec![0f64; c_in]);
+            let o = ref_conv1d(&p, c_in, &w.values, None, c_out, k, 2, 1);
+            out_lens.push(o.len() / c_out);
+            conv.push(o);
+            start += len;
+        }
+        assert_eq!(out_lens, [5, 3]);
+        let mut run = Run::new(ctx);
+        let xi = run.input_f32(&x, &[t as u64, c_in as u64]);
+        let wi = run.weight(&w.data, DType::F32, &[c_out as u64, k as u64, c_in as u64]);
+        let si = run.input_i32(&seq_ids(&lens));
+        let ci = run.g.op_with(OpCode::Conv1d, &[8, c_out as u64], &[xi, wi, si], &[CONV_WHOLE, 2, 1, 1], &[]);
+        let rows_seq = run.g.constant_i32(&seq_ids(&out_lens), &[8]);
+        let o = run.g.op_with(OpCode::SegmentPool, &[2, c_out as u64], &[ci, rows_seq], &[POOL_MEAN], &[]);
+        let got = run.execute(o);
+        let want: Vec<f64> = conv
+            .iter()
+            .flat_map(|o| {
+                let n = o.len() / c_out;
+                (0..c_out).map(move |j| (0..n).map(|r| o[r * c_out + j]).sum::<f64>() / n as f64)
+            })
+            .collect();
+        check(&format!("{} strided conv then pooling by an i32 constant", ctx.name()), &got, &want, k * c_in * 5);
+    });
+}

@@ -127,6 +127,8 @@ enum Val<'a> {
     /// Not evaluated yet.
     Pending,
     Act(Vec<f32>),
+    /// An `I32` constant, decoded (the constant blob has no alignment promise).
+    Ints(Vec<i32>),
     Raw(&'a [u8], DType),
     Freed,
 }
@@ -143,6 +145,7 @@ fn floats<'a>(v: &'a Val, what: &str) -> Result<Floats<'a>, String> {
         Val::Raw(b, DType::F16) => Ok(Floats::F16(as_u16(b))),
         Val::Raw(b, DType::BF16) => Ok(Floats::BF16(as_u16(b))),
         Val::Raw(_, d) => Err(format!("{what} has dtype {}, expected a float", d.name())),
+        Val::Ints(_) => Err(format!("{what} has dtype i32, expected a float")),
         Val::Freed => Err(format!("{what} was read after its last use")),
         Val::Pending => Err(format!("{what} was read before it was computed")),
     }
@@ -162,6 +165,7 @@ fn f32s<'a>(v: &'a Val, what: &str) -> Result<Cow<'a, [f32]>, String> {
 fn ints<'a>(v: &'a Val, what: &str) -> Result<&'a [i32], String> {
     match v {
         Val::Raw(b, DType::I32) => Ok(as_i32(b)),
+        Val::Ints(v) => Ok(v),
         _ => Err(format!("{what} must be i32")),
     }
 }
@@ -183,7 +187,7 @@ pub fn supports(node: &Node) -> bool {
         OpCode::Input | OpCode::Weight => {
             matches!(node.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::I32 | DType::U32)
         }
-        OpCode::Constant => node.dtype() == DType::F32,
+        OpCode::Constant => matches!(node.dtype(), DType::F32 | DType::I32),
         OpCode::QuantMatMul | OpCode::QuantEmbedding => {
             matches!(node.iparams[0], 2 | 3 | 4 | 5 | 6 | 8) && matches!(node.iparams[1], 32 | 64 | 128)
         }
@@ -286,11 +290,16 @@ fn bind_source<'a>(
             if off.checked_add(len).is_none_or(|end| end > constants.len()) || len != expect_bytes {
                 return Err(e("constant out of the graph's constant blob".into()));
             }
-            let mut v = ctx.take(len / 4);
-            for (d, c) in v.iter_mut().zip(constants[off..off + len].chunks_exact(4)) {
-                *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            let words = constants[off..off + len].chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]);
+            if node.dtype() == DType::I32 {
+                Val::Ints(words.map(i32::from_le_bytes).collect())
+            } else {
+                let mut v = ctx.take(len / 4);
+                for (d, w) in v.iter_mut().zip(words) {
+                    *d = f32::from_le_bytes(w);
+                }
+                Val::Act(v)
             }
-            Val::Act(v)
         }
         _ => return Err(e("not a source node".into())),
     })
