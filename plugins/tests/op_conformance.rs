@@ -990,6 +990,25 @@ fn step_attention_matches_reference_per_sequence() {
                     ctx.name()
                 );
                 check(&what, &got, &want, dh);
+                // Batch invariance: each sequence alone gives its rows of the batched result bit for bit.
+                let mut start = 0;
+                for &len in lens.iter().filter(|_| lens.len() > 1) {
+                    let rows = |x: &[f32], w: usize| x[start * w..(start + len) * w].to_vec();
+                    let mut run = Run::new(ctx);
+                    let qi = run.input_f32(&rows(&q, hq * dh), &[len as u64, (hq * dh) as u64]);
+                    let ki = run.input_f32(&rows(&k, kv_row), &[len as u64, kv_row as u64]);
+                    let vi = run.input_f32(&rows(&v, kv_row), &[len as u64, kv_row as u64]);
+                    let si = run.input_i32(&vec![0; len]);
+                    let o = run.g.op_with(
+                        OpCode::StepAttention,
+                        &[len as u64, (hq * dh) as u64],
+                        &[qi, ki, vi, si],
+                        &[hq as i64, hkv as i64, dh as i64, causal as i64, window as i64],
+                        &[scale as f32, softcap],
+                    );
+                    assert_eq!(run.execute(o), rows(&got, hq * dh), "{what}: a sequence of {len} alone");
+                    start += len;
+                }
             }
         }
     });

@@ -15,7 +15,7 @@ use crate::buffer::{as_f32, as_i32, as_u16, Buffer};
 use crate::isa::Isa;
 use crate::kernels::attention::{self, AttentionScratch, AttentionShape, PagedLayout};
 use crate::kernels::attention_step::{self, Mask};
-use crate::kernels::conv1d::{self, ConvShape};
+use crate::kernels::conv1d::{self, ConvShape, Padding};
 use crate::kernels::cross_attention;
 use crate::kernels::elementwise::{self as ew, binary, unary};
 use crate::kernels::int_dot::IntActs;
@@ -1036,47 +1036,20 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                         let sh = ConvShape { c_in, c_out, kernel, stride, groups };
                         let n_seqs = if causal { batch.as_ref().map_or(0, |b| b.n_seqs as usize) } else { t };
                         let segs = segments(seq, n_seqs).map_err(e)?;
-                        let carry = kernel - 1;
-                        let pad_rows = if causal { carry } else { pad };
-                        let out_rows: Vec<usize> = segs
-                            .iter()
-                            .map(|s| sh.out_rows(s.len() + pad_rows + if causal { 0 } else { pad }))
-                            .collect();
-                        if out_rows.iter().sum::<usize>() != node.rows() {
-                            return Err(e(format!(
-                                "output has {} rows, the sequences give {}",
-                                node.rows(),
-                                out_rows.iter().sum::<usize>()
-                            )));
-                        }
-                        let (mut state, rows) = if causal {
+                        let rows;
+                        let padding = if causal {
                             let state = state_buffer(&kv, node.iparams[4] as usize).map_err(e)?;
-                            let rows = state_rows(batch.as_ref(), &segs, carry * c_in, state.len()).map_err(e)?;
-                            (Some(state), rows)
+                            rows = state_rows(batch.as_ref(), &segs, (kernel - 1) * c_in, state.len()).map_err(e)?;
+                            Padding::Carried { state, rows: &rows }
                         } else {
-                            (None, Vec::new())
+                            Padding::Zeros(pad)
                         };
-                        let mut padded = ctx.take(0);
-                        let mut o0 = 0;
-                        for (i, s) in segs.iter().enumerate() {
-                            // This sequence's input: carried rows (or zeros), its rows, zeros.
-                            let tail = if causal { 0 } else { pad };
-                            padded.clear();
-                            padded.resize((pad_rows + s.len() + tail) * c_in, 0.0);
-                            if let Some(st) = &state {
-                                padded[..carry * c_in].copy_from_slice(&st[rows[i] * carry * c_in..][..carry * c_in]);
-                            }
-                            padded[pad_rows * c_in..(pad_rows + s.len()) * c_in]
-                                .copy_from_slice(&x[s.start * c_in..s.end * c_in]);
-                            let o = &mut out[o0 * c_out..(o0 + out_rows[i]) * c_out];
-                            conv1d::conv1d(isa, threads, sh, &padded, &w, &bias, o);
-                            o0 += out_rows[i];
-                            if let Some(st) = state.as_deref_mut() {
-                                let n = padded.len();
-                                st[rows[i] * carry * c_in..][..carry * c_in]
-                                    .copy_from_slice(&padded[n - carry * c_in..]);
-                            }
+                        let n_out: usize = padding.out_rows(&sh, &segs).iter().sum();
+                        if n_out != node.rows() {
+                            return Err(e(format!("output has {} rows, the sequences give {n_out}", node.rows())));
                         }
+                        let mut padded = ctx.take(0);
+                        conv1d::conv1d_segments(isa, threads, sh, &x, &segs, padding, &w, &bias, &mut out, &mut padded);
                         ctx.give(padded);
                     }
                     OpCode::Input | OpCode::Weight | OpCode::Constant => unreachable!(),

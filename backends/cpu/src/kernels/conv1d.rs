@@ -9,7 +9,7 @@
 use rayon::prelude::*;
 
 use super::matmul::{gemm_strided, tile_rows};
-use super::SharedMut;
+use super::{Segment, SharedMut};
 use crate::isa::Isa;
 use crate::simd_kernel;
 
@@ -32,6 +32,66 @@ impl ConvShape {
             0
         } else {
             (rows - self.kernel) / self.stride + 1
+        }
+    }
+}
+
+/// What comes before (and after) each sequence's rows.
+pub enum Padding<'a> {
+    /// This many zero rows on each side.
+    Zeros(usize),
+    /// Causal: the `K − 1` input rows carried from the sequence's earlier steps (`[K − 1, C_in]` at
+    /// row `rows[i]` of `state` for segment `i`), replaced by its last `K − 1` rows after the step.
+    Carried { state: &'a mut [f32], rows: &'a [usize] },
+}
+
+impl Padding<'_> {
+    /// Rows before and after a sequence's own.
+    fn rows(&self, sh: &ConvShape) -> (usize, usize) {
+        match self {
+            Padding::Zeros(p) => (*p, *p),
+            Padding::Carried { .. } => (sh.kernel - 1, 0),
+        }
+    }
+
+    /// Output rows of each segment.
+    pub fn out_rows(&self, sh: &ConvShape, segs: &[Segment]) -> Vec<usize> {
+        let (before, after) = self.rows(sh);
+        segs.iter().map(|s| sh.out_rows(before + s.len() + after)).collect()
+    }
+}
+
+/// Convolves each segment of `x [T, C_in]` over its padded rows into consecutive rows of `out`
+/// (`Padding::out_rows` rows per segment, which the caller checked `out` holds). `padded` is scratch.
+#[allow(clippy::too_many_arguments)]
+pub fn conv1d_segments(
+    isa: Isa,
+    threads: usize,
+    sh: ConvShape,
+    x: &[f32],
+    segs: &[Segment],
+    mut padding: Padding,
+    w: &[f32],
+    bias: &[f32],
+    out: &mut [f32],
+    padded: &mut Vec<f32>,
+) {
+    let (c_in, c_out) = (sh.c_in, sh.c_out);
+    let (before, after) = padding.rows(&sh);
+    let carry = (sh.kernel - 1) * c_in;
+    let out_rows = padding.out_rows(&sh, segs);
+    let mut o0 = 0;
+    for (i, s) in segs.iter().enumerate() {
+        padded.clear();
+        padded.resize((before + s.len() + after) * c_in, 0.0);
+        if let Padding::Carried { state, rows } = &padding {
+            padded[..carry].copy_from_slice(&state[rows[i] * carry..][..carry]);
+        }
+        padded[before * c_in..(before + s.len()) * c_in].copy_from_slice(&x[s.start * c_in..s.end * c_in]);
+        conv1d(isa, threads, sh, padded, w, bias, &mut out[o0 * c_out..(o0 + out_rows[i]) * c_out]);
+        o0 += out_rows[i];
+        if let Padding::Carried { state, rows } = &mut padding {
+            state[rows[i] * carry..][..carry].copy_from_slice(&padded[padded.len() - carry..]);
         }
     }
 }
