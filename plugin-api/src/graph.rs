@@ -515,33 +515,23 @@ impl Graph {
 
     /// An `F32` constant stored in the graph.
     pub fn constant_f32(&mut self, values: &[f32], shape: &[u64]) -> TensorId {
-        // Keep constants 4-byte aligned relative to the blob start.
-        while self.constants.len() % 4 != 0 {
-            self.constants.push(0);
-        }
-        let off = self.constants.len();
-        for v in values {
-            self.constants.extend_from_slice(&v.to_le_bytes());
-        }
-        let mut n = Node::new(OpCode::Constant, DType::F32, shape, &[]);
-        n.iparams[0] = off as i64;
-        n.iparams[1] = (values.len() * 4) as i64;
-        self.push(n)
+        self.constant_words(values.iter().map(|v| v.to_le_bytes()), DType::F32, shape)
     }
 
     /// An `I32` constant stored in the graph (e.g. the sequence index of each row of a strided
     /// convolution's output).
     pub fn constant_i32(&mut self, values: &[i32], shape: &[u64]) -> TensorId {
-        while self.constants.len() % 4 != 0 {
-            self.constants.push(0);
-        }
+        self.constant_words(values.iter().map(|v| v.to_le_bytes()), DType::I32, shape)
+    }
+
+    /// A constant of 4-byte values, kept 4-byte aligned relative to the blob start.
+    fn constant_words(&mut self, words: impl Iterator<Item = [u8; 4]>, dtype: DType, shape: &[u64]) -> TensorId {
+        self.constants.resize(self.constants.len().next_multiple_of(4), 0);
         let off = self.constants.len();
-        for v in values {
-            self.constants.extend_from_slice(&v.to_le_bytes());
-        }
-        let mut n = Node::new(OpCode::Constant, DType::I32, shape, &[]);
+        self.constants.extend(words.flatten());
+        let mut n = Node::new(OpCode::Constant, dtype, shape, &[]);
         n.iparams[0] = off as i64;
-        n.iparams[1] = (values.len() * 4) as i64;
+        n.iparams[1] = (self.constants.len() - off) as i64;
         self.push(n)
     }
 
