@@ -272,10 +272,13 @@ fn bind_source<'a>(
                 // A row-range view: rows first..first+rows of a [stored_rows, cols] tensor.
                 let row_bytes = node.cols() * node.dtype().size();
                 let rows = node.rows();
-                if first < 0 || stored_rows < 0 || first as usize + rows > stored_rows as usize {
+                if first < 0
+                    || stored_rows < 0
+                    || (first as usize).checked_add(rows).is_none_or(|end| end > stored_rows as usize)
+                {
                     return Err(e(format!("rows {first}..+{rows} outside the weight's {stored_rows} rows")));
                 }
-                if bytes.len() != stored_rows as usize * row_bytes {
+                if (stored_rows as usize).checked_mul(row_bytes) != Some(bytes.len()) {
                     return Err(e(format!(
                         "weight {idx} has {} bytes, not {stored_rows} rows of {row_bytes}",
                         bytes.len()
