@@ -6,16 +6,22 @@ use std::borrow::Cow;
 
 use mlxcel_plugin_api::{
     read_versioned, read_versioned_array, slice_from, BufferHandle, ComputeArgs, DType, HostTensor, KvBinding,
-    KvGroupTables, Node, OpCode, PluginError, StepBatch, NO_BLOCK,
+    KvGroupTables, Node, OpCode, PluginError, StepBatch, CONV_CAUSAL_STATE, CONV_WHOLE, NO_BLOCK, POOL_FIRST,
+    POOL_LAST, POOL_MEAN,
 };
+use rayon::prelude::*;
 
 use crate::buffer::{as_f32, as_i32, as_u16, Buffer};
 use crate::isa::Isa;
 use crate::kernels::attention::{self, AttentionScratch, AttentionShape, PagedLayout};
+use crate::kernels::attention_step::{self, Mask};
+use crate::kernels::conv1d::{self, ConvShape, Padding};
+use crate::kernels::cross_attention;
 use crate::kernels::elementwise::{self as ew, binary, unary};
 use crate::kernels::int_dot::IntActs;
+use crate::kernels::pooling::{segment_pool, Pool};
 use crate::kernels::quantized::{self, QuantMatrix, QuantPath};
-use crate::kernels::{matmul, norm, rope, Floats};
+use crate::kernels::{matmul, norm, rope, segments, softmax, Floats, Segment};
 
 /// A backend context: worker pool, kernel path, and recycled scratch.
 pub struct CpuContext {
@@ -121,6 +127,8 @@ enum Val<'a> {
     /// Not evaluated yet.
     Pending,
     Act(Vec<f32>),
+    /// An `I32` constant, decoded (the constant blob has no alignment promise).
+    Ints(Vec<i32>),
     Raw(&'a [u8], DType),
     Freed,
 }
@@ -137,6 +145,7 @@ fn floats<'a>(v: &'a Val, what: &str) -> Result<Floats<'a>, String> {
         Val::Raw(b, DType::F16) => Ok(Floats::F16(as_u16(b))),
         Val::Raw(b, DType::BF16) => Ok(Floats::BF16(as_u16(b))),
         Val::Raw(_, d) => Err(format!("{what} has dtype {}, expected a float", d.name())),
+        Val::Ints(_) => Err(format!("{what} has dtype i32, expected a float")),
         Val::Freed => Err(format!("{what} was read after its last use")),
         Val::Pending => Err(format!("{what} was read before it was computed")),
     }
@@ -156,6 +165,7 @@ fn f32s<'a>(v: &'a Val, what: &str) -> Result<Cow<'a, [f32]>, String> {
 fn ints<'a>(v: &'a Val, what: &str) -> Result<&'a [i32], String> {
     match v {
         Val::Raw(b, DType::I32) => Ok(as_i32(b)),
+        Val::Ints(v) => Ok(v),
         _ => Err(format!("{what} must be i32")),
     }
 }
@@ -177,10 +187,14 @@ pub fn supports(node: &Node) -> bool {
         OpCode::Input | OpCode::Weight => {
             matches!(node.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::I32 | DType::U32)
         }
-        OpCode::Constant => node.dtype() == DType::F32,
+        OpCode::Constant => matches!(node.dtype(), DType::F32 | DType::I32),
         OpCode::QuantMatMul | OpCode::QuantEmbedding => {
             matches!(node.iparams[0], 2 | 3 | 4 | 5 | 6 | 8) && matches!(node.iparams[1], 32 | 64 | 128)
         }
+        OpCode::SegmentPool => {
+            node.dtype() == DType::F32 && matches!(node.iparams[0], POOL_MEAN | POOL_FIRST | POOL_LAST)
+        }
+        OpCode::Conv1d => node.dtype() == DType::F32 && matches!(node.iparams[0], CONV_WHOLE | CONV_CAUSAL_STATE),
         _ => node.dtype() == DType::F32,
     }
 }
@@ -247,21 +261,48 @@ fn bind_source<'a>(
             let idx = node.iparams[0] as usize;
             let h = *weights.get(idx).ok_or_else(|| e(format!("weight {idx} not bound")))?;
             let buf = unsafe { (h as *const Buffer).as_ref() }.ok_or_else(|| e(format!("weight {idx} is null")))?;
-            if buf.bytes().len() != expect_bytes {
-                return Err(e(format!("weight {idx} has {} bytes, expected {expect_bytes}", buf.bytes().len())));
+            let bytes = buf.bytes();
+            let (first, stored_rows) = (node.iparams[1], node.iparams[2]);
+            if stored_rows == 0 {
+                if bytes.len() != expect_bytes {
+                    return Err(e(format!("weight {idx} has {} bytes, expected {expect_bytes}", bytes.len())));
+                }
+                Val::Raw(bytes, node.dtype())
+            } else {
+                // A row-range view: rows first..first+rows of a [stored_rows, cols] tensor.
+                let row_bytes = node.cols() * node.dtype().size();
+                let rows = node.rows();
+                if first < 0
+                    || stored_rows < 0
+                    || (first as usize).checked_add(rows).is_none_or(|end| end > stored_rows as usize)
+                {
+                    return Err(e(format!("rows {first}..+{rows} outside the weight's {stored_rows} rows")));
+                }
+                if (stored_rows as usize).checked_mul(row_bytes) != Some(bytes.len()) {
+                    return Err(e(format!(
+                        "weight {idx} has {} bytes, not {stored_rows} rows of {row_bytes}",
+                        bytes.len()
+                    )));
+                }
+                let start = first as usize * row_bytes;
+                Val::Raw(&bytes[start..start + expect_bytes], node.dtype())
             }
-            Val::Raw(buf.bytes(), node.dtype())
         }
         OpCode::Constant => {
             let (off, len) = (node.iparams[0] as usize, node.iparams[1] as usize);
             if off.checked_add(len).is_none_or(|end| end > constants.len()) || len != expect_bytes {
                 return Err(e("constant out of the graph's constant blob".into()));
             }
-            let mut v = ctx.take(len / 4);
-            for (d, c) in v.iter_mut().zip(constants[off..off + len].chunks_exact(4)) {
-                *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            let words = constants[off..off + len].chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]);
+            if node.dtype() == DType::I32 {
+                Val::Ints(words.map(i32::from_le_bytes).collect())
+            } else {
+                let mut v = ctx.take(len / 4);
+                for (d, w) in v.iter_mut().zip(words) {
+                    *d = f32::from_le_bytes(w);
+                }
+                Val::Act(v)
             }
-            Val::Act(v)
         }
         _ => return Err(e("not a source node".into())),
     })
@@ -388,6 +429,44 @@ fn fusable_after<'a>(
     Ok(n)
 }
 
+/// Attention parameters from a node's heads and its score scale / soft-cap (`fparams[0..2]`).
+fn attention_shape(hq: usize, hkv: usize, dh: usize, node: &Node) -> AttentionShape {
+    AttentionShape {
+        n_heads: hq,
+        n_kv_heads: hkv,
+        head_dim: dh,
+        window: 0,
+        scale: node.fparams[0],
+        softcap: node.fparams[1],
+    }
+}
+
+/// Layer `layer`'s recurrent-state buffer as f32.
+fn state_buffer<'a>(kv: &[KvBinding], layer: usize) -> Result<&'a mut [f32], String> {
+    let b = kv.get(layer).ok_or_else(|| format!("state layer {layer} not bound"))?;
+    // SAFETY: a handle the host bound for this layer, alive for the call; only this op touches it now.
+    let buf = unsafe { (b.state as *mut Buffer).as_mut() }.ok_or_else(|| format!("layer {layer} has no state"))?;
+    let bytes = buf.bytes_mut().ok_or_else(|| "state must be an allocated buffer".to_string())?;
+    Ok(crate::buffer::as_f32_mut(bytes))
+}
+
+/// The state row of each segment's sequence (`StepBatch::seq_state_slots`), checked to fit a buffer of
+/// `len` f32 in rows of `row_elems`.
+fn state_rows(batch: Option<&StepBatch>, segs: &[Segment], row_elems: usize, len: usize) -> Result<Vec<usize>, String> {
+    let b = batch.ok_or("no step batch given")?;
+    // SAFETY: the host guarantees the batch's arrays for the sizes it states.
+    let slots = unsafe { slice_from(b.seq_state_slots, b.n_seqs as usize) };
+    segs.iter()
+        .map(|s| {
+            let slot = *slots.get(s.seq).ok_or_else(|| format!("sequence {} has no state slot", s.seq))? as usize;
+            if (slot + 1) * row_elems > len {
+                return Err(format!("state row {slot} of {row_elems} values lies beyond the buffer ({len} values)"));
+            }
+            Ok(slot)
+        })
+        .collect()
+}
+
 fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), PluginError> {
     // Quantized activations are keyed by node id, which only means something within one graph run.
     ctx.int_scratch.key = None;
@@ -431,6 +510,9 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
             (Some(OpCode::GetRows), Some(&x)) if (x as usize) < i && owners[x as usize] == RowOwners::Tokens => {
                 RowOwners::Selected(i)
             }
+            // Rows that are no longer one per token, whatever their count.
+            (Some(OpCode::SegmentPool | OpCode::StoreCrossKv), _) => RowOwners::Unknown,
+            (Some(OpCode::Conv1d), _) if n.iparams[1] != 1 => RowOwners::Unknown,
             (Some(op), Some(&x))
                 if !matches!(op, OpCode::GetRows) && (x as usize) < i && nodes[x as usize].rows() == n.rows() =>
             {
@@ -791,6 +873,187 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                             softcap: node.fparams[1],
                         };
                         attention::attention(isa, &layout, shape, &q, kc, vc, &mut out, &mut ctx.attention_scratch);
+                    }
+                    OpCode::Slice => {
+                        need(1)?;
+                        let x = f32s(v(0), "x").map_err(e)?;
+                        let (c, c0, c1) = (sn(0).cols(), node.iparams[0], node.iparams[1]);
+                        if c0 < 0 || c1 <= c0 || c1 as usize > c {
+                            return Err(e(format!("column range {c0}..{c1} outside 0..{c}")));
+                        }
+                        let (c0, w) = (c0 as usize, (c1 - c0) as usize);
+                        if node.cols() != w || node.rows() != sn(0).rows() {
+                            return Err(e(format!("output must be [{}, {w}]", sn(0).rows())));
+                        }
+                        out.par_chunks_mut(w)
+                            .zip(x.par_chunks(c))
+                            .for_each(|(o, xr)| o.copy_from_slice(&xr[c0..c0 + w]));
+                    }
+                    OpCode::Softmax | OpCode::L2Normalize => {
+                        need(1)?;
+                        let x = f32s(v(0), "x").map_err(e)?;
+                        let c = sn(0).cols();
+                        if x.len() != node.numel() || node.cols() != c {
+                            return Err(e("output must have the input's shape".into()));
+                        }
+                        if op == OpCode::Softmax {
+                            let d = if node.iparams[0] == 0 { c } else { node.iparams[0].max(0) as usize };
+                            if d == 0 || c % d != 0 {
+                                return Err(e(format!("group width {d} does not divide {c} columns")));
+                            }
+                            softmax::softmax(isa, &x, d, &mut out);
+                        } else {
+                            let eps = if node.fparams[0] > 0.0 { node.fparams[0] } else { 1e-12 };
+                            norm::l2_normalize(&x, c, eps, &mut out);
+                        }
+                    }
+                    OpCode::SegmentPool => {
+                        need(2)?;
+                        let x = f32s(v(0), "x").map_err(e)?;
+                        let seq = ints(v(1), "seq").map_err(e)?;
+                        let (t, c, n) = (sn(0).rows(), sn(0).cols(), node.rows());
+                        if seq.len() != t || node.cols() != c {
+                            return Err(e(format!("x [{t}, {c}] with {} sequence indices", seq.len())));
+                        }
+                        if let Some(&s) = seq.iter().find(|&&s| s < 0 || s as usize >= n) {
+                            return Err(e(format!("sequence index {s} out of range for {n} output rows")));
+                        }
+                        let pool = match node.iparams[0] {
+                            POOL_MEAN => Pool::Mean,
+                            POOL_FIRST => Pool::First,
+                            POOL_LAST => Pool::Last,
+                            p => return Err(e(format!("unknown pooling {p}"))),
+                        };
+                        segment_pool(&x, c, seq, pool, &mut out);
+                    }
+                    OpCode::StepAttention => {
+                        need(4)?;
+                        let (hq, hkv, dh) =
+                            (node.iparams[0] as usize, node.iparams[1] as usize, node.iparams[2] as usize);
+                        if hq == 0 || hkv == 0 || dh == 0 || hq % hkv != 0 {
+                            return Err(e(format!("bad head counts {hq}/{hkv} x {dh}")));
+                        }
+                        let q = f32s(v(0), "q").map_err(e)?;
+                        let kx = f32s(v(1), "k").map_err(e)?;
+                        let vx = f32s(v(2), "v").map_err(e)?;
+                        let seq = ints(v(3), "seq").map_err(e)?;
+                        let t = seq.len();
+                        if q.len() != t * hq * dh || kx.len() != t * hkv * dh || vx.len() != t * hkv * dh {
+                            return Err(e(format!("q/k/v shapes do not match {t} rows of {hq}/{hkv} heads x {dh}")));
+                        }
+                        if node.numel() != q.len() {
+                            return Err(e("output must have q's shape".into()));
+                        }
+                        let segs = segments(seq, t).map_err(e)?;
+                        let mask = Mask { causal: node.iparams[3] == 1, window: node.iparams[4].max(0) as usize };
+                        let shape = attention_shape(hq, hkv, dh, node);
+                        attention_step::step_attention(isa, shape, mask, &segs, &q, &kx, &vx, &mut out);
+                    }
+                    OpCode::StoreCrossKv => {
+                        need(3)?;
+                        let layer = node.iparams[0] as usize;
+                        let (hkv, dh, max_len) =
+                            (node.iparams[1] as usize, node.iparams[2] as usize, node.iparams[3] as usize);
+                        let kv_row = hkv * dh;
+                        let kx = f32s(v(0), "k").map_err(e)?;
+                        let vx = f32s(v(1), "v").map_err(e)?;
+                        let seq = ints(v(2), "seq").map_err(e)?;
+                        if kv_row == 0 || kx.len() != seq.len() * kv_row || vx.len() != kx.len() {
+                            return Err(e(format!("k/v must be [{}, {hkv} x {dh}]", seq.len())));
+                        }
+                        let n_seqs = batch.as_ref().map_or(0, |b| b.n_seqs as usize);
+                        let segs = segments(seq, n_seqs).map_err(e)?;
+                        if let Some(s) = segs.iter().find(|s| s.len() > max_len) {
+                            return Err(e(format!("sequence {} has {} rows, more than {max_len}", s.seq, s.len())));
+                        }
+                        let re = cross_attention::row_elems(max_len, kv_row);
+                        let state = state_buffer(&kv, layer).map_err(e)?;
+                        let rows = state_rows(batch.as_ref(), &segs, re, state.len()).map_err(e)?;
+                        cross_attention::store(&kx, &vx, kv_row, &segs, &rows, max_len, state);
+                    }
+                    OpCode::CrossAttention => {
+                        need(2)?;
+                        let layer = node.iparams[0] as usize;
+                        let (hq, hkv, dh) =
+                            (node.iparams[1] as usize, node.iparams[2] as usize, node.iparams[3] as usize);
+                        let max_len = node.iparams[4].max(0) as usize;
+                        if hq == 0 || hkv == 0 || dh == 0 || hq % hkv != 0 {
+                            return Err(e(format!("bad head counts {hq}/{hkv} x {dh}")));
+                        }
+                        let q = f32s(v(0), "q").map_err(e)?;
+                        let seq = ints(v(1), "seq").map_err(e)?;
+                        if q.len() != seq.len() * hq * dh || node.numel() != q.len() {
+                            return Err(e(format!("q and the output must be [{}, {hq} x {dh}]", seq.len())));
+                        }
+                        let n_seqs = batch.as_ref().map_or(0, |b| b.n_seqs as usize);
+                        let segs = segments(seq, n_seqs).map_err(e)?;
+                        let kv_row = hkv * dh;
+                        let re = cross_attention::row_elems(max_len, kv_row);
+                        let state = state_buffer(&kv, layer).map_err(e)?;
+                        let rows = state_rows(batch.as_ref(), &segs, re, state.len()).map_err(e)?;
+                        let lens: Vec<usize> =
+                            rows.iter().map(|&r| cross_attention::stored_len(state, r, max_len, kv_row)).collect();
+                        if let Some(&n) = lens.iter().find(|&&n| n > max_len) {
+                            return Err(e(format!(
+                                "state holds {n} rows, more than {max_len}: not a StoreCrossKv row"
+                            )));
+                        }
+                        let shape = attention_shape(hq, hkv, dh, node);
+                        cross_attention::cross_attention(isa, shape, &segs, &rows, &lens, max_len, &q, state, &mut out);
+                    }
+                    OpCode::Conv1d => {
+                        need(3)?;
+                        let x = f32s(v(0), "x").map_err(e)?;
+                        let w = f32s(v(1), "w").map_err(e)?;
+                        let seq = ints(v(2), "seq").map_err(e)?;
+                        let (t, c_in) = (sn(0).rows(), sn(0).cols());
+                        let wd = sn(1).dims();
+                        let groups = if node.iparams[3] == 0 { 1 } else { node.iparams[3].max(0) as usize };
+                        let c_out = node.cols();
+                        let stride = node.iparams[1].max(0) as usize;
+                        let pad = node.iparams[2].max(0) as usize;
+                        let causal = match node.iparams[0] {
+                            CONV_WHOLE => false,
+                            CONV_CAUSAL_STATE => true,
+                            m => return Err(e(format!("unknown convolution mode {m}"))),
+                        };
+                        if wd.len() != 3 || groups == 0 || c_in % groups != 0 || c_out % groups != 0 {
+                            return Err(e(format!(
+                                "w must be [C_out, K, C_in/groups] with groups dividing {c_in} and {c_out}"
+                            )));
+                        }
+                        let kernel = wd[1] as usize;
+                        if wd[0] as usize != c_out || wd[2] as usize != c_in / groups || kernel == 0 {
+                            return Err(e(format!("w is {wd:?}, expected [{c_out}, K, {}]", c_in / groups)));
+                        }
+                        if stride == 0 || seq.len() != t {
+                            return Err(e(format!("stride {stride}, {} sequence indices for {t} rows", seq.len())));
+                        }
+                        if causal && (stride != 1 || pad != 0) {
+                            return Err(e("a causal convolution with state has stride 1 and no padding".into()));
+                        }
+                        let bias = if src.len() > 3 { f32s(v(3), "bias").map_err(e)? } else { Cow::Borrowed(&[][..]) };
+                        if !bias.is_empty() && bias.len() != c_out {
+                            return Err(e(format!("bias has {} values, expected {c_out}", bias.len())));
+                        }
+                        let sh = ConvShape { c_in, c_out, kernel, stride, groups };
+                        let n_seqs = if causal { batch.as_ref().map_or(0, |b| b.n_seqs as usize) } else { t };
+                        let segs = segments(seq, n_seqs).map_err(e)?;
+                        let rows;
+                        let padding = if causal {
+                            let state = state_buffer(&kv, node.iparams[4] as usize).map_err(e)?;
+                            rows = state_rows(batch.as_ref(), &segs, (kernel - 1) * c_in, state.len()).map_err(e)?;
+                            Padding::Carried { state, rows: &rows }
+                        } else {
+                            Padding::Zeros(pad)
+                        };
+                        let n_out: usize = padding.out_rows(&sh, &segs).iter().sum();
+                        if n_out != node.rows() {
+                            return Err(e(format!("output has {} rows, the sequences give {n_out}", node.rows())));
+                        }
+                        let mut padded = ctx.take(0);
+                        conv1d::conv1d_segments(isa, threads, sh, &x, &segs, padding, &w, &bias, &mut out, &mut padded);
+                        ctx.give(padded);
                     }
                     OpCode::Input | OpCode::Weight | OpCode::Constant => unreachable!(),
                 }
