@@ -783,6 +783,31 @@ fn bad_graphs_are_refused_with_a_message_not_a_crash() {
         let o = run.g.op(OpCode::Embedding, &[1, 3], &[ii, wi]);
         let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run.execute(o)));
         assert!(res.is_err(), "out-of-range token id must be an error");
+        // Expert ids that are not ids of the experts given (beyond them, or not integers).
+        let panic_message = |r: std::thread::Result<Vec<f32>>| match r {
+            Ok(_) => String::new(),
+            Err(p) => p.downcast_ref::<String>().cloned().unwrap_or_default(),
+        };
+        let q = quant_weight(rng, 2 * 4, 64, 4, 32, DType::F16);
+        for bad_id in [2.0f32, 1.5, -1.0] {
+            let x = rng.vec(64, 1.0);
+            let mut run = Run::new(ctx);
+            let xi = run.input_f32(&x, &[1, 64]);
+            let ii = run.input_f32(&[0.0, bad_id], &[1, 2]);
+            let pi = run.weight(&bytes(&q.packed), DType::U32, &[2, 4, 8]);
+            let si = run.weight(&q.scales.data, DType::F16, &[2, 4, 2]);
+            let bi = run.weight(&q.biases.data, DType::F16, &[2, 4, 2]);
+            let o = run.g.op_with(OpCode::GatherQuantMatMul, &[1, 2, 4], &[xi, ii, pi, si, bi], &[4, 32], &[]);
+            let msg = panic_message(std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run.execute(o))));
+            assert!(msg.contains("GatherQuantMatMul") && msg.contains("expert index"), "expert id {bad_id}: {msg:?}");
+        }
+        // A top-k wider than its rows.
+        let x = rng.vec(6, 1.0);
+        let mut run = Run::new(ctx);
+        let xi = run.input_f32(&x, &[2, 3]);
+        let o = run.g.op_with(OpCode::TopK, &[2, 4], &[xi], &[4, TOPK_INDICES, 1, 0], &[]);
+        let msg = panic_message(std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run.execute(o))));
+        assert!(msg.contains("TopK"), "{msg:?}");
     });
 }
 
