@@ -976,11 +976,14 @@ fn gathered_quantized_matmul_matches_reference() {
     each_backend(|ctx, rng| {
         for bits in [2usize, 3, 4, 5, 6, 8] {
             for group in [32usize, 64, 128] {
-                // Decode, the 4-bit multi-token passes, row dots / int16, and the float-tile path (≥ 64 tokens).
+                // Decode, the 4-bit multi-token passes, a long step whose experts each get fewer than 64 rows
+                // (int16 or row dots), and one whose experts get 64 or more (float tiles through gemm).
                 let shapes = [
                     (1usize, 2usize, 4usize, 128usize, 9usize, DType::F16),
                     (9, 3, 6, 256, 40, DType::BF16),
                     (70, 2, 3, 128, 17, DType::F32),
+                    // Each of 2 experts gets all 70 rows: dequantized tiles through gemm.
+                    (70, 2, 2, 128, 9, DType::F16),
                 ];
                 for &(t, k, ne, kdim, n, sd) in &shapes {
                     // The stack [E, N, K] is laid out as an [E·N, K] matrix.

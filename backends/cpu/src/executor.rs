@@ -533,7 +533,8 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
         let mut fused_ids = [0usize; MAX_FUSED - 1];
         // Kernel paths for a matmul's rows, chosen per sequence (batch invariance).
         let bits = node.iparams[0] as usize;
-        let path = |n: usize| {
+        let int_enabled = ctx.int_activations;
+        let path = move |n: usize| {
             if matches!(op, OpCode::MatMul | OpCode::GatherMatMul) {
                 if n <= matmul::ROW_DOT_MAX_TOKENS {
                     QuantPath::RowDot
@@ -541,7 +542,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                     QuantPath::Tiles
                 }
             } else {
-                QuantPath::for_sequence(isa, bits, n, ctx.int_activations)
+                QuantPath::for_sequence(isa, bits, n, int_enabled)
             }
         };
         // And where each sequence's rows end (kernels that group rows never group across them).
@@ -558,20 +559,16 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
         } else {
             (Vec::new(), Vec::new())
         };
-        // Expert matmuls: the path of each token's rows (its indices row), from its own sequence.
-        let (token_paths, token_seq): (Vec<QuantPath>, &[u32]) =
-            if matches!(op, OpCode::GatherMatMul | OpCode::GatherQuantMatMul) && src.len() >= 2 {
-                let ix = src[1] as usize;
-                let t = nodes[ix].rows();
-                match (row_sequences(owners[ix], &seqs, &selected), &seqs) {
-                    (Some(rs), Some(s)) if rs.len() == t => {
-                        (rs.iter().map(|&q| path(s.seq_n_tokens[q as usize] as usize)).collect(), rs)
-                    }
-                    _ => (vec![path(t); t], &[]),
-                }
-            } else {
-                (Vec::new(), &[])
-            };
+        // Expert matmuls: each token's sequence (its indices row), when known.
+        let token_seq: &[u32] = if matches!(op, OpCode::GatherMatMul | OpCode::GatherQuantMatMul) && src.len() >= 2 {
+            let ix = src[1] as usize;
+            match row_sequences(owners[ix], &seqs, &selected) {
+                Some(rs) if rs.len() == nodes[ix].rows() => rs,
+                _ => &[],
+            }
+        } else {
+            &[]
+        };
         let n_fused = if op == OpCode::QuantMatMul && paths.len() == 1 && paths[0].2 == QuantPath::Int {
             fusable_after(ctx, nodes, i, &mut vals, inputs, weights, constants, &mut fused_ids)?
         } else {
@@ -925,8 +922,9 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                                 indices: &indices,
                                 k,
                                 x_per_token,
-                                token_paths: &token_paths,
+                                tokens: t,
                                 token_seq,
+                                path_for: &path,
                                 first_expert: first,
                                 held: experts_w.len(),
                                 total,
@@ -946,8 +944,9 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                                 indices: &indices,
                                 k,
                                 x_per_token,
-                                token_paths: &token_paths,
+                                tokens: t,
                                 token_seq,
+                                path_for: &path,
                                 first_expert: 0,
                                 held: n_experts,
                                 total: n_experts,

@@ -2,10 +2,12 @@
 //!
 //! A gathered matmul groups its rows by expert, and an expert's rows by kernel path, gathers each
 //! group's activation rows and runs the ordinary matmul kernels on them (int16, row dots or gemm
-//! tiles, as for a dense layer): an expert computes only the rows routed to it. Each row's path comes
-//! from its own sequence's token count, the rule dense matmuls follow, and every path's result for a
-//! row depends only on that row, so a token's output does not change with the tokens that share its
-//! expert.
+//! tiles, as for a dense layer): an expert computes only the rows routed to it. The path of a
+//! sequence's rows at an expert is chosen from how many of that sequence's rows the expert has (the
+//! dense rule, with the expert's share of the sequence in place of its length: 128 prompt tokens over
+//! 8 experts are ~32 rows each, which the int16 kernel serves better than dequantized gemm tiles), so
+//! it depends on that sequence alone; kernels that group rows never group across sequences, so a
+//! token's output does not change with the tokens of other sequences that share its expert.
 
 use rayon::prelude::*;
 
@@ -104,10 +106,13 @@ pub struct Routing<'a> {
     pub k: usize,
     /// `x` has one row per token, shared by its `k` experts (else one row per `(t, j)`).
     pub x_per_token: bool,
-    /// Kernel path of each token's rows (from its sequence).
-    pub token_paths: &'a [QuantPath],
-    /// Sequence of each token (empty when unknown: all one sequence).
+    /// Tokens in the step.
+    pub tokens: usize,
+    /// Sequence of each token (empty when unknown: all one sequence); a sequence's tokens are
+    /// contiguous.
     pub token_seq: &'a [u32],
+    /// The kernel path for `n` rows of one sequence at one expert.
+    pub path_for: &'a (dyn Fn(usize) -> QuantPath + Sync),
     /// The first expert this op holds, and how many it holds.
     pub first_expert: usize,
     pub held: usize,
@@ -136,32 +141,47 @@ const PATHS: [QuantPath; 3] = [QuantPath::Int, QuantPath::RowDot, QuantPath::Til
 
 /// Checks every index and groups the rows of held experts by (expert, path).
 fn groups(r: &Routing) -> Result<Vec<Group>, String> {
-    let t = r.token_paths.len();
-    if r.indices.len() != t * r.k {
-        return Err(format!("indices hold {} values for {t} tokens of {} experts each", r.indices.len(), r.k));
+    let (t, k) = (r.tokens, r.k);
+    if r.indices.len() != t * k {
+        return Err(format!("indices hold {} values for {t} tokens of {k} experts each", r.indices.len()));
     }
-    let mut buckets: Vec<Vec<u32>> = vec![Vec::new(); r.held * PATHS.len()];
     for (row, &v) in r.indices.iter().enumerate() {
         if !(v >= 0.0 && v.fract() == 0.0 && (v as usize) < r.total) {
             return Err(format!(
                 "expert index {v} (token {}, slot {}) is not an expert id below {}",
-                row / r.k.max(1),
-                row % r.k.max(1),
+                row / k.max(1),
+                row % k.max(1),
                 r.total
             ));
         }
-        let e = v as usize;
-        if e >= r.first_expert && e < r.first_expert + r.held {
-            let path = r.token_paths[row / r.k];
-            buckets[(e - r.first_expert) * PATHS.len() + path_slot(path)].push(row as u32);
+    }
+    let held = |v: f32| (v as usize).checked_sub(r.first_expert).filter(|&e| e < r.held);
+    let mut buckets: Vec<Vec<u32>> = vec![Vec::new(); r.held * PATHS.len()];
+    let mut count = vec![0usize; r.held];
+    // Sequence by sequence: each expert's share of the sequence picks the path of those rows.
+    let mut t0 = 0;
+    while t0 < t {
+        let seq = r.token_seq.get(t0);
+        let t1 = (t0..t).find(|&ti| r.token_seq.get(ti) != seq).unwrap_or(t);
+        count.fill(0);
+        for &v in &r.indices[t0 * k..t1 * k] {
+            if let Some(e) = held(v) {
+                count[e] += 1;
+            }
         }
+        for row in t0 * k..t1 * k {
+            if let Some(e) = held(r.indices[row]) {
+                buckets[e * PATHS.len() + path_slot((r.path_for)(count[e]))].push(row as u32);
+            }
+        }
+        t0 = t1;
     }
     Ok(buckets
         .into_iter()
         .enumerate()
         .filter(|(_, rows)| !rows.is_empty())
         .map(|(b, rows)| {
-            let seq = |i: usize| r.token_seq.get(rows[i] as usize / r.k).copied().unwrap_or(0);
+            let seq = |i: usize| r.token_seq.get(rows[i] as usize / k).copied().unwrap_or(0);
             let mut seq_ends: Vec<usize> = (1..rows.len()).filter(|&i| seq(i) != seq(i - 1)).collect();
             seq_ends.push(rows.len());
             Group { expert: b / PATHS.len(), path: PATHS[b % PATHS.len()], rows, seq_ends }
