@@ -151,6 +151,9 @@ pub enum OpCode {
     /// where the expert is not among this node's (a model with more experts than sources splits them
     /// over several nodes and adds the results). `iparams[0]` = first expert held (0 usually),
     /// `iparams[1]` = experts in the model (0: those held); every index must be an integer below it.
+    /// A row's result must not depend on the rows of other sequences routed to the same expert (batch
+    /// invariance, as for every op): a backend that groups an expert's rows chooses its kernel from
+    /// each sequence's rows alone.
     GatherMatMul = 81,
     /// [`OpCode::GatherMatMul`] with MLX affine-quantized stacked experts (`switch_mlp`, each expert
     /// quantized like a linear of its own). src: x `[T, K]` or `[T·k, K]`, indices `[T, k]`, packed
