@@ -198,6 +198,41 @@ pub enum OpCode {
     /// `< N`). out `[N, C]`, row `s` from the rows of sequence `s` (zeros if it has none).
     /// `iparams[0]` = pool: 0 mean, 1 first row (CLS), 2 last row (decoder embeddings).
     SegmentPool = 70,
+
+    /// The `k` largest values of each row, or their column indices: src x `[T, C]`, out `[T, k]`, in
+    /// descending order of value (equal values: the lower column first). One node gives one of the two
+    /// results, so a router is two `TopK` nodes on the same input with the same parameters, one per
+    /// output (they select the same columns in the same order).
+    /// `iparams[0]` = k (1 ≤ k ≤ C); `[1]` = output: 0 the values, 1 the column indices as exact f32
+    /// integers (what [`OpCode::GatherMatMul`] reads); `[2]` = 1 to take the softmax over the whole row
+    /// first (values become probabilities; mixture-of-experts routers: softmax over all experts, then
+    /// top-k); `[3]` = 1 to divide the k values by their sum (`norm_topk_prob`).
+    TopK = 80,
+    /// Expert (gathered) matmul with float weights: each row `(t, j)` multiplies by the expert
+    /// `indices[t, j]` chose, and only by that one (experts compute only the rows routed to them).
+    /// src: x `[T, K]` (token `t`'s row feeds all its `k` experts) or `[T·k, K]` (row `t·k + j` feeds its
+    /// `j`-th expert), indices `[T, k]` (expert ids as exact f32 integers: [`OpCode::TopK`]'s indices),
+    /// then one or more weights holding consecutive experts from `iparams[0]` on: each `[E_i, N, K]` (a
+    /// stack, as mlx-lm's `switch_mlp` stores them) or `[N, K]` (one expert, as Hugging Face checkpoints
+    /// store them), f32/f16/bf16. out `[T, k, N]`, row `t·k + j` = `x_row · W[indices[t, j]]ᵀ`, or zeros
+    /// where the expert is not among this node's (a model with more experts than sources splits them
+    /// over several nodes and adds the results). `iparams[0]` = first expert held (0 usually),
+    /// `iparams[1]` = experts in the model (0: those held); every index must be an integer below it.
+    /// A row's result must not depend on the rows of other sequences routed to the same expert (batch
+    /// invariance, as for every op): a backend that groups an expert's rows chooses its kernel from
+    /// each sequence's rows alone.
+    GatherMatMul = 81,
+    /// [`OpCode::GatherMatMul`] with MLX affine-quantized stacked experts (`switch_mlp`, each expert
+    /// quantized like a linear of its own). src: x `[T, K]` or `[T·k, K]`, indices `[T, k]`, packed
+    /// `U32 [E, N, K*bits/32]`, scales `[E, N, K/group]`, biases `[E, N, K/group]`. out `[T, k, N]`.
+    /// `iparams[0]` = bits (2,3,4,5,6,8), `iparams[1]` = group size (32, 64, 128); every index `< E`.
+    GatherQuantMatMul = 82,
+    /// Weighted sum of each token's `k` rows (combining expert outputs): src y `[T·k, N]` (e.g. `[T, k,
+    /// N]`), w `[T, k]`. out `[T, N]`, `out[t] = Σ_j w[t, j] · y[t·k + j]`, summed in order of `j`. With
+    /// `k = 1` it scales each row by its own factor (a shared expert's sigmoid gate).
+    WeightedSum = 83,
+    /// `1 / (1 + e^-x)`.
+    Sigmoid = 84,
 }
 
 impl OpCode {
@@ -234,6 +269,11 @@ impl OpCode {
             53 => CrossAttention,
             60 => Conv1d,
             70 => SegmentPool,
+            80 => TopK,
+            81 => GatherMatMul,
+            82 => GatherQuantMatMul,
+            83 => WeightedSum,
+            84 => Sigmoid,
             _ => return None,
         })
     }
@@ -270,6 +310,11 @@ impl OpCode {
         OpCode::CrossAttention,
         OpCode::Conv1d,
         OpCode::SegmentPool,
+        OpCode::TopK,
+        OpCode::GatherMatMul,
+        OpCode::GatherQuantMatMul,
+        OpCode::WeightedSum,
+        OpCode::Sigmoid,
     ];
 }
 
@@ -298,6 +343,11 @@ pub const fn cross_kv_state_elems(max_source_len: u64, n_kv_heads: u64, head_dim
 pub const fn conv_state_elems(kernel: u64, c_in: u64) -> u64 {
     kernel.saturating_sub(1) * c_in
 }
+
+/// [`OpCode::TopK`]'s `iparams[1]`: output the selected values.
+pub const TOPK_VALUES: i64 = 0;
+/// [`OpCode::TopK`]'s `iparams[1]`: output the selected columns' indices (as exact f32 integers).
+pub const TOPK_INDICES: i64 = 1;
 
 /// Input slot for the step's token ids (`I32 [T]`).
 pub const INPUT_TOKENS: i64 = 0;

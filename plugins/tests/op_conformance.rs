@@ -494,13 +494,14 @@ fn elementwise_ops_match_reference() {
             let a = rng.vec(r * c, 4.0);
             let b = rng.vec(r * c, 2.0);
             let shape = [r as u64, c as u64];
-            let unary: [(OpCode, f32, fn(f64, f64) -> f64); 6] = [
+            let unary: [(OpCode, f32, fn(f64, f64) -> f64); 7] = [
                 (OpCode::Scale, 0.37, |x, p| x * p),
                 (OpCode::Silu, 0.0, |x, _| silu(x)),
                 (OpCode::Gelu, 0.0, |x, _| 0.5 * x * (1.0 + erf(x / 2f64.sqrt()))),
                 (OpCode::GeluTanh, 0.0, |x, _| gelu_tanh(x)),
                 (OpCode::Relu, 0.0, |x, _| x.max(0.0)),
                 (OpCode::Softcap, 3.0, |x, p| p * (x / p).tanh()),
+                (OpCode::Sigmoid, 0.0, |x, _| 1.0 / (1.0 + (-x).exp())),
             ];
             for (op, p, f) in unary {
                 let mut run = Run::new(ctx);
@@ -825,6 +826,386 @@ fn bad_graphs_are_refused_with_a_message_not_a_crash() {
         let o = run.g.op(OpCode::Embedding, &[1, 3], &[ii, wi]);
         let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run.execute(o)));
         assert!(res.is_err(), "out-of-range token id must be an error");
+        // Expert ids that are not ids of the experts given (beyond them, or not integers).
+        let panic_message = |r: std::thread::Result<Vec<f32>>| match r {
+            Ok(_) => String::new(),
+            Err(p) => p.downcast_ref::<String>().cloned().unwrap_or_default(),
+        };
+        let q = quant_weight(rng, 2 * 4, 64, 4, 32, DType::F16);
+        for bad_id in [2.0f32, 1.5, -1.0] {
+            let x = rng.vec(64, 1.0);
+            let mut run = Run::new(ctx);
+            let xi = run.input_f32(&x, &[1, 64]);
+            let ii = run.input_f32(&[0.0, bad_id], &[1, 2]);
+            let pi = run.weight(&bytes(&q.packed), DType::U32, &[2, 4, 8]);
+            let si = run.weight(&q.scales.data, DType::F16, &[2, 4, 2]);
+            let bi = run.weight(&q.biases.data, DType::F16, &[2, 4, 2]);
+            let o = run.g.op_with(OpCode::GatherQuantMatMul, &[1, 2, 4], &[xi, ii, pi, si, bi], &[4, 32], &[]);
+            let msg = panic_message(std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run.execute(o))));
+            assert!(msg.contains("GatherQuantMatMul") && msg.contains("expert index"), "expert id {bad_id}: {msg:?}");
+        }
+        // A top-k wider than its rows.
+        let x = rng.vec(6, 1.0);
+        let mut run = Run::new(ctx);
+        let xi = run.input_f32(&x, &[2, 3]);
+        let o = run.g.op_with(OpCode::TopK, &[2, 4], &[xi], &[4, TOPK_INDICES, 1, 0], &[]);
+        let msg = panic_message(std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run.execute(o))));
+        assert!(msg.contains("TopK"), "{msg:?}");
+    });
+}
+
+/// Reference softmax in f64.
+fn ref_softmax(row: &[f32]) -> Vec<f64> {
+    let m = row.iter().fold(f64::NEG_INFINITY, |m, &v| m.max(v as f64));
+    let e: Vec<f64> = row.iter().map(|&v| (v as f64 - m).exp()).collect();
+    let z: f64 = e.iter().sum();
+    e.iter().map(|v| v / z).collect()
+}
+
+/// Router top-k: the columns of the k largest values in descending order, and their values, raw or
+/// as softmax probabilities over the whole row, optionally renormalised over the k chosen.
+#[test]
+fn top_k_matches_reference() {
+    each_backend(|ctx, rng| {
+        for &(t, c, k) in &[(1usize, 8usize, 2usize), (5, 60, 4), (3, 7, 7), (9, 128, 8), (2, 3, 1)] {
+            let x = rng.vec(t * c, 3.0);
+            for softmax in [0i64, 1] {
+                for renorm in [0i64, 1] {
+                    let run_topk = |ctx: &mut BackendContext, what: i64| {
+                        let mut run = Run::new(ctx);
+                        let xi = run.input_f32(&x, &[t as u64, c as u64]);
+                        let o = run.g.op_with(
+                            OpCode::TopK,
+                            &[t as u64, k as u64],
+                            &[xi],
+                            &[k as i64, what, softmax, renorm],
+                            &[],
+                        );
+                        run.execute(o)
+                    };
+                    let got_idx = run_topk(ctx, TOPK_INDICES);
+                    let got_val = run_topk(ctx, TOPK_VALUES);
+                    let mut want_idx = Vec::new();
+                    let mut want_val = Vec::new();
+                    for r in 0..t {
+                        let row = &x[r * c..(r + 1) * c];
+                        let v: Vec<f64> =
+                            if softmax == 1 { ref_softmax(row) } else { row.iter().map(|&a| a as f64).collect() };
+                        let mut order: Vec<usize> = (0..c).collect();
+                        order.sort_by(|&a, &b| v[b].total_cmp(&v[a]).then(a.cmp(&b)));
+                        let sum: f64 = order[..k].iter().map(|&i| v[i]).sum();
+                        for &i in &order[..k] {
+                            want_idx.push(i as f32);
+                            want_val.push(if renorm == 1 { v[i] / sum } else { v[i] });
+                        }
+                    }
+                    let what = format!("{} top-k t{t} c{c} k{k} softmax{softmax} renorm{renorm}", ctx.name());
+                    assert_eq!(got_idx, want_idx, "{what}: indices");
+                    check(&what, &got_val, &want_val, c);
+                }
+            }
+        }
+        // Equal values: the lower column first, in both outputs.
+        let x = [1.0f32, 3.0, 3.0, 0.5, 3.0];
+        let mut run = Run::new(ctx);
+        let xi = run.input_f32(&x, &[1, 5]);
+        let o = run.g.op_with(OpCode::TopK, &[1, 2], &[xi], &[2, TOPK_INDICES, 1, 1], &[]);
+        assert_eq!(run.execute(o), vec![1.0, 2.0], "{}: ties go to the lower column", ctx.name());
+    });
+}
+
+/// `k` distinct experts per token, as a router picks them.
+fn route(rng: &mut Rng, t: usize, k: usize, experts: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(t * k);
+    for _ in 0..t {
+        let mut chosen: Vec<usize> = Vec::new();
+        while chosen.len() < k {
+            let e = (rng.next() % experts as u64) as usize;
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        out.extend(chosen.iter().map(|&e| e as f32));
+    }
+    out
+}
+
+/// The reference of an expert matmul: row `(t, j)` of `[T·k, N]` against the f64 weights of expert
+/// `idx[t, j]` (`w(e)` its `[N, K]` values), zeros where `held` excludes the expert.
+#[allow(clippy::too_many_arguments)]
+fn ref_gather(
+    x: &[f32],
+    x_per_token: bool,
+    idx: &[f32],
+    k: usize,
+    kdim: usize,
+    n: usize,
+    w: impl Fn(usize) -> Vec<f64>,
+    held: std::ops::Range<usize>,
+) -> Vec<f64> {
+    let mut want = vec![0f64; idx.len() * n];
+    for (row, &e) in idx.iter().enumerate() {
+        let e = e as usize;
+        if !held.contains(&e) {
+            continue;
+        }
+        let xr = if x_per_token { row / k } else { row };
+        let we = w(e);
+        for c in 0..n {
+            want[row * n + c] = (0..kdim).map(|i| x[xr * kdim + i] as f64 * we[c * kdim + i]).sum();
+        }
+    }
+    want
+}
+
+#[test]
+fn gathered_matmul_matches_reference() {
+    each_backend(|ctx, rng| {
+        for dtype in FLOAT_DTYPES {
+            // (tokens, experts per token, experts, K, N): decode, short and long prefill (row dots and gemm).
+            for &(t, k, ne, kdim, n) in
+                &[(1usize, 2usize, 4usize, 32usize, 7usize), (3, 3, 8, 48, 20), (37, 2, 5, 40, 33)]
+            {
+                let idx = route(rng, t, k, ne);
+                let stack = float_weight(rng, ne * n * kdim, dtype, 0.5);
+                let w = |e: usize| stack.values[e * n * kdim..(e + 1) * n * kdim].to_vec();
+                for x_per_token in [true, false] {
+                    let xr = if x_per_token { t } else { t * k };
+                    let x = rng.vec(xr * kdim, 1.0);
+                    let shape = [t as u64, k as u64, n as u64];
+                    // One stack of all experts.
+                    let mut run = Run::new(ctx);
+                    let xi = run.input_f32(&x, &[xr as u64, kdim as u64]);
+                    let ii = run.input_f32(&idx, &[t as u64, k as u64]);
+                    let wi = run.weight(&stack.data, dtype, &[ne as u64, n as u64, kdim as u64]);
+                    let o = run.g.op_with(OpCode::GatherMatMul, &shape, &[xi, ii, wi], &[0, 0], &[]);
+                    let got = run.execute(o);
+                    let want = ref_gather(&x, x_per_token, &idx, k, kdim, n, w, 0..ne);
+                    let what = format!(
+                        "{} gather matmul {dtype:?} t{t} k{k} E{ne} K{kdim} N{n} x/token {x_per_token}",
+                        ctx.name()
+                    );
+                    check(&what, &got, &want, kdim);
+                    // Experts 1.. one tensor each (as Hugging Face stores them), at most MAX_SRC - 2 per
+                    // node, the nodes added; expert 0 is in no node: its rows are zeros.
+                    let mut run = Run::new(ctx);
+                    let xi = run.input_f32(&x, &[xr as u64, kdim as u64]);
+                    let ii = run.input_f32(&idx, &[t as u64, k as u64]);
+                    let esz = n * kdim * dtype.size();
+                    let mut sum = None;
+                    for first in (1..ne).step_by(MAX_SRC - 2) {
+                        let mut srcs = vec![xi, ii];
+                        for e in first..(first + MAX_SRC - 2).min(ne) {
+                            let data = &stack.data[e * esz..(e + 1) * esz];
+                            srcs.push(run.weight(data, dtype, &[n as u64, kdim as u64]));
+                        }
+                        let part = run.g.op_with(OpCode::GatherMatMul, &shape, &srcs, &[first as i64, ne as i64], &[]);
+                        sum = Some(match sum {
+                            None => part,
+                            Some(s) => run.g.op(OpCode::Add, &shape, &[s, part]),
+                        });
+                    }
+                    let got = run.execute(sum.unwrap());
+                    let want = ref_gather(&x, x_per_token, &idx, k, kdim, n, w, 1..ne);
+                    check(&format!("{what}, experts 1.. as single tensors"), &got, &want, kdim);
+                }
+            }
+        }
+    });
+}
+
+#[test]
+fn gathered_quantized_matmul_matches_reference() {
+    each_backend(|ctx, rng| {
+        for bits in [2usize, 3, 4, 5, 6, 8] {
+            for group in [32usize, 64, 128] {
+                // Decode, the 4-bit multi-token passes, a long step whose experts each get fewer than 64 rows
+                // (int16 or row dots), and one whose experts get 64 or more (float tiles through gemm).
+                let shapes = [
+                    (1usize, 2usize, 4usize, 128usize, 9usize, DType::F16),
+                    (9, 3, 6, 256, 40, DType::BF16),
+                    (70, 2, 3, 128, 17, DType::F32),
+                    // Each of 2 experts gets all 70 rows: dequantized tiles through gemm.
+                    (70, 2, 2, 128, 9, DType::F16),
+                ];
+                for &(t, k, ne, kdim, n, sd) in &shapes {
+                    // The stack [E, N, K] is laid out as an [E·N, K] matrix.
+                    let q = quant_weight(rng, ne * n, kdim, bits, group, sd);
+                    let idx = route(rng, t, k, ne);
+                    for x_per_token in [true, false] {
+                        let xr = if x_per_token { t } else { t * k };
+                        let x = rng.vec(xr * kdim, 1.0);
+                        let mut run = Run::new(ctx);
+                        let xi = run.input_f32(&x, &[xr as u64, kdim as u64]);
+                        let ii = run.input_f32(&idx, &[t as u64, k as u64]);
+                        let (e64, n64) = (ne as u64, n as u64);
+                        let pi = run.weight(&bytes(&q.packed), DType::U32, &[e64, n64, (kdim * bits / 32) as u64]);
+                        let si = run.weight(&q.scales.data, sd, &[e64, n64, (kdim / group) as u64]);
+                        let bi = run.weight(&q.biases.data, sd, &[e64, n64, (kdim / group) as u64]);
+                        let o = run.g.op_with(
+                            OpCode::GatherQuantMatMul,
+                            &[t as u64, k as u64, n64],
+                            &[xi, ii, pi, si, bi],
+                            &[bits as i64, group as i64],
+                            &[],
+                        );
+                        let got = run.execute(o);
+                        let w = |e: usize| q.dequant[e * n * kdim..(e + 1) * n * kdim].to_vec();
+                        let want = ref_gather(&x, x_per_token, &idx, k, kdim, n, w, 0..ne);
+                        let what = format!(
+                            "{} gather qmatmul {bits}b g{group} t{t} k{k} E{ne} K{kdim} N{n} x/token {x_per_token}",
+                            ctx.name()
+                        );
+                        if int_activations() {
+                            // Row (t, j) against expert e's rows: the int16 bound of that product.
+                            for row in 0..t * k {
+                                let e = idx[row] as usize;
+                                let xrow = if x_per_token { row / k } else { row };
+                                let wq = &q.dequant[e * n * kdim..(e + 1) * n * kdim];
+                                check_int16(
+                                    &format!("{what}, row {row}"),
+                                    &got[row * n..(row + 1) * n],
+                                    &want[row * n..(row + 1) * n],
+                                    &x[xrow * kdim..(xrow + 1) * kdim],
+                                    wq,
+                                    1,
+                                    kdim,
+                                    n,
+                                );
+                            }
+                        } else {
+                            check(&what, &got, &want, kdim);
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+#[test]
+fn weighted_sum_matches_reference() {
+    each_backend(|ctx, rng| {
+        for &(t, k, n) in &[(1usize, 1usize, 5usize), (4, 2, 33), (7, 8, 64)] {
+            let y = rng.vec(t * k * n, 2.0);
+            let w = rng.vec(t * k, 1.0);
+            let mut run = Run::new(ctx);
+            let yi = run.input_f32(&y, &[t as u64, k as u64, n as u64]);
+            let wi = run.input_f32(&w, &[t as u64, k as u64]);
+            let o = run.g.op(OpCode::WeightedSum, &[t as u64, n as u64], &[yi, wi]);
+            let got = run.execute(o);
+            let want: Vec<f64> = (0..t * n)
+                .map(|i| {
+                    let (tt, c) = (i / n, i % n);
+                    (0..k).map(|j| w[tt * k + j] as f64 * y[(tt * k + j) * n + c] as f64).sum()
+                })
+                .collect();
+            check(&format!("{} weighted sum t{t} k{k} n{n}", ctx.name()), &got, &want, k);
+        }
+    });
+}
+
+/// Batch invariance of expert matmuls: a sequence's rows are bit for bit the same computed alone and
+/// in a step where another sequence's tokens are routed to the same experts (so each expert's group
+/// of rows is larger), for every kernel path (int16 decode and short prefill, row dots, gemm tiles).
+#[test]
+fn an_expert_row_is_the_same_alone_and_with_other_tokens_routed_to_its_expert() {
+    each_backend(|ctx, rng| {
+        let (ne, k, kdim, n) = (4usize, 2usize, 256usize, 48usize);
+        let q4 = quant_weight(rng, ne * n, kdim, 4, 64, DType::F16);
+        let q3 = quant_weight(rng, ne * n, kdim, 3, 32, DType::BF16);
+        let fw = float_weight(rng, ne * n * kdim, DType::BF16, 0.5);
+        // (A's tokens, B's tokens): both decoding, short prefills (4-bit passes of 8 and 4 tokens),
+        // long prefills (float tiles), and mixed.
+        for &(la, lb) in &[(1usize, 1usize), (5, 7), (1, 12), (6, 70), (70, 70), (3, 40)] {
+            let xa = rng.vec(la * kdim, 1.0);
+            let xb = rng.vec(lb * kdim, 1.0);
+            // Every token of both sequences uses experts 1 and 2 (in either order).
+            let idx_of = |l: usize, flip: bool| -> Vec<f32> {
+                (0..l).flat_map(|i| if (i % 2 == 0) ^ flip { [1.0f32, 2.0] } else { [2.0, 1.0] }).collect()
+            };
+            let (ia, ib) = (idx_of(la, false), idx_of(lb, true));
+            for which in ["q4", "q3", "float"] {
+                let run_step = |ctx: &mut BackendContext, lens: &[usize], x: &[f32], idx: &[f32]| -> Vec<f32> {
+                    let t = idx.len() / k;
+                    let mut run = Run::new(ctx);
+                    run.batch = Some(BatchData::sequences(lens, &vec![0; lens.len()]));
+                    let xi = run.input_f32(x, &[t as u64, kdim as u64]);
+                    let ii = run.input_f32(idx, &[t as u64, k as u64]);
+                    let shape = [t as u64, k as u64, n as u64];
+                    let o = match which {
+                        "float" => {
+                            let wi = run.weight(&fw.data, DType::BF16, &[ne as u64, n as u64, kdim as u64]);
+                            run.g.op_with(OpCode::GatherMatMul, &shape, &[xi, ii, wi], &[0, 0], &[])
+                        }
+                        _ => {
+                            let (q, bits, group) = if which == "q4" { (&q4, 4, 64) } else { (&q3, 3, 32) };
+                            let sd = if which == "q4" { DType::F16 } else { DType::BF16 };
+                            let (e64, n64) = (ne as u64, n as u64);
+                            let pi = run.weight(&bytes(&q.packed), DType::U32, &[e64, n64, (kdim * bits / 32) as u64]);
+                            let si = run.weight(&q.scales.data, sd, &[e64, n64, (kdim / group) as u64]);
+                            let bi = run.weight(&q.biases.data, sd, &[e64, n64, (kdim / group) as u64]);
+                            run.g.op_with(
+                                OpCode::GatherQuantMatMul,
+                                &shape,
+                                &[xi, ii, pi, si, bi],
+                                &[bits as i64, group as i64],
+                                &[],
+                            )
+                        }
+                    };
+                    run.execute(o)
+                };
+                let alone = run_step(ctx, &[la], &xa, &ia);
+                let x_ab: Vec<f32> = xa.iter().chain(&xb).copied().collect();
+                let i_ab: Vec<f32> = ia.iter().chain(&ib).copied().collect();
+                let ab = run_step(ctx, &[la, lb], &x_ab, &i_ab);
+                let x_ba: Vec<f32> = xb.iter().chain(&xa).copied().collect();
+                let i_ba: Vec<f32> = ib.iter().chain(&ia).copied().collect();
+                let ba = run_step(ctx, &[lb, la], &x_ba, &i_ba);
+                let rows = la * k * n;
+                let what = format!("{} {which} experts: A of {la} tokens beside B of {lb}", ctx.name());
+                assert!(alone == ab[..rows], "{what}: A first in the step differs from A alone");
+                assert!(alone == ba[lb * k * n..], "{what}: A second in the step differs from A alone");
+            }
+        }
+    });
+}
+
+/// Batch invariance of dense matmuls: a sequence's rows are bit for bit the same alone and beside
+/// another sequence that takes the same kernel path (both short prefills, where 4-bit rows are
+/// dotted several tokens at a time, or both long ones through gemm tiles).
+#[test]
+fn a_matmul_row_is_the_same_alone_and_beside_a_sequence_on_the_same_path() {
+    each_backend(|ctx, rng| {
+        let (kdim, n) = (256usize, 48usize);
+        let q4 = quant_weight(rng, n, kdim, 4, 64, DType::F16);
+        let fw = float_weight(rng, n * kdim, DType::BF16, 0.5);
+        for &(la, lb) in &[(5usize, 7usize), (4, 4), (70, 70), (6, 70), (20, 30)] {
+            let xa = rng.vec(la * kdim, 1.0);
+            let xb = rng.vec(lb * kdim, 1.0);
+            for which in ["q4", "float"] {
+                let run_step = |ctx: &mut BackendContext, lens: &[usize], x: &[f32]| -> Vec<f32> {
+                    let t = x.len() / kdim;
+                    let mut run = Run::new(ctx);
+                    run.batch = Some(BatchData::sequences(lens, &vec![0; lens.len()]));
+                    let xi = run.input_f32(x, &[t as u64, kdim as u64]);
+                    let o = if which == "float" {
+                        let wi = run.weight(&fw.data, DType::BF16, &[n as u64, kdim as u64]);
+                        run.g.op(OpCode::MatMul, &[t as u64, n as u64], &[xi, wi])
+                    } else {
+                        run.quant_matmul(xi, &q4, t, kdim, n, 4, 64, DType::F16)
+                    };
+                    run.execute(o)
+                };
+                let alone = run_step(ctx, &[la], &xa);
+                let ab: Vec<f32> = xa.iter().chain(&xb).copied().collect();
+                let ba: Vec<f32> = xb.iter().chain(&xa).copied().collect();
+                let what = format!("{} {which} matmul: A of {la} tokens beside B of {lb}", ctx.name());
+                assert!(alone == run_step(ctx, &[la, lb], &ab)[..la * n], "{what}: A first differs from A alone");
+                assert!(alone == run_step(ctx, &[lb, la], &ba)[lb * n..], "{what}: A second differs from A alone");
+            }
+        }
     });
 }
 

@@ -193,6 +193,7 @@ fn main() -> Result<()> {
                     ("mlxcel-plugins", "op_conformance"),
                     ("mlxcel-plugins", "quant_mlx"),
                     ("mlxcel-family-llama", "golden"),
+                    ("mlxcel-family-moe", "golden"),
                 ] {
                     let mut c = cargo();
                     c.env("MLXCEL_CPU_ISA", isa).args(["test", "--release", "-p", package, "--test", test]);
@@ -202,9 +203,12 @@ fn main() -> Result<()> {
             // The exact path: f32 activations everywhere, held to the f64 op reference, to mlx-lm's
             // logits at 1e-4 and its greedy tokens exactly, and to the real-model reference at 0.01.
             println!("== golden and real-model tests with MLXCEL_CPU_INT16=0");
-            for (package, test) in
-                [("mlxcel-plugins", "op_conformance"), ("mlxcel-family-llama", "golden"), ("mlxcel", "real_models")]
-            {
+            for (package, test) in [
+                ("mlxcel-plugins", "op_conformance"),
+                ("mlxcel-family-llama", "golden"),
+                ("mlxcel-family-moe", "golden"),
+                ("mlxcel", "real_models"),
+            ] {
                 let mut c = cargo();
                 c.env("MLXCEL_CPU_INT16", "0").args(["test", "--release", "-p", package, "--test", test]);
                 run(c)?;

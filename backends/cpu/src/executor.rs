@@ -7,7 +7,7 @@ use std::borrow::Cow;
 use mlxcel_plugin_api::{
     read_versioned, read_versioned_array, slice_from, BufferHandle, ComputeArgs, DType, HostTensor, KvBinding,
     KvGroupTables, Node, OpCode, PluginError, StepBatch, CONV_CAUSAL_STATE, CONV_WHOLE, NO_BLOCK, POOL_FIRST,
-    POOL_LAST, POOL_MEAN,
+    POOL_LAST, POOL_MEAN, TOPK_INDICES,
 };
 use rayon::prelude::*;
 
@@ -21,7 +21,7 @@ use crate::kernels::elementwise::{self as ew, binary, unary};
 use crate::kernels::int_dot::IntActs;
 use crate::kernels::pooling::{segment_pool, Pool};
 use crate::kernels::quantized::{self, QuantMatrix, QuantPath};
-use crate::kernels::{matmul, norm, rope, segments, softmax, Floats, Segment};
+use crate::kernels::{experts, matmul, norm, rope, segments, softmax, Floats, Segment};
 
 /// A backend context: worker pool, kernel path, and recycled scratch.
 pub struct CpuContext {
@@ -188,7 +188,7 @@ pub fn supports(node: &Node) -> bool {
             matches!(node.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::I32 | DType::U32)
         }
         OpCode::Constant => matches!(node.dtype(), DType::F32 | DType::I32),
-        OpCode::QuantMatMul | OpCode::QuantEmbedding => {
+        OpCode::QuantMatMul | OpCode::QuantEmbedding | OpCode::GatherQuantMatMul => {
             matches!(node.iparams[0], 2 | 3 | 4 | 5 | 6 | 8) && matches!(node.iparams[1], 32 | 64 | 128)
         }
         OpCode::SegmentPool => {
@@ -199,7 +199,8 @@ pub fn supports(node: &Node) -> bool {
     }
 }
 
-/// Builds the quantized view from `src[1..4]` for an op whose logical inner size is `k`.
+/// Builds the quantized view from `src[1..4]` (packed, scales, biases; `src[2..5]` for the gathered
+/// matmul) for an op whose logical inner size is `k`.
 fn quant_matrix<'a>(
     vals: &'a [Val<'a>],
     nodes: &[Node],
@@ -210,8 +211,12 @@ fn quant_matrix<'a>(
     if !matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) || !matches!(group, 32 | 64 | 128) {
         return Err(format!("unsupported quantization bits={bits} group={group}"));
     }
-    let s = node.sources();
-    let (pn, sn, bn) = (&nodes[s[1] as usize], &nodes[s[2] as usize], &nodes[s[3] as usize]);
+    let first = if node.opcode() == Some(OpCode::GatherQuantMatMul) { 2 } else { 1 };
+    let [p, sc, b] = match node.sources().get(first..first + 3) {
+        Some(&[p, sc, b]) => [p as usize, sc as usize, b as usize],
+        _ => return Err("needs packed weights, scales and biases".into()),
+    };
+    let (pn, sn, bn) = (&nodes[p], &nodes[sc], &nodes[b]);
     let n = pn.rows();
     if k % group != 0 || pn.cols() * 32 != k * bits {
         return Err(format!(
@@ -224,9 +229,9 @@ fn quant_matrix<'a>(
         return Err(format!("scales/biases must be [{n}, {}]", k / group));
     }
     let q = QuantMatrix {
-        packed: words(&vals[s[1] as usize], "packed weight")?,
-        scales: floats(&vals[s[2] as usize], "scales")?,
-        biases: floats(&vals[s[3] as usize], "biases")?,
+        packed: words(&vals[p], "packed weight")?,
+        scales: floats(&vals[sc], "scales")?,
+        biases: floats(&vals[b], "biases")?,
         bits,
         group,
         k,
@@ -349,6 +354,55 @@ fn validate_layout(
         }
     }
     Ok(())
+}
+
+/// The sequence of each row of a node whose rows are owned as `owner` says, when known.
+fn row_sequences<'s>(
+    owner: RowOwners,
+    seqs: &'s Option<Sequences>,
+    selected: &'s [Option<Vec<u32>>],
+) -> Option<&'s [u32]> {
+    match (owner, seqs) {
+        (RowOwners::Tokens, Some(s)) => Some(s.token_seq),
+        (RowOwners::Selected(g), Some(_)) => selected[g].as_deref(),
+        _ => None,
+    }
+}
+
+/// The ends of the runs of equal entries of `row_seq` (each sequence's rows), ascending.
+fn sequence_ends(row_seq: &[u32]) -> Vec<usize> {
+    let mut ends: Vec<usize> = (1..row_seq.len()).filter(|&r| row_seq[r] != row_seq[r - 1]).collect();
+    ends.push(row_seq.len());
+    ends
+}
+
+/// `ends` restricted to rows `r0..r1` and counted from `r0` (the last is `r1 - r0`); empty if `ends` is.
+fn ends_within(ends: &[usize], r0: usize, r1: usize) -> Vec<usize> {
+    if ends.is_empty() {
+        return Vec::new();
+    }
+    let mut v: Vec<usize> = ends.iter().filter(|&&e| e > r0 && e < r1).map(|&e| e - r0).collect();
+    v.push(r1 - r0);
+    v
+}
+
+/// Splits runs of the gemm-tiles path at sequence ends: gemm's result for a row depends on how many
+/// rows it multiplies at once, and a sequence's own row count does not depend on its batch-mates.
+fn split_tiles_runs(runs: Vec<(usize, usize, QuantPath)>, ends: &[usize]) -> Vec<(usize, usize, QuantPath)> {
+    let mut out = Vec::with_capacity(runs.len());
+    for (r0, r1, path) in runs {
+        if path != QuantPath::Tiles {
+            out.push((r0, r1, path));
+            continue;
+        }
+        let mut start = r0;
+        for &e in ends.iter().filter(|&&e| e > r0 && e < r1) {
+            out.push((start, e, path));
+            start = e;
+        }
+        out.push((start, r1, path));
+    }
+    out
 }
 
 /// Splits rows `0..row_seq.len()` into maximal runs that take the same kernel path.
@@ -560,32 +614,42 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
         // Matmuls after this one that share its input run with it (results stored below).
         let mut fused_ids = [0usize; MAX_FUSED - 1];
         // Kernel paths for a matmul's rows, chosen per sequence (batch invariance).
-        let paths = if matches!(op, OpCode::QuantMatMul | OpCode::MatMul) && !src.is_empty() {
+        let bits = node.iparams[0] as usize;
+        let int_enabled = ctx.int_activations;
+        let path = move |n: usize| {
+            if matches!(op, OpCode::MatMul | OpCode::GatherMatMul) {
+                if n <= matmul::ROW_DOT_MAX_TOKENS {
+                    QuantPath::RowDot
+                } else {
+                    QuantPath::Tiles
+                }
+            } else {
+                QuantPath::for_sequence(isa, bits, n, int_enabled)
+            }
+        };
+        // And where each sequence's rows end (kernels that group rows never group across them).
+        let (paths, seq_ends) = if matches!(op, OpCode::QuantMatMul | OpCode::MatMul) && !src.is_empty() {
             let x = src[0] as usize;
             let t = nodes[x].rows();
-            let row_seq: Option<&[u32]> = match (owners[x], &seqs) {
-                (RowOwners::Tokens, Some(s)) => Some(s.token_seq),
-                (RowOwners::Selected(g), Some(_)) => selected[g].as_deref(),
-                _ => None,
-            };
-            let bits = node.iparams[0] as usize;
-            let path = |n: usize| {
-                if op == OpCode::MatMul {
-                    if n <= matmul::ROW_DOT_MAX_TOKENS {
-                        QuantPath::RowDot
-                    } else {
-                        QuantPath::Tiles
-                    }
-                } else {
-                    QuantPath::for_sequence(isa, bits, n, ctx.int_activations)
+            match (row_sequences(owners[x], &seqs, &selected), &seqs) {
+                (Some(rs), Some(s)) if rs.len() == t => {
+                    let ends = sequence_ends(rs);
+                    (split_tiles_runs(path_runs(rs, |q| path(s.seq_n_tokens[q as usize] as usize)), &ends), ends)
                 }
-            };
-            match (row_seq, &seqs) {
-                (Some(rs), Some(s)) if rs.len() == t => path_runs(rs, |q| path(s.seq_n_tokens[q as usize] as usize)),
-                _ => vec![(0, t, path(t))],
+                _ => (vec![(0, t, path(t))], Vec::new()),
             }
         } else {
-            Vec::new()
+            (Vec::new(), Vec::new())
+        };
+        // Expert matmuls: each token's sequence (its indices row), when known.
+        let token_seq: &[u32] = if matches!(op, OpCode::GatherMatMul | OpCode::GatherQuantMatMul) && src.len() >= 2 {
+            let ix = src[1] as usize;
+            match row_sequences(owners[ix], &seqs, &selected) {
+                Some(rs) if rs.len() == nodes[ix].rows() => rs,
+                _ => &[],
+            }
+        } else {
+            &[]
         };
         let n_fused = if op == OpCode::QuantMatMul && paths.len() == 1 && paths[0].2 == QuantPath::Int {
             fusable_after(ctx, nodes, i, &mut vals, inputs, weights, constants, &mut fused_ids)?
@@ -685,6 +749,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                                     &x,
                                     src[0] as usize,
                                     t,
+                                    &seq_ends,
                                     parts.into_iter().flatten(),
                                     &mut ctx.int_scratch,
                                 );
@@ -696,7 +761,8 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                                     }
                                     let int = ctx.int_activations.then_some((&mut ctx.int_scratch, src[0] as usize));
                                     let (xr, or) = (&x[r0 * k..r1 * k], &mut out[r0 * n..r1 * n]);
-                                    quantized::qmatmul(isa, threads, xr, r1 - r0, q, n, or, path, int);
+                                    let segs = ends_within(&seq_ends, r0, r1);
+                                    quantized::qmatmul(isa, threads, xr, r1 - r0, q, n, or, path, int, &segs);
                                 }
                             }
                         }
@@ -736,7 +802,13 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                             _ => binary(&a, &b, &mut out, |x, y| ew::gelu_tanh(x) * y),
                         };
                     }
-                    OpCode::Scale | OpCode::Silu | OpCode::Gelu | OpCode::GeluTanh | OpCode::Relu | OpCode::Softcap => {
+                    OpCode::Scale
+                    | OpCode::Silu
+                    | OpCode::Gelu
+                    | OpCode::GeluTanh
+                    | OpCode::Relu
+                    | OpCode::Softcap
+                    | OpCode::Sigmoid => {
                         need(1)?;
                         let x = f32s(v(0), "x").map_err(e)?;
                         if x.len() != node.numel() {
@@ -752,6 +824,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                             OpCode::Gelu => unary(&x, &mut out, ew::gelu_erf),
                             OpCode::GeluTanh => unary(&x, &mut out, ew::gelu_tanh),
                             OpCode::Relu => unary(&x, &mut out, |a| a.max(0.0)),
+                            OpCode::Sigmoid => unary(&x, &mut out, ew::sigmoid),
                             _ => unary(&x, &mut out, |a| p * (a / p).tanh()),
                         };
                     }
@@ -1054,6 +1127,112 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                         let mut padded = ctx.take(0);
                         conv1d::conv1d_segments(isa, threads, sh, &x, &segs, padding, &w, &bias, &mut out, &mut padded);
                         ctx.give(padded);
+                    }
+                    OpCode::TopK => {
+                        need(1)?;
+                        let x = f32s(v(0), "x").map_err(e)?;
+                        let (rows, cols) = (sn(0).rows(), sn(0).cols());
+                        let k = node.iparams[0];
+                        if k < 1 || k as usize > cols {
+                            return Err(e(format!("k = {k} must be between 1 and the {cols} columns")));
+                        }
+                        let k = k as usize;
+                        if node.rows() != rows || node.cols() != k {
+                            return Err(e(format!("output must be [{rows}, {k}]")));
+                        }
+                        let p = experts::TopK {
+                            k,
+                            indices: node.iparams[1] == TOPK_INDICES,
+                            softmax: node.iparams[2] == 1,
+                            renormalize: node.iparams[3] == 1,
+                        };
+                        experts::top_k(&x, cols, p, &mut out);
+                    }
+                    OpCode::GatherMatMul | OpCode::GatherQuantMatMul => {
+                        need(if op == OpCode::GatherMatMul { 3 } else { 5 })?;
+                        let x = f32s(v(0), "x").map_err(e)?;
+                        let indices = f32s(v(1), "indices").map_err(e)?;
+                        let (t, k) = (sn(1).rows(), sn(1).cols());
+                        let kdim = sn(0).cols();
+                        let n = node.cols();
+                        let x_per_token = sn(0).rows() == t;
+                        if !x_per_token && sn(0).rows() != t * k {
+                            return Err(e(format!("x has {} rows for {t} tokens of {k} experts", sn(0).rows())));
+                        }
+                        if node.rows() != t * k {
+                            return Err(e(format!("output has {} rows, expected {t}·{k}", node.rows())));
+                        }
+                        if op == OpCode::GatherMatMul {
+                            // Consecutive experts from iparams[0]: stacks [E_i, N, K] or single [N, K].
+                            let mut experts_w: Vec<Floats> = Vec::new();
+                            for j in 2..src.len() {
+                                let w = floats(v(j), "expert weight").map_err(e)?;
+                                let d = sn(j).dims();
+                                let (count, rows, cols) = match *d {
+                                    [count, rows, cols] => (count as usize, rows as usize, cols as usize),
+                                    [rows, cols] => (1, rows as usize, cols as usize),
+                                    _ => return Err(e(format!("expert weight {j} has shape {d:?}"))),
+                                };
+                                if rows != n || cols != kdim {
+                                    return Err(e(format!("expert weight {j} is {d:?}, expected [·, {n}, {kdim}]")));
+                                }
+                                experts_w.extend((0..count).map(|c| w.slice(c * n * kdim, n * kdim)));
+                            }
+                            let first = node.iparams[0].max(0) as usize;
+                            let total =
+                                if node.iparams[1] > 0 { node.iparams[1] as usize } else { first + experts_w.len() };
+                            let r = experts::Routing {
+                                indices: &indices,
+                                k,
+                                x_per_token,
+                                tokens: t,
+                                token_seq,
+                                path_for: &path,
+                                first_expert: first,
+                                held: experts_w.len(),
+                                total,
+                            };
+                            experts::gather_matmul(isa, threads, &x, kdim, &r, &experts_w, n, &mut out).map_err(e)?;
+                        } else {
+                            let (q, rows) = quant_matrix(&vals, nodes, node, kdim).map_err(e)?;
+                            let n_experts = sn(2).dims().first().copied().unwrap_or(0) as usize;
+                            if sn(2).dims().len() != 3 || rows != n_experts * n {
+                                return Err(e(format!(
+                                    "packed experts are {:?}, expected [E, {n}, {}]",
+                                    sn(2).dims(),
+                                    kdim * bits / 32
+                                )));
+                            }
+                            let r = experts::Routing {
+                                indices: &indices,
+                                k,
+                                x_per_token,
+                                tokens: t,
+                                token_seq,
+                                path_for: &path,
+                                first_expert: 0,
+                                held: n_experts,
+                                total: n_experts,
+                            };
+                            experts::gather_qmatmul(isa, threads, &x, &r, q, n, &mut out, &mut ctx.int_scratch)
+                                .map_err(e)?;
+                        }
+                    }
+                    OpCode::WeightedSum => {
+                        need(2)?;
+                        let y = f32s(v(0), "y").map_err(e)?;
+                        let w = f32s(v(1), "weights").map_err(e)?;
+                        let (t, k) = (sn(1).rows(), sn(1).cols());
+                        let n = node.cols();
+                        if sn(0).rows() != t * k || sn(0).cols() != n || node.rows() != t {
+                            return Err(e(format!(
+                                "y [{}, {}] and weights [{t}, {k}] do not make [{}, {n}]",
+                                sn(0).rows(),
+                                sn(0).cols(),
+                                node.rows()
+                            )));
+                        }
+                        experts::weighted_sum(&y, &w, k, n, &mut out);
                     }
                     OpCode::Input | OpCode::Weight | OpCode::Constant => unreachable!(),
                 }

@@ -6,6 +6,7 @@ pub mod attention_step;
 pub mod conv1d;
 pub mod cross_attention;
 pub mod elementwise;
+pub mod experts;
 pub mod int_dot;
 pub mod matmul;
 pub mod norm;
@@ -34,6 +35,15 @@ impl<'a> Floats<'a> {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Elements `start..start + len` (panics outside, like slicing).
+    pub fn slice(&self, start: usize, len: usize) -> Floats<'a> {
+        match self {
+            Floats::F32(s) => Floats::F32(&s[start..start + len]),
+            Floats::F16(s) => Floats::F16(&s[start..start + len]),
+            Floats::BF16(s) => Floats::BF16(&s[start..start + len]),
+        }
     }
 
     #[inline(always)]
