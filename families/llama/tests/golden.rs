@@ -277,3 +277,31 @@ fn a_sequence_gives_the_same_logits_alone_and_in_mixed_batches() {
         }
     }
 }
+
+/// Every usable staged backend in one process (the CPU plugin and, when built with libmlx, the MLX
+/// one): each gives mlx-lm's greedy tokens, one after the other in the same host.
+#[test]
+fn every_usable_backend_in_one_process_gives_the_same_greedy_tokens() {
+    let catalog = mlxcel::testing::staged_catalog();
+    let names: Vec<String> =
+        catalog.backends.iter().filter(|b| b.describe().score > 0).map(|b| b.name().to_string()).collect();
+    for case in ["qwen3-q4", "llama-f32"] {
+        let (dir, g) = fixture(case);
+        for name in &names {
+            let opts = RunnerOptions { ctx_size: 256, threads: 2, backend: Some(name.clone()), ..Default::default() };
+            let mut runner = ModelRunner::load(&catalog, &dir, &opts).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+            let tok = TextTokenizer::load(&dir, &runner.checkpoint.config, None).unwrap();
+            let opts = GenerateOptions {
+                sampling: SamplingParams::greedy(),
+                max_tokens: g.greedy.len(),
+                ignore_eos: true,
+                ..Default::default()
+            };
+            let out = Session::new()
+                .generate(&mut runner, &tok, &g.tokens, &opts, &AtomicBool::new(false), &mut |_| {})
+                .unwrap();
+            assert_eq!(out.tokens, g.greedy, "{case} on backend {name}: greedy tokens differ from mlx-lm");
+            eprintln!("{case}: backend {name} gives mlx-lm's greedy tokens");
+        }
+    }
+}
