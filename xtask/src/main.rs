@@ -52,9 +52,15 @@ enum Cmd {
         n_prompt: usize,
         #[arg(long, default_value_t = 128)]
         n_gen: usize,
-        /// Only mlxcel (no llama.cpp install or runs).
+        /// Only mlxcel (no llama.cpp / mlx-lm runs).
         #[arg(long)]
         no_peer: bool,
+        /// `mlx`: measure the MLX backend beside mlx-lm on the same weights and libmlx.
+        #[arg(long)]
+        backend: Option<String>,
+        /// The Python with mlx-lm installed, for `--backend mlx`.
+        #[arg(long, default_value = "python3")]
+        mlx_lm_python: PathBuf,
     },
     /// Build, stage and run all tests.
     Test {
@@ -204,8 +210,9 @@ fn supported_isas() -> Vec<&'static str> {
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
-        Cmd::Bench { models, reps, threads, n_prompt, n_gen, no_peer } => {
-            bench::run(&bench::Options { models, reps, threads, n_prompt, n_gen, no_peer })
+        Cmd::Bench { models, reps, threads, n_prompt, n_gen, no_peer, backend, mlx_lm_python } => {
+            backend_flag(backend.as_deref())?;
+            bench::run(&bench::Options { models, reps, threads, n_prompt, n_gen, no_peer, backend, mlx_lm_python })
         }
         Cmd::Build { backend } => build_with(Some(backend_flag(backend.as_deref())?)).map(|_| ()),
         Cmd::FetchMlx => mlx::fetch().map(|_| ()),
