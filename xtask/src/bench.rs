@@ -217,7 +217,8 @@ pub fn run(o: &Options) -> Result<()> {
         // Decode reads every weight byte once per token: floor = weights / bandwidth.
         let floor = bw / weights as f64;
         let r = |m: f64, l: Option<f64>| l.map_or("—".to_string(), |l| format!("{:.2}×", m / l));
-        let f = |l: Option<f64>| l.map_or("—".to_string(), |l| format!("{l:.1}"));
+        let f =
+            |l: Option<f64>| l.map_or("—".to_string(), |l| if l < 1.0 { format!("{l:.3}") } else { format!("{l:.1}") });
         println!(
             "| {t} | {mpp:.1} | {} | {} | {mtg:.1} | {} | {} | {:.1} GB/s | {floor:.0} tok/s | {:.0}% | {:.0} MB ({:.0} + {:.0}) | {features} |",
             f(lpp),

@@ -92,18 +92,25 @@ fn validate_layout(
 /// Every pointer in `args` is valid for the sizes the graph implies (ABI contract); buffer handles are
 /// this plugin's `MlxBuffer`s, used by this thread only for the call.
 pub unsafe fn compute(args: &ComputeArgs) -> Result<(), PluginError> {
-    // SAFETY (this block): the host guarantees every pointer of `args` for the sizes it states.
-    let nodes = unsafe { args.graph.nodes() };
+    // SAFETY: the host guarantees every pointer of `args` for the sizes it states (ABI contract).
+    let (nodes, constants, outputs, inputs, weights, kv, outs, batch) = unsafe {
+        (
+            args.graph.nodes(),
+            args.graph.constants(),
+            args.graph.outputs(),
+            slice_from(args.inputs, args.n_inputs),
+            slice_from(args.weights, args.n_weights),
+            read_versioned_array::<KvBinding>(args.kv, args.n_kv),
+            slice_from(args.outputs, args.n_outputs),
+            read_versioned::<StepBatch>(args.batch),
+        )
+    };
     let nodes: &[Node] = &nodes;
-    let constants = unsafe { args.graph.constants() };
-    let outputs = unsafe { args.graph.outputs() };
-    let inputs = unsafe { slice_from(args.inputs, args.n_inputs) };
-    let weights = unsafe { slice_from(args.weights, args.n_weights) };
-    let kv: Vec<KvBinding> = unsafe { read_versioned_array(args.kv, args.n_kv) };
-    let outs = unsafe { slice_from(args.outputs, args.n_outputs) };
-    let batch: Option<StepBatch> = unsafe { read_versioned(args.batch) };
-    let groups: Vec<KvGroupTables> =
-        batch.as_ref().map_or_else(Vec::new, |b| unsafe { read_versioned_array(b.groups, b.n_groups as usize) });
+    let groups: Vec<KvGroupTables> = match &batch {
+        // SAFETY: the batch's group array holds `n_groups` elements (ABI contract).
+        Some(b) => unsafe { read_versioned_array(b.groups, b.n_groups as usize) },
+        None => Vec::new(),
+    };
 
     if outs.len() != outputs.len() {
         return Err(PluginError::invalid(format!(
