@@ -156,7 +156,7 @@ impl<'a> Run<'a> {
     }
     /// Runs the graph and returns its output, or `None` (after printing which ops) when the backend
     /// does not support every node: an op a backend lacks is skipped by name, never silently.
-    fn execute(mut self, out: TensorId) -> Option<Vec<f32>> {
+    fn execute(&mut self, out: TensorId) -> Option<Vec<f32>> {
         self.g.mark_output(out);
         let mut missing: Vec<String> = self
             .g
@@ -806,5 +806,76 @@ fn bad_graphs_are_refused_with_a_message_not_a_crash() {
         let o = run.g.op(OpCode::Embedding, &[1, 3], &[ii, wi]);
         let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run.execute(o)));
         assert!(matches!(res, Err(_) | Ok(None)), "out-of-range token id must be an error");
+    });
+}
+
+/// Block copies inside a cache the backend laid out itself (`kv_alloc`), seen only through attention:
+/// a prompt's keys are written into block 2, the block is copied to block 0, and a token whose table
+/// names block 0 attends exactly as the prompt's last token did.
+#[test]
+fn copied_kv_blocks_attend_like_the_originals() {
+    each_backend(|ctx, rng| {
+        if !ctx.owns_kv_layout() {
+            eprintln!("SKIPPED on backend `{}`: it has no kv_alloc/copy_blocks", ctx.name());
+            return;
+        }
+        let (hq, hkv, dh, bs, num_blocks) = (2usize, 1usize, 8usize, 4u32, 4u32);
+        let desc = KvCacheDesc {
+            num_blocks,
+            block_size: bs,
+            n_kv_heads: hkv as u32,
+            head_dim: dh as u32,
+            dtype: DType::F32 as u32,
+            ..KvCacheDesc::zeroed()
+        };
+        let (q, k, v) = (rng.vec(4 * hq * dh, 1.0), rng.vec(4 * hkv * dh, 1.0), rng.vec(4 * hkv * dh, 1.0));
+        let attend = |run: &mut Run, q: &[f32], k: &[f32], v: &[f32], t: usize| {
+            let qi = run.input_f32(q, &[t as u64, (hq * dh) as u64]);
+            let ki = run.input_f32(k, &[t as u64, (hkv * dh) as u64]);
+            let vi = run.input_f32(v, &[t as u64, (hkv * dh) as u64]);
+            let o = run.g.op_with(
+                OpCode::Attention,
+                &[t as u64, (hq * dh) as u64],
+                &[qi, ki, vi],
+                &[0, hq as i64, hkv as i64, dh as i64, 0],
+                &[0.35, 0.0],
+            );
+            run.execute(o)
+        };
+        let (kb, vb) = (ctx.kv_alloc(&desc).unwrap(), ctx.kv_alloc(&desc).unwrap());
+        // The prompt (positions 0..4) in block 2.
+        let mut run = Run::new(ctx);
+        run.kv.push((kb, vb));
+        run.batch = Some(BatchData {
+            token_seq: vec![0; 4],
+            positions: (0..4).collect(),
+            slots: (8..12).collect(),
+            tables: vec![2],
+            max_blocks: 1,
+            block_size: bs,
+            num_blocks,
+        });
+        let Some(prompt) = attend(&mut run, &q, &k, &v, 4) else { return };
+        let (mut kb, mut vb) = run.kv.pop().unwrap();
+        drop(run);
+        ctx.copy_blocks(&mut kb, &desc, &[BlockCopy { src: 2, dst: 0 }]).unwrap();
+        ctx.copy_blocks(&mut vb, &desc, &[BlockCopy { src: 2, dst: 0 }]).unwrap();
+        // The last token again, now through block 0 (it rewrites its own slot with the same values).
+        let mut run = Run::new(ctx);
+        run.kv.push((kb, vb));
+        run.batch = Some(BatchData {
+            token_seq: vec![0],
+            positions: vec![3],
+            slots: vec![3],
+            tables: vec![0],
+            max_blocks: 1,
+            block_size: bs,
+            num_blocks,
+        });
+        let row = hq * dh;
+        let (kr, vr) = (hkv * dh, hkv * dh);
+        let Some(again) = attend(&mut run, &q[3 * row..], &k[3 * kr..], &v[3 * vr..], 1) else { return };
+        let want: Vec<f64> = prompt[3 * row..].iter().map(|&x| x as f64).collect();
+        check(&format!("{} attention through a copied block", ctx.name()), &again, &want, dh);
     });
 }
