@@ -20,15 +20,22 @@ fn good_plugins_load_and_provide_their_architectures() {
     let staged = common::staged_dir();
     let cat = Catalog::load(&PluginSearch { dirs: vec![staged] });
     assert!(cat.problems.is_empty(), "{:?}", cat.problems);
-    assert_eq!(cat.backends.iter().map(|b| b.name()).collect::<Vec<_>>(), ["cpu"]);
+    // The cpu backend, and the mlx one (usable or, built without libmlx, scoring 0 with its reason).
+    let names: Vec<&str> = cat.backends.iter().map(|b| b.name()).collect();
+    assert_eq!(names, ["cpu", "mlx"]);
     // Every staged family's architectures, sorted (other family plugins add theirs).
     let archs = cat.architectures();
     assert!(archs.windows(2).all(|p| p[0] < p[1]), "{archs:?}");
     for a in ["llama", "mistral", "qwen2", "qwen3"] {
         assert!(archs.iter().any(|x| x == a), "{a} missing from {archs:?}");
     }
-    let cpu = cat.select_backend(None).unwrap();
-    assert!(cpu.describe().score > 0);
+    let best = cat.select_backend(None).unwrap();
+    assert!(best.describe().score > 0);
+    let mlx = cat.backends.iter().find(|b| b.name() == "mlx").unwrap().describe();
+    assert!(mlx.score > 0 || mlx.reason.contains("libmlx not found at build time"), "{}", mlx.reason);
+    if mlx.devices.iter().all(|d| d.kind == "cpu") {
+        assert_eq!(best.name(), "cpu", "on a CPU the cpu backend outranks MLX");
+    }
 }
 
 #[test]

@@ -5,6 +5,9 @@
 //! in f32 and dequantize 4-bit weights exactly (`scale * q + bias`), so differences are only float
 //! summation order (gemm blocking vs MLX's kernels) and `exp`/`sin`/`cos` implementations: measured
 //! at ≤ 1.3e-6 here; the margin covers other SIMD paths. Greedy tokens must match exactly.
+//!
+//! `MLXCEL_TEST_BACKEND=mlx` runs the same tests on another staged backend (`cargo xtask test` does
+//! so for the MLX plugin when it was built with libmlx); unset, the host picks (the CPU backend).
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
@@ -23,8 +26,14 @@ const TOLERANCE: f32 = 1e-4;
 const INT16_TOLERANCE: f32 = 1e-3;
 const CASES: &[&str] = &["llama", "mistral", "qwen2", "qwen3"];
 
+/// The backend under test: `MLXCEL_TEST_BACKEND`, else the host's choice.
+fn backend() -> Option<String> {
+    std::env::var("MLXCEL_TEST_BACKEND").ok().filter(|b| !b.is_empty())
+}
+
 fn tolerance(name: &str) -> f32 {
-    let int16 = std::env::var("MLXCEL_CPU_INT16").map_or(true, |v| v != "0");
+    let on_cpu = backend().is_none_or(|b| b == "cpu");
+    let int16 = on_cpu && std::env::var("MLXCEL_CPU_INT16").map_or(true, |v| v != "0");
     if name.ends_with("-q4") && int16 {
         INT16_TOLERANCE
     } else {
@@ -53,8 +62,12 @@ fn fixture(name: &str) -> (PathBuf, Golden) {
 
 fn load(dir: &PathBuf) -> ModelRunner {
     let catalog = mlxcel::testing::staged_catalog();
-    let opts = RunnerOptions { ctx_size: 256, threads: 2, ..Default::default() };
-    ModelRunner::load(&catalog, dir, &opts).unwrap_or_else(|e| panic!("{}: {e:#}", dir.display()))
+    let opts = RunnerOptions { ctx_size: 256, threads: 2, backend: backend(), ..Default::default() };
+    let runner = ModelRunner::load(&catalog, dir, &opts).unwrap_or_else(|e| panic!("{}: {e:#}", dir.display()));
+    if let Some(b) = backend() {
+        assert_eq!(runner.backend_name, b, "MLXCEL_TEST_BACKEND asked for `{b}`");
+    }
+    runner
 }
 
 fn max_diff(name: &str, row: usize, got: &[f32], want: &[f32]) -> f32 {
@@ -261,6 +274,34 @@ fn a_sequence_gives_the_same_logits_alone_and_in_mixed_batches() {
             assert_eq!(b_row, alone_b, "{fixture_name}: B's prompt logits changed in a mixed batch (step {step})");
             runner.pool.release(&mut sb);
             sa.len += 1;
+        }
+    }
+}
+
+/// Every usable staged backend in one process (the CPU plugin and, when built with libmlx, the MLX
+/// one): each gives mlx-lm's greedy tokens, one after the other in the same host.
+#[test]
+fn every_usable_backend_in_one_process_gives_the_same_greedy_tokens() {
+    let catalog = mlxcel::testing::staged_catalog();
+    let names: Vec<String> =
+        catalog.backends.iter().filter(|b| b.describe().score > 0).map(|b| b.name().to_string()).collect();
+    for case in ["qwen3-q4", "llama-f32"] {
+        let (dir, g) = fixture(case);
+        for name in &names {
+            let opts = RunnerOptions { ctx_size: 256, threads: 2, backend: Some(name.clone()), ..Default::default() };
+            let mut runner = ModelRunner::load(&catalog, &dir, &opts).unwrap_or_else(|e| panic!("{name}: {e:#}"));
+            let tok = TextTokenizer::load(&dir, &runner.checkpoint.config, None).unwrap();
+            let opts = GenerateOptions {
+                sampling: SamplingParams::greedy(),
+                max_tokens: g.greedy.len(),
+                ignore_eos: true,
+                ..Default::default()
+            };
+            let out = Session::new()
+                .generate(&mut runner, &tok, &g.tokens, &opts, &AtomicBool::new(false), &mut |_| {})
+                .unwrap();
+            assert_eq!(out.tokens, g.greedy, "{case} on backend {name}: greedy tokens differ from mlx-lm");
+            eprintln!("{case}: backend {name} gives mlx-lm's greedy tokens");
         }
     }
 }
