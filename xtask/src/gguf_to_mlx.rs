@@ -578,6 +578,130 @@ mod tests {
         assert_eq!(hf_name("blk.0.attn_rot_embd"), None);
     }
 
+    /// A tiny llama GGUF (Q8_0 embedding, Q4_1 attention, f32 norms, a tensor the script skips) through
+    /// the whole converter: names, dtypes, shapes, unpermuted Q rows, the JSON files' fields.
+    #[test]
+    fn a_tiny_llama_gguf_converts_into_a_complete_mlx_folder() {
+        use crate::gguf::tests::{enc_str, enc_str_array, write_gguf};
+        let u32v = |v: u32| v.to_le_bytes().to_vec();
+        let f32v = |v: f32| v.to_le_bytes().to_vec();
+        let mut types = 5u32.to_le_bytes().to_vec();
+        types.extend(5u64.to_le_bytes());
+        [3i32, 3, 1, 1, 1].iter().for_each(|t| types.extend(t.to_le_bytes()));
+        let meta = vec![
+            ("general.architecture", 8, enc_str("llama")),
+            ("llama.block_count", 4, u32v(1)),
+            ("llama.embedding_length", 4, u32v(64)),
+            ("llama.feed_forward_length", 4, u32v(96)),
+            ("llama.attention.head_count", 4, u32v(2)),
+            ("llama.attention.head_count_kv", 4, u32v(1)),
+            ("llama.context_length", 4, u32v(128)),
+            ("llama.attention.layer_norm_rms_epsilon", 6, f32v(1e-5)),
+            ("llama.rope.freq_base", 6, f32v(10000.0)),
+            ("tokenizer.ggml.model", 8, enc_str("gpt2")),
+            ("tokenizer.ggml.pre", 8, enc_str("smollm")),
+            ("tokenizer.ggml.tokens", 9, enc_str_array(&["<|endoftext|>", "<|im_start|>", "a", "b", "ab"])),
+            ("tokenizer.ggml.token_type", 9, types),
+            ("tokenizer.ggml.merges", 9, enc_str_array(&["a b"])),
+            ("tokenizer.ggml.bos_token_id", 4, u32v(1)),
+            ("tokenizer.ggml.eos_token_id", 4, u32v(0)),
+            ("tokenizer.chat_template", 8, enc_str("{{ messages }}\n")),
+        ];
+        let q8_row = |r: usize| -> Vec<u8> {
+            let mut b = Vec::new();
+            for half in 0..2 {
+                b.extend(f16_bits(0.01).to_le_bytes());
+                b.extend((0..32).map(|i| ((i * 5 + r * 3 + half * 7) % 255) as i8 as u8));
+            }
+            b
+        };
+        let embd: Vec<u8> = (0..5).flat_map(q8_row).collect();
+        let q4_rows = |rows: usize| -> Vec<u8> {
+            (0..rows)
+                .flat_map(|r| {
+                    let values: [u8; 32] = std::array::from_fn(|i| ((i + r) % 16) as u8);
+                    [q4_1_block(0.5, r as f32, &values), q4_1_block(0.25, -(r as f32), &values)].concat()
+                })
+                .collect()
+        };
+        let norm: Vec<u8> = (0..64).flat_map(|i| (1.0 + i as f32 / 64.0).to_le_bytes()).collect();
+        let (attn_q, attn_k) = (q4_rows(64), q4_rows(32));
+        let file = write_gguf(
+            &meta,
+            &[
+                ("token_embd.weight", &[64, 5], 8, embd),
+                ("rope_freqs.weight", &[16], 0, vec![0; 64]),
+                ("blk.0.attn_q.weight", &[64, 64], 3, attn_q.clone()),
+                ("blk.0.attn_k.weight", &[64, 32], 3, attn_k),
+                ("blk.0.attn_norm.weight", &[64], 0, norm),
+            ],
+            32,
+        );
+        let gguf = Gguf::parse(&file).unwrap();
+        let out = tempfile::tempdir().unwrap();
+        convert(&gguf, "tiny.gguf", out.path()).unwrap();
+
+        let st = std::fs::read(out.path().join("model.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&st).unwrap();
+        let mut names: Vec<(String, Vec<usize>)> =
+            st.tensors().into_iter().map(|(n, t)| (n, t.shape().to_vec())).collect();
+        names.sort();
+        let shapes = |v: &[(&str, &[usize])]| -> Vec<(String, Vec<usize>)> {
+            v.iter().map(|(n, s)| (n.to_string(), s.to_vec())).collect()
+        };
+        assert_eq!(
+            names,
+            shapes(&[
+                ("model.embed_tokens.biases", &[5, 2]),
+                ("model.embed_tokens.scales", &[5, 2]),
+                ("model.embed_tokens.weight", &[5, 8]),
+                ("model.layers.0.input_layernorm.weight", &[64]),
+                ("model.layers.0.self_attn.k_proj.biases", &[32, 2]),
+                ("model.layers.0.self_attn.k_proj.scales", &[32, 2]),
+                ("model.layers.0.self_attn.k_proj.weight", &[32, 8]),
+                ("model.layers.0.self_attn.q_proj.biases", &[64, 2]),
+                ("model.layers.0.self_attn.q_proj.scales", &[64, 2]),
+                ("model.layers.0.self_attn.q_proj.weight", &[64, 8]),
+            ])
+        );
+        let q = st.tensor("model.layers.0.self_attn.q_proj.weight").unwrap();
+        assert_eq!(q.dtype(), safetensors::Dtype::U32);
+        let direct = q4_1_to_mlx(&attn_q, 64, 64);
+        let want = unpermute_rows(&direct.packed, 64, 2).unwrap();
+        assert_eq!(q.data(), le_bytes(&want, u32::to_le_bytes));
+        // Head 0 of the output starts with the GGUF's even rows: output row 1 is GGUF row 2 (bias 2.0).
+        let biases = st.tensor("model.layers.0.self_attn.q_proj.biases").unwrap();
+        assert_eq!(biases.data()[4..6], f16_bits(2.0).to_le_bytes());
+        let norm = st.tensor("model.layers.0.input_layernorm.weight").unwrap();
+        assert_eq!(norm.dtype(), safetensors::Dtype::F16);
+        assert_eq!(norm.data()[2..4], f16_bits(1.0 + 1.0 / 64.0).to_le_bytes());
+
+        let read = |name: &str| -> serde_json::Value {
+            serde_json::from_slice(&std::fs::read(out.path().join(name)).unwrap()).unwrap()
+        };
+        let config = read("config.json");
+        assert_eq!(config["head_dim"], 32);
+        assert_eq!(config["num_key_value_heads"], 1);
+        assert_eq!(config["tie_word_embeddings"], true);
+        assert_eq!(config["rms_norm_eps"], 1e-5f32 as f64);
+        assert_eq!(config["pad_token_id"], serde_json::Value::Null);
+        assert_eq!(config["quantization"], serde_json::json!({"group_size": 32, "bits": 4}));
+        assert_eq!(config["_converted_from"], "tiny.gguf");
+        let tokenizer = read("tokenizer.json");
+        assert_eq!(tokenizer["model"]["vocab"]["ab"], 4);
+        assert_eq!(tokenizer["model"]["merges"], serde_json::json!(["a b"]));
+        assert_eq!(tokenizer["added_tokens"][1]["content"], "<|im_start|>");
+        assert_eq!(tokenizer["pre_tokenizer"]["pretokenizers"][0]["type"], "Digits");
+        let tc = read("tokenizer_config.json");
+        assert_eq!((tc["bos_token"].as_str(), tc["eos_token"].as_str()), (Some("<|im_start|>"), Some("<|endoftext|>")));
+        assert_eq!(tc["chat_template"], "{{ messages }}\n");
+        assert_eq!(tc["model_max_length"], 128);
+        assert_eq!(
+            read("generation_config.json"),
+            serde_json::json!({"bos_token_id": 1, "eos_token_id": 0, "pad_token_id": null})
+        );
+    }
+
     /// The converted SmolLM2 equals what `../shared/models/fetch.sh` made with the Python reference
     /// converter: the JSON files byte for byte, every tensor's dtype, shape and bytes, the whole file.
     #[test]
