@@ -6,6 +6,7 @@
 //! - [`quant`]: quantization specs from `config.json`, with per-module overrides;
 //! - [`rope`]: rotary frequencies for every scaling type mlx-lm knows, and per-sequence frequencies for
 //!   the context-dependent ones ([`rope::step_inv_freq`]);
+//! - [`attention`]: the grouped-query self-attention block (q/k/v, q/k norm, RoPE, paged attention, o);
 //! - [`config`]: reading `model_type` (top level or `text_config`);
 //! - [`experts`]: mixture-of-experts projections (stacked, quantized or one tensor per expert) and the
 //!   router, expert matmul and combine nodes.
@@ -13,12 +14,14 @@
 //! The plugin's C entry points come from `mlxcel_plugin_api::export_family!` over the
 //! [`mlxcel_plugin_api::Family`] trait.
 
+pub mod attention;
 pub mod config;
 pub mod experts;
 pub mod quant;
 pub mod rope;
 pub mod weights;
 
+pub use attention::{AttentionShape, RopeInputs, SelfAttention};
 pub use experts::{ExpertWeights, Experts, Routes};
 pub use quant::{module_quant, QuantSpec};
 pub use rope::{rope_freqs, RopeFreqs};

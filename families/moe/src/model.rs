@@ -8,22 +8,16 @@
 //! Layers listed in `mlp_only_layers` (or off the `decoder_sparse_step`) have a dense MLP instead.
 
 use mlxcel_family_kit::rope::step_inv_freq;
-use mlxcel_family_kit::{rope_freqs, Experts, GraphWriter, Linear, RopeFreqs, WeightRef, WeightTable};
+use mlxcel_family_kit::{
+    rope_freqs, AttentionShape, Experts, GraphWriter, Linear, RopeFreqs, RopeInputs, SelfAttention, WeightRef,
+    WeightTable,
+};
 use mlxcel_plugin_api::{
     DType, FamilyModel, Graph, KvKind, KvLayerDesc, ModelDescription, OpCode, OutputKind, PluginError, StepDesc, Task,
     TensorId, Versioned, INPUT_OUTPUT_ROWS, INPUT_POSITIONS, INPUT_TOKENS,
 };
 
 use crate::config::MoeConfig;
-
-struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    q_norm: Option<WeightRef>,
-    k_norm: Option<WeightRef>,
-}
 
 /// SwiGLU: `down(silu(gate(x)) · up(x))`.
 struct Mlp {
@@ -50,7 +44,7 @@ enum FeedForward {
 
 struct Layer {
     input_norm: WeightRef,
-    attn: Attention,
+    attn: SelfAttention,
     post_attention_norm: WeightRef,
     ffn: FeedForward,
 }
@@ -152,14 +146,17 @@ impl MoeModel {
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            let attn = Attention {
-                q: Linear::load(table, q, &format!("{p}.self_attn.q_proj"), d, nh * hd, bias)?,
-                k: Linear::load(table, q, &format!("{p}.self_attn.k_proj"), d, nkv * hd, bias)?,
-                v: Linear::load(table, q, &format!("{p}.self_attn.v_proj"), d, nkv * hd, bias)?,
-                o: Linear::load(table, q, &format!("{p}.self_attn.o_proj"), nh * hd, d, false)?,
-                q_norm: if cfg.qk_norm() { Some(norm(format!("{p}.self_attn.q_norm.weight"), hd)?) } else { None },
-                k_norm: if cfg.qk_norm() { Some(norm(format!("{p}.self_attn.k_norm.weight"), hd)?) } else { None },
+            let shape = AttentionShape {
+                hidden: d,
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                qkv_bias: bias,
+                o_bias: false,
+                qk_norm: cfg.qk_norm(),
+                window: 0,
             };
+            let attn = SelfAttention::load(table, q, &format!("{p}.self_attn"), shape)?;
             let ffn = if cfg.sparse_layer(i) {
                 FeedForward::Sparse(SparseMoe::load(table, &cfg, &format!("{p}.mlp"))?)
             } else {
@@ -185,10 +182,7 @@ impl MoeModel {
         let mut used: Vec<u32> = embed.indices();
         for l in &layers {
             used.extend([l.input_norm.index, l.post_attention_norm.index]);
-            for lin in [&l.attn.q, &l.attn.k, &l.attn.v, &l.attn.o] {
-                used.extend(lin.indices());
-            }
-            used.extend(l.attn.q_norm.iter().chain(l.attn.k_norm.iter()).map(|w| w.index));
+            used.extend(l.attn.indices());
             used.extend(match &l.ffn {
                 FeedForward::Dense(m) => m.indices(),
                 FeedForward::Sparse(m) => m.indices(),
@@ -234,7 +228,6 @@ impl MoeModel {
         }
         let cfg = &self.cfg;
         let (d, hd) = (cfg.hidden_size as u64, cfg.head_dim() as u64);
-        let (nh, nkv) = (cfg.num_attention_heads as u64, cfg.n_kv_heads() as u64);
         let (eps, k) = (cfg.rms_norm_eps, cfg.num_experts_per_tok as u64);
 
         let mut graph = std::mem::take(&mut self.graph);
@@ -246,30 +239,17 @@ impl MoeModel {
         let tokens = w.g.input(INPUT_TOKENS, DType::I32, &[t]);
         let positions = w.g.input(INPUT_POSITIONS, DType::I32, &[t]);
         let inv_freq = step_inv_freq(w.g, &self.rope, step);
-        let rope_params = [hd as i64, hd as i64, cfg.rope_traditional as i64];
-        let mscale = self.rope.mscale;
+        let rope = RopeInputs {
+            positions,
+            inv_freq,
+            params: [hd as i64, hd as i64, cfg.rope_traditional as i64],
+            mscale: self.rope.mscale,
+        };
 
         let mut h = w.embedding(tokens, t, &self.embed);
         for (i, layer) in self.layers.iter().enumerate() {
-            let a = &layer.attn;
             let x = w.rms_norm(h, &[t, d], &layer.input_norm, eps);
-            let mut q = w.linear(x, t, &a.q);
-            let mut kk = w.linear(x, t, &a.k);
-            let v = w.linear(x, t, &a.v);
-            if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
-                q = w.rms_norm(q, &[t, nh * hd], qn, eps);
-                kk = w.rms_norm(kk, &[t, nkv * hd], kn, eps);
-            }
-            let q = w.g.op_with(OpCode::Rope, &[t, nh * hd], &[q, positions, inv_freq], &rope_params, &[mscale]);
-            let kk = w.g.op_with(OpCode::Rope, &[t, nkv * hd], &[kk, positions, inv_freq], &rope_params, &[mscale]);
-            let attn = w.g.op_with(
-                OpCode::Attention,
-                &[t, nh * hd],
-                &[q, kk, v],
-                &[i as i64, nh as i64, nkv as i64, hd as i64, 0],
-                &[1.0 / (hd as f32).sqrt(), 0.0],
-            );
-            let o = w.linear(attn, t, &a.o);
+            let o = layer.attn.forward(&mut w, x, t, i, &rope, eps);
             h = w.g.op(OpCode::Add, &[t, d], &[h, o]);
 
             let x = w.rms_norm(h, &[t, d], &layer.post_attention_norm, eps);
