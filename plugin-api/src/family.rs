@@ -138,6 +138,12 @@ pub struct StepDesc {
     pub seq_n_tokens: *const u32,
     /// `[n_seqs]` each sequence's context length after this step (last position + 1).
     pub seq_context: *const u32,
+    // ---- ABI 2.2 ----
+    /// Feature rows in the step, all sequences together (the [`crate::INPUT_FEATURES`] input's rows).
+    pub n_feature_rows: u32,
+    /// `[n_seqs]` feature rows each sequence brings in this step, or null when none does (an older
+    /// host). An encoder-decoder encodes a sequence's features in the step that brings them.
+    pub seq_n_features: *const u32,
 }
 
 // SAFETY: repr(C), `size` first, plain data.
@@ -155,6 +161,17 @@ impl StepDesc {
     pub unsafe fn seq_context(&self) -> &[u32] {
         // SAFETY: caller's contract.
         unsafe { crate::ffi::slice_from(self.seq_context, self.n_seqs as usize) }
+    }
+    /// Feature rows per sequence (empty when the host sent none).
+    ///
+    /// # Safety
+    /// `seq_n_features` is null or valid for `n_seqs` elements.
+    pub unsafe fn seq_n_features(&self) -> &[u32] {
+        if self.seq_n_features.is_null() {
+            return &[];
+        }
+        // SAFETY: caller's contract.
+        unsafe { crate::ffi::slice_from(self.seq_n_features, self.n_seqs as usize) }
     }
 }
 

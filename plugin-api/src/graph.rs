@@ -191,7 +191,9 @@ pub enum OpCode {
     ///   `[K − 1, C_in]` f32 ([`conv_state_elems`]); stride must be 1 and padding 0.
     ///
     /// `iparams[1]` = stride (≥ 1), `[2]` = padding, `[3]` = groups (divides C_in and C_out; 0 = 1),
-    /// `[4]` = state layer (mode 1). Dilation is 1.
+    /// `[4]` = state layer (mode 1), `[5]` = weight layout: [`CONV_WEIGHT_MLX`] (0) as above, or
+    /// [`CONV_WEIGHT_TORCH`] (1, ABI 2.2) for PyTorch's `[C_out, C_in/groups, K]` as Hugging Face
+    /// checkpoints store it (Whisper's conv1/conv2), so weights bind without a copy. Dilation is 1.
     Conv1d = 60,
 
     /// Pools each sequence's rows into one: src x `[T, C]`, seq `I32 [T]` (each row's sequence index,
@@ -330,6 +332,11 @@ pub const CONV_WHOLE: i64 = 0;
 /// [`OpCode::Conv1d`]'s `iparams[0]`: causal, the last `K − 1` input rows carried in state.
 pub const CONV_CAUSAL_STATE: i64 = 1;
 
+/// [`OpCode::Conv1d`]'s `iparams[5]`: weights `[C_out, K, C_in/groups]` (MLX).
+pub const CONV_WEIGHT_MLX: i64 = 0;
+/// [`OpCode::Conv1d`]'s `iparams[5]`: weights `[C_out, C_in/groups, K]` (PyTorch, Hugging Face; ABI 2.2).
+pub const CONV_WEIGHT_TORCH: i64 = 1;
+
 /// f32 elements before the first key row of a [`OpCode::StoreCrossKv`] state row (element 0 holds
 /// the stored length as `u32` bits; the rest is padding so rows start 64 bytes in).
 pub const CROSS_KV_HEADER: u64 = 16;
@@ -361,6 +368,11 @@ pub const INPUT_TOKEN_SEQ: i64 = 3;
 /// `token_type_ids`: an [`OpCode::Embedding`] of this input added to the word embeddings). Bound like
 /// every input, by slot; a family that reads it needs a host that fills it.
 pub const INPUT_TOKEN_TYPES: i64 = 4;
+/// Input slot for the step's feature rows (`F32 [F, D]`, ABI 2.2): what an encoder reads instead of
+/// token ids, such as Whisper's log-mel frames (one row per frame, `D` mel bins). Rows of one sequence
+/// are contiguous and sequences follow each other in step order; [`crate::StepDesc::seq_n_features`]
+/// says how many rows each sequence brings (most steps bring none).
+pub const INPUT_FEATURES: i64 = 5;
 
 /// Maximum number of dimensions of a tensor.
 pub const MAX_DIMS: usize = 4;

@@ -1598,6 +1598,61 @@ fn conv1d_over_whole_sequences_matches_reference() {
     });
 }
 
+/// Weights in PyTorch's `[C_out, C_in/groups, K]` layout (`iparams[5]` = 1, as Hugging Face Whisper
+/// stores conv1/conv2) give what the same weights in MLX's layout give, to the reference.
+#[test]
+fn conv1d_with_pytorch_layout_weights_matches_reference() {
+    each_backend(|ctx, rng| {
+        for &(c_in, c_out, k, stride, pad, groups) in
+            &[(5usize, 7usize, 3usize, 1usize, 1usize, 1usize), (8, 6, 3, 2, 1, 2)]
+        {
+            let lens = [9usize, 40];
+            let t: usize = lens.iter().sum();
+            let cin_g = c_in / groups;
+            let x = rng.vec(t * c_in, 1.0);
+            let w = float_weight(rng, c_out * k * cin_g, DType::F32, 0.5);
+            // The same weights stored [C_out, C_in/g, K].
+            let mut torch = vec![0f32; w.values.len()];
+            for o in 0..c_out {
+                for kk in 0..k {
+                    for c in 0..cin_g {
+                        torch[(o * cin_g + c) * k + kk] = w.values[(o * k + kk) * cin_g + c] as f32;
+                    }
+                }
+            }
+            let b = float_weight(rng, c_out, DType::F32, 0.5);
+            let mut want = Vec::new();
+            let mut start = 0;
+            for &len in &lens {
+                let mut p = vec![0f64; pad * c_in];
+                p.extend(x[start * c_in..(start + len) * c_in].iter().map(|&v| v as f64));
+                p.extend(vec![0f64; pad * c_in]);
+                want.extend(ref_conv1d(&p, c_in, &w.values, Some(&b.values), c_out, k, stride, groups));
+                start += len;
+            }
+            let t_out = want.len() / c_out;
+            let mut run = Run::new(ctx);
+            let xi = run.input_f32(&x, &[t as u64, c_in as u64]);
+            let wi = run.weight(&bytes(&torch), DType::F32, &[c_out as u64, cin_g as u64, k as u64]);
+            let si = run.input_i32(&seq_ids(&lens));
+            let bi = run.weight(&b.data, DType::F32, &[c_out as u64]);
+            let o = run.g.op_with(
+                OpCode::Conv1d,
+                &[t_out as u64, c_out as u64],
+                &[xi, wi, si, bi],
+                &[CONV_WHOLE, stride as i64, pad as i64, groups as i64, 0, CONV_WEIGHT_TORCH],
+                &[],
+            );
+            let got = run.execute(o);
+            let what = format!(
+                "{} conv1d PyTorch layout c_in {c_in} c_out {c_out} k{k} stride {stride} groups {groups}",
+                ctx.name()
+            );
+            check(&what, &got, &want, k * cin_g);
+        }
+    });
+}
+
 /// LFM2's short conv: causal, the last K − 1 input rows of each sequence carried in its state row, so a
 /// prompt fed in chunks (a boundary inside the kernel's window, a chunk shorter than the window) and
 /// then decoded token by token gives what one pass over the whole sequence gives — with two

@@ -6,8 +6,8 @@ use std::borrow::Cow;
 
 use mlxcel_plugin_api::{
     read_versioned, read_versioned_array, slice_from, BufferHandle, ComputeArgs, DType, HostTensor, KvBinding,
-    KvGroupTables, Node, OpCode, PluginError, StepBatch, CONV_CAUSAL_STATE, CONV_WHOLE, NO_BLOCK, POOL_FIRST,
-    POOL_LAST, POOL_MEAN, TOPK_INDICES,
+    KvGroupTables, Node, OpCode, PluginError, StepBatch, CONV_CAUSAL_STATE, CONV_WEIGHT_MLX, CONV_WEIGHT_TORCH,
+    CONV_WHOLE, NO_BLOCK, POOL_FIRST, POOL_LAST, POOL_MEAN, TOPK_INDICES,
 };
 use rayon::prelude::*;
 
@@ -194,7 +194,11 @@ pub fn supports(node: &Node) -> bool {
         OpCode::SegmentPool => {
             node.dtype() == DType::F32 && matches!(node.iparams[0], POOL_MEAN | POOL_FIRST | POOL_LAST)
         }
-        OpCode::Conv1d => node.dtype() == DType::F32 && matches!(node.iparams[0], CONV_WHOLE | CONV_CAUSAL_STATE),
+        OpCode::Conv1d => {
+            node.dtype() == DType::F32
+                && matches!(node.iparams[0], CONV_WHOLE | CONV_CAUSAL_STATE)
+                && matches!(node.iparams[5], CONV_WEIGHT_MLX | CONV_WEIGHT_TORCH)
+        }
         _ => node.dtype() == DType::F32,
     }
 }
@@ -1077,7 +1081,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                     OpCode::Conv1d => {
                         need(3)?;
                         let x = f32s(v(0), "x").map_err(e)?;
-                        let w = f32s(v(1), "w").map_err(e)?;
+                        let mut w = f32s(v(1), "w").map_err(e)?;
                         let seq = ints(v(2), "seq").map_err(e)?;
                         let (t, c_in) = (sn(0).rows(), sn(0).cols());
                         let wd = sn(1).dims();
@@ -1095,9 +1099,24 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                                 "w must be [C_out, K, C_in/groups] with groups dividing {c_in} and {c_out}"
                             )));
                         }
-                        let kernel = wd[1] as usize;
-                        if wd[0] as usize != c_out || wd[2] as usize != c_in / groups || kernel == 0 {
-                            return Err(e(format!("w is {wd:?}, expected [{c_out}, K, {}]", c_in / groups)));
+                        let torch = match node.iparams[5] {
+                            CONV_WEIGHT_MLX => false,
+                            CONV_WEIGHT_TORCH => true,
+                            l => return Err(e(format!("unknown convolution weight layout {l}"))),
+                        };
+                        let (kernel, w_cin) = if torch { (wd[2], wd[1]) } else { (wd[1], wd[2]) };
+                        let kernel = kernel as usize;
+                        if wd[0] as usize != c_out || w_cin as usize != c_in / groups || kernel == 0 {
+                            let want = if torch { "[C_out, C_in/groups, K]" } else { "[C_out, K, C_in/groups]" };
+                            return Err(e(format!(
+                                "w is {wd:?}, expected {want} with C_out {c_out}, C_in/groups {}",
+                                c_in / groups
+                            )));
+                        }
+                        if torch {
+                            // PyTorch's [C_out, C_in/g, K] to the kernel's [C_out, K, C_in/g]: a copy of the
+                            // (small) weight per run, so checkpoint weights still bind without one.
+                            w = Cow::Owned(conv1d::torch_to_mlx_layout(&w, c_out, c_in / groups, kernel));
                         }
                         if stride == 0 || seq.len() != t {
                             return Err(e(format!("stride {stride}, {} sequence indices for {t} rows", seq.len())));

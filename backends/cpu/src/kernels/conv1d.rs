@@ -181,3 +181,16 @@ simd_kernel! {
         }
     }
 }
+
+/// PyTorch's conv weight `[C_out, C_in/g, K]` rearranged to the `[C_out, K, C_in/g]` the kernels read.
+pub fn torch_to_mlx_layout(w: &[f32], c_out: usize, c_in_g: usize, kernel: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; c_out * kernel * c_in_g];
+    for (src, dst) in w.chunks_exact(c_in_g * kernel).zip(out.chunks_exact_mut(kernel * c_in_g)) {
+        for c in 0..c_in_g {
+            for k in 0..kernel {
+                dst[k * c_in_g + c] = src[c * kernel + k];
+            }
+        }
+    }
+    out
+}
