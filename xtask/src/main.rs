@@ -278,6 +278,7 @@ fn main() -> Result<()> {
                     ("mlxcel-plugins", "quant_mlx"),
                     ("mlxcel-family-llama", "golden"),
                     ("mlxcel-family-moe", "golden"),
+                    ("mlxcel-family-whisper", "golden"),
                 ] {
                     let mut c = cargo();
                     c.env("MLXCEL_CPU_ISA", isa).env("MLXCEL_TEST_BACKEND", "cpu");

@@ -163,6 +163,16 @@ impl ModelRunner {
     }
 
     pub fn from_checkpoint(catalog: &Catalog, checkpoint: Checkpoint, opts: &RunnerOptions) -> Result<ModelRunner> {
+        Self::from_checkpoint_for(catalog, checkpoint, opts, Task::Text)
+    }
+
+    /// Loads a model that must do `task` (a speech model for `Task::Asr`), refusing others by name.
+    pub fn from_checkpoint_for(
+        catalog: &Catalog,
+        checkpoint: Checkpoint,
+        opts: &RunnerOptions,
+        task: Task,
+    ) -> Result<ModelRunner> {
         let model_type = checkpoint
             .model_type()
             .with_context(|| format!("{}: config.json has no `model_type`", checkpoint.dir.display()))?
@@ -175,12 +185,12 @@ impl ModelRunner {
             .create_model(&checkpoint.config_text, &infos)
             .map_err(|e| anyhow::anyhow!("{}: {}", checkpoint.dir.display(), e.message))?;
         let info = model.info().clone();
-        if info.task != Task::Text {
-            bail!(
-                "{} is a {} model; `run`/`generate` need a text-generation model",
-                checkpoint.dir.display(),
-                info.task.name()
-            );
+        if info.task != task {
+            let hint = match info.task {
+                Task::Asr => "; transcribe with `mlxcel transcribe`",
+                _ => "",
+            };
+            bail!("{} is a {} model, not a {} model{hint}", checkpoint.dir.display(), info.task.name(), task.name());
         }
         let described = backend_plugin.describe();
         let ctx_size = match opts.ctx_size {
@@ -244,6 +254,27 @@ impl ModelRunner {
     /// Runs one step over `chunks` (each chunk's blocks must already cover its positions, see
     /// [`KvCache::reserve`]) and returns the requested output rows, `[rows, output_dim]`, in chunk order.
     pub fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Vec<f32>> {
+        self.forward_with_features(chunks, &[], 0)
+    }
+
+    /// [`ModelRunner::forward`] where chunk `i` also brings `features[i]` (rows of `feature_dim`
+    /// floats, e.g. log-mel frames for an encoder; empty or absent for none), bound as the
+    /// `INPUT_FEATURES` input.
+    pub fn forward_with_features(
+        &mut self,
+        chunks: &[SeqChunk],
+        features: &[&[f32]],
+        feature_dim: usize,
+    ) -> Result<Vec<f32>> {
+        let mut seq_n_features = vec![0u32; chunks.len()];
+        let mut feature_rows: Vec<f32> = Vec::new();
+        for (i, f) in features.iter().enumerate().filter(|(_, f)| !f.is_empty()) {
+            if i >= chunks.len() || feature_dim == 0 || f.len() % feature_dim != 0 {
+                bail!("internal: {} feature values for sequence {i} are not rows of {feature_dim}", f.len());
+            }
+            seq_n_features[i] = (f.len() / feature_dim) as u32;
+            feature_rows.extend_from_slice(f);
+        }
         let bs = self.pool.block_size;
         let n_groups = self.pool.groups().len();
         let mut tokens: Vec<i32> = Vec::new();
@@ -312,6 +343,8 @@ impl ModelRunner {
             n_output_rows: rows.len() as u32,
             seq_n_tokens: seq_n_tokens.as_ptr(),
             seq_context: seq_context.as_ptr(),
+            n_feature_rows: seq_n_features.iter().sum(),
+            seq_n_features: seq_n_features.as_ptr(),
             ..StepDesc::zeroed()
         };
         let graph = match self.model.build_graph(&step) {
@@ -328,6 +361,8 @@ impl ModelRunner {
             host(positions.as_ptr() as *const u8, positions.len() * 4),
             host(rows.as_ptr() as *const u8, rows.len() * 4),
             host(token_seq_i32.as_ptr() as *const u8, token_seq_i32.len() * 4),
+            host(std::ptr::null(), 0),
+            host(feature_rows.as_ptr() as *const u8, feature_rows.len() * 4),
         ];
         let handle = |b: &Option<DeviceBuffer>| b.as_ref().map_or(std::ptr::null_mut(), |b| b.handle());
         let kv: Vec<KvBinding> = self

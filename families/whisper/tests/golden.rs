@@ -1,0 +1,134 @@
+//! Golden tests: the whisper family on the staged backend against transformers' float32 logits for a
+//! tiny random Whisper (see `fixtures/generate.py`): teacher-forced logits at every position in one pass
+//! (encoder and decoder in the same step), the prompt with the encoder and then greedy decoding one
+//! token at a time over the stored cross-attention keys, and two sequences encoded in one step.
+//!
+//! The encoder output is checked through the logits: every decoder position attends to all of it.
+//! Tolerance 1e-4 absolute, as for the other families (f32 on both sides; summation order differs).
+
+use std::path::PathBuf;
+
+use mlxcel::checkpoint::Checkpoint;
+use mlxcel::engine::{Logits, ModelRunner, RunnerOptions, SeqBlocks, SeqChunk};
+use mlxcel_plugin_api::Task;
+use serde_json::Value;
+
+const TOLERANCE: f32 = 1e-4;
+
+struct Golden {
+    /// `[frames, n_mels]`, the layout the encoder reads.
+    features: Vec<f32>,
+    ids: Vec<u32>,
+    logits: Vec<Vec<f32>>,
+    prefix: Vec<u32>,
+    greedy: Vec<u32>,
+}
+
+fn fixture() -> (PathBuf, Golden) {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/whisper-tiny-random");
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    let ids = |k: &str| v[k].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect::<Vec<_>>();
+    let rows = |k: &str| -> Vec<Vec<f32>> {
+        v[k].as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect())
+            .collect()
+    };
+    let mel = rows("input_features");
+    let (n_mels, frames) = (mel.len(), mel[0].len());
+    let features = (0..frames).flat_map(|t| (0..n_mels).map(|m| mel[m][t]).collect::<Vec<_>>()).collect();
+    let g = Golden {
+        features,
+        ids: ids("decoder_input_ids"),
+        logits: rows("logits"),
+        prefix: ids("greedy_prefix"),
+        greedy: ids("greedy"),
+    };
+    (dir, g)
+}
+
+fn load(dir: &PathBuf) -> ModelRunner {
+    let catalog = mlxcel::testing::staged_catalog();
+    let backend = std::env::var("MLXCEL_TEST_BACKEND").ok().filter(|b| !b.is_empty());
+    let opts = RunnerOptions { ctx_size: 64, threads: 2, backend, parallel: 2, ..Default::default() };
+    let ck = Checkpoint::open(dir).unwrap();
+    ModelRunner::from_checkpoint_for(&catalog, ck, &opts, Task::Asr).unwrap_or_else(|e| panic!("{e:#}"))
+}
+
+fn max_diff(what: &str, got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len(), "{what}: vocabulary size");
+    let d = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    assert!(d <= TOLERANCE, "{what}: max |logit diff| {d} > {TOLERANCE}");
+    d
+}
+
+const N_MELS: usize = 80;
+
+#[test]
+fn teacher_forced_logits_match_transformers_in_one_pass() {
+    let (dir, g) = fixture();
+    let mut runner = load(&dir);
+    let v = runner.info.vocab_size;
+    let mut seq = SeqBlocks::default();
+    runner.pool.reserve(&mut seq, g.ids.len()).unwrap();
+    let chunk = SeqChunk { blocks: &seq, tokens: &g.ids, start_pos: 0, logits: Logits::All };
+    let out = runner.forward_with_features(&[chunk], &[&g.features], N_MELS).unwrap();
+    let worst = (0..g.ids.len())
+        .map(|i| max_diff(&format!("position {i}"), &out[i * v..(i + 1) * v], &g.logits[i]))
+        .fold(0.0, f32::max);
+    eprintln!("whisper-tiny-random: max |logit diff| vs transformers {worst:.2e}");
+    runner.pool.release(&mut seq);
+}
+
+#[test]
+fn greedy_decoding_over_stored_cross_attention_matches_transformers() {
+    let (dir, g) = fixture();
+    let mut runner = load(&dir);
+    let mut seq = SeqBlocks::default();
+    let mut tokens = g.prefix.clone();
+    runner.pool.reserve(&mut seq, tokens.len()).unwrap();
+    let chunk = SeqChunk { blocks: &seq, tokens: &tokens, start_pos: 0, logits: Logits::Last };
+    let mut last = runner.forward_with_features(&[chunk], &[&g.features], N_MELS).unwrap();
+    for step in 0..g.greedy.len() {
+        let next = last.iter().enumerate().max_by(|a, b| a.1.total_cmp(b.1)).unwrap().0 as u32;
+        assert_eq!(next, g.greedy[step], "greedy token {step}");
+        tokens.push(next);
+        let pos = tokens.len() - 1;
+        runner.pool.reserve(&mut seq, tokens.len()).unwrap();
+        let chunk = SeqChunk { blocks: &seq, tokens: &tokens[pos..], start_pos: pos, logits: Logits::Last };
+        last = runner.forward(&[chunk]).unwrap();
+    }
+    runner.pool.release(&mut seq);
+}
+
+#[test]
+fn two_sequences_encoded_in_one_step_match_each_alone() {
+    let (dir, g) = fixture();
+    let mut runner = load(&dir);
+    let v = runner.info.vocab_size;
+    let n = g.ids.len();
+    let (mut a, mut b) = (SeqBlocks::default(), SeqBlocks::default());
+    runner.pool.reserve(&mut a, n).unwrap();
+    runner.pool.reserve(&mut b, 6).unwrap();
+    let chunks = [
+        SeqChunk { blocks: &a, tokens: &g.ids, start_pos: 0, logits: Logits::Last },
+        SeqChunk { blocks: &b, tokens: &g.ids[..6], start_pos: 0, logits: Logits::Last },
+    ];
+    let out = runner.forward_with_features(&chunks, &[&g.features, &g.features], N_MELS).unwrap();
+    max_diff("sequence A", &out[..v], &g.logits[n - 1]);
+    max_diff("sequence B", &out[v..], &g.logits[5]);
+    // Then B decodes on alone, over the cross keys its own state row kept.
+    runner.pool.reserve(&mut b, 7).unwrap();
+    let out =
+        runner.forward(&[SeqChunk { blocks: &b, tokens: &g.ids[6..7], start_pos: 6, logits: Logits::Last }]).unwrap();
+    max_diff("sequence B, later step", &out, &g.logits[6]);
+}
+
+#[test]
+fn a_text_runner_refuses_whisper_and_names_transcribe() {
+    let (dir, _) = fixture();
+    let catalog = mlxcel::testing::staged_catalog();
+    let err = ModelRunner::load(&catalog, &dir, &RunnerOptions::default()).err().expect("refused");
+    assert!(format!("{err:#}").contains("mlxcel transcribe"), "{err:#}");
+}
