@@ -64,7 +64,7 @@ impl WhisperConfig {
             ));
         }
         for (name, heads) in [("encoder", cfg.encoder_attention_heads), ("decoder", cfg.decoder_attention_heads)] {
-            if heads == 0 || cfg.d_model % heads != 0 {
+            if heads == 0 || !cfg.d_model.is_multiple_of(heads) {
                 return Err(format!("config.json: {name} heads {heads} do not divide d_model {}", cfg.d_model));
             }
         }

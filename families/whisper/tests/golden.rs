@@ -48,7 +48,7 @@ fn fixture() -> (PathBuf, Golden) {
     (dir, g)
 }
 
-fn load(dir: &PathBuf) -> ModelRunner {
+fn load(dir: &std::path::Path) -> ModelRunner {
     let catalog = mlxcel::testing::staged_catalog();
     let backend = std::env::var("MLXCEL_TEST_BACKEND").ok().filter(|b| !b.is_empty());
     let opts = RunnerOptions { ctx_size: 64, threads: 2, backend, parallel: 2, ..Default::default() };
@@ -131,4 +131,92 @@ fn a_text_runner_refuses_whisper_and_names_transcribe() {
     let catalog = mlxcel::testing::staged_catalog();
     let err = ModelRunner::load(&catalog, &dir, &RunnerOptions::default()).err().expect("refused");
     assert!(format!("{err:#}").contains("mlxcel transcribe"), "{err:#}");
+}
+
+/// The fixture rewritten as mlx-community stores Whisper: OpenAI's tensor names, conv weights
+/// `[C_out, K, C_in]`, no encoder position tensor (computed as sinusoids, which the fixture keeps),
+/// OpenAI's config names. It must give the same logits.
+fn mlx_layout_copy(dir: &std::path::Path) -> tempfile::TempDir {
+    use safetensors::tensor::TensorView;
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let rename = |name: &str| -> Option<String> {
+        let mut n = name.strip_prefix("model.").unwrap_or(name).to_string();
+        if n == "encoder.embed_positions.weight" {
+            return None;
+        }
+        for (a, b) in [
+            (".layers.", ".blocks."),
+            ("self_attn_layer_norm", "attn_ln"),
+            ("encoder_attn_layer_norm", "cross_attn_ln"),
+            ("final_layer_norm", "mlp_ln"),
+            ("self_attn.", "attn."),
+            ("encoder_attn.", "cross_attn."),
+            ("q_proj", "query"),
+            ("k_proj", "key"),
+            ("v_proj", "value"),
+            ("out_proj", "out"),
+            (".fc1.", ".mlp1."),
+            (".fc2.", ".mlp2."),
+            ("decoder.embed_tokens", "decoder.token_embedding"),
+            ("decoder.embed_positions.weight", "decoder.positional_embedding"),
+            ("encoder.layer_norm", "encoder.ln_post"),
+            ("decoder.layer_norm", "decoder.ln"),
+        ] {
+            n = n.replace(a, b);
+        }
+        Some(n)
+    };
+    let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    for (name, t) in st.tensors() {
+        let Some(new) = rename(&name) else { continue };
+        let (shape, data) = (t.shape().to_vec(), t.data().to_vec());
+        if name.contains(".conv") && name.ends_with(".weight") {
+            // [C_out, C_in, K] f32 -> [C_out, K, C_in]
+            let (co, ci, k) = (shape[0], shape[1], shape[2]);
+            let f: Vec<f32> = data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            let mut out = vec![0f32; f.len()];
+            for o in 0..co {
+                for c in 0..ci {
+                    for kk in 0..k {
+                        out[(o * k + kk) * ci + c] = f[(o * ci + c) * k + kk];
+                    }
+                }
+            }
+            owned.push((new, vec![co, k, ci], out.iter().flat_map(|v| v.to_le_bytes()).collect()));
+        } else {
+            owned.push((new, shape, data));
+        }
+    }
+    let views: Vec<(String, TensorView)> = owned
+        .iter()
+        .map(|(n, s, d)| (n.clone(), TensorView::new(safetensors::Dtype::F32, s.clone(), d).unwrap()))
+        .collect();
+    let tmp = tempfile::tempdir().unwrap();
+    safetensors::serialize_to_file(views, &None, &tmp.path().join("model.safetensors")).unwrap();
+    let cfg: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+    let mlx_cfg = serde_json::json!({
+        "model_type": "whisper", "n_mels": cfg["num_mel_bins"], "n_audio_ctx": cfg["max_source_positions"],
+        "n_audio_state": cfg["d_model"], "n_audio_head": cfg["encoder_attention_heads"],
+        "n_audio_layer": cfg["encoder_layers"], "n_vocab": cfg["vocab_size"], "n_text_ctx": cfg["max_target_positions"],
+        "n_text_state": cfg["d_model"], "n_text_head": cfg["decoder_attention_heads"], "n_text_layer": cfg["decoder_layers"],
+        "encoder_ffn_dim": cfg["encoder_ffn_dim"], "decoder_ffn_dim": cfg["decoder_ffn_dim"],
+    });
+    std::fs::write(tmp.path().join("config.json"), mlx_cfg.to_string()).unwrap();
+    tmp
+}
+
+#[test]
+fn mlx_layout_checkpoint_gives_the_same_logits() {
+    let (dir, g) = fixture();
+    let copy = mlx_layout_copy(&dir);
+    let mut runner = load(copy.path());
+    let v = runner.info.vocab_size;
+    let mut seq = SeqBlocks::default();
+    runner.pool.reserve(&mut seq, g.ids.len()).unwrap();
+    let chunk = SeqChunk { blocks: &seq, tokens: &g.ids, start_pos: 0, logits: Logits::All };
+    let out = runner.forward_with_features(&[chunk], &[&g.features], N_MELS).unwrap();
+    for i in 0..g.ids.len() {
+        max_diff(&format!("MLX layout, position {i}"), &out[i * v..(i + 1) * v], &g.logits[i]);
+    }
 }
