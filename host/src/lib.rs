@@ -6,6 +6,7 @@ pub mod cli;
 pub mod engine;
 pub mod logging;
 pub mod server;
+pub mod speech;
 pub mod store;
 pub mod testing;
 pub mod text;

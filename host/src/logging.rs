@@ -17,7 +17,8 @@ fn init_with(verbose: u8, quiet: &str) {
         _ => "debug",
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+        // symphonia logs its probing failures as errors; the caller reports them as one line of its own.
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(format!("{default},symphonia_core=off")));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -32,6 +32,7 @@ fn main() {
         Command::List(a) => cli::store::list(a),
         Command::Download(a) => cli::store::download(a),
         Command::Rm(a) => cli::store::rm(a),
+        Command::Transcribe(a) => cli::transcribe::run(&args.global, a),
         Command::Serve(a) => a.config(&args.global.plugin_dirs).and_then(mlxcel::server::run),
     };
     if let Err(e) = result {

@@ -46,3 +46,36 @@ pub fn test_models() -> Option<PathBuf> {
         }
     }
 }
+
+/// Python of the venv with the packages pinned in `host/tests/sdk/requirements.txt` (`MLXCEL_SDK_VENV`,
+/// else target/sdk-venv; made and filled here when its pins are not all installed).
+pub fn sdk_venv_python() -> PathBuf {
+    use std::process::Command;
+    let venv = std::env::var_os("MLXCEL_SDK_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join("target/sdk-venv"));
+    let py = venv.join("bin/python");
+    let requirements = workspace_root().join("host/tests/sdk/requirements.txt");
+    let pins: Vec<String> = std::fs::read_to_string(&requirements)
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("=="))
+        .map(|l| l.trim().replace("==", " "))
+        .collect();
+    let check = "import importlib.metadata as m, sys; sys.exit(0 if all(m.version(p.split()[0]) == p.split()[1] for p in sys.argv[1:]) else 1)";
+    let ready =
+        |py: &PathBuf| Command::new(py).args(["-c", check]).args(&pins).output().is_ok_and(|o| o.status.success());
+    if ready(&py) {
+        return py;
+    }
+    eprintln!("installing the packages of {} into {}", requirements.display(), venv.display());
+    let ok = Command::new("python3").args(["-m", "venv"]).arg(&venv).status().is_ok_and(|s| s.success());
+    assert!(ok, "python3 -m venv {} failed (python3 with venv is needed for these tests)", venv.display());
+    let ok = Command::new(venv.join("bin/pip"))
+        .args(["install", "-q", "-r"])
+        .arg(&requirements)
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok && ready(&py), "installing {} failed", requirements.display());
+    py
+}

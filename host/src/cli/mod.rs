@@ -5,6 +5,7 @@ pub mod bench;
 pub mod inspect;
 pub mod run;
 pub mod store;
+pub mod transcribe;
 
 use std::path::PathBuf;
 
@@ -56,4 +57,6 @@ pub enum Command {
     Bench(bench::BenchArgs),
     /// Serve a model over HTTP (OpenAI, Anthropic, llama-server APIs); the same as `mlxcel-server`.
     Serve(crate::server::ServerArgs),
+    /// Speech to text with a Whisper model: print the transcript of each audio file.
+    Transcribe(transcribe::TranscribeArgs),
 }

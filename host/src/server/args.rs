@@ -99,6 +99,9 @@ pub struct ServerArgs {
     /// Largest request body in bytes (larger: 413).
     #[arg(long = "max-body-bytes", default_value_t = 8 << 20)]
     pub max_body_bytes: usize,
+    /// Largest upload to /v1/audio/* in bytes (larger: 413); OpenAI's limit by default.
+    #[arg(long = "max-audio-bytes", default_value_t = 25 << 20)]
+    pub max_audio_bytes: usize,
     /// Default temperature (0: greedy).
     #[arg(long = "temp", visible_alias = "temperature")]
     pub temp: Option<f32>,
@@ -311,6 +314,7 @@ pub struct ServerConfig {
     pub plugin_dirs: Vec<PathBuf>,
     pub force: bool,
     pub max_body_bytes: usize,
+    pub max_audio_bytes: usize,
     /// Requests that may wait for a slot before new ones get 503.
     pub queue_limit: usize,
     /// Sampling flags applied over the model's generation_config.json.
@@ -443,6 +447,7 @@ impl ServerArgs {
             plugin_dirs: plugin_dirs.to_vec(),
             force: self.force,
             max_body_bytes: self.max_body_bytes,
+            max_audio_bytes: self.max_audio_bytes,
             queue_limit: (self.parallel * 4).max(16),
             sampling,
         })

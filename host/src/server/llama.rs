@@ -344,6 +344,9 @@ pub async fn apply_template(State(state): State<Arc<AppState>>, body: Bytes) -> 
 
 /// `/health`: 200 `{"status": "ok"}` once the model is loaded, 503 before. Public (no API key).
 pub async fn health(State(state): State<Arc<AppState>>) -> Response {
+    if state.speech.get().is_some() {
+        return Json(json!({"status": "ok"})).into_response();
+    }
     match state.ready() {
         Ok(_) => Json(json!({"status": "ok"})).into_response(),
         Err(e) => llama_err(e),

@@ -7,6 +7,7 @@
 
 pub mod anthropic;
 pub mod args;
+pub mod audio;
 pub mod batch_engine;
 pub mod completion;
 pub mod error;
@@ -67,6 +68,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .fallback(not_found)
         .layer(DefaultBodyLimit::disable())
         .layer(RequestBodyLimitLayer::new(limit))
+        .merge(audio::routes(state.config.max_audio_bytes))
         .layer(middleware::from_fn_with_state(state.clone(), require_api_key))
         .layer(middleware::from_fn(log_request))
         .layer(TraceLayer::new_for_http())
@@ -239,17 +241,26 @@ async fn serve(config: ServerConfig) -> Result<()> {
     let state = AppState::new(config);
     let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<String>();
     let loader = state.clone();
-    tokio::task::spawn_blocking(move || match batch_engine::start(&loader.config) {
-        Ok((engine, text, facts)) => {
-            eprintln!(
-                "mlxcel-server: model {} ready (context {}, {} slot(s))",
-                facts.id, facts.ctx_size, loader.config.parallel
-            );
-            let _ = loader.model.set(LoadedModel { generator: Arc::new(engine), text, facts });
+    tokio::task::spawn_blocking(move || match audio::start_if_speech(&loader.config) {
+        Ok(Some(speech)) => {
+            eprintln!("mlxcel-server: speech model {} ready (/v1/audio/transcriptions)", speech.id);
+            let _ = loader.speech.set(speech);
         }
         Err(e) => {
             let _ = failed_tx.send(crate::logging::one_line(&e));
         }
+        Ok(None) => match batch_engine::start(&loader.config) {
+            Ok((engine, text, facts)) => {
+                eprintln!(
+                    "mlxcel-server: model {} ready (context {}, {} slot(s))",
+                    facts.id, facts.ctx_size, loader.config.parallel
+                );
+                let _ = loader.model.set(LoadedModel { generator: Arc::new(engine), text, facts });
+            }
+            Err(e) => {
+                let _ = failed_tx.send(crate::logging::one_line(&e));
+            }
+        },
     });
 
     let app = router(state.clone());

@@ -680,6 +680,11 @@ impl StreamDialect for CompletionStream {
 
 /// `/v1/models` (and `/models`): the one served model.
 pub async fn models(State(state): State<Arc<AppState>>) -> Response {
+    if let Some(s) = state.speech.get() {
+        let data = json!([{"id": s.id, "object": "model", "created": state.started_unix, "owned_by": "mlxcel",
+                           "meta": {"task": "asr", "path": s.path}}]);
+        return Json(json!({"object": "list", "data": data})).into_response();
+    }
     let model = match state.ready() {
         Ok(m) => m,
         Err(e) => return e.in_dialect(Dialect::OpenAi).into_response(),

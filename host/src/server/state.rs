@@ -22,6 +22,8 @@ pub struct AppState {
     pub config: ServerConfig,
     /// Set once loading finishes; until then generation routes and `/health` answer 503.
     pub model: OnceLock<LoadedModel>,
+    /// Set instead of `model` when the served model is a speech-recognition one (`/v1/audio/*`).
+    pub speech: OnceLock<super::audio::SpeechService>,
     pub metrics: Metrics,
     pub started: Instant,
     /// Start time in seconds since the Unix epoch (`created` of /v1/models).
@@ -33,6 +35,7 @@ impl AppState {
         Arc::new(AppState {
             config,
             model: OnceLock::new(),
+            speech: OnceLock::new(),
             metrics: Metrics::default(),
             started: Instant::now(),
             started_unix: super::completion::unix_time(),
@@ -41,6 +44,9 @@ impl AppState {
 
     /// The model, or 503 while it is loading.
     pub fn ready(&self) -> Result<&LoadedModel, ApiError> {
+        if let Some(speech) = self.speech.get() {
+            return Err(super::audio::not_a_text_model(speech));
+        }
         self.model
             .get()
             .ok_or_else(|| ApiError { retry_after: Some(5), ..ApiError::new(ErrorKind::Unavailable, "Loading model") })

@@ -139,6 +139,7 @@ fn config() -> ServerConfig {
         plugin_dirs: vec![],
         force: false,
         max_body_bytes: 64 * 1024,
+        max_audio_bytes: 256 * 1024,
         queue_limit: 16,
         sampling: SamplingOverrides::default(),
     }

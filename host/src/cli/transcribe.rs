@@ -1,0 +1,103 @@
+//! `mlxcel transcribe -m MODEL FILE…`: speech to text with a Whisper model.
+
+use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
+
+use anyhow::{Context, Result};
+use clap::Args;
+
+use super::GlobalArgs;
+use crate::speech::{load_transcriber, render, ResponseFormat, SpeechTask, TranscribeOptions};
+
+#[derive(Args, Debug, Clone)]
+pub struct TranscribeArgs {
+    /// Whisper model: folder, hub name or mlxcel store name.
+    #[arg(short = 'm', long = "model", value_name = "MODEL")]
+    pub model: String,
+    /// Audio files (WAV, FLAC, MP3, Ogg Vorbis; any rate and channel count).
+    #[arg(value_name = "FILE", required = true)]
+    pub files: Vec<PathBuf>,
+    /// Output format: text, json, verbose_json, srt, vtt (the last three carry segment timestamps).
+    #[arg(long, default_value = "text")]
+    pub format: String,
+    /// Spoken language code (e.g. `en`, `de`); default: detected (multilingual models) or English.
+    #[arg(long)]
+    pub language: Option<String>,
+    /// `transcribe`, or `translate` into English (multilingual models).
+    #[arg(long, default_value = "transcribe")]
+    pub task: String,
+    /// Predict segment timestamps (always on for verbose_json, srt and vtt).
+    #[arg(long)]
+    pub timestamps: bool,
+    /// Starting temperature; decoding falls back to higher ones when the result looks wrong.
+    #[arg(long, default_value_t = 0.0)]
+    pub temperature: f32,
+    /// Text to condition the first window on (names, spelling, style).
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// Worker threads (default: all cores).
+    #[arg(short = 't', long)]
+    pub threads: Option<u32>,
+    /// Backend plugin to use (default: the best-scoring one on this machine).
+    #[arg(long)]
+    pub backend: Option<String>,
+    /// Hub revision when MODEL is a hub name.
+    #[arg(long)]
+    pub revision: Option<String>,
+}
+
+pub fn run(global: &GlobalArgs, args: &TranscribeArgs) -> Result<()> {
+    let format = ResponseFormat::parse(&args.format)?;
+    let task = SpeechTask::parse(&args.task)?;
+    let dir = super::run::resolve_model(&args.model, args.revision.as_deref())?;
+    let catalog = global.catalog();
+    let mut transcriber = load_transcriber(&catalog, &dir, args.backend.clone(), args.threads.unwrap_or(0))
+        .with_context(|| format!("loading {}", dir.display()))?;
+    let opts = TranscribeOptions {
+        language: args.language.clone(),
+        task,
+        timestamps: args.timestamps || format.needs_timestamps(),
+        temperature: args.temperature,
+        prompt: args.prompt.clone(),
+        seed: 0,
+    };
+    let task_name = if task == SpeechTask::Translate { "translate" } else { "transcribe" };
+    let mut stdout = std::io::stdout().lock();
+    for file in &args.files {
+        let samples = mlxcel_audio::load_audio(file)?;
+        let bar = progress_bar(samples.len() as f32 / mlxcel_audio::SAMPLE_RATE as f32, file);
+        let t = transcriber
+            .transcribe(&samples, &opts, &mut |done, _| {
+                if let Some(b) = &bar {
+                    b.set_position((done * 10.0) as u64);
+                }
+            })
+            .with_context(|| format!("transcribing {}", file.display()))?;
+        if let Some(b) = bar {
+            b.finish_and_clear();
+        }
+        if args.files.len() > 1 {
+            writeln!(stdout, "==> {} <==", file.display())?;
+        }
+        let out = render(&t, format, task_name);
+        stdout.write_all(out.as_bytes())?;
+        if !out.ends_with('\n') {
+            writeln!(stdout)?;
+        }
+    }
+    Ok(())
+}
+
+/// A bar over the audio's seconds on stderr, for recordings longer than one 30 s window.
+fn progress_bar(seconds: f32, file: &std::path::Path) -> Option<indicatif::ProgressBar> {
+    if seconds <= 30.0 || !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let bar = indicatif::ProgressBar::new((seconds * 10.0) as u64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("{msg} [{bar:30}] {percent}% eta {eta}")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    bar.set_message(file.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default());
+    Some(bar)
+}

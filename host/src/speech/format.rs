@@ -1,0 +1,157 @@
+//! A transcript in the response formats OpenAI's audio API and the CLI share.
+
+use anyhow::{bail, Result};
+use serde_json::json;
+
+use super::transcribe::Transcript;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ResponseFormat {
+    Text,
+    Json,
+    VerboseJson,
+    Srt,
+    Vtt,
+}
+
+impl ResponseFormat {
+    pub fn parse(s: &str) -> Result<ResponseFormat> {
+        Ok(match s {
+            "text" => ResponseFormat::Text,
+            "json" => ResponseFormat::Json,
+            "verbose_json" => ResponseFormat::VerboseJson,
+            "srt" => ResponseFormat::Srt,
+            "vtt" => ResponseFormat::Vtt,
+            other => bail!("response format `{other}` is not one of text, json, verbose_json, srt, vtt"),
+        })
+    }
+
+    /// Formats whose output carries segment times: they need timestamps from the decoder.
+    pub fn needs_timestamps(self) -> bool {
+        matches!(self, ResponseFormat::VerboseJson | ResponseFormat::Srt | ResponseFormat::Vtt)
+    }
+
+    pub fn content_type(self) -> &'static str {
+        match self {
+            ResponseFormat::Json | ResponseFormat::VerboseJson => "application/json",
+            ResponseFormat::Vtt => "text/vtt; charset=utf-8",
+            ResponseFormat::Text | ResponseFormat::Srt => "text/plain; charset=utf-8",
+        }
+    }
+}
+
+/// `HH:MM:SS,mmm` (SRT, `sep` = ',') or `HH:MM:SS.mmm` (WebVTT).
+fn clock(seconds: f32, sep: char) -> String {
+    let ms = (seconds.max(0.0) * 1000.0).round() as u64;
+    format!("{:02}:{:02}:{:02}{sep}{:03}", ms / 3_600_000, ms / 60_000 % 60, ms / 1000 % 60, ms % 1000)
+}
+
+/// The transcript as `format` renders it (`task` names the endpoint's task in verbose JSON).
+pub fn render(t: &Transcript, format: ResponseFormat, task: &str) -> String {
+    let text = t.text.trim();
+    match format {
+        ResponseFormat::Text => format!("{text}\n"),
+        ResponseFormat::Json => json!({ "text": text }).to_string(),
+        ResponseFormat::VerboseJson => {
+            let segments: Vec<_> = t
+                .segments
+                .iter()
+                .map(|s| {
+                    json!({
+                        "id": s.id, "seek": s.seek, "start": s.start, "end": s.end, "text": s.text,
+                        "tokens": s.tokens, "temperature": s.temperature, "avg_logprob": s.avg_logprob,
+                        "compression_ratio": s.compression_ratio, "no_speech_prob": s.no_speech_prob,
+                    })
+                })
+                .collect();
+            json!({ "task": task, "language": language_name(&t.language), "duration": t.duration, "text": text,
+                    "segments": segments })
+            .to_string()
+        }
+        ResponseFormat::Srt => {
+            let mut out = String::new();
+            for (i, s) in t.segments.iter().enumerate() {
+                out += &format!("{}\n{} --> {}\n{}\n\n", i + 1, clock(s.start, ','), clock(s.end, ','), s.text.trim());
+            }
+            out
+        }
+        ResponseFormat::Vtt => {
+            let mut out = String::from("WEBVTT\n\n");
+            for s in &t.segments {
+                out += &format!("{} --> {}\n{}\n\n", clock(s.start, '.'), clock(s.end, '.'), s.text.trim());
+            }
+            out
+        }
+    }
+}
+
+/// OpenAI's verbose JSON names the language in English words (`english`), not by code.
+fn language_name(code: &str) -> String {
+    const NAMES: &[(&str, &str)] = &[
+        ("en", "english"),
+        ("de", "german"),
+        ("fr", "french"),
+        ("es", "spanish"),
+        ("it", "italian"),
+        ("pt", "portuguese"),
+        ("nl", "dutch"),
+        ("ru", "russian"),
+        ("zh", "chinese"),
+        ("ja", "japanese"),
+        ("ko", "korean"),
+        ("pl", "polish"),
+        ("tr", "turkish"),
+        ("sv", "swedish"),
+        ("uk", "ukrainian"),
+    ];
+    NAMES.iter().find(|(c, _)| *c == code).map_or(code.to_string(), |(_, n)| n.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::speech::transcribe::Segment;
+
+    fn sample() -> Transcript {
+        let seg = |id, start, end, text: &str| Segment {
+            id,
+            seek: 0,
+            start,
+            end,
+            text: text.into(),
+            tokens: vec![],
+            temperature: 0.0,
+            avg_logprob: -0.2,
+            compression_ratio: 1.1,
+            no_speech_prob: 0.01,
+        };
+        Transcript {
+            text: " Hello world. This is a test.".into(),
+            language: "en".into(),
+            duration: 3.5,
+            segments: vec![seg(0, 0.0, 1.5, " Hello world."), seg(1, 1.5, 3661.25, " This is a test.")],
+        }
+    }
+
+    #[test]
+    fn srt_and_vtt_number_and_time_each_segment() {
+        let t = sample();
+        assert_eq!(
+            render(&t, ResponseFormat::Srt, "transcribe"),
+            "1\n00:00:00,000 --> 00:00:01,500\nHello world.\n\n2\n00:00:01,500 --> 01:01:01,250\nThis is a test.\n\n"
+        );
+        assert!(render(&t, ResponseFormat::Vtt, "transcribe").starts_with("WEBVTT\n\n00:00:00.000 --> 00:00:01.500\n"));
+    }
+
+    #[test]
+    fn json_formats_carry_text_and_segments() {
+        let t = sample();
+        assert_eq!(render(&t, ResponseFormat::Text, "transcribe"), "Hello world. This is a test.\n");
+        let v: serde_json::Value = serde_json::from_str(&render(&t, ResponseFormat::Json, "transcribe")).unwrap();
+        assert_eq!(v["text"], "Hello world. This is a test.");
+        let v: serde_json::Value = serde_json::from_str(&render(&t, ResponseFormat::VerboseJson, "translate")).unwrap();
+        assert_eq!((v["task"].as_str(), v["language"].as_str()), (Some("translate"), Some("english")));
+        assert_eq!(v["segments"][1]["end"], 3661.25);
+        assert!(ResponseFormat::parse("xml").is_err());
+    }
+}

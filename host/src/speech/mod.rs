@@ -1,0 +1,35 @@
+//! Speech to text: Whisper models loaded as an encoder-decoder runner, decoded into transcripts
+//! ([`transcribe`]), rendered as text / JSON / SRT / WebVTT ([`format`]). The CLI's `transcribe` and
+//! the server's `/v1/audio/*` routes both go through [`load_transcriber`] and [`Transcriber`].
+
+pub mod format;
+pub mod transcribe;
+pub mod vocab;
+
+use std::path::Path;
+
+use anyhow::Result;
+use mlxcel_plugin_api::Task;
+use mlxcel_plugins::Catalog;
+
+pub use format::{render, ResponseFormat};
+pub use transcribe::{Segment, SpeechTask, TranscribeOptions, Transcriber, Transcript};
+
+use crate::checkpoint::Checkpoint;
+use crate::engine::{ModelRunner, RunnerOptions};
+
+/// Loads a Whisper model folder for transcription (one sequence at a time, the full text context).
+pub fn load_transcriber(catalog: &Catalog, dir: &Path, backend: Option<String>, threads: u32) -> Result<Transcriber> {
+    let checkpoint = Checkpoint::open(dir)?;
+    let opts = RunnerOptions { backend, threads, ctx_size: 0, parallel: 1, ..Default::default() };
+    let runner = ModelRunner::from_checkpoint_for(catalog, checkpoint, &opts, Task::Asr)?;
+    let tokenizer = vocab::load_tokenizer(dir)?;
+    Transcriber::new(runner, tokenizer)
+}
+
+/// Whether a model folder holds a speech-recognition checkpoint, from its config alone (the server
+/// picks its routes with this before loading).
+pub fn is_speech_model(config: &serde_json::Value) -> bool {
+    config.get("model_type").and_then(|v| v.as_str()) == Some("whisper")
+        || (config.get("model_type").is_none() && config.get("n_audio_state").is_some())
+}
