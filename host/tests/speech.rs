@@ -74,6 +74,46 @@ fn subtitle_formats_time_their_segments() {
     assert!(ok && vtt.starts_with("WEBVTT\n\n00:00:00.000 --> ") && vtt.contains(STABLE), "{vtt}{err}");
 }
 
+/// The speech file at 0 s and again at 32 s, in a 40 s 16-bit WAV: two 30 s windows.
+fn two_windows_wav(path: &Path) {
+    let wav = std::fs::read(speech_wav()).unwrap();
+    let at = wav.windows(4).position(|w| w == b"data").unwrap();
+    let pcm = &wav[at + 8..];
+    let mut data = pcm.to_vec();
+    data.resize(32 * 16000 * 2, 0);
+    data.extend_from_slice(pcm);
+    data.resize(40 * 16000 * 2, 0);
+    let mut v = Vec::new();
+    v.extend(b"RIFF");
+    v.extend(((36 + data.len()) as u32).to_le_bytes());
+    v.extend(b"WAVEfmt ");
+    for x in [16u32.to_le_bytes(), [1, 0, 1, 0], 16000u32.to_le_bytes(), 32000u32.to_le_bytes(), [2, 0, 16, 0]] {
+        v.extend(x);
+    }
+    v.extend(b"data");
+    v.extend((data.len() as u32).to_le_bytes());
+    v.extend(data);
+    std::fs::write(path, v).unwrap();
+}
+
+#[test]
+fn long_audio_is_transcribed_window_by_window() {
+    let Some(model) = whisper() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let long = dir.path().join("long.wav");
+    two_windows_wav(&long);
+    let (ok, out, err) = transcribe(&model, &long, &[]);
+    assert!(ok, "{err}");
+    assert_eq!(out.matches(STABLE).count(), 2, "{out}");
+    let (ok, out, err) = transcribe(&model, &long, &["--format", "verbose_json"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    let starts: Vec<f64> = v["segments"].as_array().unwrap().iter().map(|s| s["start"].as_f64().unwrap()).collect();
+    assert!(starts.iter().any(|&s| s < 1.0) && starts.iter().any(|&s| s >= 30.0), "{starts:?}");
+    assert!(starts.windows(2).all(|w| w[0] <= w[1]), "{starts:?}");
+    assert!((v["duration"].as_f64().unwrap() - 40.0).abs() < 0.01);
+}
+
 #[test]
 fn flac_and_mp3_copies_give_the_same_words() {
     let Some(model) = whisper() else { return };

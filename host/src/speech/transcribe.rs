@@ -301,6 +301,14 @@ impl Transcriber {
         let mut temperature = opts.temperature;
         loop {
             let d = self.decode_window(window, prompt, temperature, opts.timestamps, rng)?;
+            tracing::debug!(
+                temperature,
+                tokens = d.tokens.len(),
+                avg_logprob = d.avg_logprob,
+                compression_ratio = d.compression_ratio,
+                no_speech_prob = d.no_speech_prob,
+                "decoded a window"
+            );
             let failed = d.compression_ratio > COMPRESSION_RATIO_THRESHOLD || d.avg_logprob < LOGPROB_THRESHOLD;
             let silence = d.no_speech_prob > NO_SPEECH_THRESHOLD && d.avg_logprob < LOGPROB_THRESHOLD;
             if !failed || silence || temperature + 1e-6 >= 1.0 {
