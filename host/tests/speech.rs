@@ -3,7 +3,7 @@
 //! (../shared/models/README.md), and the same audio as FLAC and MP3 (written by `soundfile` in the SDK
 //! venv) gives the same words; bad files are one clear error line, never a panic; `mlxcel-server` on the
 //! model serves `/v1/audio/*` to the official `openai` SDK (tests/sdk/test_audio.py) and answers chat
-//! routes and bad uploads with 400s.
+//! routes and bad uploads with 400s; `mlxcel arch` lists the family (no model needed).
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -289,4 +289,13 @@ fn openai_sdk_transcribes_through_the_server() {
         let v: serde_json::Value = r.json().await.unwrap();
         assert!(v["error"]["message"].as_str().unwrap().contains("speech-recognition"), "{v}");
     });
+}
+
+#[test]
+fn arch_lists_the_whisper_family() {
+    let out = mlxcel().args(["arch", "--json"]).output().unwrap();
+    assert!(out.status.success());
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let fam = v["families"].as_array().unwrap().iter().find(|f| f["name"] == "whisper").expect("whisper family");
+    assert_eq!(fam["architectures"], serde_json::json!(["whisper"]));
 }

@@ -767,3 +767,34 @@ async fn https_with_a_pem_certificate() {
     assert_eq!(r.status(), 503);
     assert!(listen::tls_acceptor(&key, &cert).is_err(), "a key given as the certificate is refused");
 }
+
+/// A multipart form of text fields (reqwest here has no multipart feature).
+fn audio_form(s: &Server, fields: &[(&str, String)]) -> reqwest::RequestBuilder {
+    let mut body = String::new();
+    for (k, v) in fields {
+        body += &format!("--B0undary\r\nContent-Disposition: form-data; name=\"{k}\"\r\n\r\n{v}\r\n");
+    }
+    body += "--B0undary--\r\n";
+    s.client
+        .post(s.url("/v1/audio/transcriptions"))
+        .header("content-type", "multipart/form-data; boundary=B0undary")
+        .body(body)
+}
+
+#[tokio::test]
+async fn audio_routes_on_a_text_model_are_a_400_with_their_own_body_limit() {
+    let s = start().await;
+    // 100 kB: over --max-body-bytes (64 KiB) but under --max-audio-bytes (256 KiB), so the route answers.
+    let r = audio_form(&s, &[("model", "whisper-1".into()), ("prompt", "x".repeat(100_000))]).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["error"]["message"].as_str().unwrap().contains("not a speech-recognition model"), "{v}");
+    let r = audio_form(&s, &[("prompt", "x".repeat(300_000))]).send().await.unwrap();
+    assert_eq!(r.status(), 413);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+
+    let loading = start_with(config(), Fake::default(), false).await;
+    let r = audio_form(&loading, &[("model", "whisper-1".into())]).send().await.unwrap();
+    assert_eq!(r.status(), 503);
+}
