@@ -136,7 +136,7 @@ fn a_text_runner_refuses_whisper_and_names_transcribe() {
 /// The fixture rewritten as mlx-community stores Whisper: OpenAI's tensor names, conv weights
 /// `[C_out, K, C_in]`, no encoder position tensor (computed as sinusoids, which the fixture keeps),
 /// OpenAI's config names. It must give the same logits.
-fn mlx_layout_copy(dir: &std::path::Path) -> tempfile::TempDir {
+fn mlx_layout_copy(dir: &std::path::Path, quant: Quant) -> tempfile::TempDir {
     use safetensors::tensor::TensorView;
     let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
@@ -167,7 +167,8 @@ fn mlx_layout_copy(dir: &std::path::Path) -> tempfile::TempDir {
         }
         Some(n)
     };
-    let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut owned: Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
+    let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
     for (name, t) in st.tensors() {
         let Some(new) = rename(&name) else { continue };
         let (shape, data) = (t.shape().to_vec(), t.data().to_vec());
@@ -183,33 +184,95 @@ fn mlx_layout_copy(dir: &std::path::Path) -> tempfile::TempDir {
                     }
                 }
             }
-            owned.push((new, vec![co, k, ci], out.iter().flat_map(|v| v.to_le_bytes()).collect()));
+            owned.push((new, safetensors::Dtype::F32, vec![co, k, ci], f32_bytes(&out)));
+        } else if quant != Quant::None && is_linear(&new) {
+            let f: Vec<f32> = data.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+            let q = quantize_4bit(&f, shape[1]);
+            let module = new.trim_end_matches(".weight");
+            if quant == Quant::Dequantized {
+                owned.push((new, safetensors::Dtype::F32, shape, f32_bytes(&q.dequant)));
+            } else {
+                let packed: Vec<u8> = q.packed.iter().flat_map(|x| x.to_le_bytes()).collect();
+                owned.push((new.clone(), safetensors::Dtype::U32, vec![shape[0], shape[1] / 8], packed));
+                let groups = vec![shape[0], shape[1] / GROUP];
+                owned.push((format!("{module}.scales"), safetensors::Dtype::F32, groups.clone(), f32_bytes(&q.scales)));
+                owned.push((format!("{module}.biases"), safetensors::Dtype::F32, groups, f32_bytes(&q.biases)));
+            }
         } else {
-            owned.push((new, shape, data));
+            owned.push((new, safetensors::Dtype::F32, shape, data));
         }
     }
-    let views: Vec<(String, TensorView)> = owned
-        .iter()
-        .map(|(n, s, d)| (n.clone(), TensorView::new(safetensors::Dtype::F32, s.clone(), d).unwrap()))
-        .collect();
+    let views: Vec<(String, TensorView)> =
+        owned.iter().map(|(n, t, s, d)| (n.clone(), TensorView::new(*t, s.clone(), d).unwrap())).collect();
     let tmp = tempfile::tempdir().unwrap();
     safetensors::serialize_to_file(views, &None, &tmp.path().join("model.safetensors")).unwrap();
     let cfg: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
-    let mlx_cfg = serde_json::json!({
+    let mut mlx_cfg = serde_json::json!({
         "model_type": "whisper", "n_mels": cfg["num_mel_bins"], "n_audio_ctx": cfg["max_source_positions"],
         "n_audio_state": cfg["d_model"], "n_audio_head": cfg["encoder_attention_heads"],
         "n_audio_layer": cfg["encoder_layers"], "n_vocab": cfg["vocab_size"], "n_text_ctx": cfg["max_target_positions"],
         "n_text_state": cfg["d_model"], "n_text_head": cfg["decoder_attention_heads"], "n_text_layer": cfg["decoder_layers"],
         "encoder_ffn_dim": cfg["encoder_ffn_dim"], "decoder_ffn_dim": cfg["decoder_ffn_dim"],
     });
+    if quant == Quant::Quantized {
+        mlx_cfg["quantization"] = serde_json::json!({"group_size": GROUP, "bits": 4});
+    }
     std::fs::write(tmp.path().join("config.json"), mlx_cfg.to_string()).unwrap();
     tmp
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Quant {
+    /// Float weights as the fixture has them.
+    None,
+    /// Linear layers and the token embedding MLX affine 4-bit, group 32.
+    Quantized,
+    /// Those layers as the float values the 4-bit ones stand for.
+    Dequantized,
+}
+
+const GROUP: usize = 32;
+
+/// The weights nn.quantize turns into MLX affine packs in a Whisper model.
+fn is_linear(name: &str) -> bool {
+    [".query.weight", ".key.weight", ".value.weight", ".out.weight", ".mlp1.weight", ".mlp2.weight"]
+        .iter()
+        .any(|s| name.ends_with(s))
+        || name == "decoder.token_embedding.weight"
+}
+
+struct Quantized4 {
+    packed: Vec<u32>,
+    scales: Vec<f32>,
+    biases: Vec<f32>,
+    dequant: Vec<f32>,
+}
+
+/// MLX affine 4-bit quantization of a row-major `[n, k]` matrix: per group of 32, `w ≈ scale · q + bias`
+/// with `q` in 0..15, eight values per `u32`, the first in the low bits.
+fn quantize_4bit(w: &[f32], k: usize) -> Quantized4 {
+    let mut out =
+        Quantized4 { packed: vec![0; w.len() / 8], scales: vec![], biases: vec![], dequant: vec![0.0; w.len()] };
+    for (g, chunk) in w.chunks_exact(GROUP).enumerate() {
+        let (lo, hi) = chunk.iter().fold((f32::MAX, f32::MIN), |(a, b), &x| (a.min(x), b.max(x)));
+        let scale = ((hi - lo) / 15.0).max(1e-8);
+        out.scales.push(scale);
+        out.biases.push(lo);
+        for (j, &x) in chunk.iter().enumerate() {
+            let q = ((x - lo) / scale).round().clamp(0.0, 15.0) as u32;
+            let i = g * GROUP + j;
+            out.packed[i / 8] |= q << (4 * (i % 8));
+            out.dequant[i] = scale * q as f32 + lo;
+        }
+    }
+    assert_eq!(k % GROUP, 0);
+    out
 }
 
 #[test]
 fn mlx_layout_checkpoint_gives_the_same_logits() {
     let (dir, g) = fixture();
-    let copy = mlx_layout_copy(&dir);
+    let copy = mlx_layout_copy(&dir, Quant::None);
     let mut runner = load(copy.path());
     let v = runner.info.vocab_size;
     let mut seq = SeqBlocks::default();
@@ -219,4 +282,29 @@ fn mlx_layout_checkpoint_gives_the_same_logits() {
     for i in 0..g.ids.len() {
         max_diff(&format!("MLX layout, position {i}"), &out[i * v..(i + 1) * v], &g.logits[i]);
     }
+}
+
+/// 4-bit MLX weights (every linear and the token embedding) give the logits of the float weights they
+/// stand for, within the CPU's int16 activation rounding (1e-3, as for the llama family's 4-bit golden).
+#[test]
+fn mlx_4bit_checkpoint_matches_its_dequantized_weights() {
+    let (dir, g) = fixture();
+    let logits = |quant: Quant| {
+        let copy = mlx_layout_copy(&dir, quant);
+        let mut runner = load(copy.path());
+        assert_eq!(runner.info.quantization, if quant == Quant::Quantized { "affine 4-bit g32" } else { "" });
+        let mut seq = SeqBlocks::default();
+        runner.pool.reserve(&mut seq, g.ids.len()).unwrap();
+        let chunk = SeqChunk { blocks: &seq, tokens: &g.ids, start_pos: 0, logits: Logits::All };
+        runner.forward_with_features(&[chunk], &[&g.features], N_MELS).unwrap()
+    };
+    let (q, f) = (logits(Quant::Quantized), logits(Quant::Dequantized));
+    let d = q.iter().zip(&f).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+    assert!(d <= 1e-3, "4-bit vs dequantized: max |logit diff| {d}");
+    // Quantization moved the logits away from the float fixture's: the packs were really used.
+    let v = f.len() / g.ids.len();
+    let moved = (0..g.ids.len())
+        .flat_map(|i| f[i * v..(i + 1) * v].iter().zip(&g.logits[i]))
+        .any(|(a, b)| (a - b).abs() > 1e-3);
+    assert!(moved, "the 4-bit copy gave the float logits");
 }
