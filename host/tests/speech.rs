@@ -299,3 +299,34 @@ fn arch_lists_the_whisper_family() {
     let fam = v["families"].as_array().unwrap().iter().find(|f| f["name"] == "whisper").expect("whisper family");
     assert_eq!(fam["architectures"], serde_json::json!(["whisper"]));
 }
+
+/// The tiny random Whisper of the family's golden tests (1 s windows, no timestamp tokens), end to end
+/// through the CLI without real models: its words are noise, but every path runs and options it cannot
+/// honour are refused; a copy marked multilingual detects its language and accepts translation.
+#[test]
+fn the_tiny_fixture_runs_end_to_end_and_refuses_what_it_cannot_do() {
+    let fixture = mlxcel::testing::workspace_root().join("families/whisper/tests/fixtures/whisper-tiny-random");
+    let wav = fixture.join("input.wav");
+    let (ok, out, err) = transcribe(&fixture, &wav, &["--format", "json", "-t", "2"]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert!(v["text"].is_string(), "{v}");
+    let (ok, _, err) = transcribe(&fixture, &wav, &["--timestamps"]);
+    assert!(!ok && err.contains("no timestamp tokens"), "{err}");
+    let (ok, _, err) = transcribe(&fixture, &wav, &["--task", "translate"]);
+    assert!(!ok && err.contains("English-only"), "{err}");
+
+    let dir = tempfile::tempdir().unwrap();
+    for f in std::fs::read_dir(&fixture).unwrap() {
+        let f = f.unwrap().path();
+        std::fs::copy(&f, dir.path().join(f.file_name().unwrap())).unwrap();
+    }
+    let gen_path = dir.path().join("generation_config.json");
+    let mut gen: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&gen_path).unwrap()).unwrap();
+    gen["is_multilingual"] = true.into();
+    std::fs::write(&gen_path, gen.to_string()).unwrap();
+    let (ok, out, err) = transcribe(dir.path(), &wav, &["--task", "translate", "--format", "text"]);
+    assert!(ok && out.ends_with('\n'), "{err}");
+    let (ok, _, err) = transcribe(dir.path(), &wav, &["--language", "de"]);
+    assert!(!ok && err.contains("language `de`"), "{err}");
+}

@@ -6,7 +6,7 @@
 //! looks wrong (compression ratio above 2.4, mean log-probability below −1) again at rising temperatures.
 
 use anyhow::{bail, Context, Result};
-use mlxcel_audio::{MelSpectrogram, HOP_LENGTH, N_FRAMES, N_SAMPLES, SAMPLE_RATE};
+use mlxcel_audio::{MelSpectrogram, HOP_LENGTH, SAMPLE_RATE};
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 use tokenizers::Tokenizer;
@@ -109,6 +109,9 @@ pub struct Transcriber {
     n_mels: usize,
     /// Longest decoder sequence (prompt plus generated).
     n_text_ctx: usize,
+    /// Log-mel frames of one window: twice the encoder's positions (3000, 30 s, in every released
+    /// Whisper; tiny test checkpoints have shorter windows).
+    n_frames: usize,
 }
 
 impl Transcriber {
@@ -128,7 +131,13 @@ impl Transcriber {
             bail!("config.json: num_mel_bins {n_mels}; Whisper's log-mel has 80 or 128 bins");
         }
         let n_text_ctx = runner.ctx_size;
-        Ok(Transcriber { mel: MelSpectrogram::new(n_mels), runner, tokenizer, vocab, n_mels, n_text_ctx })
+        let n_frames = 2 * ck
+            .config
+            .get("max_source_positions")
+            .or_else(|| ck.config.get("n_audio_ctx"))
+            .and_then(serde_json::Value::as_u64)
+            .context("config.json has no max_source_positions")? as usize;
+        Ok(Transcriber { mel: MelSpectrogram::new(n_mels), runner, tokenizer, vocab, n_mels, n_text_ctx, n_frames })
     }
 
     /// Refuses options this model cannot honour (translation on an English-only model, an unknown
@@ -166,11 +175,12 @@ impl Transcriber {
         self.check_options(opts)?;
         let v = self.vocab.clone();
         let duration = samples.len() as f32 / SAMPLE_RATE as f32;
-        // The whole recording plus 30 s of silence, as openai-whisper pads it; windows cut from it.
+        // The whole recording plus a window of silence, as openai-whisper pads it; windows cut from it.
+        let n_frames = self.n_frames;
         let mut padded = samples.to_vec();
-        padded.extend(std::iter::repeat_n(0.0, N_SAMPLES));
+        padded.extend(std::iter::repeat_n(0.0, n_frames * HOP_LENGTH));
         let (mel, frames) = self.mel.compute(&padded);
-        let content_frames = frames.saturating_sub(N_FRAMES).min(samples.len() / HOP_LENGTH);
+        let content_frames = frames.saturating_sub(n_frames).min(samples.len() / HOP_LENGTH);
 
         let mut language = opts.language.clone();
         if v.multilingual && language.is_none() {
@@ -201,7 +211,7 @@ impl Transcriber {
         let mut seek = 0usize;
         let mut rng = rand::rngs::StdRng::seed_from_u64(opts.seed);
         while seek < content_frames {
-            let segment_size = N_FRAMES.min(content_frames - seek);
+            let segment_size = n_frames.min(content_frames - seek);
             let time_offset = seek as f32 * HOP_LENGTH as f32 / SAMPLE_RATE as f32;
             let window = self.window(&mel, frames, seek);
 
@@ -238,13 +248,14 @@ impl Transcriber {
         Ok(Transcript { text, language, duration, segments })
     }
 
-    /// Frames `seek..seek + 3000` as `[frames, n_mels]` rows (the encoder's input layout).
+    /// Frames `seek..seek + n_frames` as `[frames, n_mels]` rows (the encoder's input layout).
     fn window(&self, mel: &[f32], frames: usize, seek: usize) -> Vec<f32> {
-        let w = mlxcel_audio::mel_window(mel, self.n_mels, seek.min(frames), N_FRAMES);
+        let n = self.n_frames;
+        let w = mlxcel_audio::mel_window(mel, self.n_mels, seek.min(frames), n);
         let mut rows = vec![0f32; w.len()];
         for m in 0..self.n_mels {
-            for t in 0..N_FRAMES {
-                rows[t * self.n_mels + m] = w[m * N_FRAMES + t];
+            for t in 0..n {
+                rows[t * self.n_mels + m] = w[m * n + t];
             }
         }
         rows
