@@ -9,7 +9,7 @@
 //! `MLXCEL_TEST_BACKEND=mlx` runs the same tests on another staged backend (`cargo xtask test` does
 //! so for the MLX plugin when it was built with libmlx); unset, the host picks (the CPU backend).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 
 use mlxcel::engine::{
@@ -60,7 +60,7 @@ fn fixture(name: &str) -> (PathBuf, Golden) {
     (dir.clone(), Golden { tokens: ids("tokens"), logits, greedy: ids("greedy") })
 }
 
-fn load(dir: &PathBuf) -> ModelRunner {
+fn load(dir: &Path) -> ModelRunner {
     let catalog = mlxcel::testing::staged_catalog();
     let opts = RunnerOptions { ctx_size: 256, threads: 2, backend: backend(), ..Default::default() };
     let runner = ModelRunner::load(&catalog, dir, &opts).unwrap_or_else(|e| panic!("{}: {e:#}", dir.display()));
@@ -124,7 +124,7 @@ fn check_chunked_and_decode(name: &str, runner: &mut ModelRunner, g: &Golden) {
     runner.pool.release(&mut seq);
 }
 
-fn check_greedy(name: &str, dir: &PathBuf, runner: &mut ModelRunner, g: &Golden) {
+fn check_greedy(name: &str, dir: &Path, runner: &mut ModelRunner, g: &Golden) {
     let tok = TextTokenizer::load(dir, &runner.checkpoint.config, None).unwrap();
     let opts = GenerateOptions {
         sampling: SamplingParams::greedy(),
@@ -220,7 +220,7 @@ fn windowed_fixture(name: &str) -> tempfile::TempDir {
 fn a_sequence_gives_the_same_logits_alone_and_in_mixed_batches() {
     for fixture_name in ["qwen3-q4", "llama-f32"] {
         let dir = windowed_fixture(fixture_name);
-        let mut runner = load(&dir.path().to_path_buf());
+        let mut runner = load(dir.path());
         let v = runner.info.vocab_size;
         let vocab = v as u32;
         let prompt_a: Vec<u32> = (0..30).map(|i| (i * 7 + 3) % vocab).collect();

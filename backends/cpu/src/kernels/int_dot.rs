@@ -618,8 +618,8 @@ mod x86 {
                     i += 1;
                 }
             } else {
-                for i in 0..n {
-                    comb[i] = S::load(sp, g0 + (b0 + i) / gb) * *x.d.get_unchecked(b0 + i);
+                for (i, c) in comb.iter_mut().enumerate().take(n) {
+                    *c = S::load(sp, g0 + (b0 + i) / gb) * *x.d.get_unchecked(b0 + i);
                 }
             }
             let part = if w.bits == 4 {
@@ -636,6 +636,7 @@ mod x86 {
     /// `NT` activation rows against one 4-bit weight row: each block's nibbles are unpacked once and
     /// used for all of them (the prefill path, where many tokens share every weight row).
     #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // `t` walks `x` and the matching `comb` stripe together
     pub unsafe fn dot_rows_q4_avx2<S: ScaleKind, const NT: usize>(
         w: super::QuantRow,
         sp: *const u16,
@@ -648,8 +649,8 @@ mod x86 {
         let gb = w.group_blocks;
         let nb = groups * gb;
         let g0 = w.group0;
-        for t in 0..NT {
-            out[t] = bias_term::<S>(bp, g0, x[t].group_sums);
+        for (o, xt) in out.iter_mut().zip(x) {
+            *o = bias_term::<S>(bp, g0, xt.group_sums);
         }
         let wp = w.words.as_ptr() as *const u8;
         // comb[t][i] = s[(b0+i)/gb] · d_t[b0+i], formed 8 at a time when groups are one block.
