@@ -214,7 +214,7 @@ pub struct QuantPart<'a, 'o> {
 /// would be that scalar code, so the float paths (auto-vectorised for NEON) are used instead — a
 /// choice by reasoning, not yet measured on ARM hardware.
 pub fn int_path_applies(isa: Isa, bits: usize, t: usize, int_enabled: bool) -> bool {
-    int_enabled && !matches!(isa, Isa::Neon) && matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) && t < FLOAT_TILES_MIN_TOKENS
+    int_enabled && !isa.is_neon() && matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) && t < FLOAT_TILES_MIN_TOKENS
 }
 
 /// The kernel a quantized matmul takes for rows of a sequence with `seq_tokens` tokens in the step.
