@@ -63,6 +63,27 @@ fn arch_json_lists_llama_family_and_cpu_backend() {
     assert_eq!(v["selected_backend"], "cpu");
 }
 
+/// Every staged family's architectures are listed, each with the plugin that provides it, and no
+/// plugin is refused.
+#[test]
+fn arch_json_lists_every_family_architecture_with_its_plugin() {
+    let out = mlxcel().args(["arch", "--json"]).output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["refused"].as_array().unwrap().len(), 0, "{v}");
+    let all = v["architectures"].as_array().unwrap();
+    let families = v["families"].as_array().unwrap();
+    assert!(families.len() > 1, "{v}");
+    for f in families {
+        let archs = f["architectures"].as_array().unwrap();
+        assert!(!archs.is_empty(), "family {} lists no architecture", f["name"]);
+        for a in archs {
+            assert!(all.contains(a), "{a} of {} missing from the list", f["name"]);
+            let providers = families.iter().filter(|g| g["architectures"].as_array().unwrap().contains(a)).count();
+            assert_eq!(providers, 1, "{a} is provided by {providers} families");
+        }
+    }
+}
+
 #[test]
 fn arch_table_names_plugins() {
     let out = mlxcel().arg("arch").output().unwrap();
@@ -93,12 +114,18 @@ fn installed_layout_finds_plugins_and_survives_a_removed_family() {
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
     };
+    let names = |v: &serde_json::Value| -> Vec<String> {
+        v["architectures"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_string()).collect()
+    };
     let v = arch();
-    assert_eq!(v["architectures"].as_array().unwrap().len(), 4);
+    let all = names(&v);
+    assert!(all.iter().any(|a| a == "llama"), "{v}");
     let llama = format!("{}mlxcel_family_llama{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX);
     std::fs::rename(plugins.join(&llama), prefix.path().join(&llama)).unwrap();
     let v = arch();
-    assert!(v["architectures"].as_array().unwrap().is_empty(), "{v}");
+    let without: Vec<String> =
+        all.iter().filter(|a| !["llama", "mistral", "qwen2", "qwen3"].contains(&a.as_str())).cloned().collect();
+    assert_eq!(names(&v), without, "only the llama family's architectures go: {v}");
     assert_eq!(v["backends"][0]["name"], "cpu");
     // --plugin-dir brings it back.
     let out = Command::new(bin.join("mlxcel"))
@@ -108,7 +135,7 @@ fn installed_layout_finds_plugins_and_survives_a_removed_family() {
         .output()
         .unwrap();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v["architectures"].as_array().unwrap().len(), 4);
+    assert_eq!(names(&v), all);
 }
 
 #[test]
@@ -142,7 +169,7 @@ fn unknown_model_type_names_it_and_lists_installed_architectures() {
     let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap().replace("\"qwen2\"", "\"mamba9\"");
     std::fs::write(dir.join("config.json"), cfg).unwrap();
     let out = run_prompt(&dir);
-    assert_one_line_error(&out, &["`mamba9`", "llama, mistral, qwen2, qwen3", "family plugin"]);
+    assert_one_line_error(&out, &["`mamba9`", "installed architectures: ", "llama", "qwen3", "family plugin"]);
 }
 
 #[test]

@@ -74,6 +74,12 @@ pub enum OpCode {
     /// Host data for this step. `iparams[0]` = input slot (see [`INPUT_TOKENS`] etc.).
     Input = 0,
     /// A model weight. `iparams[0]` = index into the weight table the family received.
+    ///
+    /// Row view (an ABI 2 addition): when `iparams[2]` > 0 the node is rows `iparams[1] ..
+    /// iparams[1] + iparams[2]` of the weight's leading dimension, and its shape is that of the view
+    /// (`[iparams[2], …]`). A fused checkpoint tensor (`qkv_proj`, `gate_up_proj`; for MLX-quantized ones
+    /// the packed words, scales and biases alike) is read as its parts without repacking. A backend
+    /// that predates it refuses such a node by its byte count, never reads the wrong rows.
     Weight = 1,
     /// Data carried in the graph's constant blob. `iparams[0]` = byte offset, `iparams[1]` = byte length.
     Constant = 2,
@@ -382,6 +388,15 @@ impl Graph {
     pub fn weight(&mut self, index: u32, dtype: DType, shape: &[u64]) -> TensorId {
         let mut n = Node::new(OpCode::Weight, dtype, shape, &[]);
         n.iparams[0] = index as i64;
+        self.push(n)
+    }
+
+    /// Rows `first .. first + shape[0]` of a model weight (see [`OpCode::Weight`]); `shape` is the view's.
+    pub fn weight_rows(&mut self, index: u32, dtype: DType, shape: &[u64], first: u64) -> TensorId {
+        let mut n = Node::new(OpCode::Weight, dtype, shape, &[]);
+        n.iparams[0] = index as i64;
+        n.iparams[1] = first as i64;
+        n.iparams[2] = shape.first().copied().unwrap_or(0) as i64;
         self.push(n)
     }
 

@@ -128,12 +128,16 @@ impl<'a> Run<'a> {
         self.g.input(slot, DType::I32, &[v.len() as u64])
     }
     fn weight(&mut self, data: &[u8], dtype: DType, shape: &[u64]) -> TensorId {
+        let idx = self.weight_buffer(data);
+        self.g.weight(idx, dtype, shape)
+    }
+    /// Binds `data` as the next weight and returns its index (for row views of it).
+    fn weight_buffer(&mut self, data: &[u8]) -> u32 {
         // Leak the host copy: it must outlive the zero-copy buffer, and tests are short.
         let data: &'static [u8] = Box::leak(data.to_vec().into_boxed_slice());
         let buf = unsafe { self.ctx.buffer_from_host(data) }.unwrap();
-        let idx = self.weights.len() as u32;
         self.weights.push(buf);
-        self.g.weight(idx, dtype, shape)
+        (self.weights.len() - 1) as u32
     }
     /// `x [t, k] · wᵀ` for an MLX-quantized `[n, k]` weight.
     #[allow(clippy::too_many_arguments)]
@@ -349,6 +353,87 @@ fn quantized_matmul_matches_reference_for_every_bits_and_group() {
                 }
             }
         }
+    });
+}
+
+/// A fused checkpoint tensor (`qkv_proj`, `gate_up_proj`) read as its parts: a Weight node with a row
+/// view binds rows `first..first + rows` only, float and quantized (packed words, scales and biases),
+/// and several views of one buffer in one graph each read their own rows.
+#[test]
+fn weight_row_views_read_their_rows() {
+    each_backend(|ctx, rng| {
+        let (t, k) = (5usize, 64usize);
+        let parts = [(0usize, 7usize), (7, 3), (10, 6)];
+        let n = 16;
+        for dtype in FLOAT_DTYPES {
+            let w = float_weight(rng, n * k, dtype, 0.5);
+            let x = rng.vec(t * k, 1.0);
+            for &(first, rows) in &parts {
+                let mut run = Run::new(ctx);
+                let xi = run.input_f32(&x, &[t as u64, k as u64]);
+                let idx = run.weight_buffer(&w.data);
+                // The other parts of the same buffer come first, so the view under test is not the only one.
+                let mut out = 0;
+                for &(f, r) in &parts {
+                    let wi = run.g.weight_rows(idx, dtype, &[r as u64, k as u64], f as u64);
+                    let o = run.g.op(OpCode::MatMul, &[t as u64, r as u64], &[xi, wi]);
+                    if f == first {
+                        out = o;
+                    }
+                }
+                let got = run.execute(out);
+                let want: Vec<f64> = (0..t * rows)
+                    .map(|i| (0..k).map(|j| x[(i / rows) * k + j] as f64 * w.values[(first + i % rows) * k + j]).sum())
+                    .collect();
+                check(&format!("{} matmul over rows {first}+{rows} {dtype:?}", ctx.name()), &got, &want, k);
+            }
+        }
+        let (bits, group, sd) = (4usize, 32usize, DType::F16);
+        let q = quant_weight(rng, n, k, bits, group, sd);
+        let x = rng.vec(t * k, 1.0);
+        for &(first, rows) in &parts {
+            let mut run = Run::new(ctx);
+            let xi = run.input_f32(&x, &[t as u64, k as u64]);
+            let (pi, si, bi) = (
+                run.weight_buffer(&bytes(&q.packed)),
+                run.weight_buffer(&q.scales.data),
+                run.weight_buffer(&q.biases.data),
+            );
+            let mut out = 0;
+            for &(f, r) in &parts {
+                let (f64_, r64) = (f as u64, r as u64);
+                let p = run.g.weight_rows(pi, DType::U32, &[r64, (k * bits / 32) as u64], f64_);
+                let s = run.g.weight_rows(si, sd, &[r64, (k / group) as u64], f64_);
+                let b = run.g.weight_rows(bi, sd, &[r64, (k / group) as u64], f64_);
+                let o = run.g.op_with(
+                    OpCode::QuantMatMul,
+                    &[t as u64, r64],
+                    &[xi, p, s, b],
+                    &[bits as i64, group as i64],
+                    &[],
+                );
+                if f == first {
+                    out = o;
+                }
+            }
+            let got = run.execute(out);
+            let part = QuantWeight {
+                packed: q.packed[first * k * bits / 32..(first + rows) * k * bits / 32].to_vec(),
+                scales: FloatWeight { data: vec![], values: vec![] },
+                biases: FloatWeight { data: vec![], values: vec![] },
+                dequant: q.dequant[first * k..(first + rows) * k].to_vec(),
+            };
+            check_qmatmul(&format!("{} qmatmul over rows {first}+{rows}", ctx.name()), &got, &x, &part, t, k, rows);
+        }
+        // A view past the end of its tensor is refused.
+        let w = float_weight(rng, n * k, DType::F32, 0.5);
+        let mut run = Run::new(ctx);
+        let xi = run.input_f32(&x, &[t as u64, k as u64]);
+        let idx = run.weight_buffer(&w.data);
+        let wi = run.g.weight_rows(idx, DType::F32, &[4, k as u64], (n - 2) as u64);
+        let o = run.g.op(OpCode::MatMul, &[t as u64, 4], &[xi, wi]);
+        let res = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run.execute(o)));
+        assert!(res.is_err(), "a row view past the end of its weight must be an error");
     });
 }
 

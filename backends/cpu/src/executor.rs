@@ -247,10 +247,30 @@ fn bind_source<'a>(
             let idx = node.iparams[0] as usize;
             let h = *weights.get(idx).ok_or_else(|| e(format!("weight {idx} not bound")))?;
             let buf = unsafe { (h as *const Buffer).as_ref() }.ok_or_else(|| e(format!("weight {idx} is null")))?;
-            if buf.bytes().len() != expect_bytes {
-                return Err(e(format!("weight {idx} has {} bytes, expected {expect_bytes}", buf.bytes().len())));
+            let bytes = buf.bytes();
+            let (first, rows) = (node.iparams[1], node.iparams[2]);
+            if rows > 0 {
+                // A row view: rows `first..first + rows` of the weight's leading dimension.
+                let row_bytes = expect_bytes / rows as usize;
+                let start = usize::try_from(first).ok().and_then(|f| f.checked_mul(row_bytes));
+                match start.and_then(|s| Some((s, s.checked_add(expect_bytes)?))) {
+                    Some((s, end)) if row_bytes > 0 && end <= bytes.len() && bytes.len() % row_bytes == 0 => {
+                        Val::Raw(&bytes[s..end], node.dtype())
+                    }
+                    _ => {
+                        return Err(e(format!(
+                            "weight {idx}: rows {first}..{} of {row_bytes} bytes lie outside its {} bytes",
+                            first + rows,
+                            bytes.len()
+                        )))
+                    }
+                }
+            } else {
+                if bytes.len() != expect_bytes {
+                    return Err(e(format!("weight {idx} has {} bytes, expected {expect_bytes}", bytes.len())));
+                }
+                Val::Raw(bytes, node.dtype())
             }
-            Val::Raw(buf.bytes(), node.dtype())
         }
         OpCode::Constant => {
             let (off, len) = (node.iparams[0] as usize, node.iparams[1] as usize);
@@ -310,13 +330,15 @@ fn validate_layout(
     Ok(())
 }
 
-/// Splits rows `0..row_seq.len()` into maximal runs that take the same kernel path.
+/// Splits rows `0..row_seq.len()` into maximal runs that take the same kernel path. A `Tiles` run never
+/// spans two sequences: gemm's blocking depends on the row count, so a sequence's rows multiplied
+/// among another's would round differently than alone.
 fn path_runs(row_seq: &[u32], path_of: impl Fn(u32) -> QuantPath) -> Vec<(usize, usize, QuantPath)> {
     let mut runs: Vec<(usize, usize, QuantPath)> = Vec::new();
     for (r, &q) in row_seq.iter().enumerate() {
         let p = path_of(q);
         match runs.last_mut() {
-            Some(last) if last.2 == p => last.1 = r + 1,
+            Some(last) if last.2 == p && (p != QuantPath::Tiles || row_seq[last.0] == q) => last.1 = r + 1,
             _ => runs.push((r, r + 1, p)),
         }
     }
@@ -498,6 +520,11 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                     QuantPath::for_sequence(isa, bits, n, ctx.int_activations)
                 }
             };
+            // Where each sequence's rows start, for the int16 kernel's multi-token passes.
+            ctx.int_scratch.seq_starts.clear();
+            if let Some(rs) = row_seq.filter(|rs| rs.len() == t) {
+                ctx.int_scratch.seq_starts.extend((1..t).filter(|&r| rs[r] != rs[r - 1]));
+            }
             match (row_seq, &seqs) {
                 (Some(rs), Some(s)) if rs.len() == t => path_runs(rs, |q| path(s.seq_n_tokens[q as usize] as usize)),
                 _ => vec![(0, t, path(t))],
@@ -607,14 +634,23 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                                     &mut ctx.int_scratch,
                                 );
                             } else {
+                                let mut run_starts: Vec<Vec<usize>> = Vec::new();
                                 for &(r0, r1, path) in &paths {
                                     // Each run quantizes its own rows: forget activations of another run.
                                     if paths.len() > 1 {
                                         ctx.int_scratch.key = None;
+                                        // This run's sequence starts, relative to its first row.
+                                        let all = std::mem::take(&mut ctx.int_scratch.seq_starts);
+                                        ctx.int_scratch.seq_starts =
+                                            all.iter().filter(|&&r| r > r0 && r < r1).map(|&r| r - r0).collect();
+                                        run_starts.push(all);
                                     }
                                     let int = ctx.int_activations.then_some((&mut ctx.int_scratch, src[0] as usize));
                                     let (xr, or) = (&x[r0 * k..r1 * k], &mut out[r0 * n..r1 * n]);
                                     quantized::qmatmul(isa, threads, xr, r1 - r0, q, n, or, path, int);
+                                    if let Some(all) = run_starts.pop() {
+                                        ctx.int_scratch.seq_starts = all;
+                                    }
                                 }
                             }
                         }

@@ -9,13 +9,30 @@ use serde_json::Value;
 
 use crate::quant::{module_quant, QuantSpec};
 
-/// One checkpoint tensor as the graph refers to it.
+/// One checkpoint tensor as the graph refers to it, or a range of its rows.
 #[derive(Debug, Clone)]
 pub struct WeightRef {
     pub index: u32,
     pub name: String,
     pub dtype: DType,
+    /// The shape the graph sees (a row view's has its row count first).
     pub shape: Vec<u64>,
+    /// For a row view, the first row of the checkpoint tensor it starts at.
+    pub first_row: Option<u64>,
+}
+
+impl WeightRef {
+    /// Rows `first .. first + count` of this tensor (of this view): how a fused checkpoint tensor
+    /// (`qkv_proj`, `gate_up_proj`) is read as its parts without repacking.
+    pub fn rows(&self, first: u64, count: u64) -> Result<WeightRef, String> {
+        let n = self.shape.first().copied().unwrap_or(0);
+        if count == 0 || first + count > n {
+            return Err(format!("tensor `{}`: rows {first}..{} of its {n} rows", self.name, first + count));
+        }
+        let mut shape = self.shape.clone();
+        shape[0] = count;
+        Ok(WeightRef { shape, first_row: Some(self.first_row.unwrap_or(0) + first), ..self.clone() })
+    }
 }
 
 /// The checkpoint's tensors by name.
@@ -31,7 +48,8 @@ impl WeightTable {
             .map(|(i, w)| {
                 let name = unsafe { w.name.as_str() }.to_string();
                 let shape = w.shape[..(w.ndim as usize).min(4)].to_vec();
-                (name.clone(), WeightRef { index: i as u32, name, dtype: DType::from_raw(w.dtype), shape })
+                let dtype = DType::from_raw(w.dtype);
+                (name.clone(), WeightRef { index: i as u32, name, dtype, shape, first_row: None })
             })
             .collect();
         WeightTable { by_name }
@@ -158,6 +176,22 @@ impl Linear {
         Ok(Linear { weights, bias, in_features: inf, out_features: outf })
     }
 
+    /// Output rows `first .. first + count` of this layer: one part of a fused projection, reading the
+    /// same checkpoint tensors (packed words, scales, biases and bias alike).
+    pub fn rows(&self, first: u64, count: u64) -> Result<Linear, String> {
+        let weights = match &self.weights {
+            LinearWeights::Float(w) => LinearWeights::Float(w.rows(first, count)?),
+            LinearWeights::Quantized { packed, scales, biases, spec } => LinearWeights::Quantized {
+                packed: packed.rows(first, count)?,
+                scales: scales.rows(first, count)?,
+                biases: biases.rows(first, count)?,
+                spec: *spec,
+            },
+        };
+        let bias = self.bias.as_ref().map(|b| b.rows(first, count)).transpose()?;
+        Ok(Linear { weights, bias, in_features: self.in_features, out_features: count })
+    }
+
     /// Every tensor index this layer reads.
     pub fn indices(&self) -> Vec<u32> {
         let mut v = match &self.weights {
@@ -166,6 +200,15 @@ impl Linear {
         };
         v.extend(self.bias.as_ref().map(|b| b.index));
         v
+    }
+
+    /// The dtype MLX computes this layer's output in: the weight's, or the scales' when quantized
+    /// (families that round a constant "in the activation dtype" as mlx-lm does ask this).
+    pub fn compute_dtype(&self) -> DType {
+        match &self.weights {
+            LinearWeights::Float(w) => w.dtype,
+            LinearWeights::Quantized { scales, .. } => scales.dtype,
+        }
     }
 
     pub fn describe_quant(&self) -> Option<QuantSpec> {
@@ -179,7 +222,8 @@ impl Linear {
 /// Emits nodes into a graph, creating each weight's source node once.
 pub struct GraphWriter<'g> {
     pub g: &'g mut Graph,
-    seen: HashMap<u32, TensorId>,
+    /// Source nodes made so far, by tensor index and first row of a view.
+    seen: HashMap<(u32, Option<u64>), TensorId>,
 }
 
 impl<'g> GraphWriter<'g> {
@@ -188,11 +232,15 @@ impl<'g> GraphWriter<'g> {
     }
 
     pub fn weight(&mut self, w: &WeightRef) -> TensorId {
-        if let Some(&id) = self.seen.get(&w.index) {
+        let key = (w.index, w.first_row);
+        if let Some(&id) = self.seen.get(&key) {
             return id;
         }
-        let id = self.g.weight(w.index, w.dtype, &w.shape);
-        self.seen.insert(w.index, id);
+        let id = match w.first_row {
+            Some(first) => self.g.weight_rows(w.index, w.dtype, &w.shape, first),
+            None => self.g.weight(w.index, w.dtype, &w.shape),
+        };
+        self.seen.insert(key, id);
         id
     }
 
@@ -248,5 +296,11 @@ impl<'g> GraphWriter<'g> {
     pub fn rms_norm(&mut self, x: TensorId, shape: &[u64], w: &WeightRef, eps: f32) -> TensorId {
         let w = self.weight(w);
         self.g.op_with(OpCode::RmsNorm, shape, &[x, w], &[0], &[eps])
+    }
+
+    /// RMS norm scaled by `(1 + w)`: the checkpoint stores the offset from one (Gemma).
+    pub fn rms_norm_plus_one(&mut self, x: TensorId, shape: &[u64], w: &WeightRef, eps: f32) -> TensorId {
+        let w = self.weight(w);
+        self.g.op_with(OpCode::RmsNorm, shape, &[x, w], &[1], &[eps])
     }
 }

@@ -77,6 +77,16 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_sequence_that_never_reserved_truncates_to_nothing() {
+        // A new session's first generate cuts its (empty) cached prefix before reserving anything.
+        let mut cache = KvCache::new(&[0, 8], &[8, 4], 4, 0);
+        let mut s = SeqBlocks::default();
+        assert_eq!(cache.truncate(&mut s, 0), 0);
+        cache.reserve(&mut s, 5).unwrap();
+        assert_eq!((s.blocks.len(), s.windows[0].len()), (2, 2));
+    }
+
+    #[test]
     fn window_groups_release_pages_outside_the_window() {
         use mlxcel_plugin_api::NO_BLOCK;
         // Group 0 full, group 1 a window of 8 positions; blocks of 4.
@@ -219,7 +229,14 @@ impl KvCache {
         let keep = if len < seq.len && (seq.released || seq.state_slot.is_some()) { 0 } else { len };
         let keep_blocks = keep.div_ceil(self.block_size);
         for (g, group) in self.groups.iter_mut().enumerate() {
-            let table = if g == 0 { &mut seq.blocks } else { &mut seq.windows[g - 1] };
+            // A sequence that never reserved has no window tables yet.
+            let table = match g {
+                0 => &mut seq.blocks,
+                _ => match seq.windows.get_mut(g - 1) {
+                    Some(t) => t,
+                    None => continue,
+                },
+            };
             while table.len() > keep_blocks {
                 let b = table.pop().unwrap();
                 if b != mlxcel_plugin_api::NO_BLOCK {

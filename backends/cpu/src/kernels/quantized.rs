@@ -281,6 +281,7 @@ pub fn qmatmul_shared_input<'a, 'o>(
         acts.key = Some(key);
     }
     let acts = &*acts;
+    let seq_starts = &acts.seq_starts[..];
     let gpr = w0.groups_per_row();
     let act = |ti: usize| ActRow {
         q: &acts.q[ti * k..(ti + 1) * k],
@@ -300,19 +301,24 @@ pub fn qmatmul_shared_input<'a, 'o>(
         let tile = chunk * rows_per_task..((chunk + 1) * rows_per_task).min(n);
         // 4-bit: eight tokens per pass while they last, then four (each block unpacked once for
         // all of them); then, and for other widths, one token at a time over the cached tile.
-        let mut ti = 0;
-        while w.bits == 4 && ti + 8 <= t {
-            tokens_pass::<8>(isa, tile.clone(), &|r| w.row(r), &act, ti, out_ptr, n);
-            ti += 8;
-        }
-        while w.bits == 4 && ti + 4 <= t {
-            tokens_pass::<4>(isa, tile.clone(), &|r| w.row(r), &act, ti, out_ptr, n);
-            ti += 4;
-        }
-        for tj in ti..t {
-            // SAFETY: each task owns its rows' columns of its part's `out`.
-            let o = unsafe { out_ptr.slice(tj * n + tile.start, tile.len()) };
-            dot_tile(isa, w, tile.clone(), act(tj), o);
+        // Per sequence, so a token's passes do not depend on its batch-mates.
+        let mut start = 0;
+        for end in seq_starts.iter().copied().filter(|&e| e > 0 && e < t).chain(std::iter::once(t)) {
+            let mut ti = start;
+            while w.bits == 4 && ti + 8 <= end {
+                tokens_pass::<8>(isa, tile.clone(), &|r| w.row(r), &act, ti, out_ptr, n);
+                ti += 8;
+            }
+            while w.bits == 4 && ti + 4 <= end {
+                tokens_pass::<4>(isa, tile.clone(), &|r| w.row(r), &act, ti, out_ptr, n);
+                ti += 4;
+            }
+            for tj in ti..end {
+                // SAFETY: each task owns its rows' columns of its part's `out`.
+                let o = unsafe { out_ptr.slice(tj * n + tile.start, tile.len()) };
+                dot_tile(isa, w, tile.clone(), act(tj), o);
+            }
+            start = end;
         }
     });
 }
