@@ -110,7 +110,7 @@ impl GemmaConfig {
         if text_type == "gemma3_text" {
             if let (Value::Object(obj), Value::Object(defaults)) = (&mut v, gemma3_defaults()) {
                 for (k, d) in defaults {
-                    if obj.get(&k).map_or(true, Value::is_null) {
+                    if obj.get(&k).is_none_or(Value::is_null) {
                         obj.insert(k, d);
                     }
                 }
@@ -143,7 +143,7 @@ impl GemmaConfig {
                 "config.json: num_attention_heads ({nh}) must be a positive multiple of num_key_value_heads ({nkv})"
             ));
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             return Err(format!("config.json: head_dim {} must be even and positive", self.head_dim));
         }
         if self.generation() == Generation::Gemma3 && self.sliding_window_pattern == Some(0) {
@@ -215,7 +215,7 @@ impl GemmaConfig {
             Generation::Gemma2 => {
                 let sliding = match &self.layer_types {
                     Some(lt) => lt[i] == "sliding_attention",
-                    None => i % 2 == 0,
+                    None => i.is_multiple_of(2),
                 };
                 if sliding {
                     window
@@ -225,7 +225,7 @@ impl GemmaConfig {
             }
             Generation::Gemma3 => {
                 let pattern = self.sliding_window_pattern.unwrap_or(6);
-                if (i + 1) % pattern != 0 {
+                if !(i + 1).is_multiple_of(pattern) {
                     window
                 } else {
                     0

@@ -50,7 +50,7 @@ impl Glm4Config {
             ));
         }
         let rot = cfg.rotary_dims();
-        if rot == 0 || rot % 2 != 0 || rot > cfg.head_dim {
+        if rot == 0 || !rot.is_multiple_of(2) || rot > cfg.head_dim {
             return Err(format!("config.json: partial_rotary_factor gives {rot} rotary dims; it must be even"));
         }
         Ok(cfg)

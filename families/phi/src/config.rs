@@ -70,7 +70,7 @@ impl Phi3Config {
             return Err(format!("model_type `{}` is not handled by the phi family", self.model_type));
         }
         let (nh, nkv) = (self.num_attention_heads, self.n_kv_heads());
-        if nh == 0 || nkv == 0 || nh % nkv != 0 || self.hidden_size % nh != 0 {
+        if nh == 0 || nkv == 0 || !nh.is_multiple_of(nkv) || !self.hidden_size.is_multiple_of(nh) {
             return Err(format!(
                 "config.json: hidden_size ({}) must split into num_attention_heads ({nh}), a multiple of \
                  num_key_value_heads ({nkv})",
@@ -78,7 +78,7 @@ impl Phi3Config {
             ));
         }
         let rot = self.rotary_dims();
-        if rot == 0 || rot % 2 != 0 {
+        if rot == 0 || !rot.is_multiple_of(2) {
             return Err(format!("config.json: partial_rotary_factor gives {rot} rotary dims; it must be even"));
         }
         self.rope()?;
