@@ -21,7 +21,11 @@ fn good_plugins_load_and_provide_their_architectures() {
     let cat = Catalog::load(&PluginSearch { dirs: vec![staged] });
     assert!(cat.problems.is_empty(), "{:?}", cat.problems);
     assert_eq!(cat.backends.iter().map(|b| b.name()).collect::<Vec<_>>(), ["cpu"]);
-    assert_eq!(cat.architectures(), ["llama", "mistral", "qwen2", "qwen3"]);
+    // Every staged family is there; the llama family with exactly its architectures.
+    let llama = cat.families.iter().find(|f| f.meta.name == "llama").expect("llama family");
+    assert_eq!(llama.architectures(), ["llama", "mistral", "qwen2", "qwen3"]);
+    let all = cat.architectures();
+    assert!(cat.families.iter().flat_map(|f| f.architectures()).all(|a| all.contains(&a)), "{all:?}");
     let cpu = cat.select_backend(None).unwrap();
     assert!(cpu.describe().score > 0);
 }
@@ -150,5 +154,6 @@ fn no_backend_gives_an_actionable_error() {
 fn unknown_model_type_lists_what_is_installed() {
     let cat = Catalog::load(&PluginSearch { dirs: vec![common::staged_dir()] });
     let e = cat.select_family(r#"{"model_type": "mamba9"}"#, "mamba9").unwrap_err().to_string();
-    assert!(e.contains("`mamba9`") && e.contains("llama, mistral, qwen2, qwen3") && e.contains("family plugin"), "{e}");
+    assert!(e.contains("`mamba9`") && e.contains("installed architectures: ") && e.contains("family plugin"), "{e}");
+    assert!(cat.architectures().iter().all(|a| e.contains(a.as_str())), "{e}");
 }

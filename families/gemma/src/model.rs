@@ -15,7 +15,7 @@ use mlxcel_plugin_api::{
 };
 use serde_json::Value;
 
-use crate::config::GemmaConfig;
+use crate::config::{GemmaConfig, Generation};
 
 struct Attention {
     q: Linear,
@@ -125,7 +125,7 @@ impl GemmaModel {
         let final_norm = norm("model.norm.weight".into(), d)?;
         // mlx-lm's gemma3 ties the head when the checkpoint has no `lm_head`; Gemma 1 and 2 always tie.
         let has_head = table.get(&format!("{pre}lm_head.weight")).is_some();
-        let lm_head = if cfg.generation() == crate::config::Generation::Gemma3 && has_head {
+        let lm_head = if cfg.generation() == Generation::Gemma3 && has_head {
             Some(linear("lm_head".into(), d, cfg.vocab_size)?)
         } else {
             None
