@@ -5,6 +5,7 @@ pub mod checkpoint;
 pub mod cli;
 pub mod engine;
 pub mod logging;
+pub mod server;
 pub mod store;
 pub mod testing;
 pub mod text;

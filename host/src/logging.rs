@@ -2,15 +2,28 @@
 
 /// `tracing` to stderr: warnings by default, `-v` info, `-vv` debug; `RUST_LOG` overrides.
 pub fn init(verbose: u8) {
+    init_with(verbose, "warn");
+}
+
+/// A server logs its requests (info) by default; `-v` debug; `RUST_LOG` overrides.
+pub fn init_server(verbose: u8) {
+    init_with(verbose + 1, "info");
+}
+
+fn init_with(verbose: u8, quiet: &str) {
     let default = match verbose {
-        0 => "warn",
+        0 => quiet,
         1 => "info",
         _ => "debug",
     };
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    let _ =
-        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_target(false).try_init();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .try_init();
 }
 
 /// A panic is a bug: say so in one line instead of a backtrace.

@@ -4,8 +4,24 @@ use clap::Parser;
 use mlxcel::cli::{self, Cli, Command};
 
 fn main() {
-    let args = Cli::parse();
-    mlxcel::logging::init(args.global.verbose);
+    // `serve` takes llama-server's command line: its two-letter short flags are rewritten and the flags
+    // mlxcel does not implement are refused by name before clap sees them.
+    let argv: Vec<String> = std::env::args().collect();
+    let argv = match argv.iter().position(|a| a == "serve") {
+        Some(i) => match mlxcel::server::args::preprocess_argv(argv[i + 1..].iter().cloned()) {
+            Ok(tail) => argv[..=i].iter().cloned().chain(tail).collect(),
+            Err(e) => {
+                eprintln!("error: {}", mlxcel::logging::one_line(&e));
+                std::process::exit(1);
+            }
+        },
+        None => argv,
+    };
+    let args = Cli::parse_from(argv);
+    match &args.command {
+        Command::Serve(_) => mlxcel::logging::init_server(args.global.verbose),
+        _ => mlxcel::logging::init(args.global.verbose),
+    }
     mlxcel::logging::quiet_panics();
     let result = match &args.command {
         Command::Arch(a) => cli::arch::run(&args.global, a),
@@ -16,6 +32,7 @@ fn main() {
         Command::List(a) => cli::store::list(a),
         Command::Download(a) => cli::store::download(a),
         Command::Rm(a) => cli::store::rm(a),
+        Command::Serve(a) => a.config(&args.global.plugin_dirs).and_then(mlxcel::server::run),
     };
     if let Err(e) = result {
         eprintln!("error: {}", mlxcel::logging::one_line(&e));

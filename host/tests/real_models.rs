@@ -1,6 +1,7 @@
 //! Real trained checkpoints (SmolLM2-135M-Instruct, 4-bit and bf16) against independent references:
 //! `fixtures/smollm2-reference.json` (a copy of `../shared/models/smollm2-reference.json`) and the
 //! reference numbers in `../shared/models/README.md`. Skipped without `MLXCEL_TEST_MODELS`.
+//! `MLXCEL_TEST_BACKEND=mlx` runs them on another staged backend (unset: the host's choice).
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -24,9 +25,20 @@ fn prompt_ids() -> Vec<u32> {
     reference()["prompt_ids"].as_array().unwrap().iter().map(|v| v.as_u64().unwrap() as u32).collect()
 }
 
+/// The backend under test: `MLXCEL_TEST_BACKEND`, else the host's choice.
+fn backend() -> Option<String> {
+    std::env::var("MLXCEL_TEST_BACKEND").ok().filter(|b| !b.is_empty())
+}
+
+/// Whether logits come from the CPU backend's int16-activation path.
+fn cpu_int16() -> bool {
+    backend().is_none_or(|b| b == "cpu") && std::env::var("MLXCEL_CPU_INT16").map_or(true, |v| v != "0")
+}
+
 fn load(folder: &str) -> Option<(ModelRunner, TextTokenizer)> {
     let dir = mlxcel::testing::test_models()?.join(folder);
-    let runner = ModelRunner::load(&mlxcel::testing::staged_catalog(), &dir, &RunnerOptions::default())
+    let opts = RunnerOptions { backend: backend(), ..Default::default() };
+    let runner = ModelRunner::load(&mlxcel::testing::staged_catalog(), &dir, &opts)
         .unwrap_or_else(|e| panic!("{}: {e:#}", dir.display()));
     let tok =
         TextTokenizer::load(&dir, &runner.checkpoint.config, runner.checkpoint.generation_config.as_ref()).unwrap();
@@ -75,7 +87,7 @@ fn smollm2_4bit_answers_paris_and_matches_reference_logits() {
     // The reference is given to two decimals (±0.005). On the exact f32 path (`MLXCEL_CPU_INT16=0`)
     // the same weights land within 0.004 of it; the default path rounds activations to int16, which
     // moves logits by up to 0.03 over the whole vocabulary (docs/benchmarks.md) and by ≈0.01 on these.
-    let int16 = std::env::var("MLXCEL_CPU_INT16").map_or(true, |v| v != "0");
+    let int16 = cpu_int16();
     check_model(
         "smollm2-135m-instruct-mlx-4bit",
         &[(504, 25.71), (60, 25.67), (15319, 25.48), (7026, 24.97), (14925, 24.52)],
@@ -107,6 +119,7 @@ fn mlxcel_run_prints_paris_for_both_checkpoints() {
             .args(["run"])
             .arg(models.join(folder))
             .args(["-p", QUESTION, "-n", "24", "--temp", "0"])
+            .args(backend().map(|b| vec!["--backend".to_string(), b]).unwrap_or_default())
             .env_remove("MLXCEL_PLUGIN_PATH")
             .output()
             .unwrap();

@@ -61,7 +61,10 @@ pub mod family_entry {
     use super::*;
 
     /// `StrRef`s of `F::ARCHITECTURES`, made once.
-    pub fn architectures<F: Family>(
+    ///
+    /// # Safety
+    /// `out_len` is null or writable (ABI contract of [`FamilyVTable::architectures`]).
+    pub unsafe fn architectures<F: Family>(
         cache: &'static std::sync::OnceLock<Vec<StrRef>>,
         out_len: *mut usize,
     ) -> *const StrRef {
@@ -89,7 +92,7 @@ pub mod family_entry {
         out: *mut *mut c_void,
         err: *mut ErrorBuf,
     ) -> Status {
-        guard(err, || {
+        let body = || {
             // SAFETY: the host passes a valid string and `n_weights` weight infos for the call.
             let (json, weights) = unsafe { (config_json.as_str(), slice_from(weights, n_weights)) };
             let model = F::create(json, weights)?;
@@ -98,13 +101,15 @@ pub mod family_entry {
             // SAFETY: `out` is writable (ABI contract).
             unsafe { *out = Box::into_raw(handle) as *mut c_void };
             Ok(())
-        })
+        };
+        // SAFETY: the host passes a valid or null error buffer (ABI contract).
+        unsafe { guard(err, body) }
     }
 
     /// # Safety
     /// ABI contract of [`FamilyVTable::model_describe`].
     pub unsafe fn model_describe<F: Family>(model: *mut c_void, out: *mut ModelDesc) -> Status {
-        guard(std::ptr::null_mut(), || {
+        let body = || {
             // SAFETY: `model` came from `model_create` of this family.
             let h = unsafe { (model as *const FamilyHandle<F::Model>).as_ref() }
                 .ok_or_else(|| PluginError::invalid("null model"))?;
@@ -129,7 +134,9 @@ pub mod family_entry {
             // SAFETY: `out` is the caller's struct with its size set (ABI contract).
             unsafe { write_versioned(out, &desc) };
             Ok(())
-        })
+        };
+        // SAFETY: a null error buffer is allowed.
+        unsafe { guard(std::ptr::null_mut(), body) }
     }
 
     /// # Safety
@@ -140,7 +147,7 @@ pub mod family_entry {
         out: *mut GraphRef,
         err: *mut ErrorBuf,
     ) -> Status {
-        guard(err, || {
+        let body = || {
             // SAFETY: `model` came from `model_create` of this family and is used by one thread.
             let h = unsafe { (model as *mut FamilyHandle<F::Model>).as_mut() }
                 .ok_or_else(|| PluginError::invalid("null model"))?;
@@ -150,7 +157,9 @@ pub mod family_entry {
             // SAFETY: `out` is writable (ABI contract).
             unsafe { *out = graph };
             Ok(())
-        })
+        };
+        // SAFETY: the host passes a valid or null error buffer (ABI contract).
+        unsafe { guard(err, body) }
     }
 
     /// # Safety
@@ -179,10 +188,11 @@ macro_rules! export_family {
             use $crate::export::family_entry as e;
             static ARCHS: ::std::sync::OnceLock<Vec<$crate::StrRef>> = ::std::sync::OnceLock::new();
             unsafe extern "C" fn init(err: *mut $crate::ErrorBuf) -> $crate::Status {
-                $crate::guard(err, || Ok(()))
+                // SAFETY: the host passes a valid or null error buffer.
+                unsafe { $crate::guard(err, || Ok(())) }
             }
             unsafe extern "C" fn architectures(out_len: *mut usize) -> *const $crate::StrRef {
-                e::architectures::<$family>(&ARCHS, out_len)
+                unsafe { e::architectures::<$family>(&ARCHS, out_len) }
             }
             unsafe extern "C" fn match_config(c: $crate::StrRef) -> u32 {
                 unsafe { e::match_config::<$family>(c) }
@@ -311,6 +321,7 @@ pub mod backend_entry {
     }
     // SAFETY: immutable after construction; the pointers are to data it owns.
     unsafe impl Sync for StaticInfo {}
+    // SAFETY: as above.
     unsafe impl Send for StaticInfo {}
 
     /// # Safety
@@ -319,7 +330,7 @@ pub mod backend_entry {
         cache: &'static std::sync::OnceLock<StaticInfo>,
         out: *mut BackendInfo,
     ) -> Status {
-        guard(std::ptr::null_mut(), || {
+        let body = || {
             let s = cache.get_or_init(|| {
                 let d = B::describe();
                 let strings: Vec<String> = std::iter::once(d.features.clone())
@@ -351,20 +362,24 @@ pub mod backend_entry {
             // SAFETY: `out` is the caller's struct with its size set (ABI contract).
             unsafe { write_versioned(out, &s.info) };
             Ok(())
-        })
+        };
+        // SAFETY: a null error buffer is allowed.
+        unsafe { guard(std::ptr::null_mut(), body) }
     }
 
     /// # Safety
     /// ABI contract of [`BackendVTable::create`].
     pub unsafe fn create<B: Backend>(opts: *const BackendOptions, out: *mut *mut c_void, err: *mut ErrorBuf) -> Status {
-        guard(err, || {
+        let body = || {
             // SAFETY: the host passes valid options.
             let o = unsafe { read_versioned(opts) }.ok_or_else(|| PluginError::invalid("null options"))?;
             let ctx = Box::new(B::create(o.n_threads, o.device)?);
             // SAFETY: `out` is writable (ABI contract).
             unsafe { *out = Box::into_raw(ctx) as *mut c_void };
             Ok(())
-        })
+        };
+        // SAFETY: the host passes a valid or null error buffer (ABI contract).
+        unsafe { guard(err, body) }
     }
 
     /// # Safety
@@ -388,7 +403,10 @@ pub mod backend_entry {
     }
 
     /// Hands out a buffer as an ABI handle.
-    pub fn into_handle<B: Backend>(buf: Buf<B>, out: *mut BufferHandle) -> Result<(), PluginError> {
+    ///
+    /// # Safety
+    /// `out` is null (an error) or a writable handle slot.
+    pub unsafe fn into_handle<B: Backend>(buf: Buf<B>, out: *mut BufferHandle) -> Result<(), PluginError> {
         if out.is_null() {
             return Err(PluginError::invalid("null output"));
         }
@@ -415,11 +433,14 @@ pub mod backend_entry {
         out: *mut BufferHandle,
         err: *mut ErrorBuf,
     ) -> Status {
-        guard(err, || {
+        let body = || {
             // SAFETY: ABI contract: live context; `ptr` readable for `len` until the buffer is freed.
             let buf = unsafe { context::<B>(ctx)?.buffer_from_host(ptr, len)? };
-            into_handle::<B>(buf, out)
-        })
+            // SAFETY: `out` is a writable handle slot (ABI contract).
+            unsafe { into_handle::<B>(buf, out) }
+        };
+        // SAFETY: the host passes a valid or null error buffer (ABI contract).
+        unsafe { guard(err, body) }
     }
 
     /// # Safety
@@ -430,11 +451,14 @@ pub mod backend_entry {
         out: *mut BufferHandle,
         err: *mut ErrorBuf,
     ) -> Status {
-        guard(err, || {
+        let body = || {
             // SAFETY: ABI contract: live context.
             let buf = unsafe { context::<B>(ctx)? }.buffer_alloc(len)?;
-            into_handle::<B>(buf, out)
-        })
+            // SAFETY: `out` is a writable handle slot (ABI contract).
+            unsafe { into_handle::<B>(buf, out) }
+        };
+        // SAFETY: the host passes a valid or null error buffer (ABI contract).
+        unsafe { guard(err, body) }
     }
 
     /// # Safety
@@ -447,10 +471,12 @@ pub mod backend_entry {
         len: usize,
         err: *mut ErrorBuf,
     ) -> Status {
-        guard(err, || {
+        let body = || {
             // SAFETY: ABI contract: live context and buffer; `src` readable for `len` bytes.
             unsafe { context::<B>(ctx)?.buffer_write(buffer::<B>(buf)?, offset, slice_from(src, len)) }
-        })
+        };
+        // SAFETY: the host passes a valid or null error buffer (ABI contract).
+        unsafe { guard(err, body) }
     }
 
     /// # Safety
@@ -463,7 +489,7 @@ pub mod backend_entry {
         len: usize,
         err: *mut ErrorBuf,
     ) -> Status {
-        guard(err, || {
+        let body = || {
             let dst = if len == 0 {
                 &mut [][..]
             } else if dst.is_null() {
@@ -474,7 +500,9 @@ pub mod backend_entry {
             };
             // SAFETY: ABI contract: live context and buffer.
             unsafe { context::<B>(ctx)?.buffer_read(buffer::<B>(buf)?, offset, dst) }
-        })
+        };
+        // SAFETY: the host passes a valid or null error buffer (ABI contract).
+        unsafe { guard(err, body) }
     }
 
     /// # Safety
@@ -505,11 +533,14 @@ pub mod backend_entry {
     /// # Safety
     /// ABI contract of [`BackendVTable::compute`].
     pub unsafe fn compute<B: Backend>(ctx: *mut c_void, args: *const ComputeArgs, err: *mut ErrorBuf) -> Status {
-        guard(err, || {
+        let body = || {
             // SAFETY: ABI contract: valid arguments and a live context.
             let args = unsafe { read_versioned(args) }.ok_or_else(|| PluginError::invalid("null arguments"))?;
+            // SAFETY: a live context; the arguments' pointers are valid (ABI contract).
             unsafe { context::<B>(ctx)?.compute(&args) }
-        })
+        };
+        // SAFETY: the host passes a valid or null error buffer (ABI contract).
+        unsafe { guard(err, body) }
     }
 
     /// # Safety
@@ -521,16 +552,20 @@ pub mod backend_entry {
         out_bytes: *mut u64,
         err: *mut ErrorBuf,
     ) -> Status {
-        guard(err, || {
+        let body = || {
             // SAFETY: ABI contract: valid description and a live context.
             let desc = unsafe { read_versioned(desc) }.ok_or_else(|| PluginError::invalid("null cache description"))?;
+            // SAFETY: a live context (ABI contract).
             let (buf, bytes) = unsafe { context::<B>(ctx)? }.kv_alloc(&desc)?;
             // SAFETY: `out_bytes` is null or writable.
             if let Some(b) = unsafe { out_bytes.as_mut() } {
                 *b = bytes;
             }
-            into_handle::<B>(buf, out)
-        })
+            // SAFETY: `out` is a writable handle slot (ABI contract).
+            unsafe { into_handle::<B>(buf, out) }
+        };
+        // SAFETY: the host passes a valid or null error buffer (ABI contract).
+        unsafe { guard(err, body) }
     }
 
     /// # Safety
@@ -543,13 +578,15 @@ pub mod backend_entry {
         n_copies: usize,
         err: *mut ErrorBuf,
     ) -> Status {
-        guard(err, || {
+        let body = || {
             // SAFETY: ABI contract: live context and buffer, valid description and `n_copies` copies.
             unsafe {
                 let desc = read_versioned(desc).ok_or_else(|| PluginError::invalid("null cache description"))?;
                 context::<B>(ctx)?.copy_blocks(buffer::<B>(buf)?, &desc, slice_from(copies, n_copies))
             }
-        })
+        };
+        // SAFETY: the host passes a valid or null error buffer (ABI contract).
+        unsafe { guard(err, body) }
     }
 }
 
@@ -573,7 +610,8 @@ macro_rules! export_backend {
             type B = $backend;
             static INFO: ::std::sync::OnceLock<e::StaticInfo> = ::std::sync::OnceLock::new();
             unsafe extern "C" fn init(err: *mut $crate::ErrorBuf) -> $crate::Status {
-                $crate::guard(err, || Ok(()))
+                // SAFETY: the host passes a valid or null error buffer.
+                unsafe { $crate::guard(err, || Ok(())) }
             }
             unsafe extern "C" fn describe(out: *mut $crate::BackendInfo) -> $crate::Status {
                 unsafe { e::describe::<B>(&INFO, out) }

@@ -46,7 +46,9 @@ pub enum KvKind {
     Full = 0,
     /// Keys and values for the last `window` positions only.
     SlidingWindow = 1,
-    /// A fixed-size recurrent state (`state_bytes`), independent of length.
+    /// A fixed-size state per sequence (`state_elems` f32), independent of length, zeroed when the
+    /// sequence starts: a recurrent or convolution state ([`crate::conv_state_elems`]), or an encoder's
+    /// keys and values for cross-attention ([`crate::cross_kv_state_elems`]).
     Recurrent = 2,
     /// No state (e.g. an encoder layer).
     None = 3,

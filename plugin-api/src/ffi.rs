@@ -11,7 +11,9 @@ pub struct StrRef {
     pub len: usize,
 }
 
+// SAFETY: a borrowed, immutable view; its owner is stated where it is used.
 unsafe impl Sync for StrRef {}
+// SAFETY: as above.
 unsafe impl Send for StrRef {}
 
 impl StrRef {
@@ -147,11 +149,15 @@ impl std::error::Error for PluginError {}
 
 /// Runs `f` for an exported function: a returned error or a panic becomes a status plus message in
 /// `err`, so nothing unwinds across the boundary.
-pub fn guard(err: *mut ErrorBuf, f: impl FnOnce() -> Result<(), PluginError>) -> Status {
+///
+/// # Safety
+/// `err` is null or points to a valid [`ErrorBuf`] whose `ptr` has `cap` writable bytes (what the
+/// caller of every exported function passes).
+pub unsafe fn guard(err: *mut ErrorBuf, f: impl FnOnce() -> Result<(), PluginError>) -> Status {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => Status::OK,
         Ok(Err(e)) => {
-            // SAFETY: every exported function receives `err` from its caller as a valid or null buffer.
+            // SAFETY: `err` is null or valid (this function's contract).
             unsafe { ErrorBuf::write(err, &e.message) };
             if e.status.is_ok() {
                 Status::FAILED
@@ -209,6 +215,7 @@ pub unsafe fn read_versioned<T: Versioned>(ptr: *const T) -> Option<T> {
     if theirs < std::mem::size_of::<usize>() {
         return None;
     }
+    // SAFETY: the writer's struct has `theirs` readable bytes (caller's contract).
     Some(unsafe { read_prefix(ptr as *const u8, theirs) })
 }
 

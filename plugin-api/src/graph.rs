@@ -74,14 +74,14 @@ pub enum OpCode {
     /// Host data for this step. `iparams[0]` = input slot (see [`INPUT_TOKENS`] etc.).
     Input = 0,
     /// A model weight. `iparams[0]` = index into the weight table the family received.
-    ///
-    /// Row view (an ABI 2 addition): when `iparams[2]` > 0 the node is rows `iparams[1] ..
-    /// iparams[1] + iparams[2]` of the weight's leading dimension, and its shape is that of the view
-    /// (`[iparams[2], …]`). A fused checkpoint tensor (`qkv_proj`, `gate_up_proj`; for MLX-quantized ones
-    /// the packed words, scales and biases alike) is read as its parts without repacking. A backend
-    /// that predates it refuses such a node by its byte count, never reads the wrong rows.
+    /// A row-range view of a 2-D weight (one part of a fused projection, such as Phi-3's `qkv_proj`,
+    /// bound without a copy; float or each of a quantized weight's packed/scales/biases): `iparams[2]`
+    /// = rows of the stored tensor (0 = the node is the whole tensor), `iparams[1]` = the view's first
+    /// row; the node's shape is the view's `[rows, cols]`, with the stored tensor's `cols`.
     Weight = 1,
-    /// Data carried in the graph's constant blob. `iparams[0]` = byte offset, `iparams[1]` = byte length.
+    /// Data carried in the graph's constant blob (little-endian, `F32` or `I32`). `iparams[0]` = byte
+    /// offset, `iparams[1]` = byte length. An `I32` constant can give per-row sequence indices for rows
+    /// that are not the step's tokens (after a strided [`OpCode::Conv1d`]).
     Constant = 2,
 
     /// `out[t, :] = table[ids[t], :]`. src: ids `I32 [T]`, table `[V, D]` float.
@@ -97,6 +97,10 @@ pub enum OpCode {
     QuantMatMul = 13,
     /// Select rows: src x `[T, C]`, rows `I32 [R]`. out `[R, C]`.
     GetRows = 14,
+    /// A column range: src x `[T, C]`. out `[T, c1 - c0]` = `x[:, c0..c1]`. `iparams[0]` = c0,
+    /// `iparams[1]` = c1 (`c0 < c1 ≤ C`). Splits fused projections (Phi-3 `qkv_proj` / `gate_up_proj`,
+    /// LFM2's `in_proj`): one matmul, then a slice per part.
+    Slice = 15,
 
     /// `a + b`; b is `[T, C]` like a or a row `[C]` broadcast over rows.
     Add = 20,
@@ -124,6 +128,12 @@ pub enum OpCode {
     RmsNorm = 30,
     /// Layer norm over the last dim. src: x, w `[C]`, b `[C]`. `fparams[0]` = eps.
     LayerNorm = 31,
+    /// Softmax over groups of `D` columns: src x `[T, C]`, out `[T, C]`, `out[t, g*D + j] =
+    /// e^x[t, g*D + j] / Σ_i e^x[t, g*D + i]`. `iparams[0]` = D (0 = the whole row; must divide C).
+    Softmax = 32,
+    /// `x / max(‖x‖₂, eps)` per row (sentence-embedding normalisation, as torch's `F.normalize`).
+    /// src: x `[T, C]`, out `[T, C]`. `fparams[0]` = eps (0 = 1e-12).
+    L2Normalize = 33,
 
     /// Rotary embedding on `x [T, H*Dh]`. src: x, positions `I32 [T]`, inv_freq `F32 [rot/2]`.
     /// `iparams[0]` = head_dim, `iparams[1]` = rotary dims (≤ head_dim, rest passes through),
@@ -137,6 +147,92 @@ pub enum OpCode {
     /// (0 = full). `fparams[0]` = score scale, `fparams[1]` = score soft-cap (0 = none).
     /// Which sequence each token belongs to and where its keys live come from [`StepBatch`].
     Attention = 50,
+    /// Attention among the step's own tokens, without the cache (encoders: BERT, the Whisper
+    /// encoder; or a whole-prompt causal pass that keeps no KV). Varlen: each token attends only to
+    /// the tokens of its own sequence in this step, no padding.
+    /// src: q `[T, Hq*Dh]`, k `[T, Hkv*Dh]`, v `[T, Hkv*Dh]`, seq `I32 [T]` (each row's sequence,
+    /// normally the [`INPUT_TOKEN_SEQ`] input; rows of one sequence contiguous). out `[T, Hq*Dh]`.
+    /// `iparams[0]` = Hq, `[1]` = Hkv (divides Hq), `[2]` = Dh, `[3]` = 1 causal / 0 bidirectional,
+    /// `[4]` = window (0 = none): with row `i` and key `j` counted within their sequence, causal sees
+    /// `i − window < j ≤ i`, bidirectional `|i − j| ≤ window` (ModernBERT's local attention: its
+    /// `local_attention / 2`). `fparams[0]` = score scale, `fparams[1]` = score soft-cap (0 = none).
+    StepAttention = 51,
+    /// Stores an encoder's keys and values once per sequence for [`OpCode::CrossAttention`].
+    /// src: k `[S, Hkv*Dh]`, v `[S, Hkv*Dh]`, seq `I32 [S]` (each row's sequence index in the step,
+    /// rows of one sequence contiguous). out `[1]` (no data; a later `CrossAttention` may name this node
+    /// as a source to order itself after the store). `iparams[0]` = state layer (its
+    /// [`crate::KvBinding::state`] holds the rows), `[1]` = Hkv, `[2]` = Dh, `[3]` = max_source_len.
+    /// The rows of sequence `s` become rows `0..n` of state row [`StepBatch::seq_state_slots`]`[s]`
+    /// and `n` its stored length, replacing what was there; `n ≤ max_source_len`. The state row
+    /// layout is [`CROSS_KV_HEADER`] f32 (element 0: stored length as `u32` bits), then
+    /// `max_source_len` rows of K `[Hkv*Dh]` followed by V `[Hkv*Dh]`; the family declares the layer as
+    /// [`crate::KvKind::Recurrent`] with [`cross_kv_state_elems`] elements. Runs even if nothing reads it.
+    StoreCrossKv = 52,
+    /// Attention of decoder queries over the keys and values [`OpCode::StoreCrossKv`] stored for each
+    /// query's sequence (bidirectional over all stored rows; a sequence with none stored gets zeros).
+    /// src: q `[T, Hq*Dh]`, seq `I32 [T]`, optionally the `StoreCrossKv` node of this graph (read for
+    /// ordering only). out `[T, Hq*Dh]`. `iparams[0]` = state layer, `[1]` = Hq, `[2]` = Hkv (divides
+    /// Hq), `[3]` = Dh, `[4]` = max_source_len (as stored). `fparams[0]` = score scale, `fparams[1]` =
+    /// soft-cap (0 = none).
+    CrossAttention = 53,
+
+    /// 1-D convolution over rows, channels last. src: x `[T, C_in]`, w `[C_out, K, C_in/groups]` (MLX's
+    /// conv1d layout, as mlx-lm checkpoints store it: PyTorch's `[C_out, C_in/groups, K]` transposed),
+    /// seq `I32 [T]` (each row's sequence index in the step, rows of one sequence contiguous), optional
+    /// bias `[C_out]`. `out[t, o] = bias[o] + Σ_k Σ_c w[o, k, c] · in[t·stride + k, g·C_in/groups + c]`
+    /// with `g = o / (C_out/groups)`, per sequence over its padded input `in`:
+    /// - `iparams[0]` = 0, whole sequence: `in` is the sequence's rows with `padding` zero rows on
+    ///   each side; a sequence of `L` rows gives `(L + 2·padding − K) / stride + 1` output rows (none if
+    ///   negative), sequences in order (Whisper's conv1/conv2).
+    /// - `iparams[0]` = 1, causal with carried state: `in` is the sequence's last `K − 1` input rows of
+    ///   earlier steps (zeros at its start) followed by this step's rows; `L` output rows; the last
+    ///   `K − 1` rows of `in` are stored back, so chunked prefill and decode continue exactly (LFM2's
+    ///   short conv). The state row of layer `iparams[4]` at [`StepBatch::seq_state_slots`]`[s]` is
+    ///   `[K − 1, C_in]` f32 ([`conv_state_elems`]); stride must be 1 and padding 0.
+    ///
+    /// `iparams[1]` = stride (≥ 1), `[2]` = padding, `[3]` = groups (divides C_in and C_out; 0 = 1),
+    /// `[4]` = state layer (mode 1). Dilation is 1.
+    Conv1d = 60,
+
+    /// Pools each sequence's rows into one: src x `[T, C]`, seq `I32 [T]` (each row's sequence index,
+    /// `< N`). out `[N, C]`, row `s` from the rows of sequence `s` (zeros if it has none).
+    /// `iparams[0]` = pool: 0 mean, 1 first row (CLS), 2 last row (decoder embeddings).
+    SegmentPool = 70,
+
+    /// The `k` largest values of each row, or their column indices: src x `[T, C]`, out `[T, k]`, in
+    /// descending order of value (equal values: the lower column first). One node gives one of the two
+    /// results, so a router is two `TopK` nodes on the same input with the same parameters, one per
+    /// output (they select the same columns in the same order).
+    /// `iparams[0]` = k (1 ≤ k ≤ C); `[1]` = output: 0 the values, 1 the column indices as exact f32
+    /// integers (what [`OpCode::GatherMatMul`] reads); `[2]` = 1 to take the softmax over the whole row
+    /// first (values become probabilities; mixture-of-experts routers: softmax over all experts, then
+    /// top-k); `[3]` = 1 to divide the k values by their sum (`norm_topk_prob`).
+    TopK = 80,
+    /// Expert (gathered) matmul with float weights: each row `(t, j)` multiplies by the expert
+    /// `indices[t, j]` chose, and only by that one (experts compute only the rows routed to them).
+    /// src: x `[T, K]` (token `t`'s row feeds all its `k` experts) or `[T·k, K]` (row `t·k + j` feeds its
+    /// `j`-th expert), indices `[T, k]` (expert ids as exact f32 integers: [`OpCode::TopK`]'s indices),
+    /// then one or more weights holding consecutive experts from `iparams[0]` on: each `[E_i, N, K]` (a
+    /// stack, as mlx-lm's `switch_mlp` stores them) or `[N, K]` (one expert, as Hugging Face checkpoints
+    /// store them), f32/f16/bf16. out `[T, k, N]`, row `t·k + j` = `x_row · W[indices[t, j]]ᵀ`, or zeros
+    /// where the expert is not among this node's (a model with more experts than sources splits them
+    /// over several nodes and adds the results). `iparams[0]` = first expert held (0 usually),
+    /// `iparams[1]` = experts in the model (0: those held); every index must be an integer below it.
+    /// A row's result must not depend on the rows of other sequences routed to the same expert (batch
+    /// invariance, as for every op): a backend that groups an expert's rows chooses its kernel from
+    /// each sequence's rows alone.
+    GatherMatMul = 81,
+    /// [`OpCode::GatherMatMul`] with MLX affine-quantized stacked experts (`switch_mlp`, each expert
+    /// quantized like a linear of its own). src: x `[T, K]` or `[T·k, K]`, indices `[T, k]`, packed
+    /// `U32 [E, N, K*bits/32]`, scales `[E, N, K/group]`, biases `[E, N, K/group]`. out `[T, k, N]`.
+    /// `iparams[0]` = bits (2,3,4,5,6,8), `iparams[1]` = group size (32, 64, 128); every index `< E`.
+    GatherQuantMatMul = 82,
+    /// Weighted sum of each token's `k` rows (combining expert outputs): src y `[T·k, N]` (e.g. `[T, k,
+    /// N]`), w `[T, k]`. out `[T, N]`, `out[t] = Σ_j w[t, j] · y[t·k + j]`, summed in order of `j`. With
+    /// `k = 1` it scales each row by its own factor (a shared expert's sigmoid gate).
+    WeightedSum = 83,
+    /// `1 / (1 + e^-x)`.
+    Sigmoid = 84,
 }
 
 impl OpCode {
@@ -163,8 +259,21 @@ impl OpCode {
             29 => GeluTanhMul,
             30 => RmsNorm,
             31 => LayerNorm,
+            15 => Slice,
+            32 => Softmax,
+            33 => L2Normalize,
             40 => Rope,
             50 => Attention,
+            51 => StepAttention,
+            52 => StoreCrossKv,
+            53 => CrossAttention,
+            60 => Conv1d,
+            70 => SegmentPool,
+            80 => TopK,
+            81 => GatherMatMul,
+            82 => GatherQuantMatMul,
+            83 => WeightedSum,
+            84 => Sigmoid,
             _ => return None,
         })
     }
@@ -193,8 +302,52 @@ impl OpCode {
         OpCode::LayerNorm,
         OpCode::Rope,
         OpCode::Attention,
+        OpCode::Slice,
+        OpCode::Softmax,
+        OpCode::L2Normalize,
+        OpCode::StepAttention,
+        OpCode::StoreCrossKv,
+        OpCode::CrossAttention,
+        OpCode::Conv1d,
+        OpCode::SegmentPool,
+        OpCode::TopK,
+        OpCode::GatherMatMul,
+        OpCode::GatherQuantMatMul,
+        OpCode::WeightedSum,
+        OpCode::Sigmoid,
     ];
 }
+
+/// [`OpCode::SegmentPool`]'s `iparams[0]`: the mean of a sequence's rows.
+pub const POOL_MEAN: i64 = 0;
+/// [`OpCode::SegmentPool`]'s `iparams[0]`: a sequence's first row (BERT's CLS token).
+pub const POOL_FIRST: i64 = 1;
+/// [`OpCode::SegmentPool`]'s `iparams[0]`: a sequence's last row (decoder embedding models).
+pub const POOL_LAST: i64 = 2;
+
+/// [`OpCode::Conv1d`]'s `iparams[0]`: each sequence whole, zero-padded on both sides.
+pub const CONV_WHOLE: i64 = 0;
+/// [`OpCode::Conv1d`]'s `iparams[0]`: causal, the last `K − 1` input rows carried in state.
+pub const CONV_CAUSAL_STATE: i64 = 1;
+
+/// f32 elements before the first key row of a [`OpCode::StoreCrossKv`] state row (element 0 holds
+/// the stored length as `u32` bits; the rest is padding so rows start 64 bytes in).
+pub const CROSS_KV_HEADER: u64 = 16;
+
+/// `state_elems` of a layer whose state holds [`OpCode::StoreCrossKv`] rows.
+pub const fn cross_kv_state_elems(max_source_len: u64, n_kv_heads: u64, head_dim: u64) -> u64 {
+    CROSS_KV_HEADER + max_source_len * 2 * n_kv_heads * head_dim
+}
+
+/// `state_elems` of a layer whose state carries [`OpCode::Conv1d`]'s causal window.
+pub const fn conv_state_elems(kernel: u64, c_in: u64) -> u64 {
+    kernel.saturating_sub(1) * c_in
+}
+
+/// [`OpCode::TopK`]'s `iparams[1]`: output the selected values.
+pub const TOPK_VALUES: i64 = 0;
+/// [`OpCode::TopK`]'s `iparams[1]`: output the selected columns' indices (as exact f32 integers).
+pub const TOPK_INDICES: i64 = 1;
 
 /// Input slot for the step's token ids (`I32 [T]`).
 pub const INPUT_TOKENS: i64 = 0;
@@ -204,7 +357,9 @@ pub const INPUT_POSITIONS: i64 = 1;
 pub const INPUT_OUTPUT_ROWS: i64 = 2;
 /// Input slot for each token's sequence index in the step (`I32 [T]`), for ops that work per sequence.
 pub const INPUT_TOKEN_SEQ: i64 = 3;
-/// Input slot for token-type (segment) ids (`I32 [T]`), for encoders that embed them.
+/// Input slot for token-type (segment) ids (`I32 [T]`), for encoders that embed them (BERT's
+/// `token_type_ids`: an [`OpCode::Embedding`] of this input added to the word embeddings). Bound like
+/// every input, by slot; a family that reads it needs a host that fills it.
 pub const INPUT_TOKEN_TYPES: i64 = 4;
 
 /// Maximum number of dimensions of a tensor.
@@ -391,28 +546,42 @@ impl Graph {
         self.push(n)
     }
 
-    /// Rows `first .. first + shape[0]` of a model weight (see [`OpCode::Weight`]); `shape` is the view's.
-    pub fn weight_rows(&mut self, index: u32, dtype: DType, shape: &[u64], first: u64) -> TensorId {
-        let mut n = Node::new(OpCode::Weight, dtype, shape, &[]);
+    /// Rows `first_row..first_row + rows` of a 2-D weight `[stored_rows, cols]` (see [`OpCode::Weight`]).
+    pub fn weight_rows(
+        &mut self,
+        index: u32,
+        dtype: DType,
+        stored_rows: u64,
+        first_row: u64,
+        rows: u64,
+        cols: u64,
+    ) -> TensorId {
+        let mut n = Node::new(OpCode::Weight, dtype, &[rows, cols], &[]);
         n.iparams[0] = index as i64;
-        n.iparams[1] = first as i64;
-        n.iparams[2] = shape.first().copied().unwrap_or(0) as i64;
+        n.iparams[1] = first_row as i64;
+        n.iparams[2] = stored_rows as i64;
         self.push(n)
     }
 
     /// An `F32` constant stored in the graph.
     pub fn constant_f32(&mut self, values: &[f32], shape: &[u64]) -> TensorId {
-        // Keep constants 4-byte aligned relative to the blob start.
-        while self.constants.len() % 4 != 0 {
-            self.constants.push(0);
-        }
+        self.constant_words(values.iter().map(|v| v.to_le_bytes()), DType::F32, shape)
+    }
+
+    /// An `I32` constant stored in the graph (e.g. the sequence index of each row of a strided
+    /// convolution's output).
+    pub fn constant_i32(&mut self, values: &[i32], shape: &[u64]) -> TensorId {
+        self.constant_words(values.iter().map(|v| v.to_le_bytes()), DType::I32, shape)
+    }
+
+    /// A constant of 4-byte values, kept 4-byte aligned relative to the blob start.
+    fn constant_words(&mut self, words: impl Iterator<Item = [u8; 4]>, dtype: DType, shape: &[u64]) -> TensorId {
+        self.constants.resize(self.constants.len().next_multiple_of(4), 0);
         let off = self.constants.len();
-        for v in values {
-            self.constants.extend_from_slice(&v.to_le_bytes());
-        }
-        let mut n = Node::new(OpCode::Constant, DType::F32, shape, &[]);
+        self.constants.extend(words.flatten());
+        let mut n = Node::new(OpCode::Constant, dtype, shape, &[]);
         n.iparams[0] = off as i64;
-        n.iparams[1] = (values.len() * 4) as i64;
+        n.iparams[1] = (self.constants.len() - off) as i64;
         self.push(n)
     }
 

@@ -18,6 +18,7 @@
 //! [`graph`].
 
 #![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod backend;
 pub mod export;
@@ -79,8 +80,9 @@ pub struct PluginRoot {
     pub family: *const FamilyVTable,
 }
 
-// The root only holds pointers to immutable statics.
+// SAFETY: the root only holds pointers to immutable statics.
 unsafe impl Sync for PluginRoot {}
+// SAFETY: as above.
 unsafe impl Send for PluginRoot {}
 
 /// Declares the exported root function of a plugin.

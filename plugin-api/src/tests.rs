@@ -2,6 +2,8 @@
 //! newer reader sees zeros for fields the writer did not have, and a writer never fills more than the
 //! reader's room.
 
+#![allow(clippy::undocumented_unsafe_blocks)]
+
 use crate::ffi::{read_versioned, read_versioned_array, write_versioned, Versioned};
 
 /// "2.0" of a struct…

@@ -91,6 +91,7 @@ impl BackendPlugin {
             score: info.score,
             // SAFETY: static strings of the plugin.
             features: unsafe { info.features.as_str() }.to_string(),
+            // SAFETY: as above.
             reason: unsafe { info.reason.as_str() }.to_string(),
             devices,
         }

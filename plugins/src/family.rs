@@ -36,11 +36,15 @@ impl FamilyPlugin {
         let mut n = 0usize;
         // SAFETY: the list and its strings are static in the plugin.
         let ptr = unsafe { (self.vt.architectures)(&mut n) };
-        unsafe { mlxcel_plugin_api::slice_from(ptr, n) }.iter().map(|s| unsafe { s.as_str() }.to_string()).collect()
+        // SAFETY: as above: `n` static `StrRef`s of static strings.
+        let refs = unsafe { mlxcel_plugin_api::slice_from(ptr, n) };
+        // SAFETY: as above.
+        refs.iter().map(|s| unsafe { s.as_str() }.to_string()).collect()
     }
 
     /// How well this family matches a `config.json` text (0 = not at all).
     pub fn match_config(&self, config_json: &str) -> u32 {
+        // SAFETY: the string outlives the call.
         unsafe { (self.vt.match_config)(StrRef::new(config_json)) }
     }
 
@@ -48,6 +52,7 @@ impl FamilyPlugin {
     pub fn create_model(&self, config_json: &str, weights: &[WeightInfo]) -> Result<FamilyModel, CallError> {
         let mut model: *mut c_void = std::ptr::null_mut();
         let mut err = ErrorMessage::new();
+        // SAFETY: the config and weight table outlive the call; valid output slots.
         let status = unsafe {
             (self.vt.model_create)(StrRef::new(config_json), weights.as_ptr(), weights.len(), &mut model, err.as_ptr())
         };
@@ -186,6 +191,7 @@ impl FamilyModel {
 
 impl Drop for FamilyModel {
     fn drop(&mut self) {
+        // SAFETY: a live model, destroyed once.
         unsafe { (self.vt.model_destroy)(self.model) };
     }
 }

@@ -1,6 +1,9 @@
 //! Host side of the plugin boundary: finds plugin files, loads and checks them, and wraps their C
 //! vtables in safe Rust types. Nothing here knows a model architecture or a device.
 
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
+
 mod backend;
 mod catalog;
 mod discovery;

@@ -47,6 +47,7 @@ pub fn load_plugin(path: &Path) -> Result<Loaded, LoadProblem> {
     // SAFETY: loading a shared object runs its initialisers; that is the point of a plugin folder.
     let lib = unsafe { libloading::Library::new(path) }
         .map_err(|e| problem(format!("not a loadable shared object ({e})")))?;
+    // SAFETY: the symbol is the plugin root function, with the documented signature.
     let root_fn: RootFn = unsafe {
         match lib.get::<RootFn>(ROOT_SYMBOL) {
             Ok(sym) => *sym,
@@ -61,6 +62,7 @@ pub fn load_plugin(path: &Path) -> Result<Loaded, LoadProblem> {
         Some(r) => r,
         None => return Err(problem("plugin root is null".to_string())),
     };
+    // SAFETY: the root's name (a frozen leading field) is a static string of the plugin.
     let name = unsafe { root.name.as_str() }.to_string();
     if root.abi_major != ABI_MAJOR {
         let advice = if root.abi_major < ABI_MAJOR {
@@ -81,7 +83,9 @@ pub fn load_plugin(path: &Path) -> Result<Loaded, LoadProblem> {
     };
     let meta = PluginMeta {
         name: name.clone(),
+        // SAFETY: static strings of a root of this major.
         version: unsafe { root.version.as_str() }.to_string(),
+        // SAFETY: as above.
         description: unsafe { root.description.as_str() }.to_string(),
         kind,
         abi_major: root.abi_major,
@@ -90,6 +94,7 @@ pub fn load_plugin(path: &Path) -> Result<Loaded, LoadProblem> {
     };
 
     let mut err = ErrorMessage::new();
+    // SAFETY: `init` is called once, with a valid error buffer, before anything else.
     let status = unsafe { (root.init)(err.as_ptr()) };
     if !status.is_ok() {
         let msg = err.text();

@@ -20,14 +20,22 @@ fn good_plugins_load_and_provide_their_architectures() {
     let staged = common::staged_dir();
     let cat = Catalog::load(&PluginSearch { dirs: vec![staged] });
     assert!(cat.problems.is_empty(), "{:?}", cat.problems);
-    assert_eq!(cat.backends.iter().map(|b| b.name()).collect::<Vec<_>>(), ["cpu"]);
-    // Every staged family is there; the llama family with exactly its architectures.
-    let llama = cat.families.iter().find(|f| f.meta.name == "llama").expect("llama family");
-    assert_eq!(llama.architectures(), ["llama", "mistral", "qwen2", "qwen3"]);
-    let all = cat.architectures();
-    assert!(cat.families.iter().flat_map(|f| f.architectures()).all(|a| all.contains(&a)), "{all:?}");
-    let cpu = cat.select_backend(None).unwrap();
-    assert!(cpu.describe().score > 0);
+    // The cpu backend, and the mlx one (usable or, built without libmlx, scoring 0 with its reason).
+    let names: Vec<&str> = cat.backends.iter().map(|b| b.name()).collect();
+    assert_eq!(names, ["cpu", "mlx"]);
+    // Every staged family's architectures, sorted (other family plugins add theirs).
+    let archs = cat.architectures();
+    assert!(archs.windows(2).all(|p| p[0] < p[1]), "{archs:?}");
+    for a in ["llama", "mistral", "qwen2", "qwen3"] {
+        assert!(archs.iter().any(|x| x == a), "{a} missing from {archs:?}");
+    }
+    let best = cat.select_backend(None).unwrap();
+    assert!(best.describe().score > 0);
+    let mlx = cat.backends.iter().find(|b| b.name() == "mlx").unwrap().describe();
+    assert!(mlx.score > 0 || mlx.reason.contains("libmlx not found at build time"), "{}", mlx.reason);
+    if mlx.devices.iter().all(|d| d.kind == "cpu") {
+        assert_eq!(best.name(), "cpu", "on a CPU the cpu backend outranks MLX");
+    }
 }
 
 #[test]
@@ -156,4 +164,43 @@ fn unknown_model_type_lists_what_is_installed() {
     let e = cat.select_family(r#"{"model_type": "mamba9"}"#, "mamba9").unwrap_err().to_string();
     assert!(e.contains("`mamba9`") && e.contains("installed architectures: ") && e.contains("family plugin"), "{e}");
     assert!(cat.architectures().iter().all(|a| e.contains(a.as_str())), "{e}");
+}
+
+/// A panic inside a plugin call comes back as an error naming it, and the context is never used again:
+/// every later call says it must be rebuilt (its state may be half-written).
+#[test]
+fn a_context_whose_plugin_panicked_is_poisoned() {
+    use mlxcel_plugin_api::*;
+    let older = common::built("mlxcel_testplugin_older_minor");
+    let dir = folder_with(&[(&older, "libolder.so")]);
+    let cat = Catalog::load(&PluginSearch { dirs: vec![dir.path().to_path_buf()] });
+    let mut ctx = cat.backends[0].create(1, 0).unwrap();
+    let run = |ctx: &mut mlxcel_plugins::BackendContext, factor: f32| {
+        let x = [1.0f32];
+        let mut g = Graph::new();
+        let xi = g.input(0, DType::F32, &[1, 1]);
+        let o = g.op_with(OpCode::Scale, &[1, 1], &[xi], &[], &[factor]);
+        g.mark_output(o);
+        let mut out = [0f32; 1];
+        let inputs = [HostTensor { ptr: x.as_ptr() as *mut u8, len: 4 }];
+        let outputs = [HostTensor { ptr: out.as_mut_ptr() as *mut u8, len: 4 }];
+        let args = ComputeArgs {
+            graph: g.as_ref(),
+            inputs: inputs.as_ptr(),
+            n_inputs: 1,
+            outputs: outputs.as_ptr(),
+            n_outputs: 1,
+            ..Versioned::zeroed()
+        };
+        unsafe { ctx.compute(&args) }.map(|_| out[0])
+    };
+    assert_eq!(run(&mut ctx, 2.0).unwrap(), 2.0);
+    let e = run(&mut ctx, f32::NAN).unwrap_err();
+    assert_eq!(e.status, Status::PANIC.0);
+    assert!(e.message.contains("panicked") && e.message.contains("scale by NaN"), "{}", e.message);
+    let e = run(&mut ctx, 2.0).unwrap_err();
+    assert!(e.message.contains("rebuilt"), "{}", e.message);
+    // A fresh context works.
+    let mut fresh = cat.backends[0].create(1, 0).unwrap();
+    assert_eq!(run(&mut fresh, 3.0).unwrap(), 3.0);
 }

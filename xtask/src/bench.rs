@@ -1,6 +1,9 @@
 //! `cargo xtask bench`: mlxcel and llama.cpp on the same SmolLM2-135M weights (MLX 4-bit folder vs the
 //! bit-identical GGUF Q4_1), alternating runs, medians, ratios, and mlxcel's share of the memory
 //! bandwidth floor. Prints a Markdown table for docs/benchmarks.md.
+//!
+//! `--backend mlx` measures mlxcel's MLX backend instead, beside mlx-lm (`xtask/bench_mlx_lm.py`, run
+//! by `--mlx-lm-python`, default `python3`) on the same MLX folder: both on the same libmlx.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -15,6 +18,9 @@ pub struct Options {
     pub n_prompt: usize,
     pub n_gen: usize,
     pub no_peer: bool,
+    /// `mlx`: mlxcel's MLX backend against mlx-lm; otherwise the host's default against llama.cpp.
+    pub backend: Option<String>,
+    pub mlx_lm_python: PathBuf,
 }
 
 const LLAMA_CPP_PYTHON: &str = "llama-cpp-python==0.3.36";
@@ -117,10 +123,17 @@ pub fn run(o: &Options) -> Result<()> {
     if !mlx.is_dir() || !gguf.is_file() {
         bail!("{} lacks the SmolLM2 folders; run ../shared/models/fetch.sh", models.display());
     }
+    let on_mlx = o.backend.as_deref() == Some("mlx");
     let out = crate::build()?;
     let mlxcel = out.join("mlxcel");
-    let peer = if o.no_peer { None } else { Some(peer_python()?) };
-    let script = crate::root().join("xtask/bench_llama_cpp.py");
+    let peer = match (o.no_peer, on_mlx) {
+        (true, _) => None,
+        (false, true) => Some(o.mlx_lm_python.clone()),
+        (false, false) => Some(peer_python()?),
+    };
+    let peer_name = if on_mlx { "mlx-lm" } else { "llama.cpp" };
+    let script = crate::root().join(if on_mlx { "xtask/bench_mlx_lm.py" } else { "xtask/bench_llama_cpp.py" });
+    let backend_args: Vec<String> = o.backend.iter().flat_map(|b| ["--backend".to_string(), b.clone()]).collect();
 
     let mut rows = Vec::new();
     for &t in &o.threads {
@@ -146,6 +159,7 @@ pub fn run(o: &Options) -> Result<()> {
                         &o.n_gen.to_string(),
                         "--json",
                     ])
+                    .args(&backend_args)
                     .output()?,
                 "mlxcel bench",
             )?;
@@ -156,14 +170,14 @@ pub fn run(o: &Options) -> Result<()> {
             kv = v["kv_bytes"].as_u64().unwrap_or(0);
             features = v["features"].as_str().unwrap_or("").to_string();
             if let Some(py) = &peer {
-                let v = json_of(
-                    Command::new(py)
-                        .arg(&script)
-                        .arg(&gguf)
-                        .args([t.to_string(), o.n_prompt.to_string(), o.n_gen.to_string()])
-                        .output()?,
-                    "llama.cpp bench",
-                )?;
+                let mut c = Command::new(py);
+                c.arg(&script);
+                if on_mlx {
+                    c.arg(&mlx).args([o.n_prompt.to_string(), o.n_gen.to_string()]);
+                } else {
+                    c.arg(&gguf).args([t.to_string(), o.n_prompt.to_string(), o.n_gen.to_string()]);
+                }
+                let v = json_of(c.output()?, &format!("{peer_name} bench"))?;
                 l_pp.push(v["pp_tps"].as_f64().unwrap_or(0.0));
                 l_tg.push(v["tg_tps"].as_f64().unwrap_or(0.0));
             }
@@ -191,15 +205,20 @@ pub fn run(o: &Options) -> Result<()> {
         git_commit(&crate::root()),
         chrono_free_date()
     );
-    println!("Model: SmolLM2-135M-Instruct — mlxcel on the MLX 4-bit g32 folder, llama.cpp ({LLAMA_CPP_PYTHON}) on the bit-identical GGUF Q4_1. Medians of {} alternating runs.", o.reps);
+    if on_mlx {
+        println!("Model: SmolLM2-135M-Instruct — mlxcel --backend mlx and mlx-lm on the same MLX 4-bit g32 folder. Medians of {} alternating runs.", o.reps);
+    } else {
+        println!("Model: SmolLM2-135M-Instruct — mlxcel on the MLX 4-bit g32 folder, llama.cpp ({LLAMA_CPP_PYTHON}) on the bit-identical GGUF Q4_1. Medians of {} alternating runs.", o.reps);
+    }
     println!();
-    println!("| threads | mlxcel pp{} | llama.cpp pp{} | ratio | mlxcel tg{} | llama.cpp tg{} | ratio | read bandwidth | tg floor | mlxcel share of floor | peak RSS (weights + KV) | cpu path |", o.n_prompt, o.n_prompt, o.n_gen, o.n_gen);
+    println!("| threads | mlxcel pp{} | {peer_name} pp{} | ratio | mlxcel tg{} | {peer_name} tg{} | ratio | read bandwidth | tg floor | mlxcel share of floor | peak RSS (weights + KV) | backend |", o.n_prompt, o.n_prompt, o.n_gen, o.n_gen);
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for (t, mpp, mtg, lpp, ltg, bw, rss, weights, kv, features) in rows {
         // Decode reads every weight byte once per token: floor = weights / bandwidth.
         let floor = bw / weights as f64;
         let r = |m: f64, l: Option<f64>| l.map_or("—".to_string(), |l| format!("{:.2}×", m / l));
-        let f = |l: Option<f64>| l.map_or("—".to_string(), |l| format!("{l:.1}"));
+        let f =
+            |l: Option<f64>| l.map_or("—".to_string(), |l| if l < 1.0 { format!("{l:.3}") } else { format!("{l:.1}") });
         println!(
             "| {t} | {mpp:.1} | {} | {} | {mtg:.1} | {} | {} | {:.1} GB/s | {floor:.0} tok/s | {:.0}% | {:.0} MB ({:.0} + {:.0}) | {features} |",
             f(lpp),

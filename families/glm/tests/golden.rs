@@ -1,4 +1,4 @@
-//! Golden tests: the glm family on the CPU backend against mlx-lm's logits and greedy tokens for tiny
+//! Golden tests: the glm family against mlx-lm's logits and greedy tokens for tiny
 //! random checkpoints (see `fixtures/generate.py`), through the shared harness
 //! (`mlxcel::testing::golden`): one-shot prefill, chunked prefill and decode, two sequences sharing
 //! steps, greedy tokens; f32 and 4-bit.

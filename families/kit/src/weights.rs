@@ -17,21 +17,32 @@ pub struct WeightRef {
     pub dtype: DType,
     /// The shape the graph sees (a row view's has its row count first).
     pub shape: Vec<u64>,
-    /// For a row view, the first row of the checkpoint tensor it starts at.
-    pub first_row: Option<u64>,
+    /// For a row view: the first row it starts at and the rows of the stored tensor.
+    pub view: Option<RowView>,
+}
+
+/// Rows `first ..` of a stored 2-D tensor of `stored_rows` rows (see `OpCode::Weight`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RowView {
+    pub first: u64,
+    pub stored_rows: u64,
 }
 
 impl WeightRef {
-    /// Rows `first .. first + count` of this tensor (of this view): how a fused checkpoint tensor
+    /// Rows `first .. first + count` of this 2-D tensor (of this view): how a fused checkpoint tensor
     /// (`qkv_proj`, `gate_up_proj`) is read as its parts without repacking.
     pub fn rows(&self, first: u64, count: u64) -> Result<WeightRef, String> {
-        let n = self.shape.first().copied().unwrap_or(0);
+        let [n, _] = self.shape[..] else {
+            return Err(format!("tensor `{}`: a row view needs a 2-D tensor, not {:?}", self.name, self.shape));
+        };
         if count == 0 || first + count > n {
             return Err(format!("tensor `{}`: rows {first}..{} of its {n} rows", self.name, first + count));
         }
-        let mut shape = self.shape.clone();
-        shape[0] = count;
-        Ok(WeightRef { shape, first_row: Some(self.first_row.unwrap_or(0) + first), ..self.clone() })
+        let view = match self.view {
+            Some(v) => RowView { first: v.first + first, stored_rows: v.stored_rows },
+            None => RowView { first, stored_rows: n },
+        };
+        Ok(WeightRef { shape: vec![count, self.shape[1]], view: Some(view), ..self.clone() })
     }
 }
 
@@ -49,7 +60,7 @@ impl WeightTable {
                 let name = unsafe { w.name.as_str() }.to_string();
                 let shape = w.shape[..(w.ndim as usize).min(4)].to_vec();
                 let dtype = DType::from_raw(w.dtype);
-                (name.clone(), WeightRef { index: i as u32, name, dtype, shape, first_row: None })
+                (name.clone(), WeightRef { index: i as u32, name, dtype, shape, view: None })
             })
             .collect();
         WeightTable { by_name }
@@ -177,7 +188,8 @@ impl Linear {
     }
 
     /// Output rows `first .. first + count` of this layer: one part of a fused projection, reading the
-    /// same checkpoint tensors (packed words, scales, biases and bias alike).
+    /// same checkpoint tensors (packed words, scales and biases alike). Views are 2-D, so a layer with a
+    /// bias vector is refused.
     pub fn rows(&self, first: u64, count: u64) -> Result<Linear, String> {
         let weights = match &self.weights {
             LinearWeights::Float(w) => LinearWeights::Float(w.rows(first, count)?),
@@ -222,8 +234,8 @@ impl Linear {
 /// Emits nodes into a graph, creating each weight's source node once.
 pub struct GraphWriter<'g> {
     pub g: &'g mut Graph,
-    /// Source nodes made so far, by tensor index and first row of a view.
-    seen: HashMap<(u32, Option<u64>), TensorId>,
+    /// Source nodes made so far, by tensor index and row view.
+    seen: HashMap<(u32, Option<RowView>), TensorId>,
 }
 
 impl<'g> GraphWriter<'g> {
@@ -232,12 +244,12 @@ impl<'g> GraphWriter<'g> {
     }
 
     pub fn weight(&mut self, w: &WeightRef) -> TensorId {
-        let key = (w.index, w.first_row);
+        let key = (w.index, w.view);
         if let Some(&id) = self.seen.get(&key) {
             return id;
         }
-        let id = match w.first_row {
-            Some(first) => self.g.weight_rows(w.index, w.dtype, &w.shape, first),
+        let id = match w.view {
+            Some(v) => self.g.weight_rows(w.index, w.dtype, v.stored_rows, v.first, w.shape[0], w.shape[1]),
             None => self.g.weight(w.index, w.dtype, &w.shape),
         };
         self.seen.insert(key, id);

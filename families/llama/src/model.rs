@@ -5,23 +5,15 @@
 //! RMS norm on q and k; both are flags on [`Variant`], not copies of this file.
 
 use mlxcel_family_kit::rope::step_inv_freq;
-use mlxcel_family_kit::{rope_freqs, GraphWriter, Linear, RopeFreqs, WeightRef, WeightTable};
+use mlxcel_family_kit::{
+    rope_freqs, AttentionShape, GraphWriter, Linear, RopeFreqs, RopeInputs, SelfAttention, WeightRef, WeightTable,
+};
 use mlxcel_plugin_api::{
     DType, FamilyModel, Graph, KvKind, KvLayerDesc, ModelDescription, OpCode, OutputKind, PluginError, StepDesc, Task,
     Versioned, INPUT_OUTPUT_ROWS, INPUT_POSITIONS, INPUT_TOKENS,
 };
 
 use crate::config::{LlamaConfig, Variant};
-
-struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-    q_norm: Option<WeightRef>,
-    k_norm: Option<WeightRef>,
-    window: usize,
-}
 
 struct Mlp {
     gate: Linear,
@@ -31,7 +23,7 @@ struct Mlp {
 
 struct Layer {
     input_norm: WeightRef,
-    attn: Attention,
+    attn: SelfAttention,
     post_attention_norm: WeightRef,
     mlp: Mlp,
 }
@@ -63,15 +55,20 @@ impl LlamaModel {
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            let attn = Attention {
-                q: Linear::load(table, q, &format!("{p}.self_attn.q_proj"), d, nh * hd, qkv_bias)?,
-                k: Linear::load(table, q, &format!("{p}.self_attn.k_proj"), d, nkv * hd, qkv_bias)?,
-                v: Linear::load(table, q, &format!("{p}.self_attn.v_proj"), d, nkv * hd, qkv_bias)?,
-                o: Linear::load(table, q, &format!("{p}.self_attn.o_proj"), nh * hd, d, o_bias)?,
-                q_norm: if qk_norm { Some(norm(format!("{p}.self_attn.q_norm.weight"), hd)?) } else { None },
-                k_norm: if qk_norm { Some(norm(format!("{p}.self_attn.k_norm.weight"), hd)?) } else { None },
+            let shape = AttentionShape {
+                hidden: d,
+                n_heads: nh,
+                n_kv_heads: nkv,
+                head_dim: hd,
+                qkv_bias,
+                o_bias,
+                qk_norm,
+                norm_plus_one: false,
+                scale: None,
+                softcap: 0.0,
                 window: cfg.layer_window(i),
             };
+            let attn = SelfAttention::load(table, q, &format!("{p}.self_attn"), shape)?;
             let mlp = Mlp {
                 gate: Linear::load(table, q, &format!("{p}.mlp.gate_proj"), d, cfg.intermediate_size, cfg.mlp_bias)?,
                 up: Linear::load(table, q, &format!("{p}.mlp.up_proj"), d, cfg.intermediate_size, cfg.mlp_bias)?,
@@ -96,10 +93,10 @@ impl LlamaModel {
         let kv_layers = layers
             .iter()
             .map(|l| KvLayerDesc {
-                kind: if l.attn.window > 0 { KvKind::SlidingWindow } else { KvKind::Full } as u32,
+                kind: if l.attn.shape.window > 0 { KvKind::SlidingWindow } else { KvKind::Full } as u32,
                 n_kv_heads: nkv as u32,
                 head_dim: hd as u32,
-                window: l.attn.window as u32,
+                window: l.attn.shape.window as u32,
                 ..KvLayerDesc::zeroed()
             })
             .collect();
@@ -108,10 +105,10 @@ impl LlamaModel {
         for l in &layers {
             used.push(l.input_norm.index);
             used.push(l.post_attention_norm.index);
-            for lin in [&l.attn.q, &l.attn.k, &l.attn.v, &l.attn.o, &l.mlp.gate, &l.mlp.up, &l.mlp.down] {
+            used.extend(l.attn.indices());
+            for lin in [&l.mlp.gate, &l.mlp.up, &l.mlp.down] {
                 used.extend(lin.indices());
             }
-            used.extend(l.attn.q_norm.iter().chain(l.attn.k_norm.iter()).map(|w| w.index));
         }
         used.push(final_norm.index);
         if let Some(h) = &lm_head {
@@ -153,7 +150,6 @@ impl LlamaModel {
         }
         let cfg = &self.cfg;
         let (d, hd) = (cfg.hidden_size as u64, cfg.head_dim() as u64);
-        let (nh, nkv) = (cfg.num_attention_heads as u64, cfg.n_kv_heads() as u64);
         let eps = cfg.rms_norm_eps;
 
         let mut graph = std::mem::take(&mut self.graph);
@@ -165,30 +161,17 @@ impl LlamaModel {
         let tokens = w.g.input(INPUT_TOKENS, DType::I32, &[t]);
         let positions = w.g.input(INPUT_POSITIONS, DType::I32, &[t]);
         let inv_freq = step_inv_freq(w.g, &self.rope, step);
-        let rope_params = [hd as i64, hd as i64, cfg.rope_traditional as i64];
-        let mscale = self.rope.mscale;
+        let rope = RopeInputs {
+            positions,
+            inv_freq,
+            params: [hd as i64, hd as i64, cfg.rope_traditional as i64],
+            mscale: self.rope.mscale,
+        };
 
         let mut h = w.embedding(tokens, t, &self.embed);
         for (i, layer) in self.layers.iter().enumerate() {
-            let a = &layer.attn;
             let x = w.rms_norm(h, &[t, d], &layer.input_norm, eps);
-            let mut q = w.linear(x, t, &a.q);
-            let mut k = w.linear(x, t, &a.k);
-            let v = w.linear(x, t, &a.v);
-            if let (Some(qn), Some(kn)) = (&a.q_norm, &a.k_norm) {
-                q = w.rms_norm(q, &[t, nh * hd], qn, eps);
-                k = w.rms_norm(k, &[t, nkv * hd], kn, eps);
-            }
-            let q = w.g.op_with(OpCode::Rope, &[t, nh * hd], &[q, positions, inv_freq], &rope_params, &[mscale]);
-            let k = w.g.op_with(OpCode::Rope, &[t, nkv * hd], &[k, positions, inv_freq], &rope_params, &[mscale]);
-            let attn = w.g.op_with(
-                OpCode::Attention,
-                &[t, nh * hd],
-                &[q, k, v],
-                &[i as i64, nh as i64, nkv as i64, hd as i64, a.window as i64],
-                &[1.0 / (hd as f32).sqrt(), 0.0],
-            );
-            let o = w.linear(attn, t, &a.o);
+            let o = layer.attn.forward(&mut w, x, t, i, &rope, eps);
             h = w.g.op(OpCode::Add, &[t, d], &[h, o]);
 
             let x = w.rms_norm(h, &[t, d], &layer.post_attention_norm, eps);

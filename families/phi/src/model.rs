@@ -7,20 +7,15 @@
 //! config extends the context.
 
 use mlxcel_family_kit::rope::{step_inv_freq, su_scaled};
-use mlxcel_family_kit::{rope_freqs, GraphWriter, Linear, RopeFreqs, WeightRef, WeightTable};
+use mlxcel_family_kit::{
+    rope_freqs, AttentionShape, GraphWriter, Linear, RopeFreqs, RopeInputs, SelfAttention, WeightRef, WeightTable,
+};
 use mlxcel_plugin_api::{
     DType, FamilyModel, Graph, KvKind, KvLayerDesc, ModelDescription, OpCode, OutputKind, PluginError, StepDesc, Task,
     Versioned, INPUT_OUTPUT_ROWS, INPUT_POSITIONS, INPUT_TOKENS,
 };
 
 use crate::config::{Phi3Config, RopeScaling};
-
-struct Attention {
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
-}
 
 struct Mlp {
     gate: Linear,
@@ -30,11 +25,9 @@ struct Mlp {
 
 struct Layer {
     input_norm: WeightRef,
-    attn: Attention,
+    attn: SelfAttention,
     post_attention_norm: WeightRef,
     mlp: Mlp,
-    /// The fused tensors the parts view (for the used-weights list).
-    fused: [Linear; 2],
 }
 
 pub struct Phi3Model {
@@ -66,11 +59,26 @@ impl Phi3Model {
             let (nq, nk) = ((nh * hd) as u64, (nkv * hd) as u64);
             let qkv = Linear::load(table, q, &format!("{p}.self_attn.qkv_proj"), d, nh * hd + 2 * nkv * hd, false)?;
             let gate_up = Linear::load(table, q, &format!("{p}.mlp.gate_up_proj"), d, 2 * inter, false)?;
-            let attn = Attention {
+            let attn = SelfAttention {
                 q: qkv.rows(0, nq)?,
                 k: qkv.rows(nq, nk)?,
                 v: qkv.rows(nq + nk, nk)?,
                 o: Linear::load(table, q, &format!("{p}.self_attn.o_proj"), nh * hd, d, false)?,
+                q_norm: None,
+                k_norm: None,
+                shape: AttentionShape {
+                    hidden: d,
+                    n_heads: nh,
+                    n_kv_heads: nkv,
+                    head_dim: hd,
+                    qkv_bias: false,
+                    o_bias: false,
+                    qk_norm: false,
+                    norm_plus_one: false,
+                    scale: None,
+                    softcap: 0.0,
+                    window: 0,
+                },
             };
             let mlp = Mlp {
                 gate: gate_up.rows(0, inter as u64)?,
@@ -82,7 +90,6 @@ impl Phi3Model {
                 attn,
                 post_attention_norm: norm(format!("{p}.post_attention_layernorm.weight"))?,
                 mlp,
-                fused: [qkv, gate_up],
             });
         }
         let final_norm = norm("model.norm.weight".into())?;
@@ -115,7 +122,8 @@ impl Phi3Model {
         let mut used: Vec<u32> = embed.indices();
         for l in &layers {
             used.extend([l.input_norm.index, l.post_attention_norm.index]);
-            for lin in [&l.fused[0], &l.fused[1], &l.attn.o, &l.mlp.down] {
+            used.extend(l.attn.indices());
+            for lin in [&l.mlp.gate, &l.mlp.up, &l.mlp.down] {
                 used.extend(lin.indices());
             }
         }
@@ -158,8 +166,7 @@ impl Phi3Model {
             return Err("a step needs at least one token".into());
         }
         let cfg = &self.cfg;
-        let (d, hd) = (cfg.hidden_size as u64, cfg.head_dim() as u64);
-        let (nh, nkv) = (cfg.num_attention_heads as u64, cfg.n_kv_heads() as u64);
+        let d = cfg.hidden_size as u64;
         let eps = cfg.rms_norm_eps;
         // mlx-lm's LongRoPE always splits halves; plain rope follows the config.
         let traditional = cfg.rope_traditional && !matches!(cfg.rope(), Ok(RopeScaling::LongRope(_)));
@@ -172,27 +179,17 @@ impl Phi3Model {
 
         let tokens = w.g.input(INPUT_TOKENS, DType::I32, &[t]);
         let positions = w.g.input(INPUT_POSITIONS, DType::I32, &[t]);
-        let inv_freq = step_inv_freq(w.g, &self.rope, step);
-        let rope_params = [hd as i64, cfg.rotary_dims() as i64, traditional as i64];
-        let mscale = self.rope.mscale;
+        let rope = RopeInputs {
+            positions,
+            inv_freq: step_inv_freq(w.g, &self.rope, step),
+            params: [cfg.head_dim() as i64, cfg.rotary_dims() as i64, traditional as i64],
+            mscale: self.rope.mscale,
+        };
 
         let mut h = w.embedding(tokens, t, &self.embed);
         for (i, layer) in self.layers.iter().enumerate() {
-            let a = &layer.attn;
             let x = w.rms_norm(h, &[t, d], &layer.input_norm, eps);
-            let q = w.linear(x, t, &a.q);
-            let k = w.linear(x, t, &a.k);
-            let v = w.linear(x, t, &a.v);
-            let q = w.g.op_with(OpCode::Rope, &[t, nh * hd], &[q, positions, inv_freq], &rope_params, &[mscale]);
-            let k = w.g.op_with(OpCode::Rope, &[t, nkv * hd], &[k, positions, inv_freq], &rope_params, &[mscale]);
-            let attn = w.g.op_with(
-                OpCode::Attention,
-                &[t, nh * hd],
-                &[q, k, v],
-                &[i as i64, nh as i64, nkv as i64, hd as i64, 0],
-                &[1.0 / (hd as f32).sqrt(), 0.0],
-            );
-            let o = w.linear(attn, t, &a.o);
+            let o = layer.attn.forward(&mut w, x, t, i, &rope, eps);
             h = w.g.op(OpCode::Add, &[t, d], &[h, o]);
 
             let x = w.rms_norm(h, &[t, d], &layer.post_attention_norm, eps);

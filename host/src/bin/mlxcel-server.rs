@@ -1,9 +1,32 @@
-//! `mlxcel-server`: the HTTP server (OpenAI, Anthropic and llama-server dialects) is not built yet.
+//! `mlxcel-server`: the HTTP server (OpenAI, Anthropic and llama-server dialects). `mlxcel serve` is
+//! the same program.
+
+use clap::Parser;
+use mlxcel::cli::GlobalArgs;
+use mlxcel::server::ServerArgs;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "mlxcel-server",
+    version,
+    about = "Serve a model over the OpenAI, Anthropic and llama-server HTTP APIs (llama-server's flags)"
+)]
+struct Cli {
+    #[command(flatten)]
+    global: GlobalArgs,
+    #[command(flatten)]
+    server: ServerArgs,
+}
 
 fn main() {
-    eprintln!(
-        "mlxcel-server {}: the HTTP server is not built yet in this version; use `mlxcel run MODEL` for now",
-        env!("CARGO_PKG_VERSION")
-    );
-    std::process::exit(2);
+    let result = mlxcel::server::args::preprocess_argv(std::env::args()).and_then(|argv| {
+        let cli = Cli::try_parse_from(argv).unwrap_or_else(|e| e.exit());
+        mlxcel::logging::init_server(cli.global.verbose);
+        mlxcel::logging::quiet_panics();
+        mlxcel::server::run(cli.server.config(&cli.global.plugin_dirs)?)
+    });
+    if let Err(e) = result {
+        eprintln!("error: {}", mlxcel::logging::one_line(&e));
+        std::process::exit(1);
+    }
 }

@@ -90,6 +90,10 @@ pub fn run(global: &GlobalArgs, args: &ArchArgs) -> Result<()> {
         let mark = if selected.as_deref() == Some(b.name()) { "*" } else { " " };
         let devices = d.devices.iter().map(|x| format!("{} [{}]", x.name, x.kind)).collect::<Vec<_>>().join(", ");
         println!("{mark} {:<10} {:<8} score {:<4} {:<8} {}", b.meta.name, b.meta.version, d.score, d.features, devices);
+        if d.score == 0 {
+            // Unusable here: say why in one line (no driver, built without its library, …).
+            println!("    unusable: {}", d.reason);
+        }
     }
     if !cat.problems.is_empty() {
         println!();

@@ -17,9 +17,12 @@ pub struct InspectArgs {
     /// Context size in tokens (default: min(model maximum, 4096), as `run` uses).
     #[arg(short = 'c', long = "ctx-size")]
     pub ctx_size: Option<usize>,
-    /// Sequences served at once (each gets ctx-size tokens of KV cache).
+    /// Sequences served at once (each gets ctx-size tokens of KV cache in full-attention layers).
     #[arg(long, default_value_t = 1)]
     pub parallel: usize,
+    /// Backend whose device memory the fit check counts against (default: the best-scoring one).
+    #[arg(long)]
+    pub backend: Option<String>,
     /// Hub revision (branch, tag or commit) when MODEL is a hub name.
     #[arg(long)]
     pub revision: Option<String>,
@@ -39,7 +42,13 @@ pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("{}: {}", dir.display(), e.message))?;
     let info = model.info();
     let ctx = args.ctx_size.unwrap_or(4096).min(info.max_positions.max(1)) as u64;
-    let est = MemoryEstimate::new(info, ck.weight_bytes(), ctx, args.parallel as u64);
+    // The device the model would run on says how much memory is free (0 = unknown).
+    let free = catalog
+        .select_backend(args.backend.as_deref())
+        .ok()
+        .and_then(|b| b.describe().devices.first().map(|d| d.free_memory_bytes))
+        .unwrap_or(0);
+    let est = MemoryEstimate::new(info, ck.weight_bytes(), ctx, args.parallel as u64, free);
     let params: u64 = ck.tensors.iter().map(|t| t.shape.iter().product::<u64>()).sum();
     if args.json {
         let v = json!({

@@ -54,4 +54,6 @@ pub enum Command {
     Inspect(inspect::InspectArgs),
     /// Measure prompt processing (pp) and generation (tg) speed, like llama-bench.
     Bench(bench::BenchArgs),
+    /// Serve a model over HTTP (OpenAI, Anthropic, llama-server APIs); the same as `mlxcel-server`.
+    Serve(crate::server::ServerArgs),
 }

@@ -3,7 +3,7 @@
 use std::io::Write;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -11,7 +11,10 @@ use serde_json::Value;
 
 use super::GlobalArgs;
 use crate::engine::memory::MemoryEstimate;
-use crate::engine::{FinishReason, GenerateOptions, Generation, ModelRunner, RunnerOptions, SamplingParams, Session};
+use crate::engine::{
+    Engine, EngineError, EngineHandle, EngineOptions, FinishReason, GenerationEvent, GenerationRequest, ModelRunner,
+    RequestStream, RunnerOptions, SamplingParams, Usage,
+};
 use crate::text::{ChatMessage, TextTokenizer};
 
 #[derive(Args, Debug, Clone)]
@@ -140,10 +143,21 @@ fn sampling_params(args: &RunArgs, generation_config: Option<&Value>) -> Samplin
     p
 }
 
+/// The model behind one batching engine (one sequence at a time: the CLI is one person), and how to
+/// turn a prompt into a request.
 struct Loaded {
-    runner: ModelRunner,
-    tokenizer: TextTokenizer,
-    options: GenerateOptions,
+    engine: EngineHandle,
+    tokenizer: Arc<TextTokenizer>,
+    sampling: SamplingParams,
+}
+
+impl Loaded {
+    fn request(&self, args: &RunArgs, prompt: Vec<u32>) -> GenerationRequest {
+        let mut r = GenerationRequest::new(prompt, self.sampling.clone(), args.max_tokens.unwrap_or(usize::MAX));
+        r.stop = args.stop.clone();
+        r.ignore_eos = args.ignore_eos;
+        r
+    }
 }
 
 fn load(global: &GlobalArgs, args: &RunArgs) -> Result<Loaded> {
@@ -156,7 +170,13 @@ fn load(global: &GlobalArgs, args: &RunArgs) -> Result<Loaded> {
         ..Default::default()
     };
     let runner = ModelRunner::load(&catalog, &dir, &opts)?;
-    let est = MemoryEstimate::new(&runner.info, runner.checkpoint.weight_bytes(), runner.ctx_size as u64, 1);
+    let est = MemoryEstimate::new(
+        &runner.info,
+        runner.checkpoint.weight_bytes(),
+        runner.ctx_size as u64,
+        1,
+        runner.device_free_memory,
+    );
     if !est.fits && !args.force {
         bail!("{} does not fit in memory: {}; lower --ctx-size or pass --force", dir.display(), est.summary());
     }
@@ -172,26 +192,50 @@ fn load(global: &GlobalArgs, args: &RunArgs) -> Result<Loaded> {
         runner.backend_features,
         runner.ctx_size
     );
-    let options = GenerateOptions {
-        sampling,
-        max_tokens: args.max_tokens.unwrap_or(usize::MAX),
-        stop: args.stop.clone(),
-        ignore_eos: args.ignore_eos,
-        ..Default::default()
-    };
-    Ok(Loaded { runner, tokenizer, options })
+    let tokenizer = Arc::new(tokenizer);
+    let engine =
+        Engine::start(runner, tokenizer.clone(), EngineOptions { parallel: 1, max_queue: 1, ..Default::default() })
+            .context("cannot start the engine thread")?;
+    Ok(Loaded { engine, tokenizer, sampling })
 }
 
-fn report(g: &Generation) {
-    let s = &g.stats;
-    let reused = if s.prompt_reused > 0 { format!(" (+{} cached)", s.prompt_reused) } else { String::new() };
+/// A refused request as one line a person can act on.
+fn refused(e: EngineError) -> anyhow::Error {
+    match e {
+        EngineError::PromptTooLong { .. } => anyhow::anyhow!("{e}; shorten it or raise --ctx-size"),
+        e => anyhow::anyhow!("{e}"),
+    }
+}
+
+/// Streams one request's text to stdout; returns how it ended.
+fn stream_answer(stream: &mut RequestStream) -> Result<(String, FinishReason, Usage)> {
+    let mut out = std::io::stdout().lock();
+    let mut text = String::new();
+    while let Some(event) = stream.blocking_next() {
+        match event {
+            GenerationEvent::Text { text: piece, .. } => {
+                let _ = out.write_all(piece.as_bytes());
+                let _ = out.flush();
+                text.push_str(&piece);
+            }
+            GenerationEvent::Done { finish, usage } => return Ok((text, finish, usage)),
+            GenerationEvent::Error(e) => bail!("{e}"),
+        }
+    }
+    bail!("the engine stopped before the answer ended")
+}
+
+fn report(finish: FinishReason, u: &Usage) {
+    let computed = u.prompt_tokens - u.cached_tokens;
+    let reused = if u.cached_tokens > 0 { format!(" (+{} cached)", u.cached_tokens) } else { String::new() };
+    let per_s = |n: usize, t: std::time::Duration| n as f64 / t.as_secs_f64().max(1e-9);
     eprintln!(
-        "[prompt: {} tokens{reused}, {:.1} tok/s | generation: {} tokens, {:.1} tok/s{}]",
-        s.prompt_tokens,
-        s.prompt_tps(),
-        s.generated_tokens,
-        s.generation_tps(),
-        if g.finish == FinishReason::Cancelled { " | interrupted" } else { "" }
+        "[prompt: {computed} tokens{reused}, {:.1} tok/s | generation: {} tokens, {:.1} tok/s{}]",
+        per_s(computed, u.prompt_time),
+        u.completion_tokens,
+        // The first generated token comes from the prefill; the rest each cost a decode step.
+        per_s(u.completion_tokens.saturating_sub(1), u.generation_time),
+        if finish == FinishReason::Cancelled { " | interrupted" } else { "" }
     );
 }
 
@@ -207,38 +251,40 @@ fn messages_for(args: &RunArgs, history: &[ChatMessage], user: &str) -> Vec<Chat
 
 /// One prompt, streamed to stdout.
 pub fn run_once(global: &GlobalArgs, args: &RunArgs, prompt: &str) -> Result<()> {
-    let mut l = load(global, args)?;
+    let l = load(global, args)?;
     let ids = if args.no_chat_template {
         l.tokenizer.encode(prompt, true)?
     } else {
         l.tokenizer.chat_prompt(&messages_for(args, &[], prompt))?
     };
-    let never = AtomicBool::new(false);
-    let mut out = std::io::stdout().lock();
-    let g = Session::new().generate(&mut l.runner, &l.tokenizer, &ids, &l.options, &never, &mut |s| {
-        let _ = out.write_all(s.as_bytes());
-        let _ = out.flush();
-    })?;
-    drop(out);
+    let mut stream = l.engine.submit(l.request(args, ids)).map_err(refused)?;
+    let (_, finish, usage) = stream_answer(&mut stream)?;
     println!();
-    report(&g);
+    report(finish, &usage);
+    l.engine.shutdown();
     Ok(())
 }
 
-/// The chat REPL: multi-turn through the template, `/clear`, `/exit`, Ctrl-C stops the answer.
+/// The chat REPL: multi-turn through the template, `/clear`, `/exit`, Ctrl-C stops the answer. Earlier
+/// turns are not recomputed: their KV pages come back from the engine's prefix cache.
 pub fn repl(global: &GlobalArgs, args: &RunArgs) -> Result<()> {
-    let mut l = load(global, args)?;
+    let l = load(global, args)?;
     if l.tokenizer.chat_template.is_none() && !args.no_chat_template {
         bail!("this model has no chat template; use -p with --no-chat-template for raw completion");
     }
-    let cancel = Arc::new(AtomicBool::new(false));
+    // Ctrl-C cancels the answer being streamed, if any.
+    let answering: Arc<Mutex<Option<Arc<AtomicBool>>>> = Arc::default();
     {
-        let c = cancel.clone();
-        ctrlc::set_handler(move || c.store(true, Ordering::SeqCst)).context("cannot install the Ctrl-C handler")?;
+        let a = answering.clone();
+        ctrlc::set_handler(move || {
+            if let Some(cancel) = a.lock().unwrap_or_else(|e| e.into_inner()).as_ref() {
+                cancel.store(true, Ordering::SeqCst);
+            }
+        })
+        .context("cannot install the Ctrl-C handler")?;
     }
     let mut editor = rustyline::DefaultEditor::new().context("cannot open the line editor")?;
     let mut history: Vec<ChatMessage> = Vec::new();
-    let mut session = Session::new();
     eprintln!(
         "mlxcel chat with {} — /clear forgets the conversation, /exit quits, Ctrl-C stops an answer.",
         args.model
@@ -259,7 +305,7 @@ pub fn repl(global: &GlobalArgs, args: &RunArgs) -> Result<()> {
             "/exit" | "/quit" | "/bye" => break,
             "/clear" => {
                 history.clear();
-                session.clear(&mut l.runner);
+                l.engine.clear_prefix_cache();
                 eprintln!("(conversation cleared)");
                 continue;
             }
@@ -275,23 +321,23 @@ pub fn repl(global: &GlobalArgs, args: &RunArgs) -> Result<()> {
         }
         let messages = messages_for(args, &history, input);
         let ids = l.tokenizer.chat_prompt(&messages)?;
-        cancel.store(false, Ordering::SeqCst);
-        let mut out = std::io::stdout().lock();
-        let result = session.generate(&mut l.runner, &l.tokenizer, &ids, &l.options, &cancel, &mut |s| {
-            let _ = out.write_all(s.as_bytes());
-            let _ = out.flush();
+        let result = l.engine.submit(l.request(args, ids)).map_err(refused).and_then(|mut stream| {
+            *answering.lock().unwrap_or_else(|e| e.into_inner()) = Some(stream.cancel_flag());
+            let r = stream_answer(&mut stream);
+            *answering.lock().unwrap_or_else(|e| e.into_inner()) = None;
+            r
         });
-        drop(out);
         println!();
         match result {
-            Ok(g) => {
-                report(&g);
+            Ok((text, finish, usage)) => {
+                report(finish, &usage);
                 history.push(ChatMessage::new("user", input));
-                history.push(ChatMessage::new("assistant", g.text.trim()));
+                history.push(ChatMessage::new("assistant", text.trim()));
             }
             Err(e) => eprintln!("error: {e:#}"),
         }
     }
+    l.engine.shutdown();
     Ok(())
 }
 

@@ -10,7 +10,7 @@ use anyhow::{bail, Result};
 use super::kv_cache::SeqBlocks;
 use super::runner::{Logits, ModelRunner, SeqChunk};
 use super::sampler::{Sampler, SamplingParams};
-use crate::text::stop::{StopMatcher, StopResult};
+use super::streaming_text::StreamingText;
 use crate::text::TextTokenizer;
 
 #[derive(Debug, Clone)]
@@ -78,6 +78,8 @@ pub struct Generation {
 pub struct Session {
     blocks: SeqBlocks,
     cached: Vec<u32>,
+    /// The runner's state epoch the cached blocks belong to (see [`ModelRunner::state_epoch`]).
+    epoch: u64,
 }
 
 impl Session {
@@ -114,11 +116,19 @@ impl Session {
         }
         let vocab = runner.info.vocab_size;
         let mut stats = GenerationStats::default();
+        if self.epoch != runner.state_epoch {
+            // The runner rebuilt its device state after a plugin panic: our pages are gone with it.
+            self.blocks = SeqBlocks::default();
+            self.cached.clear();
+            self.epoch = runner.state_epoch;
+        }
 
         // Reuse the cached prefix; at least one prompt token is computed to get logits.
         let mut common = self.cached.iter().zip(prompt).take_while(|(a, b)| a == b).count();
         common = common.min(prompt.len() - 1);
-        runner.pool.truncate(&mut self.blocks, common);
+        // A model with sliding windows or recurrent state may not be able to cut back: it says how
+        // much it kept.
+        common = runner.pool.truncate(&mut self.blocks, common);
         self.cached.truncate(common);
         stats.prompt_reused = common;
 
@@ -151,39 +161,24 @@ impl Session {
         let mut history: Vec<u32> = prompt.to_vec();
         let mut generated = Vec::new();
         let mut text = String::new();
-        let mut stopper = StopMatcher::new(&opts.stop);
-        let mut detok = tokenizer.inner.decode_stream(true);
-        let mut stopped_by_string = false;
+        let mut out = StreamingText::new(&opts.stop, opts.ignore_eos, opts.max_tokens);
         let finish = loop {
-            if generated.len() >= opts.max_tokens {
+            if out.exhausted() {
                 break FinishReason::Length;
             }
             if cancel.load(Ordering::Relaxed) {
                 break FinishReason::Cancelled;
             }
             let next = sampler.sample(&mut logits[..vocab], &history);
-            if !opts.ignore_eos && tokenizer.eos_ids.contains(&next) {
-                break FinishReason::Stop;
+            let step = out.push(tokenizer, next).map_err(|e| anyhow::anyhow!(e))?;
+            if step.accepted {
+                generated.push(next);
+                history.push(next);
             }
-            generated.push(next);
-            history.push(next);
-            let piece = detok.step(next).map_err(|e| anyhow::anyhow!("decoding failed: {e}"))?;
-            if let Some(piece) = piece {
-                match stopper.push(&piece) {
-                    StopResult::Continue(s) => {
-                        on_text(&s);
-                        text.push_str(&s);
-                    }
-                    StopResult::Stopped(s) => {
-                        on_text(&s);
-                        text.push_str(&s);
-                        stopped_by_string = true;
-                        break FinishReason::Stop;
-                    }
-                }
-            }
-            if generated.len() >= opts.max_tokens {
-                break FinishReason::Length;
+            on_text(&step.text);
+            text.push_str(&step.text);
+            if let Some(finish) = step.finish {
+                break finish;
             }
             let p = self.cached.len();
             if p + 1 >= runner.ctx_size {
@@ -199,13 +194,11 @@ impl Session {
             self.cached.push(next);
             self.blocks.len = p + 1;
         };
-        // Text held back as a possible stop-string prefix belongs to the answer unless a stop string
-        // actually matched.
-        if !stopped_by_string {
-            let rest = stopper.flush();
-            on_text(&rest);
-            text.push_str(&rest);
-        }
+        // Ended from outside the text (context, cancel): what was held back as a possible stop-string
+        // prefix belongs to the answer. (A token that ended it has already released its text.)
+        let rest = out.flush();
+        on_text(&rest);
+        text.push_str(&rest);
         stats.generated_tokens = generated.len();
         stats.generation_time = t1.elapsed();
         Ok(Generation { text, tokens: generated, finish, stats })

@@ -1,13 +1,14 @@
 //! How much memory a model needs at a context size and parallelism, before anything is loaded:
-//! weights exactly (safetensors payload bytes), KV cache from the family's per-layer description,
-//! and an estimate of activations and workspace.
+//! weights exactly (safetensors payload bytes), KV caches as [`KvPlan`] will allocate them (full
+//! layers for the whole context, sliding-window layers for their window), and an estimate of
+//! activations and workspace — against the memory the backend's device says is free.
 
 use mlxcel_plugin_api::KvKind;
 use mlxcel_plugins::ModelInfo;
 use serde::Serialize;
 
-/// Bytes per KV element in this engine's cache (f32).
-pub const KV_ELEMENT_BYTES: u64 = 4;
+use super::kv_plan::{KvPlan, KV_ELEMENT_BYTES};
+
 /// Prompt tokens computed per step (activations scale with it).
 pub const PREFILL_CHUNK: u64 = 512;
 
@@ -24,43 +25,24 @@ pub struct MemoryEstimate {
     pub parallel: u64,
 }
 
-/// `MemAvailable` from /proc/meminfo (0 where unknown).
-pub fn available_memory() -> u64 {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|s| {
-            s.lines()
-                .find(|l| l.starts_with("MemAvailable:"))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .and_then(|kb| kb.parse::<u64>().ok())
-        })
-        .map_or(0, |kb| kb * 1024)
-}
-
 impl MemoryEstimate {
-    pub fn new(info: &ModelInfo, weight_bytes: u64, ctx_size: u64, parallel: u64) -> MemoryEstimate {
+    /// `available` is the free memory of the device the model will run on (the backend's own report;
+    /// 0 = unknown, which never refuses).
+    pub fn new(info: &ModelInfo, weight_bytes: u64, ctx_size: u64, parallel: u64, available: u64) -> MemoryEstimate {
         let parallel = parallel.max(1);
-        let mut per_token = 0u64;
-        let mut kv = 0u64;
-        for l in &info.kv_layers {
-            let row = 2 * l.n_kv_heads as u64 * l.head_dim as u64 * KV_ELEMENT_BYTES;
-            match l.kind {
-                // The engine pages sliding-window layers like full ones today: count what it allocates.
-                KvKind::Full | KvKind::SlidingWindow => {
-                    per_token += row;
-                    kv += row * ctx_size;
-                }
-                KvKind::Recurrent => kv += 4 * l.state_elems as u64,
-                KvKind::None => {}
-            }
-        }
-        let kv_bytes = kv * parallel;
+        let per_token: u64 = info
+            .kv_layers
+            .iter()
+            .filter(|l| matches!(l.kind, KvKind::Full | KvKind::SlidingWindow))
+            .map(|l| (2 * l.n_kv_heads * l.head_dim * KV_ELEMENT_BYTES) as u64)
+            .sum();
+        let plan = KvPlan::new(info, ctx_size as usize, 16, parallel as usize, PREFILL_CHUNK as usize);
+        let kv_bytes = plan.bytes(info);
         // One prefill chunk of activations plus the logits rows, plus CPU-side scratch slack.
         let chunk = PREFILL_CHUNK.min(ctx_size.max(1));
         let activation_bytes =
             info.activation_bytes_per_token * chunk * 2 + info.vocab_size as u64 * 4 * parallel + 16 * 1024 * 1024;
         let total = weight_bytes + kv_bytes + activation_bytes;
-        let available = available_memory();
         MemoryEstimate {
             weight_bytes,
             kv_bytes,

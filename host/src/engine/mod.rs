@@ -1,15 +1,27 @@
-//! The engine: sequences, the paged KV cache, batch steps and sampling. It knows no architecture (that
-//! is the family plugin's) and no HTTP (that is the server's).
+//! The engine: sequences, the paged KV cache, the prefix cache, batch steps and sampling. It knows no
+//! architecture (that is the family plugin's) and no HTTP (that is the server's).
 
 pub mod generate;
+pub mod handle;
 pub mod kv_cache;
+pub mod kv_plan;
 pub mod memory;
+pub mod prefix_cache;
 pub mod request;
 pub mod runner;
 pub mod sampler;
+pub mod scheduler;
+pub mod streaming_text;
 
 pub use generate::{FinishReason, GenerateOptions, Generation, Session};
-pub use kv_cache::{KvBlockPool, KvCache, SeqBlocks};
+pub use handle::{Engine, EngineHandle, RequestStream};
+pub use kv_cache::{KvBlock, KvBlockPool, KvCache, SeqBlocks};
+pub use kv_plan::KvPlan;
+pub use prefix_cache::PrefixCache;
 pub use request::{EngineError, GenerationEvent, GenerationRequest, TokenLogprob, Usage};
 pub use runner::{Logits, ModelRunner, RunnerOptions, SeqChunk};
 pub use sampler::{Sampler, SamplingParams};
+pub use scheduler::{
+    EngineCounters, EngineOptions, EngineStats, RequestLimits, Scheduler, SlotState, SlotStats, StepModel, Submission,
+};
+pub use streaming_text::{StreamingText, TokenStep};

@@ -9,9 +9,10 @@ use mlxcel_plugin_api::{
     BufferHandle, ComputeArgs, DType, HostTensor, KvBinding, KvCacheDesc, KvGroupTables, KvKind, StepBatch, StepDesc,
     Task, Versioned, NO_BLOCK,
 };
-use mlxcel_plugins::{BackendContext, Catalog, DeviceBuffer, FamilyModel, ModelInfo};
+use mlxcel_plugins::{BackendContext, BackendPlugin, Catalog, DeviceBuffer, FamilyModel, FamilyPlugin, ModelInfo};
 
 use super::kv_cache::{KvCache, SeqBlocks};
+use super::kv_plan::KvPlan;
 use crate::checkpoint::Checkpoint;
 
 /// How to load a model.
@@ -63,29 +64,96 @@ struct LayerState {
     state_elems: usize,
 }
 
-pub struct ModelRunner {
-    // Field order is drop order: buffers go before the context and the mapped files they view.
+/// Everything that lives on the backend: its context, the weights bound to it and the caches.
+struct DeviceState {
+    // Field order is drop order: buffers go before the context.
     layers: Vec<LayerState>,
     /// Owns the device buffers behind `weight_handles` (freed on drop).
     #[allow(dead_code)]
     weights: Vec<Option<DeviceBuffer>>,
     /// `weights` as the raw handles `compute` takes (null where unused), built once.
     weight_handles: Vec<BufferHandle>,
-    model: FamilyModel,
     backend: BackendContext,
+    kv_bytes: u64,
+}
+
+impl DeviceState {
+    /// A fresh context with the weights bound (zero-copy where the device can) and the caches of `plan`.
+    fn bind(
+        plugin: &BackendPlugin,
+        threads: u32,
+        checkpoint: &Checkpoint,
+        info: &ModelInfo,
+        plan: &KvPlan,
+    ) -> Result<DeviceState> {
+        let mut backend = plugin.create(threads, 0)?;
+        let mut weights: Vec<Option<DeviceBuffer>> = (0..checkpoint.tensors.len()).map(|_| None).collect();
+        for &i in &info.used_weights {
+            let t = checkpoint
+                .tensors
+                .get(i as usize)
+                .with_context(|| format!("family referenced weight {i}, which does not exist"))?;
+            // SAFETY: the mapping lives in the runner's `checkpoint`, which outlives this state.
+            let buf = unsafe { backend.buffer_from_host(checkpoint.bytes(t)) }?;
+            weights[i as usize] = Some(buf);
+        }
+        let mut layers = Vec::with_capacity(info.kv_layers.len());
+        let mut kv_bytes = 0u64;
+        for (l, group) in info.kv_layers.iter().zip(&plan.layer_group) {
+            let mut st = LayerState { k: None, v: None, state: None, group: 0, state_elems: l.state_elems };
+            match (l.kind, group) {
+                (KvKind::Full | KvKind::SlidingWindow, Some(group)) => {
+                    st.group = *group;
+                    let desc = KvCacheDesc {
+                        num_blocks: plan.blocks_per_group[st.group as usize] as u32,
+                        block_size: plan.block_size as u32,
+                        n_kv_heads: l.n_kv_heads as u32,
+                        head_dim: l.head_dim as u32,
+                        dtype: DType::F32 as u32,
+                        ..KvCacheDesc::zeroed()
+                    };
+                    let (k, v) = (backend.kv_alloc(&desc)?, backend.kv_alloc(&desc)?);
+                    kv_bytes += (k.len() + v.len()) as u64;
+                    (st.k, st.v) = (Some(k), Some(v));
+                }
+                (KvKind::Recurrent, _) => {
+                    let state = backend.alloc(plan.state_slots * l.state_elems * 4)?;
+                    kv_bytes += state.len() as u64;
+                    st.state = Some(state);
+                }
+                _ => {}
+            }
+            layers.push(st);
+        }
+        let weight_handles = weights.iter().map(|w| w.as_ref().map_or(std::ptr::null_mut(), |b| b.handle())).collect();
+        Ok(DeviceState { layers, weights, weight_handles, backend, kv_bytes })
+    }
+}
+
+pub struct ModelRunner {
+    // Field order is drop order: device buffers go before the mapped files they view.
+    device: DeviceState,
+    model: FamilyModel,
+    family: FamilyPlugin,
+    backend_plugin: BackendPlugin,
+    threads: u32,
+    plan: KvPlan,
+    /// Bumped whenever the device state was rebuilt (after a plugin panic): every cached KV page and
+    /// state row of an older epoch is gone, and sequences holding them must start over.
+    pub state_epoch: u64,
     pub checkpoint: Checkpoint,
     pub info: ModelInfo,
     /// Block accounting of every KV group and the recurrent-state rows.
     pub pool: KvCache,
     pub ctx_size: usize,
     max_blocks_per_seq: usize,
-    /// Bytes of KV and state memory the backend reported for this model's caches.
-    pub kv_bytes: u64,
     /// Node kinds the backend said it runs (op, dtype, integer parameters).
     supported_ops: std::collections::HashSet<(u32, u32, [i64; mlxcel_plugin_api::MAX_IPARAMS])>,
     pub family_name: String,
     pub backend_name: String,
     pub backend_features: String,
+    /// Free memory of the device when the model was loaded (the backend's report; 0 = unknown).
+    pub device_free_memory: u64,
 }
 
 impl ModelRunner {
@@ -115,99 +183,52 @@ impl ModelRunner {
             );
         }
         let described = backend_plugin.describe();
-        let mut backend = backend_plugin.create(opts.threads, 0)?;
-
-        let mut weights: Vec<Option<DeviceBuffer>> = (0..checkpoint.tensors.len()).map(|_| None).collect();
-        for &i in &info.used_weights {
-            let t = checkpoint
-                .tensors
-                .get(i as usize)
-                .with_context(|| format!("family referenced weight {i}, which does not exist"))?;
-            // SAFETY: the mapping lives in `checkpoint`, which outlives `weights` (field order).
-            let buf = unsafe { backend.buffer_from_host(checkpoint.bytes(t)) }?;
-            weights[i as usize] = Some(buf);
-        }
-
         let ctx_size = match opts.ctx_size {
             0 => info.max_positions,
             n => n.min(info.max_positions.max(1)),
         };
-        let block_size = opts.block_size.max(1);
-        let max_blocks_per_seq = ctx_size.div_ceil(block_size);
-        let parallel = opts.parallel.max(1);
-        // KV groups: full-attention layers first (group 0), then one group per sliding-window size,
-        // which only ever holds the pages of its window (plus the one being filled) per sequence.
-        let mut windows: Vec<usize> = Vec::new();
-        let attention_layers = info.kv_layers.iter().filter(|l| matches!(l.kind, KvKind::Full | KvKind::SlidingWindow));
-        if attention_layers.clone().any(|l| l.kind == KvKind::Full || l.window == 0 || l.window >= ctx_size) {
-            windows.push(0);
-        }
-        for l in attention_layers {
-            if l.kind == KvKind::SlidingWindow && l.window > 0 && l.window < ctx_size && !windows.contains(&l.window) {
-                windows.push(l.window);
-            }
-        }
-        let group_of = |kind: KvKind, window: usize| -> u32 {
-            let w = if kind == KvKind::SlidingWindow && window < ctx_size { window } else { 0 };
-            windows.iter().position(|&g| g == w).unwrap_or(0) as u32
-        };
-        let blocks_per_group: Vec<usize> = windows
-            .iter()
-            .map(|&w| match w {
-                0 => max_blocks_per_seq,
-                w => ((w + opts.max_step_tokens.max(1)).div_ceil(block_size) + 1).min(max_blocks_per_seq),
-            })
-            .map(|per_seq| per_seq * parallel)
-            .collect();
-        let has_state = info.kv_layers.iter().any(|l| l.kind == KvKind::Recurrent);
-        let pool = KvCache::new(&windows, &blocks_per_group, block_size, if has_state { parallel } else { 0 });
-
-        let mut layers = Vec::with_capacity(info.kv_layers.len());
-        let mut kv_bytes = 0u64;
-        for l in info.kv_layers.iter() {
-            let mut st = LayerState { k: None, v: None, state: None, group: 0, state_elems: l.state_elems };
-            match l.kind {
-                KvKind::Full | KvKind::SlidingWindow => {
-                    st.group = group_of(l.kind, l.window);
-                    let desc = KvCacheDesc {
-                        num_blocks: blocks_per_group[st.group as usize] as u32,
-                        block_size: block_size as u32,
-                        n_kv_heads: l.n_kv_heads as u32,
-                        head_dim: l.head_dim as u32,
-                        dtype: DType::F32 as u32,
-                        ..KvCacheDesc::zeroed()
-                    };
-                    let (k, v) = (backend.kv_alloc(&desc)?, backend.kv_alloc(&desc)?);
-                    kv_bytes += (k.len() + v.len()) as u64;
-                    (st.k, st.v) = (Some(k), Some(v));
-                }
-                KvKind::Recurrent => {
-                    let state = backend.alloc(parallel * l.state_elems * 4)?;
-                    kv_bytes += state.len() as u64;
-                    st.state = Some(state);
-                }
-                KvKind::None => {}
-            }
-            layers.push(st);
-        }
-        let weight_handles = weights.iter().map(|w| w.as_ref().map_or(std::ptr::null_mut(), |b| b.handle())).collect();
+        let plan = KvPlan::new(&info, ctx_size, opts.block_size, opts.parallel, opts.max_step_tokens);
+        let pool = KvCache::new(&plan.windows, &plan.blocks_per_group, plan.block_size, plan.state_slots);
+        let device = DeviceState::bind(backend_plugin, opts.threads, &checkpoint, &info, &plan)?;
         Ok(ModelRunner {
-            layers,
-            weights,
-            weight_handles,
+            backend_name: device.backend.name().to_string(),
+            device,
             model,
-            backend_name: backend.name().to_string(),
-            backend,
+            family: family.clone(),
+            backend_plugin: backend_plugin.clone(),
+            threads: opts.threads,
+            max_blocks_per_seq: plan.max_blocks_per_seq,
+            plan,
+            state_epoch: 0,
             family_name: family.name().to_string(),
+            device_free_memory: described.devices.first().map_or(0, |d| d.free_memory_bytes),
             backend_features: described.features,
             checkpoint,
             info,
             pool,
             ctx_size,
-            max_blocks_per_seq,
-            kv_bytes,
             supported_ops: Default::default(),
         })
+    }
+
+    /// Bytes of KV and state memory the backend allocated for this model's caches.
+    pub fn kv_bytes(&self) -> u64 {
+        self.device.kv_bytes
+    }
+
+    /// After a panic inside a plugin the context (or the model) is poisoned: build fresh ones, bind the
+    /// weights again and reallocate the caches. Cached KV and state are lost: the block accounting is
+    /// reset and [`ModelRunner::state_epoch`] moves on, so sequences know to start over.
+    pub fn rebuild_after_panic(&mut self) -> Result<()> {
+        tracing::warn!("a plugin panicked: rebuilding the `{}` backend context and the model", self.backend_name);
+        let infos = self.checkpoint.weight_infos()?;
+        self.model = self.family.create_model(&self.checkpoint.config_text, &infos)?;
+        self.device = DeviceState::bind(&self.backend_plugin, self.threads, &self.checkpoint, &self.info, &self.plan)?;
+        let p = &self.plan;
+        self.pool = KvCache::new(&p.windows, &p.blocks_per_group, p.block_size, p.state_slots);
+        self.supported_ops.clear();
+        self.state_epoch += 1;
+        Ok(())
     }
 
     /// Bytes of KV cache per token of context (all layers, K and V, f32).
@@ -247,7 +268,7 @@ impl ModelRunner {
                 table[s * self.max_blocks_per_seq..][..held.len()].copy_from_slice(held);
             }
             if self.pool.state_slots > 0 {
-                let slot = c.blocks.state_slot.context("internal: sequence has no recurrent state row")?;
+                let slot = c.blocks.state_slot().context("internal: sequence has no recurrent state row")?;
                 if c.start_pos == 0 {
                     self.clear_state_row(slot)?;
                 }
@@ -293,7 +314,10 @@ impl ModelRunner {
             seq_context: seq_context.as_ptr(),
             ..StepDesc::zeroed()
         };
-        let graph = self.model.build_graph(&step)?;
+        let graph = match self.model.build_graph(&step) {
+            Ok(g) => g,
+            Err(e) => return Err(self.after_plugin_error(e)),
+        };
         self.check_supported(&graph)?;
         let mut out = vec![0f32; rows.len() * self.info.output_dim];
 
@@ -307,6 +331,7 @@ impl ModelRunner {
         ];
         let handle = |b: &Option<DeviceBuffer>| b.as_ref().map_or(std::ptr::null_mut(), |b| b.handle());
         let kv: Vec<KvBinding> = self
+            .device
             .layers
             .iter()
             .map(|l| KvBinding {
@@ -348,8 +373,8 @@ impl ModelRunner {
             graph,
             inputs: inputs.as_ptr(),
             n_inputs: inputs.len(),
-            weights: self.weight_handles.as_ptr(),
-            n_weights: self.weight_handles.len(),
+            weights: self.device.weight_handles.as_ptr(),
+            n_weights: self.device.weight_handles.len(),
             kv: kv.as_ptr(),
             n_kv: kv.len(),
             batch: &batch,
@@ -359,8 +384,22 @@ impl ModelRunner {
         };
         // SAFETY: every pointer above lives until compute returns; sizes match the step; every buffer
         // belongs to this runner's context.
-        unsafe { self.backend.compute(&args) }?;
+        if let Err(e) = unsafe { self.device.backend.compute(&args) } {
+            return Err(self.after_plugin_error(e));
+        }
         Ok(out)
+    }
+
+    /// A plugin call failed: after a panic, rebuild what it may have left half-written (the error is
+    /// still returned, saying what happened to the cached state).
+    fn after_plugin_error(&mut self, e: mlxcel_plugins::CallError) -> anyhow::Error {
+        if e.status != mlxcel_plugin_api::Status::PANIC.0 {
+            return e.into();
+        }
+        match self.rebuild_after_panic() {
+            Ok(()) => anyhow::anyhow!("{e} (the backend context and model were rebuilt; cached context was dropped)"),
+            Err(r) => anyhow::anyhow!("{e}; rebuilding after it failed too: {r:#}"),
+        }
     }
 
     /// Asks the backend about every kind of node the family emits (once per op, dtype and integer
@@ -373,7 +412,7 @@ impl ModelRunner {
             if self.supported_ops.contains(&key) {
                 continue;
             }
-            if !self.backend.supports(n) {
+            if !self.device.backend.supports(n) {
                 let op = n.opcode().map_or_else(|| format!("op {}", n.op), |o| format!("{o:?}"));
                 bail!(
                     "backend `{}` cannot run {op} ({}, parameters {:?}) that the `{}` family needs; try another \
@@ -391,12 +430,18 @@ impl ModelRunner {
 
     /// Zeroes one sequence's row of every recurrent state buffer (a new sequence starts from zero).
     fn clear_state_row(&mut self, slot: u32) -> Result<()> {
-        for l in &mut self.layers {
+        let dev = &mut self.device;
+        for l in &mut dev.layers {
             if let Some(state) = &mut l.state {
                 let row = l.state_elems * 4;
-                self.backend.write(state, slot as usize * row, &vec![0u8; row])?;
+                dev.backend.write(state, slot as usize * row, &vec![0u8; row])?;
             }
         }
         Ok(())
     }
 }
+
+// SAFETY: the only fields that are not `Send` are the raw handles in `weight_handles`, copies of the
+// handles owned by `weights` (`DeviceBuffer`, which is `Send`); they move with their owners and are used
+// only through `&mut self`. The batching engine moves the runner onto its own thread.
+unsafe impl Send for ModelRunner {}

@@ -13,6 +13,15 @@ use crate::simd_kernel;
 
 /// Query tokens per tile.
 const TILE_TOKENS: usize = 16;
+
+/// Query rows (tokens × the query heads of one KV head) a tile of the cache-free kernels aims for:
+/// their keys are gathered once per tile, so bigger tiles than the paged path's pay off.
+const TILE_ROWS: usize = 64;
+
+/// Query tokens per tile for the cache-free kernels, given how many query heads share a KV head.
+pub fn tile_tokens(shape: AttentionShape) -> usize {
+    (TILE_ROWS / (shape.n_heads / shape.n_kv_heads).max(1)).max(TILE_TOKENS)
+}
 /// Keys per block.
 const KEY_BLOCK: usize = 64;
 
@@ -93,7 +102,7 @@ pub fn attention_runs(
     });
 }
 
-/// One tile of query tokens against its whole context for one KV head.
+/// One tile of query tokens against its whole context for one KV head (keys in the paged cache).
 #[allow(clippy::too_many_arguments)]
 unsafe fn tile_task(
     isa: Isa,
@@ -107,15 +116,83 @@ unsafe fn tile_task(
     sc: &mut Scratch,
     out: SharedMut<f32>,
 ) {
-    let AttentionShape { n_heads, n_kv_heads, head_dim: dh, window, scale, softcap } = shape;
-    let group = n_heads / n_kv_heads;
-    let kv_row = n_kv_heads * dh;
-    let n_tok = tile.end - tile.start;
-    let rows = n_tok * group; // row i = token i / group, head kvh·group + i % group
+    let kv_row = shape.n_kv_heads * shape.head_dim;
+    let window = shape.window;
     let seq = layout.token_seq[tile.start] as usize;
     let pos0 = layout.positions[tile.start] as usize;
-    let pos_last = pos0 + n_tok - 1;
-    let first_key = if window > 0 { (pos0 + 1).saturating_sub(window) } else { 0 };
+    let keys = TileKeys {
+        k: k_cache,
+        v: v_cache,
+        row: |p| layout.slot(seq, p) * kv_row,
+        // Keys token `i` of the tile may see: p ≤ pos, and pos − p < window.
+        visible: |i: usize| {
+            let pos = pos0 + i;
+            (if window > 0 { (pos + 1).saturating_sub(window) } else { 0 }, pos + 1)
+        },
+    };
+    attend_tile(isa, shape, tile, kvh, q, &keys, sc, out)
+}
+
+/// Where a tile's keys come from and which of them each of its query tokens sees.
+pub struct TileKeys<'a, R, V> {
+    /// Key rows; key `p` of KV head `h` is `k[row(p) + h·Dh..][..Dh]`.
+    pub k: &'a [f32],
+    /// Value rows, at the same offsets as the keys.
+    pub v: &'a [f32],
+    pub row: R,
+    /// Keys `lo..hi` that the tile's `i`-th query token sees (key numbers, as `row` takes them).
+    pub visible: V,
+}
+
+/// [`attend_tile`] with this worker's scratch.
+///
+/// # Safety
+/// As for [`attend_tile`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn attend_tile_scratch<R: Fn(usize) -> usize, V: Fn(usize) -> (usize, usize)>(
+    isa: Isa,
+    shape: AttentionShape,
+    tile: Run,
+    kvh: usize,
+    q: &[f32],
+    keys: &TileKeys<R, V>,
+    out: SharedMut<f32>,
+) {
+    // SAFETY: the caller's contract is ours.
+    SCRATCH.with_borrow_mut(|sc| unsafe { attend_tile(isa, shape, tile, kvh, q, keys, sc, out) })
+}
+
+/// Query tokens `tile` (rows of `q` and `out`, `[T, Hq*Dh]`) × the query heads of KV head `kvh`
+/// against the keys they see: scores and the weighted value sum through `gemm` on blocks of keys,
+/// an online softmax in between. A token that sees no key gets zeros. `shape.window` is not read
+/// (`keys.visible` says what each token sees).
+///
+/// # Safety
+/// Every visible key's row must lie inside `keys.k` and `keys.v`; no other thread may write the
+/// tile's output rows of this KV head's query heads.
+#[allow(clippy::too_many_arguments)]
+unsafe fn attend_tile<R: Fn(usize) -> usize, V: Fn(usize) -> (usize, usize)>(
+    isa: Isa,
+    shape: AttentionShape,
+    tile: Run,
+    kvh: usize,
+    q: &[f32],
+    keys: &TileKeys<R, V>,
+    sc: &mut Scratch,
+    out: SharedMut<f32>,
+) {
+    let AttentionShape { n_heads, n_kv_heads, head_dim: dh, scale, softcap, .. } = shape;
+    let group = n_heads / n_kv_heads;
+    let n_tok = tile.end - tile.start;
+    let rows = n_tok * group; // row i = token i / group, head kvh·group + i % group
+    let (mut first_key, mut end_key) = (usize::MAX, 0);
+    for i in 0..n_tok {
+        let (lo, hi) = (keys.visible)(i);
+        if lo < hi {
+            first_key = first_key.min(lo);
+            end_key = end_key.max(hi);
+        }
+    }
 
     // Q tile, pre-scaled so the scores come out of the product ready.
     sc.q.resize(rows * dh, 0.0);
@@ -136,20 +213,19 @@ unsafe fn tile_task(
     sc.sum.resize(rows, 0.0);
 
     let mut p0 = first_key;
-    while p0 <= pos_last {
-        let kb = KEY_BLOCK.min(pos_last + 1 - p0);
+    while p0 < end_key {
+        let kb = KEY_BLOCK.min(end_key - p0);
         for j in 0..kb {
-            let base = layout.slot(seq, p0 + j) * kv_row + kvh * dh;
-            sc.k[j * dh..(j + 1) * dh].copy_from_slice(&k_cache[base..base + dh]);
-            sc.v[j * dh..(j + 1) * dh].copy_from_slice(&v_cache[base..base + dh]);
+            let base = (keys.row)(p0 + j) + kvh * dh;
+            sc.k[j * dh..(j + 1) * dh].copy_from_slice(&keys.k[base..base + dh]);
+            sc.v[j * dh..(j + 1) * dh].copy_from_slice(&keys.v[base..base + dh]);
         }
         // S[rows, kb] = Q · Kᵀ
         gemm_rows(rows, kb, dh, sc.s.as_mut_ptr(), kb, false, sc.q.as_ptr(), sc.k.as_ptr(), true);
         for r in 0..rows {
-            let pos = pos0 + r / group;
-            // Keys this row may see in the block: p ≤ pos, and pos − p < window.
-            let lo = if window > 0 { (pos + 1).saturating_sub(window).saturating_sub(p0).min(kb) } else { 0 };
-            let hi = (pos + 1).saturating_sub(p0).min(kb);
+            let (lo, hi) = (keys.visible)(r / group);
+            let lo = lo.saturating_sub(p0).min(kb);
+            let hi = hi.saturating_sub(p0).min(kb);
             let s_row = &mut sc.s[r * kb..(r + 1) * kb];
             let alpha = softmax_block::run(isa, s_row, lo, hi, softcap, &mut sc.max[r], &mut sc.sum[r]);
             if alpha != 1.0 {

@@ -33,6 +33,11 @@ pub fn unary(x: &[f32], out: &mut [f32], f: impl Fn(f32) -> f32 + Sync) {
 }
 
 #[inline(always)]
+pub fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+#[inline(always)]
 pub fn silu(x: f32) -> f32 {
     x / (1.0 + (-x).exp())
 }

@@ -28,11 +28,6 @@ pub struct IntActs {
     pub d: Vec<f32>,
     /// Per weight group: exact Σx (for the affine bias term).
     pub group_sums: Vec<f32>,
-    /// Token offsets (ascending, within the step's rows) where one sequence's rows end and the next
-    /// one's begin; empty for one sequence. The multi-token passes restart at each, so a token is
-    /// grouped with the same neighbours alone or batched and its result does not depend on its
-    /// batch-mates. The caller sets it per matmul.
-    pub seq_starts: Vec<usize>,
 }
 
 /// Identifies one quantization of one activation tensor.

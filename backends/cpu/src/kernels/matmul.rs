@@ -56,29 +56,54 @@ pub unsafe fn gemm_rows(
     rhs: *const f32,
     rhs_transposed: bool,
 ) {
+    // SAFETY: the caller's contract, with `lhs` rows `k` apart.
+    unsafe { gemm_strided(m, n, k, dst, dst_stride, accumulate, lhs, k, rhs, rhs_transposed) }
+}
+
+/// [`gemm_rows`] with `lhs` rows `lhs_stride` apart (they may overlap: a convolution's windows over
+/// consecutive input rows).
+///
+/// # Safety
+/// As for [`gemm_rows`].
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gemm_strided(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: *mut f32,
+    dst_stride: usize,
+    accumulate: bool,
+    lhs: *const f32,
+    lhs_stride: usize,
+    rhs: *const f32,
+    rhs_transposed: bool,
+) {
     // gemm's strides: (column stride, row stride) per operand; `rhs` is viewed as [k, n].
     let (rhs_cs, rhs_rs) = if rhs_transposed { (k as isize, 1) } else { (1, n as isize) };
-    gemm::gemm(
-        m,
-        n,
-        k,
-        dst,
-        1,
-        dst_stride as isize,
-        accumulate,
-        lhs,
-        1,
-        k as isize,
-        rhs,
-        rhs_cs,
-        rhs_rs,
-        if accumulate { 1.0 } else { 0.0 },
-        1.0f32,
-        false,
-        false,
-        false,
-        gemm::Parallelism::None,
-    );
+    // SAFETY: the caller's contract.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            1,
+            dst_stride as isize,
+            accumulate,
+            lhs,
+            1,
+            lhs_stride as isize,
+            rhs,
+            rhs_cs,
+            rhs_rs,
+            if accumulate { 1.0 } else { 0.0 },
+            1.0f32,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    };
 }
 
 /// `out[t, n0..n0+nc] = x[t, :] · tile[nc, K]ᵀ` with gemm, single-threaded (callers parallelise tiles).

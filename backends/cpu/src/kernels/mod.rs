@@ -2,12 +2,18 @@
 
 pub mod attention;
 pub mod attention_prefill;
+pub mod attention_step;
+pub mod conv1d;
+pub mod cross_attention;
 pub mod elementwise;
+pub mod experts;
 pub mod int_dot;
 pub mod matmul;
 pub mod norm;
+pub mod pooling;
 pub mod quantized;
 pub mod rope;
+pub mod softmax;
 
 use half::{bf16, f16};
 
@@ -29,6 +35,15 @@ impl<'a> Floats<'a> {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// Elements `start..start + len` (panics outside, like slicing).
+    pub fn slice(&self, start: usize, len: usize) -> Floats<'a> {
+        match self {
+            Floats::F32(s) => Floats::F32(&s[start..start + len]),
+            Floats::F16(s) => Floats::F16(&s[start..start + len]),
+            Floats::BF16(s) => Floats::BF16(&s[start..start + len]),
+        }
     }
 
     #[inline(always)]
@@ -77,4 +92,45 @@ impl<T> SharedMut<T> {
     pub unsafe fn slice(&self, start: usize, len: usize) -> &mut [T] {
         std::slice::from_raw_parts_mut(self.0.add(start), len)
     }
+}
+
+/// Rows `start..end` of a step that belong to sequence `seq`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Segment {
+    pub seq: usize,
+    pub start: usize,
+    pub end: usize,
+}
+
+impl Segment {
+    pub fn len(&self) -> usize {
+        self.end - self.start
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.end == self.start
+    }
+}
+
+/// Each sequence's rows from a per-row sequence index (`I32 [T]`), in order. The rows of one sequence
+/// must be contiguous and every index in `0..n_seqs`; anything else is an error naming the row.
+pub fn segments(seq: &[i32], n_seqs: usize) -> Result<Vec<Segment>, String> {
+    let mut out: Vec<Segment> = Vec::new();
+    let mut seen = vec![false; n_seqs];
+    for (t, &s) in seq.iter().enumerate() {
+        if s < 0 || s as usize >= n_seqs {
+            return Err(format!("row {t}: sequence index {s} out of range for {n_seqs} sequences"));
+        }
+        let s = s as usize;
+        match out.last_mut() {
+            Some(g) if g.seq == s => g.end = t + 1,
+            _ => {
+                if std::mem::replace(&mut seen[s], true) {
+                    return Err(format!("row {t}: the rows of sequence {s} are not contiguous"));
+                }
+                out.push(Segment { seq: s, start: t, end: t + 1 });
+            }
+        }
+    }
+    Ok(out)
 }

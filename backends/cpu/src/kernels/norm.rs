@@ -45,3 +45,21 @@ pub fn layer_norm(x: &[f32], w: Floats, b: Floats, eps: f32, out: &mut [f32]) {
         }
     });
 }
+
+/// `x / max(‖x‖₂, eps)` per row of `c` columns.
+pub fn l2_normalize(x: &[f32], c: usize, eps: f32, out: &mut [f32]) {
+    out.par_chunks_mut(c).zip(x.par_chunks(c)).for_each(|(o, xs)| {
+        let mut acc = [0f32; 8];
+        let mut chunks = xs.chunks_exact(8);
+        for ch in &mut chunks {
+            for k in 0..8 {
+                acc[k] += ch[k] * ch[k];
+            }
+        }
+        let ss = acc.iter().sum::<f32>() + chunks.remainder().iter().map(|v| v * v).sum::<f32>();
+        let inv = 1.0 / ss.sqrt().max(eps);
+        for (o, &v) in o.iter_mut().zip(xs) {
+            *o = v * inv;
+        }
+    });
+}

@@ -133,7 +133,7 @@ pub const FLOAT_TILES_MIN_TOKENS: usize = 64;
 /// `out[T, N] = x[T, K] · dequant(w)ᵀ`. With `int` (scratch for quantized activations, and the
 /// caller's name for `x` so matmuls sharing an input quantize it once), steps where
 /// [`int_path_applies`] take the int16-activation path; larger steps, NEON, or `int = None`
-/// (`MLXCEL_CPU_INT16=0`) take the exact f32 paths.
+/// (`MLXCEL_CPU_INT16=0`) take the exact f32 paths. `segments` as for [`qmatmul_shared_input`].
 #[allow(clippy::too_many_arguments)]
 pub fn qmatmul(
     isa: Isa,
@@ -145,6 +145,7 @@ pub fn qmatmul(
     out: &mut [f32],
     path: QuantPath,
     int: Option<(&mut IntActs, usize)>,
+    segments: &[usize],
 ) {
     let k = w.k;
     if k == 0 {
@@ -153,7 +154,7 @@ pub fn qmatmul(
     }
     if path == QuantPath::Int {
         if let Some((acts, source)) = int {
-            qmatmul_shared_input(isa, x, source, t, [QuantPart { w, n, out }], acts);
+            qmatmul_shared_input(isa, x, source, t, segments, [QuantPart { w, n, out }], acts);
             return;
         }
     }
@@ -248,11 +249,17 @@ impl QuantPath {
 /// same input (q/k/v, gate/up) as one parallel loop: one fork/join instead of one per matrix, and the
 /// input quantized once. Every part must satisfy
 /// [`int_path_applies`] and share `bits`, `group` and `k`.
+///
+/// `segments` are the ends of runs of rows (the rows of one sequence), ascending, the last `t`; empty
+/// for one run. 4-bit rows are dotted several tokens at a time (`dot_rows`), which rounds differently
+/// from one at a time (`dot_tile`), so such passes never cross a run's end: a sequence's rows take the
+/// same passes whatever runs beside them (batch invariance).
 pub fn qmatmul_shared_input<'a, 'o>(
     isa: Isa,
     x: &[f32],
     source: usize,
     t: usize,
+    segments: &[usize],
     parts: impl IntoIterator<Item = QuantPart<'a, 'o>>,
     acts: &mut IntActs,
 ) {
@@ -281,13 +288,14 @@ pub fn qmatmul_shared_input<'a, 'o>(
         acts.key = Some(key);
     }
     let acts = &*acts;
-    let seq_starts = &acts.seq_starts[..];
     let gpr = w0.groups_per_row();
     let act = |ti: usize| ActRow {
         q: &acts.q[ti * k..(ti + 1) * k],
         d: &acts.d[ti * k / 32..(ti + 1) * k / 32],
         group_sums: &acts.group_sums[ti * gpr..(ti + 1) * gpr],
     };
+    debug_assert!(segments.is_empty() || (segments.last() == Some(&t) && segments.windows(2).all(|p| p[0] <= p[1])));
+    let whole = [t];
     // A task is a tile of rows of one part; its weights stay in L1/L2 while all tokens stream past.
     let rows_per_task = if t <= ROW_DOT_MAX_TOKENS { 32 } else { 16 };
     let mut first_task = [0usize; MAX_PARTS + 1];
@@ -301,9 +309,8 @@ pub fn qmatmul_shared_input<'a, 'o>(
         let tile = chunk * rows_per_task..((chunk + 1) * rows_per_task).min(n);
         // 4-bit: eight tokens per pass while they last, then four (each block unpacked once for
         // all of them); then, and for other widths, one token at a time over the cached tile.
-        // Per sequence, so a token's passes do not depend on its batch-mates.
         let mut start = 0;
-        for end in seq_starts.iter().copied().filter(|&e| e > 0 && e < t).chain(std::iter::once(t)) {
+        for &end in if segments.is_empty() { &whole[..] } else { segments } {
             let mut ti = start;
             while w.bits == 4 && ti + 8 <= end {
                 tokens_pass::<8>(isa, tile.clone(), &|r| w.row(r), &act, ti, out_ptr, n);

@@ -3,7 +3,8 @@
 use mlxcel_plugin_api::*;
 
 unsafe extern "C" fn init(err: *mut ErrorBuf) -> Status {
-    guard(err, || Err(PluginError::failed("this test plugin always fails to initialise")))
+    // SAFETY: the host passes a valid or null error buffer.
+    unsafe { guard(err, || Err(PluginError::failed("this test plugin always fails to initialise"))) }
 }
 
 static ROOT: PluginRoot = PluginRoot {

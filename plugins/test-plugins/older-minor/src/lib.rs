@@ -1,7 +1,7 @@
 //! A backend exported as a plugin of ABI 2.0: its table ends before the 2.1 entries (`kv_alloc`,
 //! `copy_blocks`). The host must load it, treat those entries as absent (allocating f32 KV caches
 //! itself, refusing block copies) and run graphs on it. It computes `Scale` and `Add` on f32 inputs,
-//! enough to prove the calls work.
+//! enough to prove the calls work, and panics when asked to scale by NaN.
 
 use mlxcel_plugin_api::*;
 
@@ -77,6 +77,9 @@ impl BackendContext for Context {
                     // SAFETY: host input of `len` bytes.
                     f32s(unsafe { slice_from(t.ptr, t.len) })
                 }
+                // A NaN factor makes this test backend panic, so the host's handling of a panicking
+                // plugin can be tested.
+                Some(OpCode::Scale) if n.fparams[0].is_nan() => panic!("scale by NaN"),
                 Some(OpCode::Scale) => vals[n.src[0] as usize].iter().map(|x| x * n.fparams[0]).collect(),
                 Some(OpCode::Add) => {
                     vals[n.src[0] as usize].iter().zip(&vals[n.src[1] as usize]).map(|(a, b)| a + b).collect()

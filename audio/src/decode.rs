@@ -1,0 +1,236 @@
+//! Audio files to 16 kHz mono `f32`: what `whisper.audio.load_audio` gets from its ffmpeg pipe.
+
+use std::fs::File;
+use std::io::{Cursor, ErrorKind};
+use std::path::Path;
+
+use symphonia::core::codecs::audio::AudioDecoderOptions;
+use symphonia::core::errors::Error as SymphoniaError;
+use symphonia::core::formats::probe::Hint;
+use symphonia::core::formats::{FormatOptions, TrackType};
+use symphonia::core::io::{MediaSource, MediaSourceStream};
+use symphonia::core::meta::MetadataOptions;
+
+use crate::resample::resample_to_16k;
+
+/// Why an audio file could not be turned into samples. Every variant names the file (or upload) it is about.
+#[derive(Debug, thiserror::Error)]
+pub enum AudioError {
+    /// The file could not be opened or read.
+    #[error("{name}: cannot read the file: {source}")]
+    Io {
+        name: String,
+        #[source]
+        source: std::io::Error,
+    },
+    /// Zero bytes.
+    #[error("{name}: the file is empty")]
+    Empty { name: String },
+    /// The bytes are not a container we can read (WAV, FLAC, MP3, Ogg).
+    #[error("{name}: not a WAV, FLAC, MP3 or Ogg Vorbis file ({reason})")]
+    UnrecognisedFormat { name: String, reason: String },
+    /// A known container holding something we cannot decode: a sample format, codec or layout.
+    #[error("{name}: unsupported audio: {reason}")]
+    Unsupported { name: String, reason: String },
+    /// The file ends before the audio it announces.
+    #[error("{name}: the file is truncated: {reason}")]
+    Truncated { name: String, reason: String },
+    /// The container or the coded audio is damaged.
+    #[error("{name}: malformed audio: {reason}")]
+    Malformed { name: String, reason: String },
+    /// The file decodes to no audio at all (no audio track, or zero samples).
+    #[error("{name}: no audio in the file ({reason})")]
+    NoAudio { name: String, reason: String },
+    /// The resampler refused the input (a sample rate it cannot convert from).
+    #[error("{name}: cannot resample {rate} Hz to 16000 Hz: {reason}")]
+    Resample { name: String, rate: u32, reason: String },
+}
+
+/// Decodes a WAV, FLAC, MP3 or Ogg Vorbis file into 16 kHz mono samples in [-1, 1].
+///
+/// Channels are averaged (ffmpeg's `-ac 1` does the same for stereo), and any other sample rate is converted
+/// with rubato's FFT resampler. Unlike Whisper's ffmpeg pipe the result is not rounded to 16 bits.
+///
+/// Damaged packets inside a stream are skipped, as ffmpeg skips them. A file shorter than the length its
+/// header declares (WAV, FLAC, MP3 with a Xing/LAME header) is [`AudioError::Truncated`]; where the
+/// container declares no length (a streamed WAV, Ogg), what decodes is returned. Input never panics: a panic
+/// inside a decoder becomes [`AudioError::Malformed`].
+pub fn load_audio(path: &Path) -> Result<Vec<f32>, AudioError> {
+    let name = path.display().to_string();
+    let io_error = |source| AudioError::Io { name: name.clone(), source };
+    let file = File::open(path).map_err(io_error)?;
+    if file.metadata().map_err(io_error)?.len() == 0 {
+        return Err(AudioError::Empty { name });
+    }
+    let extension = path.extension().and_then(|e| e.to_str());
+    guarded(&name, || decode_source(Box::new(file), extension, &name))
+}
+
+/// Decodes an audio file held in memory (an HTTP upload) like [`load_audio`].
+///
+/// `name_hint` is the upload's file name or bare extension (`"clip.mp3"`, `"mp3"`); it only guides the format
+/// probe, which looks at the bytes, and names the upload in errors.
+pub fn decode_audio_bytes(bytes: &[u8], name_hint: &str) -> Result<Vec<f32>, AudioError> {
+    let name = if name_hint.is_empty() { "<upload>" } else { name_hint }.to_string();
+    if bytes.is_empty() {
+        return Err(AudioError::Empty { name });
+    }
+    let extension = match Path::new(name_hint).extension() {
+        Some(extension) => extension.to_str(),
+        None if !name_hint.is_empty() => Some(name_hint),
+        None => None,
+    };
+    guarded(&name, || decode_source(Box::new(Cursor::new(bytes)), extension, &name))
+}
+
+/// Runs a decode, turning a panic inside a third-party decoder (on hostile input) into an error: a server
+/// thread must not die on an upload.
+fn guarded(name: &str, decode: impl FnOnce() -> Result<Vec<f32>, AudioError>) -> Result<Vec<f32>, AudioError> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(decode)).unwrap_or_else(|panic| {
+        let message = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "unknown panic".to_string());
+        Err(AudioError::Malformed { name: name.to_string(), reason: format!("the decoder failed: {message}") })
+    })
+}
+
+fn decode_source(
+    source: Box<dyn MediaSource + '_>,
+    extension: Option<&str>,
+    name: &str,
+) -> Result<Vec<f32>, AudioError> {
+    let stream = MediaSourceStream::new(source, Default::default());
+    let mut hint = Hint::new();
+    if let Some(extension) = extension {
+        hint.with_extension(&extension.to_ascii_lowercase());
+    }
+    let mut format = symphonia::default::get_probe()
+        .probe(&hint, stream, FormatOptions::default(), MetadataOptions::default())
+        .map_err(|e| match e {
+            SymphoniaError::Unsupported(reason) if reason.contains("no suitable format reader") => {
+                AudioError::UnrecognisedFormat { name: name.to_string(), reason: reason.to_string() }
+            }
+            e => classify(name, e),
+        })?;
+
+    let track = format
+        .default_track(TrackType::Audio)
+        .ok_or_else(|| AudioError::NoAudio { name: name.to_string(), reason: "no audio track".to_string() })?;
+    let track_id = track.id;
+    let declared_frames = track.num_frames;
+    let params = track
+        .codec_params
+        .as_ref()
+        .and_then(|p| p.audio())
+        .ok_or_else(|| AudioError::NoAudio { name: name.to_string(), reason: "the track is not audio".to_string() })?;
+    let mut decoder = symphonia::default::get_codecs()
+        .make_audio_decoder(params, &AudioDecoderOptions::default())
+        .map_err(|e| classify(name, e))?;
+
+    let mut mono = Vec::new();
+    let mut interleaved: Vec<f32> = Vec::new();
+    let mut rate = None;
+    let mut decoded_frames = 0u64;
+    let mut bad_packets = 0usize;
+    let mut first_bad_packet = None;
+    let mut ended_early = false;
+    loop {
+        let packet = match format.next_packet() {
+            Ok(Some(packet)) => packet,
+            Ok(None) => break,
+            Err(SymphoniaError::IoError(e)) if e.kind() == ErrorKind::UnexpectedEof => {
+                ended_early = true;
+                break;
+            }
+            Err(SymphoniaError::ResetRequired) => {
+                return Err(AudioError::Unsupported {
+                    name: name.to_string(),
+                    reason: "chained streams (the track list changes within the file)".to_string(),
+                })
+            }
+            Err(e) => return Err(classify(name, e)),
+        };
+        if packet.track_id != track_id {
+            continue;
+        }
+        let buffer = match decoder.decode(&packet) {
+            Ok(buffer) => buffer,
+            // A damaged packet is skipped, as ffmpeg does; a file of nothing but damage is an error below.
+            Err(SymphoniaError::DecodeError(reason)) => {
+                bad_packets += 1;
+                first_bad_packet.get_or_insert(reason);
+                continue;
+            }
+            Err(SymphoniaError::IoError(e)) if e.kind() == ErrorKind::UnexpectedEof => {
+                ended_early = true;
+                break;
+            }
+            Err(e) => return Err(classify(name, e)),
+        };
+        let spec = buffer.spec();
+        let packet_rate = spec.rate();
+        if *rate.get_or_insert(packet_rate) != packet_rate {
+            return Err(AudioError::Unsupported {
+                name: name.to_string(),
+                reason: format!(
+                    "the sample rate changes within the file ({} Hz, then {packet_rate} Hz)",
+                    rate.unwrap()
+                ),
+            });
+        }
+        let channels = spec.channels().count().max(1);
+        buffer.copy_to_vec_interleaved(&mut interleaved);
+        decoded_frames += buffer.frames() as u64;
+        mix_down(&interleaved, channels, &mut mono);
+    }
+
+    if let Some(declared) = declared_frames.filter(|&declared| decoded_frames < declared) {
+        return Err(AudioError::Truncated {
+            name: name.to_string(),
+            reason: format!("the header announces {declared} sample frames, the data holds {decoded_frames}"),
+        });
+    }
+    if ended_early && mono.is_empty() {
+        return Err(AudioError::Truncated { name: name.to_string(), reason: "the data ends early".to_string() });
+    }
+    if mono.is_empty() {
+        return Err(match first_bad_packet {
+            Some(reason) => AudioError::Malformed {
+                name: name.to_string(),
+                reason: format!("none of {bad_packets} packets decodes: {reason}"),
+            },
+            None => AudioError::NoAudio { name: name.to_string(), reason: "zero samples".to_string() },
+        });
+    }
+    let rate = rate.unwrap_or(crate::SAMPLE_RATE);
+    resample_to_16k(&mono, rate).map_err(|reason| AudioError::Resample { name: name.to_string(), rate, reason })
+}
+
+/// Averages the channels of interleaved frames onto `mono`.
+fn mix_down(interleaved: &[f32], channels: usize, mono: &mut Vec<f32>) {
+    if channels == 1 {
+        mono.extend_from_slice(interleaved);
+        return;
+    }
+    let scale = 1.0 / channels as f32;
+    mono.extend(interleaved.chunks_exact(channels).map(|frame| frame.iter().sum::<f32>() * scale));
+}
+
+/// Sorts symphonia's errors into ours.
+fn classify(name: &str, error: SymphoniaError) -> AudioError {
+    let name = name.to_string();
+    match error {
+        SymphoniaError::IoError(e) if e.kind() == ErrorKind::UnexpectedEof => {
+            AudioError::Truncated { name, reason: "the file ends inside its header or data".to_string() }
+        }
+        SymphoniaError::IoError(source) => AudioError::Io { name, source },
+        SymphoniaError::Unsupported(reason) => AudioError::Unsupported { name, reason: reason.to_string() },
+        SymphoniaError::DecodeError(reason) => AudioError::Malformed { name, reason: reason.to_string() },
+        SymphoniaError::LimitError(reason) => {
+            AudioError::Malformed { name, reason: format!("limit reached: {reason}") }
+        }
+        e => AudioError::Malformed { name, reason: e.to_string() },
+    }
+}

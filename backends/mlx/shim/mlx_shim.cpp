@@ -1,0 +1,323 @@
+// The MLX backend's shim: each function builds lazy MLX ops (or evaluates them) and turns every C++
+// exception into a status and a per-thread message, so nothing unwinds into Rust.
+#include "mlx_shim.h"
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "mlx/mlx.h"
+
+namespace mx = mlx::core;
+
+struct mlxb_array {
+  mx::array a;
+};
+
+namespace {
+
+thread_local std::string last_error;
+
+int fail(const char* what) {
+  last_error = what;
+  return 1;
+}
+
+#define MLXB_TRY(...)                           \
+  try {                                         \
+    __VA_ARGS__;                                \
+    return 0;                                   \
+  } catch (const std::exception& e) {           \
+    return fail(e.what());                      \
+  } catch (...) {                               \
+    return fail("unknown C++ exception in MLX"); \
+  }
+
+mx::Dtype to_dtype(int d) {
+  switch (d) {
+    case MLXB_F32: return mx::float32;
+    case MLXB_F16: return mx::float16;
+    case MLXB_BF16: return mx::bfloat16;
+    case MLXB_I32: return mx::int32;
+    case MLXB_U32: return mx::uint32;
+    case MLXB_U8: return mx::uint8;
+    default: throw std::invalid_argument("dtype " + std::to_string(d) + " is not one the MLX backend keeps");
+  }
+}
+
+mx::Shape to_shape(const int64_t* shape, int ndim) {
+  mx::Shape s;
+  for (int i = 0; i < ndim; ++i) {
+    if (shape[i] < 0 || shape[i] > INT32_MAX) throw std::invalid_argument("dimension out of MLX's range");
+    s.push_back(static_cast<int32_t>(shape[i]));
+  }
+  return s;
+}
+
+mlxb_array* wrap(mx::array a) { return new mlxb_array{std::move(a)}; }
+
+mx::array f32(const mx::array& a) { return a.dtype() == mx::float32 ? a : mx::astype(a, mx::float32); }
+
+mx::array gelu_tanh(const mx::array& x) {
+  const float c = std::sqrt(2.0f / static_cast<float>(M_PI));
+  auto inner = mx::multiply(mx::array(c), mx::add(x, mx::multiply(mx::array(0.044715f), mx::power(x, mx::array(3.0f)))));
+  return mx::multiply(mx::multiply(mx::array(0.5f), x), mx::add(mx::array(1.0f), mx::tanh(inner)));
+}
+
+mx::array silu(const mx::array& x) { return mx::multiply(x, mx::sigmoid(x)); }
+
+}  // namespace
+
+extern "C" {
+
+const char* mlxb_last_error(void) { return last_error.c_str(); }
+
+const char* mlxb_version(void) { return mx::version(); }
+
+const char* mlxb_default_device(void) {
+  try {
+    return mx::default_device().type == mx::Device::gpu ? "gpu" : "cpu";
+  } catch (...) {
+    return "cpu";
+  }
+}
+
+void mlxb_free(mlxb_array* a) { delete a; }
+
+int mlxb_from_host(const void* data, const int64_t* shape, int ndim, int dtype, mlxb_array** out) {
+  MLXB_TRY({
+    auto s = to_shape(shape, ndim);
+    auto dt = to_dtype(dtype);
+    size_t n = 1;
+    for (auto d : s) n *= static_cast<size_t>(d);
+    size_t bytes = n * mx::size_of(dt);
+    if (bytes == 0) {
+      *out = wrap(mx::zeros(s, dt));
+    } else {
+      auto buf = mx::allocator::malloc(bytes);
+      std::memcpy(buf.buffer().raw_ptr(), data, bytes);
+      *out = wrap(mx::array(std::move(buf), s, dt));
+    }
+  })
+}
+
+int mlxb_zeros(const int64_t* shape, int ndim, int dtype, mlxb_array** out) {
+  MLXB_TRY({ *out = wrap(mx::zeros(to_shape(shape, ndim), to_dtype(dtype))); })
+}
+
+int mlxb_clone(const mlxb_array* a, mlxb_array** out) { MLXB_TRY({ *out = wrap(a->a); }) }
+
+int mlxb_view(const mlxb_array* a, int dtype, const int64_t* shape, int ndim, mlxb_array** out) {
+  MLXB_TRY({
+    auto dt = to_dtype(dtype);
+    auto s = to_shape(shape, ndim);
+    if (a->a.dtype() == dt && a->a.shape() == s) {
+      *out = wrap(a->a);
+    } else {
+      auto flat = mx::reshape(a->a, {-1});
+      auto v = a->a.dtype() == dt ? flat : mx::view(flat, dt);
+      *out = wrap(mx::reshape(v, s));
+    }
+  })
+}
+
+int64_t mlxb_nbytes(const mlxb_array* a) { return static_cast<int64_t>(a->a.nbytes()); }
+
+int mlxb_eval(mlxb_array* const* arrays, size_t n) {
+  MLXB_TRY({
+    std::vector<mx::array> v;
+    v.reserve(n);
+    for (size_t i = 0; i < n; ++i) v.push_back(arrays[i]->a);
+    mx::eval(v);
+  })
+}
+
+int mlxb_read(const mlxb_array* a, size_t offset, void* dst, size_t len) {
+  MLXB_TRY({
+    auto x = a->a;
+    mx::eval(x);
+    if (!x.flags().row_contiguous) {
+      x = mx::contiguous(x);
+      mx::eval(x);
+    }
+    if (offset + len > x.nbytes()) throw std::out_of_range("read past the end of an MLX array");
+    if (len > 0) std::memcpy(dst, x.data<uint8_t>() + offset, len);
+  })
+}
+
+int mlxb_astype_f32(const mlxb_array* a, mlxb_array** out) { MLXB_TRY({ *out = wrap(f32(a->a)); }) }
+
+int mlxb_matmul(const mlxb_array* x, const mlxb_array* w, mlxb_array** out) {
+  MLXB_TRY({ *out = wrap(mx::matmul(f32(x->a), mx::transpose(f32(w->a)))); })
+}
+
+int mlxb_quant_matmul(const mlxb_array* x, const mlxb_array* w, const mlxb_array* scales, const mlxb_array* biases,
+                      int bits, int group, mlxb_array** out) {
+  MLXB_TRY({
+    *out = wrap(mx::quantized_matmul(f32(x->a), w->a, f32(scales->a), f32(biases->a), true, group, bits, "affine"));
+  })
+}
+
+int mlxb_take_rows(const mlxb_array* x, const mlxb_array* rows, mlxb_array** out) {
+  MLXB_TRY({ *out = wrap(f32(mx::take(x->a, rows->a, 0))); })
+}
+
+int mlxb_quant_embedding(const mlxb_array* ids, const mlxb_array* w, const mlxb_array* scales,
+                         const mlxb_array* biases, int bits, int group, mlxb_array** out) {
+  MLXB_TRY({
+    auto wr = mx::take(w->a, ids->a, 0);
+    auto sr = f32(mx::take(scales->a, ids->a, 0));
+    auto br = f32(mx::take(biases->a, ids->a, 0));
+    *out = wrap(f32(mx::dequantize(wr, sr, br, group, bits, "affine")));
+  })
+}
+
+int mlxb_unary(int kind, const mlxb_array* x, float p, mlxb_array** out) {
+  MLXB_TRY({
+    const auto& a = x->a;
+    switch (kind) {
+      case MLXB_UN_SCALE: *out = wrap(mx::multiply(a, mx::array(p))); break;
+      case MLXB_UN_SILU: *out = wrap(silu(a)); break;
+      case MLXB_UN_GELU:
+        *out = wrap(mx::multiply(mx::multiply(mx::array(0.5f), a),
+                                 mx::add(mx::array(1.0f), mx::erf(mx::multiply(a, mx::array(float(M_SQRT1_2)))))));
+        break;
+      case MLXB_UN_GELU_TANH: *out = wrap(gelu_tanh(a)); break;
+      case MLXB_UN_RELU: *out = wrap(mx::maximum(a, mx::array(0.0f))); break;
+      case MLXB_UN_SOFTCAP: *out = wrap(mx::multiply(mx::array(p), mx::tanh(mx::divide(a, mx::array(p))))); break;
+      default: throw std::invalid_argument("unknown unary op");
+    }
+  })
+}
+
+int mlxb_binary(int kind, const mlxb_array* a, const mlxb_array* b, mlxb_array** out) {
+  MLXB_TRY({
+    auto x = f32(a->a);
+    auto y = f32(b->a);
+    switch (kind) {
+      case MLXB_BIN_ADD: *out = wrap(mx::add(x, y)); break;
+      case MLXB_BIN_MUL: *out = wrap(mx::multiply(x, y)); break;
+      case MLXB_BIN_SILU_MUL: *out = wrap(mx::multiply(silu(x), y)); break;
+      case MLXB_BIN_GELU_TANH_MUL: *out = wrap(mx::multiply(gelu_tanh(x), y)); break;
+      default: throw std::invalid_argument("unknown binary op");
+    }
+  })
+}
+
+int mlxb_rms_norm(const mlxb_array* x, const mlxb_array* w, float eps, int unit_offset, mlxb_array** out) {
+  MLXB_TRY({
+    auto shape = x->a.shape();
+    int d = static_cast<int>(w->a.size());
+    auto wf = f32(w->a);
+    if (unit_offset) wf = mx::add(wf, mx::array(1.0f));
+    auto groups = mx::reshape(f32(x->a), {-1, d});
+    *out = wrap(mx::reshape(mx::fast::rms_norm(groups, wf, eps), shape));
+  })
+}
+
+int mlxb_layer_norm(const mlxb_array* x, const mlxb_array* w, const mlxb_array* b, float eps, mlxb_array** out) {
+  MLXB_TRY({ *out = wrap(mx::fast::layer_norm(f32(x->a), f32(w->a), f32(b->a), eps)); })
+}
+
+int mlxb_rope(const mlxb_array* x, const mlxb_array* positions, const mlxb_array* inv_freq, int head_dim,
+              int rot_dims, int traditional, float mscale, mlxb_array** out) {
+  MLXB_TRY({
+    auto shape = x->a.shape();
+    int t = shape[0];
+    if (t == 0 || head_dim <= 0) {
+      *out = wrap(f32(x->a));
+      return 0;
+    }
+    int heads = static_cast<int>(x->a.size() / (static_cast<size_t>(t) * head_dim));
+    int half = rot_dims / 2;
+    auto xs = mx::reshape(f32(x->a), {t, heads, head_dim});
+    // Angles [T, 1, half]: one row of frequencies shared, or one per token.
+    auto pos = mx::astype(mx::reshape(positions->a, {t, 1}), mx::float32);
+    auto freqs = mx::reshape(f32(inv_freq->a), {-1, half});
+    auto theta = mx::reshape(mx::multiply(pos, freqs), {t, 1, half});
+    auto c = mx::multiply(mx::cos(theta), mx::array(mscale));
+    auto s = mx::multiply(mx::sin(theta), mx::array(mscale));
+    mx::array rotated = xs;
+    if (traditional) {
+      auto pairs = mx::reshape(mx::slice(xs, {0, 0, 0}, {t, heads, rot_dims}), {t, heads, half, 2});
+      auto x1 = mx::reshape(mx::slice(pairs, {0, 0, 0, 0}, {t, heads, half, 1}), {t, heads, half});
+      auto x2 = mx::reshape(mx::slice(pairs, {0, 0, 0, 1}, {t, heads, half, 2}), {t, heads, half});
+      auto o1 = mx::subtract(mx::multiply(x1, c), mx::multiply(x2, s));
+      auto o2 = mx::add(mx::multiply(x2, c), mx::multiply(x1, s));
+      rotated = mx::reshape(mx::stack({o1, o2}, -1), {t, heads, rot_dims});
+    } else {
+      auto x1 = mx::slice(xs, {0, 0, 0}, {t, heads, half});
+      auto x2 = mx::slice(xs, {0, 0, half}, {t, heads, rot_dims});
+      auto o1 = mx::subtract(mx::multiply(x1, c), mx::multiply(x2, s));
+      auto o2 = mx::add(mx::multiply(x2, c), mx::multiply(x1, s));
+      rotated = mx::concatenate({o1, o2}, -1);
+    }
+    if (rot_dims < head_dim) {
+      rotated = mx::concatenate({rotated, mx::slice(xs, {0, 0, rot_dims}, {t, heads, head_dim})}, -1);
+    }
+    *out = wrap(mx::reshape(rotated, shape));
+  })
+}
+
+int mlxb_kv_write(const mlxb_array* k_cache, const mlxb_array* v_cache, const mlxb_array* k, const mlxb_array* v,
+                  const mlxb_array* slot_idx, mlxb_array** k_out, mlxb_array** v_out) {
+  MLXB_TRY({
+    int t = slot_idx->a.shape(0);
+    if (t == 0) {
+      *k_out = wrap(k_cache->a);
+      *v_out = wrap(v_cache->a);
+    } else {
+      int row = k_cache->a.shape(1);
+      auto ku = mx::reshape(mx::astype(k->a, k_cache->a.dtype()), {t, 1, row});
+      auto vu = mx::reshape(mx::astype(v->a, v_cache->a.dtype()), {t, 1, row});
+      auto kn = mx::scatter(k_cache->a, slot_idx->a, ku, 0);
+      auto vn = mx::scatter(v_cache->a, slot_idx->a, vu, 0);
+      *k_out = wrap(kn);
+      *v_out = wrap(vn);
+    }
+  })
+}
+
+int mlxb_attention_seq(const mlxb_array* q, int q_start, int n_q, const mlxb_array* k_cache,
+                       const mlxb_array* v_cache, const mlxb_array* key_slots, const mlxb_array* mask, int hq,
+                       int hkv, int dh, float scale, float softcap, mlxb_array** out) {
+  MLXB_TRY({
+    int g = hq / hkv;
+    int len = key_slots->a.shape(0);
+    auto qs = mx::slice(q->a, {q_start, 0}, {q_start + n_q, hq * dh});
+    qs = mx::transpose(mx::reshape(qs, {n_q, hkv, g, dh}), {1, 2, 0, 3});  // [Hkv, G, Ts, Dh]
+    auto keys = f32(mx::take(k_cache->a, key_slots->a, 0));
+    keys = mx::transpose(mx::reshape(keys, {len, hkv, 1, dh}), {1, 2, 3, 0});  // [Hkv, 1, Dh, L]
+    auto vals = f32(mx::take(v_cache->a, key_slots->a, 0));
+    vals = mx::transpose(mx::reshape(vals, {len, hkv, 1, dh}), {1, 2, 0, 3});  // [Hkv, 1, L, Dh]
+    auto scores = mx::multiply(mx::matmul(qs, keys), mx::array(scale));       // [Hkv, G, Ts, L]
+    if (softcap > 0.0f) {
+      scores = mx::multiply(mx::array(softcap), mx::tanh(mx::divide(scores, mx::array(softcap))));
+    }
+    scores = mx::add(scores, mask->a);
+    auto p = mx::softmax(scores, -1, true);
+    auto o = mx::matmul(p, vals);  // [Hkv, G, Ts, Dh]
+    *out = wrap(mx::reshape(mx::transpose(o, {2, 0, 1, 3}), {n_q, hq * dh}));
+  })
+}
+
+int mlxb_concat_rows(mlxb_array* const* arrays, size_t n, mlxb_array** out) {
+  MLXB_TRY({
+    std::vector<mx::array> v;
+    for (size_t i = 0; i < n; ++i) v.push_back(arrays[i]->a);
+    *out = wrap(v.size() == 1 ? v[0] : mx::concatenate(v, 0));
+  })
+}
+
+int mlxb_copy_block(const mlxb_array* cache, int64_t src, int64_t dst, int64_t block_size, mlxb_array** out) {
+  MLXB_TRY({
+    int row = cache->a.shape(1);
+    int s0 = static_cast<int>(src * block_size), d0 = static_cast<int>(dst * block_size);
+    int bs = static_cast<int>(block_size);
+    auto block = mx::slice(cache->a, {s0, 0}, {s0 + bs, row});
+    *out = wrap(mx::slice_update(cache->a, block, mx::Shape{d0, 0}, mx::Shape{d0 + bs, row}));
+  })
+}
+
+}  // extern "C"

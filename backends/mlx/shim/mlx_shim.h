@@ -1,0 +1,70 @@
+// The C interface of the MLX backend's shim over MLX's C++ API (mlx_shim.cpp). Rust sees only this:
+// opaque array handles, plain numbers, and a status (0 = ok) with the message kept per thread.
+#pragma once
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct mlxb_array mlxb_array;
+
+// Element types, numbered as mlxcel's plugin-api DType.
+enum { MLXB_F32 = 0, MLXB_F16 = 1, MLXB_BF16 = 2, MLXB_I32 = 3, MLXB_U32 = 4, MLXB_U8 = 5 };
+
+enum {
+  MLXB_UN_SCALE = 0, MLXB_UN_SILU, MLXB_UN_GELU, MLXB_UN_GELU_TANH, MLXB_UN_RELU, MLXB_UN_SOFTCAP
+};
+enum { MLXB_BIN_ADD = 0, MLXB_BIN_MUL, MLXB_BIN_SILU_MUL, MLXB_BIN_GELU_TANH_MUL };
+
+// The last error's message on this thread (valid until the next failing call on it).
+const char* mlxb_last_error(void);
+const char* mlxb_version(void);
+// "cpu" or "gpu": the device MLX computes on by default.
+const char* mlxb_default_device(void);
+
+void mlxb_free(mlxb_array* a);
+// A copy of host data as an array of `dtype` and `shape`.
+int mlxb_from_host(const void* data, const int64_t* shape, int ndim, int dtype, mlxb_array** out);
+int mlxb_zeros(const int64_t* shape, int ndim, int dtype, mlxb_array** out);
+int mlxb_clone(const mlxb_array* a, mlxb_array** out);
+// The same bytes seen as `dtype` and `shape` (a bit-cast and a reshape, lazy).
+int mlxb_view(const mlxb_array* a, int dtype, const int64_t* shape, int ndim, mlxb_array** out);
+int64_t mlxb_nbytes(const mlxb_array* a);
+// Evaluates every array (one graph evaluation).
+int mlxb_eval(mlxb_array* const* arrays, size_t n);
+// Evaluates `a` and copies `len` bytes from byte `offset` of its row-major contents.
+int mlxb_read(const mlxb_array* a, size_t offset, void* dst, size_t len);
+
+int mlxb_astype_f32(const mlxb_array* a, mlxb_array** out);
+
+// Ops (all lazy; f32 results). Float weights of any float dtype are read as they are stored.
+int mlxb_matmul(const mlxb_array* x, const mlxb_array* w, mlxb_array** out);
+int mlxb_quant_matmul(const mlxb_array* x, const mlxb_array* w, const mlxb_array* scales, const mlxb_array* biases,
+                      int bits, int group, mlxb_array** out);
+int mlxb_take_rows(const mlxb_array* x, const mlxb_array* rows, mlxb_array** out);
+int mlxb_quant_embedding(const mlxb_array* ids, const mlxb_array* w, const mlxb_array* scales,
+                         const mlxb_array* biases, int bits, int group, mlxb_array** out);
+int mlxb_unary(int kind, const mlxb_array* x, float p, mlxb_array** out);
+int mlxb_binary(int kind, const mlxb_array* a, const mlxb_array* b, mlxb_array** out);
+int mlxb_rms_norm(const mlxb_array* x, const mlxb_array* w, float eps, int unit_offset, mlxb_array** out);
+int mlxb_layer_norm(const mlxb_array* x, const mlxb_array* w, const mlxb_array* b, float eps, mlxb_array** out);
+int mlxb_rope(const mlxb_array* x, const mlxb_array* positions, const mlxb_array* inv_freq, int head_dim,
+              int rot_dims, int traditional, float mscale, mlxb_array** out);
+// Writes rows `k`/`v` ([T, row]) into caches ([slots, row]) at `slot_idx` (I32 [T]); new caches out.
+int mlxb_kv_write(const mlxb_array* k_cache, const mlxb_array* v_cache, const mlxb_array* k, const mlxb_array* v,
+                  const mlxb_array* slot_idx, mlxb_array** k_out, mlxb_array** v_out);
+// Attention of one sequence: q [Ts, Hq*Dh] rows `q_start..q_start+Ts` of `q`, against the cache rows
+// `key_slots` (I32 [L]), with an additive mask [Ts, L] (0 or -inf). Out [Ts, Hq*Dh].
+int mlxb_attention_seq(const mlxb_array* q, int q_start, int n_q, const mlxb_array* k_cache,
+                       const mlxb_array* v_cache, const mlxb_array* key_slots, const mlxb_array* mask, int hq,
+                       int hkv, int dh, float scale, float softcap, mlxb_array** out);
+// Rows of all arrays, in order (axis 0).
+int mlxb_concat_rows(mlxb_array* const* arrays, size_t n, mlxb_array** out);
+// Copies block `src` to block `dst` of a cache [slots, row] with `block_size` slots per block.
+int mlxb_copy_block(const mlxb_array* cache, int64_t src, int64_t dst, int64_t block_size, mlxb_array** out);
+
+#ifdef __cplusplus
+}
+#endif

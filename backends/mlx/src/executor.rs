@@ -1,0 +1,617 @@
+//! Runs one graph as one lazy MLX graph: every node becomes MLX array operations, the outputs and the
+//! updated KV caches are evaluated together once, and the outputs are copied to the host. Shapes,
+//! token ids and the step's block tables are checked here first, so a bad graph is an error naming the
+//! node, never a crash inside MLX.
+
+use std::collections::HashMap;
+use std::ffi::c_int;
+
+use mlxcel_plugin_api::{
+    read_versioned, read_versioned_array, slice_from, ComputeArgs, DType, HostTensor, KvBinding, KvGroupTables, Node,
+    OpCode, PluginError, StepBatch, NO_BLOCK,
+};
+
+use crate::array::{make, Array};
+use crate::ffi;
+use crate::present::MlxBuffer;
+
+/// Ops and dtypes this backend executes.
+pub fn supports(node: &Node) -> bool {
+    let Some(op) = node.opcode() else { return false };
+    match op {
+        OpCode::Input | OpCode::Weight => {
+            matches!(node.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::I32 | DType::U32)
+        }
+        OpCode::Constant => node.dtype() == DType::F32,
+        OpCode::QuantMatMul | OpCode::QuantEmbedding => {
+            matches!(node.iparams[0], 2 | 3 | 4 | 5 | 6 | 8) && matches!(node.iparams[1], 32 | 64 | 128)
+        }
+        _ => node.dtype() == DType::F32,
+    }
+}
+
+fn bad(i: usize, node: &Node, msg: impl std::fmt::Display) -> PluginError {
+    let op = node.opcode().map_or_else(|| format!("op {}", node.op), |o| format!("{o:?}"));
+    PluginError::invalid(format!("node {i} ({op}): {msg}"))
+}
+
+fn shape_of(node: &Node) -> Vec<i64> {
+    node.dims().iter().map(|&d| d as i64).collect()
+}
+
+fn is_float(d: DType) -> bool {
+    matches!(d, DType::F32 | DType::F16 | DType::BF16)
+}
+
+/// One layer's caches as this step leaves them.
+struct LayerCache {
+    k: Array,
+    v: Array,
+    /// The buffers they go back to after the evaluation.
+    k_buf: *mut MlxBuffer,
+    v_buf: *mut MlxBuffer,
+}
+
+/// Checks the host's bookkeeping for one attention layer: every token's sequence, position and slot in
+/// range, and every block it reads (those inside its window) held and in range.
+fn validate_layout(
+    token_seq: &[u32],
+    positions: &[i32],
+    slot_mapping: &[i64],
+    tables: &[u32],
+    group: &KvGroupTables,
+    n_seqs: usize,
+    window: usize,
+) -> Result<(), String> {
+    let (bs, mb) = (group.block_size as usize, group.max_blocks_per_seq as usize);
+    let slots = group.num_blocks as usize * bs;
+    for ti in 0..token_seq.len() {
+        let s = token_seq[ti] as usize;
+        let (p, slot) = (positions[ti], slot_mapping[ti]);
+        if s >= n_seqs || p < 0 || slot < 0 || slot as usize >= slots {
+            return Err(format!("token {ti}: bad sequence/position/slot"));
+        }
+        let p = p as usize;
+        if p / bs >= mb {
+            return Err(format!("token {ti}: position {p} beyond its block table"));
+        }
+        let first = if window > 0 { (p + 1).saturating_sub(window) / bs } else { 0 };
+        for b in first..=p / bs {
+            let id = tables[s * mb + b];
+            if id == NO_BLOCK || id >= group.num_blocks {
+                return Err(format!("sequence {s}: block {b} (needed by position {p}) is not held or out of range"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Executes `args.graph`.
+///
+/// # Safety
+/// Every pointer in `args` is valid for the sizes the graph implies (ABI contract); buffer handles are
+/// this plugin's `MlxBuffer`s, used by this thread only for the call.
+pub unsafe fn compute(args: &ComputeArgs) -> Result<(), PluginError> {
+    // SAFETY: the host guarantees every pointer of `args` for the sizes it states (ABI contract).
+    let (nodes, constants, outputs, inputs, weights, kv, outs, batch) = unsafe {
+        (
+            args.graph.nodes(),
+            args.graph.constants(),
+            args.graph.outputs(),
+            slice_from(args.inputs, args.n_inputs),
+            slice_from(args.weights, args.n_weights),
+            read_versioned_array::<KvBinding>(args.kv, args.n_kv),
+            slice_from(args.outputs, args.n_outputs),
+            read_versioned::<StepBatch>(args.batch),
+        )
+    };
+    let nodes: &[Node] = &nodes;
+    let groups: Vec<KvGroupTables> = match &batch {
+        // SAFETY: the batch's group array holds `n_groups` elements (ABI contract).
+        Some(b) => unsafe { read_versioned_array(b.groups, b.n_groups as usize) },
+        None => Vec::new(),
+    };
+
+    if outs.len() != outputs.len() {
+        return Err(PluginError::invalid(format!(
+            "graph has {} outputs but {} destinations were given",
+            outputs.len(),
+            outs.len()
+        )));
+    }
+    for (i, n) in nodes.iter().enumerate() {
+        if n.opcode().is_none() {
+            return Err(PluginError::invalid(format!("node {i}: unknown op code {}", n.op)));
+        }
+        if !supports(n) {
+            return Err(bad(i, n, format!("not supported by the mlx backend (dtype {})", n.dtype().name())));
+        }
+        if let Some(&s) = n.sources().iter().find(|&&s| s as usize >= i) {
+            return Err(bad(i, n, format!("source {s} is not an earlier node")));
+        }
+    }
+    if let Some(&o) = outputs.iter().find(|&&o| o as usize >= nodes.len()) {
+        return Err(PluginError::invalid(format!("output {o} is not a node")));
+    }
+
+    let mut vals: Vec<Option<Array>> = (0..nodes.len()).map(|_| None).collect();
+    // Host copies of integer inputs (token ids, rows) so indices are checked before MLX reads them.
+    let mut host_ints: Vec<Option<&[i32]>> = vec![None; nodes.len()];
+    let mut caches: HashMap<usize, LayerCache> = HashMap::new();
+
+    for (i, node) in nodes.iter().enumerate() {
+        let op = node.opcode().unwrap();
+        let src = node.sources();
+        let e = |m: String| bad(i, node, m);
+        let need = |n: usize| -> Result<(), PluginError> {
+            if src.len() < n {
+                Err(bad(i, node, format!("needs {n} sources, has {}", src.len())))
+            } else {
+                Ok(())
+            }
+        };
+        let sn = |j: usize| &nodes[src[j] as usize];
+        let v = |j: usize| -> Result<&Array, PluginError> {
+            vals[src[j] as usize].as_ref().ok_or_else(|| bad(i, node, format!("source {} has no value", src[j])))
+        };
+        let expect_bytes = node.numel() * node.dtype().size();
+        let source = matches!(op, OpCode::Input | OpCode::Weight | OpCode::Constant);
+        if node.numel() == 0 && !source && op != OpCode::Attention {
+            // No rows (a prefill chunk that asks for no logits): nothing to compute, and MLX reshapes
+            // of empty arrays cannot infer their dimensions.
+            vals[i] = Some(Array::zeros(DType::F32, &shape_of(node)).map_err(e)?);
+            continue;
+        }
+        let val = match op {
+            OpCode::Input => {
+                let slot = node.iparams[0] as usize;
+                let t = inputs.get(slot).ok_or_else(|| e(format!("input slot {slot} not bound")))?;
+                if t.len != expect_bytes {
+                    return Err(e(format!("input slot {slot} has {} bytes, expected {expect_bytes}", t.len)));
+                }
+                // SAFETY: the host's input is readable for `len` bytes during the call.
+                let bytes: &[u8] = if t.len == 0 { &[] } else { unsafe { std::slice::from_raw_parts(t.ptr, t.len) } };
+                if node.dtype() == DType::I32 && bytes.is_empty() {
+                    host_ints[i] = Some(&[]);
+                } else if node.dtype() == DType::I32 {
+                    if !(t.ptr as usize).is_multiple_of(4) {
+                        return Err(e("integer input is not 4-byte aligned".into()));
+                    }
+                    // SAFETY: aligned, `len / 4` integers.
+                    host_ints[i] = Some(unsafe { std::slice::from_raw_parts(t.ptr as *const i32, t.len / 4) });
+                }
+                Array::from_host(bytes, node.dtype(), &shape_of(node)).map_err(e)?
+            }
+            OpCode::Weight => {
+                let idx = node.iparams[0] as usize;
+                let h = *weights.get(idx).ok_or_else(|| e(format!("weight {idx} not bound")))?;
+                // SAFETY: a handle of this plugin, used by this thread only.
+                let buf =
+                    unsafe { (h as *mut MlxBuffer).as_mut() }.ok_or_else(|| e(format!("weight {idx} is null")))?;
+                if buf.byte_len() != expect_bytes {
+                    return Err(e(format!("weight {idx} has {} bytes, expected {expect_bytes}", buf.byte_len())));
+                }
+                buf.typed(node.dtype(), &shape_of(node)).map_err(e)?
+            }
+            OpCode::Constant => {
+                let (off, len) = (node.iparams[0] as usize, node.iparams[1] as usize);
+                if off.checked_add(len).is_none_or(|end| end > constants.len()) || len != expect_bytes {
+                    return Err(e("constant out of the graph's constant blob".into()));
+                }
+                Array::from_host(&constants[off..off + len], DType::F32, &shape_of(node)).map_err(e)?
+            }
+            OpCode::Embedding | OpCode::QuantEmbedding | OpCode::GetRows => {
+                need(if op == OpCode::QuantEmbedding { 4 } else { 2 })?;
+                let (ids_j, table_j) = if op == OpCode::GetRows { (1, 0) } else { (0, 1) };
+                let ids_node = sn(ids_j);
+                if ids_node.dtype() != DType::I32 {
+                    return Err(e("indices must be i32".into()));
+                }
+                let n_ids = ids_node.numel();
+                let d = node.cols();
+                if node.numel() != n_ids * d {
+                    return Err(e(format!("output must be [{n_ids}, {d}]")));
+                }
+                let table = sn(table_j);
+                let rows = table.rows();
+                if op == OpCode::QuantEmbedding {
+                    check_quant(node, &[sn(1), sn(2), sn(3)], d).map_err(e)?;
+                } else {
+                    if table.cols() != d {
+                        return Err(e(format!("table has {} columns, output {d}", table.cols())));
+                    }
+                    if !is_float(table.dtype()) {
+                        return Err(e(format!("table has dtype {}, expected a float", table.dtype().name())));
+                    }
+                }
+                // Indices are only trusted once seen: MLX does not bound-check gathers.
+                let ids = host_ints[src[ids_j] as usize]
+                    .ok_or_else(|| e("indices must come from the step's inputs".into()))?;
+                if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as usize >= rows) {
+                    return Err(e(format!("index {id} out of range for {rows} rows")));
+                }
+                let (ids_a, table_a) = (v(ids_j)?, v(table_j)?);
+                if op == OpCode::QuantEmbedding {
+                    let (bits, group) = (node.iparams[0] as c_int, node.iparams[1] as c_int);
+                    let (s, b) = (v(2)?, v(3)?);
+                    // SAFETY: live handles.
+                    make(|o| unsafe {
+                        ffi::mlxb_quant_embedding(ids_a.raw(), table_a.raw(), s.raw(), b.raw(), bits, group, o)
+                    })
+                    .map_err(e)?
+                } else {
+                    // SAFETY: live handles.
+                    make(|o| unsafe { ffi::mlxb_take_rows(table_a.raw(), ids_a.raw(), o) }).map_err(e)?
+                }
+            }
+            OpCode::MatMul | OpCode::QuantMatMul => {
+                need(if op == OpCode::MatMul { 2 } else { 4 })?;
+                let (t, k) = (sn(0).rows(), sn(0).cols());
+                let n = node.cols();
+                if node.rows() != t {
+                    return Err(e(format!("output has {} rows, x has {t}", node.rows())));
+                }
+                let x = v(0)?;
+                if op == OpCode::MatMul {
+                    if sn(1).cols() != k || sn(1).rows() != n || !is_float(sn(1).dtype()) {
+                        return Err(e(format!(
+                            "w is [{}, {}] {}, expected [{n}, {k}] float",
+                            sn(1).rows(),
+                            sn(1).cols(),
+                            sn(1).dtype().name()
+                        )));
+                    }
+                    let w = v(1)?;
+                    // SAFETY: live handles.
+                    make(|o| unsafe { ffi::mlxb_matmul(x.raw(), w.raw(), o) }).map_err(e)?
+                } else {
+                    check_quant(node, &[sn(1), sn(2), sn(3)], k).map_err(e)?;
+                    if sn(1).rows() != n {
+                        return Err(e(format!("packed weight has {} rows, output {n} columns", sn(1).rows())));
+                    }
+                    let (bits, group) = (node.iparams[0] as c_int, node.iparams[1] as c_int);
+                    let (w, s, b) = (v(1)?, v(2)?, v(3)?);
+                    // SAFETY: live handles.
+                    make(|o| unsafe { ffi::mlxb_quant_matmul(x.raw(), w.raw(), s.raw(), b.raw(), bits, group, o) })
+                        .map_err(e)?
+                }
+            }
+            OpCode::Add | OpCode::Mul | OpCode::SiluMul | OpCode::GeluTanhMul => {
+                need(2)?;
+                let (a, b) = (sn(0), sn(1));
+                let gated = matches!(op, OpCode::SiluMul | OpCode::GeluTanhMul);
+                let ok = a.numel() == node.numel()
+                    && node.cols() == a.cols()
+                    && is_float(b.dtype())
+                    && (b.numel() == a.numel() || (!gated && b.numel() == node.cols()));
+                if !ok {
+                    return Err(e(format!("cannot combine {} and {} elements", a.numel(), b.numel())));
+                }
+                let kind = match op {
+                    OpCode::Add => ffi::BIN_ADD,
+                    OpCode::Mul => ffi::BIN_MUL,
+                    OpCode::SiluMul => ffi::BIN_SILU_MUL,
+                    _ => ffi::BIN_GELU_TANH_MUL,
+                };
+                // Both as [rows, cols] (or b as a row) so MLX broadcasts rows as the op says.
+                let rows = (node.numel() / node.cols().max(1)) as i64;
+                let cols = node.cols() as i64;
+                let a2 = v(0)?.view_f32_2d(sn(0).dtype(), rows, cols).map_err(e)?;
+                let b_rows = if b.numel() == a.numel() { rows } else { 1 };
+                let b2 = v(1)?.view_f32_2d(b.dtype(), b_rows, cols).map_err(e)?;
+                // SAFETY: live handles.
+                make(|o| unsafe { ffi::mlxb_binary(kind, a2.raw(), b2.raw(), o) }).map_err(e)?
+            }
+            OpCode::Scale | OpCode::Silu | OpCode::Gelu | OpCode::GeluTanh | OpCode::Relu | OpCode::Softcap => {
+                need(1)?;
+                if sn(0).numel() != node.numel() || !is_float(sn(0).dtype()) {
+                    return Err(e("output must have the input's shape".into()));
+                }
+                let p = node.fparams[0];
+                if op == OpCode::Softcap && p <= 0.0 {
+                    return Err(e("soft-cap must be positive".into()));
+                }
+                let kind = match op {
+                    OpCode::Scale => ffi::UN_SCALE,
+                    OpCode::Silu => ffi::UN_SILU,
+                    OpCode::Gelu => ffi::UN_GELU,
+                    OpCode::GeluTanh => ffi::UN_GELU_TANH,
+                    OpCode::Relu => ffi::UN_RELU,
+                    _ => ffi::UN_SOFTCAP,
+                };
+                let x = v(0)?.f32().map_err(e)?;
+                // SAFETY: a live handle.
+                make(|o| unsafe { ffi::mlxb_unary(kind, x.raw(), p, o) }).map_err(e)?
+            }
+            OpCode::RmsNorm | OpCode::LayerNorm => {
+                need(if op == OpCode::RmsNorm { 2 } else { 3 })?;
+                let c = sn(0).cols();
+                let d = sn(1).numel();
+                if d == 0 || c % d != 0 || sn(0).numel() != node.numel() || !is_float(sn(1).dtype()) {
+                    return Err(e(format!("weight of {d} does not divide {c} columns")));
+                }
+                let (x, w) = (v(0)?, v(1)?);
+                let eps = node.fparams[0];
+                if op == OpCode::RmsNorm {
+                    let unit = (node.iparams[0] == 1) as c_int;
+                    // SAFETY: live handles.
+                    make(|o| unsafe { ffi::mlxb_rms_norm(x.raw(), w.raw(), eps, unit, o) }).map_err(e)?
+                } else {
+                    if d != c || sn(2).numel() != c || !is_float(sn(2).dtype()) {
+                        return Err(e("layer norm weight and bias must span the columns".into()));
+                    }
+                    let b = v(2)?;
+                    // SAFETY: live handles.
+                    make(|o| unsafe { ffi::mlxb_layer_norm(x.raw(), w.raw(), b.raw(), eps, o) }).map_err(e)?
+                }
+            }
+            OpCode::Rope => {
+                need(3)?;
+                let (hd, rot) = (node.iparams[0] as usize, node.iparams[1] as usize);
+                let c = sn(0).cols();
+                let f = sn(2);
+                if hd == 0 || c % hd != 0 || rot > hd || rot == 0 || rot % 2 != 0 || f.cols() != rot / 2 {
+                    return Err(e(format!(
+                        "bad rope shape: cols {c}, head_dim {hd}, rotary {rot}, {} frequencies",
+                        f.cols()
+                    )));
+                }
+                let rows = sn(0).rows();
+                if sn(1).numel() != rows || sn(1).dtype() != DType::I32 {
+                    return Err(e("one i32 position per row required".into()));
+                }
+                if f.rows() != 1 && f.rows() != rows {
+                    return Err(e(format!("inv_freq must have 1 or {rows} rows, has {}", f.rows())));
+                }
+                let trad = (node.iparams[2] == 1) as c_int;
+                let ms = if node.fparams[0] == 0.0 { 1.0 } else { node.fparams[0] };
+                let x = v(0)?.view_f32_2d(sn(0).dtype(), rows as i64, c as i64).map_err(e)?;
+                let (p, fr) = (v(1)?, v(2)?);
+                // SAFETY: live handles.
+                make(|o| unsafe { ffi::mlxb_rope(x.raw(), p.raw(), fr.raw(), hd as c_int, rot as c_int, trad, ms, o) })
+                    .map_err(e)?
+            }
+            OpCode::Attention => {
+                need(3)?;
+                let batch = batch.as_ref().ok_or_else(|| e("no step batch given".into()))?;
+                attention(i, node, nodes, &vals, batch, &groups, &kv, &mut caches)?
+            }
+        };
+        vals[i] = Some(val);
+    }
+
+    // Outputs as f32 in row-major order; then one evaluation of everything this step produced.
+    let mut out_arrays = Vec::with_capacity(outputs.len());
+    for (&o, dst) in outputs.iter().zip(outs) {
+        let node = &nodes[o as usize];
+        if dst.len != node.numel() * 4 {
+            return Err(PluginError::invalid(format!(
+                "output node {o} has {} f32 values but the destination holds {} bytes",
+                node.numel(),
+                dst.len
+            )));
+        }
+        let a = vals[o as usize].as_ref().ok_or_else(|| PluginError::invalid(format!("output {o} has no value")))?;
+        out_arrays.push(a.f32().map_err(PluginError::failed)?);
+    }
+    // The caches' old arrays are dropped before evaluating, so MLX may update them in place (an array
+    // nothing else holds can donate its memory to the scatter that writes this step's keys).
+    let mut to_eval: Vec<&Array> = out_arrays.iter().collect();
+    for c in caches.values() {
+        // SAFETY: buffers of this plugin, used by this thread only for the call.
+        unsafe {
+            for b in [c.k_buf, c.v_buf] {
+                if let Some(MlxBuffer::Device { array, .. }) = b.as_mut() {
+                    *array = Array::placeholder();
+                }
+            }
+        }
+        to_eval.push(&c.k);
+        to_eval.push(&c.v);
+    }
+    drop(vals);
+    let evaluated = Array::eval(&to_eval).map_err(PluginError::failed);
+    for (_, c) in caches.drain() {
+        // SAFETY: as above.
+        unsafe {
+            if let Some(MlxBuffer::Device { array, .. }) = c.k_buf.as_mut() {
+                *array = c.k;
+            }
+            if let Some(MlxBuffer::Device { array, .. }) = c.v_buf.as_mut() {
+                *array = c.v;
+            }
+        }
+    }
+    evaluated?;
+    for (a, dst) in out_arrays.iter().zip(outs) {
+        copy_out(a, dst)?;
+    }
+    Ok(())
+}
+
+fn copy_out(a: &Array, dst: &HostTensor) -> Result<(), PluginError> {
+    if dst.len == 0 {
+        return Ok(());
+    }
+    // SAFETY: the host's destination is writable for `len` bytes.
+    let d = unsafe { std::slice::from_raw_parts_mut(dst.ptr, dst.len) };
+    a.read(0, d).map_err(PluginError::failed)
+}
+
+/// Checks an MLX affine-quantized matrix `[packed, scales, biases]` whose logical inner size is `k`.
+fn check_quant(node: &Node, q: &[&Node; 3], k: usize) -> Result<(), String> {
+    let (bits, group) = (node.iparams[0] as usize, node.iparams[1] as usize);
+    if !matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) || !matches!(group, 32 | 64 | 128) {
+        return Err(format!("unsupported quantization bits={bits} group={group}"));
+    }
+    let [p, s, b] = *q;
+    let n = p.rows();
+    if p.dtype() != DType::U32 || !k.is_multiple_of(group) || p.cols() * 32 != k * bits {
+        return Err(format!(
+            "packed weight is [{n}, {}] {} but {k} columns at {bits} bits need {} u32 words per row",
+            p.cols(),
+            p.dtype().name(),
+            k * bits / 32
+        ));
+    }
+    if s.rows() != n || s.cols() != k / group || b.rows() != n || b.cols() != k / group {
+        return Err(format!("scales/biases must be [{n}, {}]", k / group));
+    }
+    if !is_float(s.dtype()) || !is_float(b.dtype()) {
+        return Err("scales/biases must be floats".into());
+    }
+    Ok(())
+}
+
+/// Attention over the paged cache: this step's K/V written into their slots, then each sequence's
+/// queries against the keys of its context, gathered through its block table.
+#[allow(clippy::too_many_arguments)]
+fn attention(
+    i: usize,
+    node: &Node,
+    nodes: &[Node],
+    vals: &[Option<Array>],
+    batch: &StepBatch,
+    groups: &[KvGroupTables],
+    kv: &[KvBinding],
+    caches: &mut HashMap<usize, LayerCache>,
+) -> Result<Array, PluginError> {
+    let e = |m: String| bad(i, node, m);
+    let src = node.sources();
+    let layer = node.iparams[0] as usize;
+    let (hq, hkv, dh) = (node.iparams[1] as usize, node.iparams[2] as usize, node.iparams[3] as usize);
+    if hq == 0 || hkv == 0 || dh == 0 || hq % hkv != 0 {
+        return Err(e(format!("bad head counts {hq}/{hkv} x {dh}")));
+    }
+    let window = node.iparams[4].max(0) as usize;
+    let t = batch.n_tokens as usize;
+    let n_seqs = batch.n_seqs as usize;
+    let kv_row = hkv * dh;
+    let (qn, kn, vn) = (&nodes[src[0] as usize], &nodes[src[1] as usize], &nodes[src[2] as usize]);
+    if qn.numel() != t * hq * dh || kn.numel() != t * kv_row || vn.numel() != t * kv_row || node.numel() != t * hq * dh
+    {
+        return Err(e(format!("q/k/v shapes do not match {t} tokens of {hq}/{hkv} heads x {dh}")));
+    }
+    let binding = kv.get(layer).ok_or_else(|| e(format!("KV cache layer {layer} not bound")))?;
+    let group = groups
+        .get(binding.group as usize)
+        .ok_or_else(|| e(format!("layer {layer}: KV group {} not given", binding.group)))?;
+    if group.block_size == 0 {
+        return Err(e("block size 0".into()));
+    }
+    // SAFETY: the host guarantees the batch's arrays for the sizes it states.
+    let (token_seq, positions, slot_mapping, tables) = unsafe {
+        (
+            slice_from(batch.token_seq, t),
+            slice_from(batch.positions, t),
+            slice_from(group.slot_mapping, t),
+            slice_from(group.block_tables, n_seqs * group.max_blocks_per_seq as usize),
+        )
+    };
+    validate_layout(token_seq, positions, slot_mapping, tables, group, n_seqs, window).map_err(e)?;
+    let bs = group.block_size as usize;
+    let mb = group.max_blocks_per_seq as usize;
+    let slots = group.num_blocks as usize * bs;
+
+    // This layer's caches: the ones an earlier node of this step left, else the buffers' arrays.
+    if let std::collections::hash_map::Entry::Vacant(slot) = caches.entry(layer) {
+        let dtype = DType::from_raw(binding.dtype);
+        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+            return Err(e(format!("KV cache dtype {} is not one the mlx backend keeps", dtype.name())));
+        }
+        // SAFETY: handles the host bound for this layer; used by this thread only.
+        let (kb, vb) = unsafe { ((binding.k as *mut MlxBuffer).as_mut(), (binding.v as *mut MlxBuffer).as_mut()) };
+        let (Some(kb), Some(vb)) = (kb, vb) else { return Err(e("null KV buffer".into())) };
+        let row_bytes = kv_row * dtype.size();
+        let bind = |b: &mut MlxBuffer| -> Result<Array, PluginError> {
+            if !matches!(b, MlxBuffer::Device { .. }) {
+                return Err(e("KV cache must be an allocated buffer".into()));
+            }
+            let have = b.byte_len() / row_bytes;
+            if have < slots || have * row_bytes != b.byte_len() {
+                return Err(e(format!("KV cache layer {layer} is not {slots} slots of {kv_row} values")));
+            }
+            b.typed(dtype, &[have as i64, kv_row as i64]).map_err(e)
+        };
+        let (k, v) = (bind(kb)?, bind(vb)?);
+        slot.insert(LayerCache { k, v, k_buf: kb, v_buf: vb });
+    }
+    let cache = caches.get_mut(&layer).unwrap();
+    let val = |j: usize| vals[src[j] as usize].as_ref().ok_or_else(|| e(format!("source {} has no value", src[j])));
+    let q = val(0)?.view_f32_2d(qn.dtype(), t as i64, (hq * dh) as i64).map_err(e)?;
+    let k = val(1)?.view_f32_2d(kn.dtype(), t as i64, kv_row as i64).map_err(e)?;
+    let v = val(2)?.view_f32_2d(vn.dtype(), t as i64, kv_row as i64).map_err(e)?;
+    let slot_idx: Vec<i32> = slot_mapping.iter().map(|&s| s as i32).collect();
+    let slot_idx = Array::from_i32(&slot_idx, &[t as i64]).map_err(e)?;
+    let (mut k_new, mut v_new) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: live handles; two output slots.
+    crate::array::status(unsafe {
+        ffi::mlxb_kv_write(cache.k.raw(), cache.v.raw(), k.raw(), v.raw(), slot_idx.raw(), &mut k_new, &mut v_new)
+    })
+    .map_err(e)?;
+    cache.k = Array::from_raw(k_new);
+    cache.v = Array::from_raw(v_new);
+
+    // Each run of one sequence's tokens against its context.
+    let mut parts = Vec::new();
+    let mut t0 = 0;
+    while t0 < t {
+        let s = token_seq[t0] as usize;
+        let mut t1 = t0 + 1;
+        while t1 < t && token_seq[t1] as usize == s {
+            t1 += 1;
+        }
+        let first = positions[t0] as usize;
+        let last = positions[t0..t1].iter().copied().max().unwrap_or(0) as usize;
+        let start = if window > 0 { (first + 1).saturating_sub(window) } else { 0 };
+        let len = last + 1 - start;
+        let key_slots: Vec<i32> = (start..=last)
+            .map(|p| {
+                let id = tables[s * mb + p / bs];
+                if id == NO_BLOCK {
+                    0 // masked: outside every token's window
+                } else {
+                    (id as usize * bs + p % bs) as i32
+                }
+            })
+            .collect();
+        let mut mask = vec![f32::NEG_INFINITY; (t1 - t0) * len];
+        for (r, &pos) in positions[t0..t1].iter().enumerate() {
+            let pos = pos as usize;
+            let lo = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
+            for p in lo.max(start)..=pos {
+                mask[r * len + p - start] = 0.0;
+            }
+        }
+        let ks = Array::from_i32(&key_slots, &[len as i64]).map_err(e)?;
+        let m = Array::from_f32(&mask, &[(t1 - t0) as i64, len as i64]).map_err(e)?;
+        let (scale, softcap) = (node.fparams[0], node.fparams[1]);
+        // SAFETY: live handles.
+        let part = make(|o| unsafe {
+            ffi::mlxb_attention_seq(
+                q.raw(),
+                t0 as c_int,
+                (t1 - t0) as c_int,
+                cache.k.raw(),
+                cache.v.raw(),
+                ks.raw(),
+                m.raw(),
+                hq as c_int,
+                hkv as c_int,
+                dh as c_int,
+                scale,
+                softcap,
+                o,
+            )
+        })
+        .map_err(e)?;
+        parts.push(part);
+        t0 = t1;
+    }
+    if parts.is_empty() {
+        return Array::zeros(DType::F32, &[0, (hq * dh) as i64]).map_err(e);
+    }
+    let raw: Vec<_> = parts.iter().map(|p| p.raw() as *mut ffi::RawArray).collect();
+    // SAFETY: live handles.
+    make(|o| unsafe { ffi::mlxb_concat_rows(raw.as_ptr(), raw.len(), o) }).map_err(e)
+}

@@ -1,0 +1,125 @@
+//! The grouped-query self-attention block most decoders share: q/k/v projections (with optional
+//! biases), optional per-head RMS norm on q and k, RoPE, paged attention over the layer's KV cache
+//! (full or sliding window, optionally soft-capped and scaled by a configured query scalar), o_proj.
+
+use mlxcel_plugin_api::{OpCode, TensorId};
+use serde_json::Value;
+
+use crate::weights::{GraphWriter, Linear, WeightRef, WeightTable};
+
+/// The shape of one layer's attention.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionShape {
+    pub hidden: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub qkv_bias: bool,
+    pub o_bias: bool,
+    /// Per-head RMS norm on q and k (Qwen3, Gemma 3).
+    pub qk_norm: bool,
+    /// The q/k norms scale by `(1 + w)`: the checkpoint stores the offset from one (Gemma 3).
+    pub norm_plus_one: bool,
+    /// Attention-score scale; `None` is `1/√head_dim` (Gemma 2 and 3: `1/√query_pre_attn_scalar`).
+    pub scale: Option<f32>,
+    /// Soft-cap of the attention scores, `cap · tanh(s / cap)` (Gemma 2; 0 = none).
+    pub softcap: f32,
+    /// Sliding window (0 = full attention).
+    pub window: usize,
+}
+
+/// One layer's weights.
+pub struct SelfAttention {
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    pub q_norm: Option<WeightRef>,
+    pub k_norm: Option<WeightRef>,
+    pub shape: AttentionShape,
+}
+
+/// The step-wide inputs every layer's RoPE reads.
+#[derive(Debug, Clone, Copy)]
+pub struct RopeInputs {
+    pub positions: TensorId,
+    pub inv_freq: TensorId,
+    /// `[head_dim, rotary dims, traditional]` as the `Rope` op takes them.
+    pub params: [i64; 3],
+    pub mscale: f32,
+}
+
+impl SelfAttention {
+    /// Resolves `{prefix}.{q,k,v,o}_proj` and, with `qk_norm`, `{prefix}.{q,k}_norm.weight`.
+    pub fn load(
+        table: &WeightTable,
+        quant: Option<&Value>,
+        prefix: &str,
+        shape: AttentionShape,
+    ) -> Result<SelfAttention, String> {
+        let AttentionShape { hidden: d, n_heads: nh, n_kv_heads: nkv, head_dim: hd, .. } = shape;
+        let lin = |name: &str, i: usize, o: usize, bias: bool| {
+            Linear::load(table, quant, &format!("{prefix}.{name}"), i, o, bias)
+        };
+        let norm = |name: &str| -> Result<Option<WeightRef>, String> {
+            if shape.qk_norm {
+                table.float(&format!("{prefix}.{name}.weight"), &[hd as u64]).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        Ok(SelfAttention {
+            q: lin("q_proj", d, nh * hd, shape.qkv_bias)?,
+            k: lin("k_proj", d, nkv * hd, shape.qkv_bias)?,
+            v: lin("v_proj", d, nkv * hd, shape.qkv_bias)?,
+            o: lin("o_proj", nh * hd, d, shape.o_bias)?,
+            q_norm: norm("q_norm")?,
+            k_norm: norm("k_norm")?,
+            shape,
+        })
+    }
+
+    /// Weight-table indices the block reads.
+    pub fn indices(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = [&self.q, &self.k, &self.v, &self.o].iter().flat_map(|l| l.indices()).collect();
+        v.extend(self.q_norm.iter().chain(self.k_norm.iter()).map(|w| w.index));
+        v
+    }
+
+    /// `o_proj(attention(rope(q), rope(k), v))` for `t` tokens of `x`, through KV cache `layer`.
+    pub fn forward(
+        &self,
+        w: &mut GraphWriter,
+        x: TensorId,
+        t: u64,
+        layer: usize,
+        rope: &RopeInputs,
+        eps: f32,
+    ) -> TensorId {
+        let s = self.shape;
+        let (nh, nkv, hd) = (s.n_heads as u64, s.n_kv_heads as u64, s.head_dim as u64);
+        let mut q = w.linear(x, t, &self.q);
+        let mut k = w.linear(x, t, &self.k);
+        let v = w.linear(x, t, &self.v);
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            if s.norm_plus_one {
+                q = w.rms_norm_plus_one(q, &[t, nh * hd], qn, eps);
+                k = w.rms_norm_plus_one(k, &[t, nkv * hd], kn, eps);
+            } else {
+                q = w.rms_norm(q, &[t, nh * hd], qn, eps);
+                k = w.rms_norm(k, &[t, nkv * hd], kn, eps);
+            }
+        }
+        let src = |x| [x, rope.positions, rope.inv_freq];
+        let q = w.g.op_with(OpCode::Rope, &[t, nh * hd], &src(q), &rope.params, &[rope.mscale]);
+        let k = w.g.op_with(OpCode::Rope, &[t, nkv * hd], &src(k), &rope.params, &[rope.mscale]);
+        let attn = w.g.op_with(
+            OpCode::Attention,
+            &[t, nh * hd],
+            &[q, k, v],
+            &[layer as i64, nh as i64, nkv as i64, hd as i64, s.window as i64],
+            &[s.scale.unwrap_or(1.0 / (hd as f32).sqrt()), s.softcap],
+        );
+        w.linear(attn, t, &self.o)
+    }
+}

@@ -1,0 +1,87 @@
+//! How a model's per-sequence state is laid out before anything is allocated: which layers share a KV
+//! group, how many blocks each group gets, and the bytes that makes. The runner allocates from it and
+//! the memory estimate counts from it, so the fit check counts what will actually be allocated.
+
+use mlxcel_plugin_api::KvKind;
+use mlxcel_plugins::ModelInfo;
+
+/// Bytes per KV element in this engine's caches (f32).
+pub const KV_ELEMENT_BYTES: usize = 4;
+
+/// The KV groups and state rows of a model at a context size and parallelism.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvPlan {
+    pub block_size: usize,
+    pub max_blocks_per_seq: usize,
+    /// Window of each group (0 = full attention); group 0 is the full-attention group when there is one.
+    pub windows: Vec<usize>,
+    /// Blocks of each group, all sequences together.
+    pub blocks_per_group: Vec<usize>,
+    /// The group of each layer (`None` for layers without KV).
+    pub layer_group: Vec<Option<u32>>,
+    /// Rows of recurrent state per stateful layer (one per sequence in flight; 0 if none).
+    pub state_slots: usize,
+}
+
+impl KvPlan {
+    /// Plans caches for `parallel` sequences of up to `ctx_size` tokens that bring at most
+    /// `max_step_tokens` tokens to one step: full-attention layers get `ctx_size` per sequence; a
+    /// sliding-window group only its window plus one step's tokens (pages behind it are released).
+    pub fn new(info: &ModelInfo, ctx_size: usize, block_size: usize, parallel: usize, max_step_tokens: usize) -> Self {
+        let block_size = block_size.max(1);
+        let parallel = parallel.max(1);
+        let max_blocks_per_seq = ctx_size.div_ceil(block_size);
+        let window_of = |kind: KvKind, window: usize| match kind {
+            KvKind::SlidingWindow if window > 0 && window < ctx_size => window,
+            _ => 0,
+        };
+        let attention = || info.kv_layers.iter().filter(|l| matches!(l.kind, KvKind::Full | KvKind::SlidingWindow));
+        let mut windows: Vec<usize> = Vec::new();
+        if attention().any(|l| window_of(l.kind, l.window) == 0) {
+            windows.push(0);
+        }
+        for l in attention() {
+            let w = window_of(l.kind, l.window);
+            if w > 0 && !windows.contains(&w) {
+                windows.push(w);
+            }
+        }
+        let blocks_per_group = windows
+            .iter()
+            .map(|&w| match w {
+                0 => max_blocks_per_seq,
+                w => ((w + max_step_tokens.max(1)).div_ceil(block_size) + 1).min(max_blocks_per_seq),
+            })
+            .map(|per_seq| per_seq * parallel)
+            .collect();
+        let layer_group = info
+            .kv_layers
+            .iter()
+            .map(|l| match l.kind {
+                KvKind::Full | KvKind::SlidingWindow => {
+                    let w = window_of(l.kind, l.window);
+                    Some(windows.iter().position(|&g| g == w).unwrap_or(0) as u32)
+                }
+                _ => None,
+            })
+            .collect();
+        let state_slots = if info.kv_layers.iter().any(|l| l.kind == KvKind::Recurrent) { parallel } else { 0 };
+        KvPlan { block_size, max_blocks_per_seq, windows, blocks_per_group, layer_group, state_slots }
+    }
+
+    /// Bytes of every KV cache and state buffer this plan allocates (f32 caches).
+    pub fn bytes(&self, info: &ModelInfo) -> u64 {
+        info.kv_layers
+            .iter()
+            .zip(&self.layer_group)
+            .map(|(l, g)| match (l.kind, g) {
+                (KvKind::Recurrent, _) => (self.state_slots * l.state_elems * 4) as u64,
+                (_, Some(g)) => {
+                    let slots = self.blocks_per_group[*g as usize] * self.block_size;
+                    (2 * slots * l.n_kv_heads * l.head_dim * KV_ELEMENT_BYTES) as u64
+                }
+                _ => 0,
+            })
+            .sum()
+    }
+}

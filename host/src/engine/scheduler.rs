@@ -1,0 +1,823 @@
+//! Continuous batching: every step puts all active sequences into one forward pass — running decodes
+//! first, then chunks of prompts still being prefilled — up to `parallel` sequences and a token budget
+//! per step. Requests beyond `parallel` wait in a bounded queue.
+//!
+//! KV pages are taken page by page as a sequence grows and given back when it ends (see
+//! [`kv_cache`](super::kv_cache)); full pages go to the [`PrefixCache`] so a later prompt with the same
+//! start skips recomputing them. When pages run out, unused cached pages are evicted first; then the
+//! newest sequence is preempted: its pages are let go and it goes back to the front of the queue with its
+//! generated tokens appended to what it must recompute, so its output continues exactly where it was.
+//!
+//! [`Scheduler`] is synchronous and single-threaded (tests drive it step by step);
+//! [`Engine`](super::handle::Engine) runs it on its own thread behind channels.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::generate::FinishReason;
+use super::kv_cache::{KvCache, SeqBlocks};
+use super::prefix_cache::{PrefixCache, ROOT};
+use super::request::{EngineError, GenerationEvent, GenerationRequest, TokenLogprob, Usage};
+use super::runner::{Logits, ModelRunner, SeqChunk};
+use super::sampler::Sampler;
+use super::streaming_text::StreamingText;
+use crate::text::TextTokenizer;
+
+/// What the scheduler needs of a model: one batched forward pass and the KV pages it reads.
+/// [`ModelRunner`] is the real one; tests use a model that checks what each page holds.
+pub trait StepModel {
+    /// Runs one step over `chunks`; returns the requested logits rows, `[rows, vocab]`, in chunk order.
+    fn forward(&mut self, chunks: &[SeqChunk]) -> anyhow::Result<Vec<f32>>;
+    fn vocab_size(&self) -> usize;
+    /// Longest context one sequence may reach.
+    fn ctx_size(&self) -> usize;
+    /// The model's KV pages (all groups; the figures it reports are group 0's).
+    fn kv_cache(&self) -> &KvCache;
+    /// KV bytes per token of context (all layers), for reporting the budget.
+    fn kv_bytes_per_token(&self) -> usize;
+    /// Whether one sequence may reuse another's KV pages for a shared prefix. Not for models with
+    /// state outside the pages (recurrent layers) or pages freed outside a window (sliding window).
+    fn prefix_reuse_safe(&self) -> bool;
+    /// Moves on whenever the model lost its cached state (its backend was rebuilt after a plugin panic):
+    /// every sequence's KV must then be computed again.
+    fn state_epoch(&self) -> u64 {
+        0
+    }
+}
+
+impl StepModel for ModelRunner {
+    fn forward(&mut self, chunks: &[SeqChunk]) -> anyhow::Result<Vec<f32>> {
+        ModelRunner::forward(self, chunks)
+    }
+    fn vocab_size(&self) -> usize {
+        self.info.vocab_size
+    }
+    fn ctx_size(&self) -> usize {
+        self.ctx_size
+    }
+    fn kv_cache(&self) -> &KvCache {
+        &self.pool
+    }
+    fn kv_bytes_per_token(&self) -> usize {
+        ModelRunner::kv_bytes_per_token(self)
+    }
+    fn prefix_reuse_safe(&self) -> bool {
+        self.pool.prefix_reusable()
+    }
+    fn state_epoch(&self) -> u64 {
+        self.state_epoch
+    }
+}
+
+/// How the engine schedules.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// Sequences in flight together (`-np/--parallel`).
+    pub parallel: usize,
+    /// Most tokens scheduled in one step (`-b/--batch-size`).
+    pub batch_size: usize,
+    /// Most tokens one forward pass computes (`-ub/--ubatch-size`). A step is one forward pass, so its
+    /// budget is the smaller of the two (and never less than `parallel`, so every decode fits).
+    pub ubatch_size: usize,
+    /// Requests that may wait for a slot; one more is refused with [`EngineError::QueueFull`].
+    pub max_queue: usize,
+    /// Keep full KV pages for later requests with the same prefix (`--cache-prompt`); a request can
+    /// still opt out with `cache_prompt: false`.
+    pub prefix_cache: bool,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        EngineOptions { parallel: 4, batch_size: 2048, ubatch_size: 512, max_queue: 128, prefix_cache: true }
+    }
+}
+
+impl EngineOptions {
+    /// Tokens one step may compute.
+    pub fn step_tokens(&self) -> usize {
+        self.batch_size.min(self.ubatch_size).max(self.parallel).max(1)
+    }
+}
+
+/// What a slot is doing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotState {
+    Idle,
+    /// Computing its prompt (or recomputing after preemption).
+    Prefill,
+    Generating,
+}
+
+impl SlotState {
+    pub fn name(self) -> &'static str {
+        match self {
+            SlotState::Idle => "idle",
+            SlotState::Prefill => "prefill",
+            SlotState::Generating => "generating",
+        }
+    }
+}
+
+/// One slot of `parallel`, as `/slots` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotStats {
+    pub id: usize,
+    pub state: SlotState,
+    /// The request in the slot.
+    pub request: Option<u64>,
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub generated_tokens: usize,
+    /// Positions whose KV the sequence holds.
+    pub kv_tokens: usize,
+}
+
+/// Totals since the engine started, as `/metrics` shows them.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineCounters {
+    /// Requests accepted into the queue.
+    pub requests: u64,
+    pub requests_finished: u64,
+    pub requests_cancelled: u64,
+    pub requests_failed: u64,
+    /// Prompt tokens computed (tokens served from the prefix cache are not).
+    pub prompt_tokens: u64,
+    pub generated_tokens: u64,
+    /// Prompt tokens served from the prefix cache.
+    pub cache_hit_tokens: u64,
+    pub preemptions: u64,
+    /// Forward passes run.
+    pub steps: u64,
+    /// Sequences computed, summed over forward passes (÷ `steps` = sequences per pass).
+    pub sequence_steps: u64,
+    /// Time from admission to first token, summed over requests.
+    pub prompt_seconds: f64,
+    /// Time from first to last token, summed over requests.
+    pub generation_seconds: f64,
+}
+
+/// A snapshot of the engine for `/slots`, `/metrics` and `/props`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineStats {
+    pub slots: Vec<SlotStats>,
+    /// Requests waiting for a slot (preempted ones included).
+    pub queued: usize,
+    pub ctx_size: usize,
+    pub parallel: usize,
+    pub kv_page_tokens: usize,
+    pub kv_pages_total: usize,
+    /// Pages held by sequences or the prefix cache.
+    pub kv_pages_used: usize,
+    /// Pages the prefix cache holds (some may also be in use by sequences).
+    pub kv_pages_cached: usize,
+    pub kv_bytes_per_token: usize,
+    pub counters: EngineCounters,
+}
+
+impl EngineStats {
+    /// Slots with a sequence in them.
+    pub fn busy_slots(&self) -> usize {
+        self.slots.iter().filter(|s| s.state != SlotState::Idle).count()
+    }
+}
+
+/// The limits a request is checked against before it is queued.
+#[derive(Debug, Clone, Copy)]
+pub struct RequestLimits {
+    pub vocab_size: usize,
+    pub ctx_size: usize,
+    /// Positions the whole KV pool holds.
+    pub kv_tokens: usize,
+}
+
+impl RequestLimits {
+    pub fn of(model: &dyn StepModel) -> Self {
+        let pool = model.kv_cache();
+        RequestLimits {
+            vocab_size: model.vocab_size(),
+            ctx_size: model.ctx_size(),
+            kv_tokens: pool.num_blocks * pool.block_size,
+        }
+    }
+
+    /// Refuses what could never run: an empty or too long prompt, an unknown token, bad sampling.
+    pub fn check(&self, req: &GenerationRequest) -> Result<(), EngineError> {
+        if req.prompt.is_empty() {
+            return Err(EngineError::Invalid("the prompt is empty".into()));
+        }
+        if let Some(&t) = req.prompt.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(EngineError::Invalid(format!(
+                "token id {t} is outside the vocabulary ({} tokens)",
+                self.vocab_size
+            )));
+        }
+        req.sampling.validate().map_err(EngineError::Invalid)?;
+        // The prompt and the first generated token must fit the context and the whole KV pool.
+        let limit = self.ctx_size.min(self.kv_tokens);
+        if req.prompt.len() >= limit {
+            return Err(EngineError::PromptTooLong { prompt_tokens: req.prompt.len(), ctx_size: limit });
+        }
+        Ok(())
+    }
+}
+
+/// Counts the scheduler shares with submitters, so a full queue is refused without a round trip to
+/// the engine thread.
+#[derive(Debug, Default)]
+pub struct QueueCounts {
+    /// Requests submitted and never admitted yet (including those still in the channel).
+    waiting: AtomicUsize,
+    /// Sequences in slots.
+    running: AtomicUsize,
+}
+
+impl QueueCounts {
+    /// Requests submitted and not admitted yet.
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::SeqCst)
+    }
+
+    /// Counts a new request in, unless it would wait behind `max_queue` others for a slot.
+    pub fn try_enter(&self, parallel: usize, max_queue: usize) -> Result<(), EngineError> {
+        let free_slots = parallel.saturating_sub(self.running.load(Ordering::SeqCst));
+        let queued = self.waiting.fetch_add(1, Ordering::SeqCst);
+        if queued >= max_queue.saturating_add(free_slots) {
+            self.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(EngineError::QueueFull { queued });
+        }
+        Ok(())
+    }
+
+    /// Takes back a request counted in but never delivered.
+    pub fn leave(&self) {
+        self.waiting.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// A request as the engine receives it, with where its events go.
+pub struct Submission {
+    pub id: u64,
+    pub request: GenerationRequest,
+    pub events: UnboundedSender<GenerationEvent>,
+    /// Set by the requester to stop the request (it ends with `Cancelled`).
+    pub cancel: Arc<AtomicBool>,
+    pub submitted: Instant,
+}
+
+/// One request in flight or waiting.
+struct Sequence {
+    id: u64,
+    /// Prompt, then every generated token. All but the last are what the KV must hold before the
+    /// next token can be sampled.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    kv: SeqBlocks,
+    /// Pages of `kv` offered to the prefix cache, and the key of the last one.
+    offered_pages: usize,
+    offered_key: u64,
+    cache_prompt: bool,
+    logprobs: Option<usize>,
+    sampler: Sampler,
+    text: StreamingText,
+    events: UnboundedSender<GenerationEvent>,
+    cancel: Arc<AtomicBool>,
+    deadline: Option<Instant>,
+    submitted: Instant,
+    admitted: Option<Instant>,
+    first_token: Option<Instant>,
+    last_token: Option<Instant>,
+    /// Prompt tokens the first admission found in the prefix cache.
+    cached_tokens: usize,
+    slot: Option<usize>,
+}
+
+impl Sequence {
+    /// Tokens still to feed before the next token can be sampled (1 while decoding).
+    fn pending(&self) -> usize {
+        self.tokens.len() - self.kv.len
+    }
+
+    fn cancelled(&self, now: Instant) -> bool {
+        self.cancel.load(Ordering::Relaxed) || self.events.is_closed() || self.deadline.is_some_and(|d| now >= d)
+    }
+
+    fn send(&self, event: GenerationEvent) {
+        // A closed receiver is noticed at the next step and cancels the sequence.
+        let _ = self.events.send(event);
+    }
+
+    fn usage(&self) -> Usage {
+        let since = |a: Option<Instant>, b: Option<Instant>| match (a, b) {
+            (Some(a), Some(b)) => b.saturating_duration_since(a),
+            _ => Duration::ZERO,
+        };
+        Usage {
+            prompt_tokens: self.prompt_len,
+            cached_tokens: self.cached_tokens,
+            completion_tokens: self.text.generated(),
+            prompt_time: since(self.admitted, self.first_token),
+            generation_time: since(self.first_token, self.last_token),
+            queue_time: since(Some(self.submitted), self.admitted),
+        }
+    }
+}
+
+/// How one sequence ends.
+enum Outcome {
+    Finished(FinishReason),
+    Failed(EngineError),
+}
+
+/// The batching scheduler over a model. Not thread-safe; see [`Engine`](super::handle::Engine).
+pub struct Scheduler<M: StepModel> {
+    model: M,
+    tokenizer: Arc<TextTokenizer>,
+    opts: EngineOptions,
+    cache: PrefixCache,
+    reuse_prefixes: bool,
+    /// Waiting, in order; preempted sequences go back to the front.
+    waiting: VecDeque<Sequence>,
+    /// Admitted, oldest request first (the newest is the one preempted).
+    running: Vec<Sequence>,
+    free_slots: Vec<usize>,
+    /// What the queue limit counts, shared with the submitters.
+    counts: Arc<QueueCounts>,
+    counters: EngineCounters,
+    /// The model's state epoch the running sequences' KV belongs to.
+    epoch: u64,
+}
+
+impl<M: StepModel> Scheduler<M> {
+    pub fn new(model: M, tokenizer: Arc<TextTokenizer>, opts: EngineOptions) -> Self {
+        let parallel = opts.parallel.max(1);
+        let opts = EngineOptions { parallel, ..opts };
+        let reuse_prefixes = opts.prefix_cache && model.prefix_reuse_safe();
+        if opts.prefix_cache && !reuse_prefixes {
+            tracing::info!("prefix cache off: this model keeps state outside its KV pages");
+        }
+        Scheduler {
+            cache: PrefixCache::new(model.kv_cache().block_size),
+            model,
+            tokenizer,
+            opts,
+            reuse_prefixes,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            free_slots: (0..parallel).rev().collect(),
+            counts: Arc::default(),
+            counters: EngineCounters::default(),
+            epoch: 0,
+        }
+    }
+
+    pub fn model(&self) -> &M {
+        &self.model
+    }
+
+    pub fn options(&self) -> &EngineOptions {
+        &self.opts
+    }
+
+    pub fn limits(&self) -> RequestLimits {
+        RequestLimits::of(&self.model)
+    }
+
+    /// The counts the queue limit is checked against, shared with submitters.
+    pub fn queue_counts(&self) -> Arc<QueueCounts> {
+        self.counts.clone()
+    }
+
+    /// No request is running or waiting.
+    pub fn is_idle(&self) -> bool {
+        self.running.is_empty() && self.waiting.is_empty()
+    }
+
+    /// Checks and queues a request. The queue holds `max_queue` requests beyond the free slots.
+    pub fn submit(&mut self, sub: Submission) -> Result<(), EngineError> {
+        self.limits().check(&sub.request)?;
+        self.counts.try_enter(self.opts.parallel, self.opts.max_queue)?;
+        self.enqueue(sub);
+        Ok(())
+    }
+
+    /// Queues a request already checked and counted in by [`QueueCounts::try_enter`] (by [`EngineHandle`]).
+    ///
+    /// [`EngineHandle`]: super::handle::EngineHandle
+    pub fn enqueue(&mut self, sub: Submission) {
+        let r = sub.request;
+        self.counters.requests += 1;
+        self.waiting.push_back(Sequence {
+            id: sub.id,
+            prompt_len: r.prompt.len(),
+            tokens: r.prompt,
+            kv: SeqBlocks::new(),
+            offered_pages: 0,
+            offered_key: ROOT,
+            cache_prompt: r.cache_prompt,
+            logprobs: r.logprobs.map(|n| n.min(self.model.vocab_size())),
+            sampler: Sampler::new(r.sampling),
+            text: StreamingText::new(&r.stop, r.ignore_eos, r.max_tokens),
+            events: sub.events,
+            cancel: sub.cancel,
+            // A timeout too long to represent is no timeout.
+            deadline: r.timeout.and_then(|t| sub.submitted.checked_add(t)),
+            submitted: sub.submitted,
+            admitted: None,
+            first_token: None,
+            last_token: None,
+            cached_tokens: 0,
+            slot: None,
+        });
+    }
+
+    /// One scheduling step: drop cancelled requests, admit waiting ones, run one forward pass over
+    /// every running sequence that has room, sample, stream. Returns whether a forward pass ran.
+    pub fn step(&mut self) -> bool {
+        self.drop_cancelled();
+        self.admit();
+        self.counts.running.store(self.running.len(), Ordering::SeqCst);
+        let plan = self.plan();
+        let ran = !plan.is_empty();
+        if ran {
+            let outcomes = self.run(&plan);
+            self.counters.steps += 1;
+            self.counters.sequence_steps += plan.len() as u64;
+            for (i, outcome) in outcomes.into_iter().rev() {
+                let seq = self.running.remove(i);
+                self.finish(seq, outcome);
+            }
+        }
+        self.counts.running.store(self.running.len(), Ordering::SeqCst);
+        ran
+    }
+
+    /// Ends every request (shutdown).
+    pub fn cancel_all(&mut self) {
+        let all: Vec<Sequence> = self.running.drain(..).chain(self.waiting.drain(..)).collect();
+        for seq in all {
+            self.finish(seq, Outcome::Finished(FinishReason::Cancelled));
+        }
+        self.counts.running.store(0, Ordering::SeqCst);
+    }
+
+    /// Drops every cached page no sequence holds.
+    pub fn clear_prefix_cache(&mut self) {
+        self.cache.clear_unused();
+    }
+
+    pub fn stats(&self) -> EngineStats {
+        let pool = self.model.kv_cache();
+        let mut slots: Vec<SlotStats> = (0..self.opts.parallel)
+            .map(|id| SlotStats {
+                id,
+                state: SlotState::Idle,
+                request: None,
+                prompt_tokens: 0,
+                cached_tokens: 0,
+                generated_tokens: 0,
+                kv_tokens: 0,
+            })
+            .collect();
+        for s in &self.running {
+            let Some(slot) = s.slot else { continue };
+            slots[slot] = SlotStats {
+                id: slot,
+                state: if s.first_token.is_some() && s.pending() <= 1 {
+                    SlotState::Generating
+                } else {
+                    SlotState::Prefill
+                },
+                request: Some(s.id),
+                prompt_tokens: s.prompt_len,
+                cached_tokens: s.cached_tokens,
+                generated_tokens: s.text.generated(),
+                kv_tokens: s.kv.len,
+            };
+        }
+        EngineStats {
+            slots,
+            queued: self.waiting.len(),
+            ctx_size: self.model.ctx_size(),
+            parallel: self.opts.parallel,
+            kv_page_tokens: pool.block_size,
+            kv_pages_total: pool.num_blocks,
+            kv_pages_used: pool.num_blocks - pool.free_blocks(),
+            kv_pages_cached: self.cache.len(),
+            kv_bytes_per_token: self.model.kv_bytes_per_token(),
+            counters: self.counters.clone(),
+        }
+    }
+
+    fn drop_cancelled(&mut self) {
+        let now = Instant::now();
+        let mut i = 0;
+        while i < self.running.len() {
+            if self.running[i].cancelled(now) {
+                let seq = self.running.remove(i);
+                self.finish(seq, Outcome::Finished(FinishReason::Cancelled));
+            } else {
+                i += 1;
+            }
+        }
+        let (gone, kept): (Vec<Sequence>, Vec<Sequence>) = self.waiting.drain(..).partition(|s| s.cancelled(now));
+        self.waiting = kept.into();
+        for seq in gone {
+            self.finish(seq, Outcome::Finished(FinishReason::Cancelled));
+        }
+    }
+
+    /// Moves waiting requests into free slots, first come first served, while the KV pool can take
+    /// their prompts (counting pages found in the prefix cache and cached pages it could evict).
+    fn admit(&mut self) {
+        let pool = self.model.kv_cache();
+        let bs = pool.block_size;
+        while self.running.len() < self.opts.parallel {
+            let Some(seq) = self.waiting.front() else { break };
+            // Reuse whole cached pages, but always compute the last token (its logits are needed) in a
+            // page this sequence owns.
+            let reusable = (seq.tokens.len() - 1) / bs;
+            let hit = if self.reuse_prefixes && seq.cache_prompt {
+                self.cache.lookup(&seq.tokens[..reusable * bs], reusable)
+            } else {
+                Default::default()
+            };
+            let need = pool.pages_for(seq.tokens.len()) - hit.pages.len();
+            let available = pool.free_blocks() + self.cache.evictable();
+            if need > available && !self.running.is_empty() {
+                break;
+            }
+            let mut seq = self.waiting.pop_front().expect("front exists");
+            let reused = hit.pages.len() * bs;
+            for page in hit.pages {
+                seq.kv.push_shared(page);
+            }
+            seq.kv.len = reused;
+            seq.offered_pages = seq.kv.num_pages();
+            seq.offered_key = hit.key;
+            self.counters.cache_hit_tokens += reused as u64;
+            if seq.admitted.is_none() {
+                seq.admitted = Some(Instant::now());
+                seq.cached_tokens = reused;
+                self.counts.leave();
+            }
+            seq.slot = self.free_slots.pop();
+            let at = self.running.partition_point(|s| s.id < seq.id);
+            self.running.insert(at, seq);
+        }
+    }
+
+    /// Chooses each running sequence's tokens for this step and gives it the pages they need:
+    /// decodes first, then prompt chunks, oldest request first, within the step's token budget.
+    /// Returns `(index in running, tokens)` in `running` order.
+    fn plan(&mut self) -> Vec<(usize, usize)> {
+        let mut budget = self.opts.step_tokens();
+        let mut planned = vec![0usize; self.running.len()];
+        for decodes in [true, false] {
+            let mut i = 0;
+            while i < self.running.len() && budget > 0 {
+                let pending = self.running[i].pending();
+                if planned[i] > 0 || (pending == 1) != decodes {
+                    i += 1;
+                    continue;
+                }
+                if let Some(n) = self.grow(i, pending.min(budget)) {
+                    planned[i] = n;
+                    budget -= n;
+                    i += 1;
+                    continue;
+                }
+                // Not one more page: preempt the newest sequence (maybe this one), unless a prompt chunk
+                // can simply wait for pages that running decodes will free.
+                let nothing_planned = planned.iter().all(|&n| n == 0);
+                if !decodes && !nothing_planned {
+                    i += 1;
+                    continue;
+                }
+                let newest = self.running.len() - 1;
+                if newest == 0 {
+                    // Alone and the pool is full: this sequence has used all the KV memory there is.
+                    let seq = self.running.remove(0);
+                    planned.remove(0);
+                    self.finish(seq, Outcome::Finished(FinishReason::Length));
+                    break;
+                }
+                self.preempt(newest);
+                planned.pop();
+                if newest == i {
+                    break;
+                }
+            }
+        }
+        planned.iter().enumerate().filter(|(_, &n)| n > 0).map(|(i, &n)| (i, n)).collect()
+    }
+
+    /// Gives `running[i]` the pages for up to `want` more tokens, evicting unused cached pages if
+    /// needed; returns how many tokens it has room for (None: not even one).
+    fn grow(&mut self, i: usize, want: usize) -> Option<usize> {
+        let pool = self.model.kv_cache();
+        let seq = &mut self.running[i];
+        let have = seq.kv.num_pages();
+        let need = pool.pages_for(seq.kv.len + want).saturating_sub(have);
+        while pool.free_blocks() < need && self.cache.evict_one() {}
+        let pages = have + need.min(pool.free_blocks());
+        let n = (pages * pool.block_size).saturating_sub(seq.kv.len).min(want);
+        if n == 0 {
+            return None;
+        }
+        let end = seq.kv.len + n;
+        pool.reserve(&mut seq.kv, end).ok()?;
+        Some(n)
+    }
+
+    /// Lets go of `running[i]`'s pages and sends it back to the front of the queue; it recomputes its
+    /// prompt and what it generated so far when it is admitted again.
+    fn preempt(&mut self, i: usize) {
+        let mut seq = self.running.remove(i);
+        tracing::debug!("preempting request {} ({} tokens of KV) to free pages", seq.id, seq.kv.len);
+        seq.kv = SeqBlocks::new();
+        seq.offered_pages = 0;
+        seq.offered_key = ROOT;
+        if let Some(slot) = seq.slot.take() {
+            self.free_slots.push(slot);
+        }
+        self.counters.preemptions += 1;
+        self.waiting.push_front(seq);
+    }
+
+    /// Runs the planned chunks as one forward pass, then samples and streams for every sequence that
+    /// asked for logits. Returns the sequences that ended, `(index in running, how)`, in order.
+    fn run(&mut self, plan: &[(usize, usize)]) -> Vec<(usize, Outcome)> {
+        let chunks: Vec<SeqChunk> = plan
+            .iter()
+            .map(|&(i, n)| {
+                let s = &self.running[i];
+                SeqChunk {
+                    blocks: &s.kv,
+                    tokens: &s.tokens[s.kv.len..s.kv.len + n],
+                    start_pos: s.kv.len,
+                    logits: if s.kv.len + n == s.tokens.len() { Logits::Last } else { Logits::None },
+                }
+            })
+            .collect();
+        let mut logits = match self.model.forward(&chunks) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!("forward pass failed: {e:#}");
+                if self.model.state_epoch() != self.epoch {
+                    // The backend was rebuilt: every cached page is gone. Sequences outside this step
+                    // start their KV over from their tokens, as after a preemption.
+                    self.epoch = self.model.state_epoch();
+                    self.cache = PrefixCache::new(self.model.kv_cache().block_size);
+                    for s in &mut self.running {
+                        s.kv = SeqBlocks::new();
+                    }
+                }
+                let err = EngineError::Internal(format!("the forward pass failed: {e:#}"));
+                return plan.iter().map(|&(i, _)| (i, Outcome::Failed(err.clone()))).collect();
+            }
+        };
+        drop(chunks);
+
+        let vocab = self.model.vocab_size();
+        let ctx_size = self.model.ctx_size();
+        let page_size = self.model.kv_cache().block_size;
+        let mut rows = logits.chunks_exact_mut(vocab);
+        let mut ended = Vec::new();
+        for &(i, n) in plan {
+            let seq = &mut self.running[i];
+            let was_prompt = seq.first_token.is_none();
+            seq.kv.len += n;
+            if was_prompt {
+                self.counters.prompt_tokens += n as u64;
+            }
+            if self.reuse_prefixes && seq.cache_prompt {
+                offer_full_pages(&mut self.cache, seq, page_size);
+            }
+            if seq.kv.len < seq.tokens.len() {
+                continue;
+            }
+            let Some(row) = rows.next() else {
+                ended.push((i, Outcome::Failed(EngineError::Internal("the model returned too few logits".into()))));
+                continue;
+            };
+            match sample_next(seq, &self.tokenizer, row, ctx_size) {
+                Ok(None) => {}
+                Ok(Some(finish)) => ended.push((i, Outcome::Finished(finish))),
+                Err(e) => ended.push((i, Outcome::Failed(EngineError::Internal(e)))),
+            }
+        }
+        ended
+    }
+
+    /// Sends a sequence's last events and lets go of it (its pages return to the pool, or stay in the
+    /// prefix cache).
+    fn finish(&mut self, mut seq: Sequence, outcome: Outcome) {
+        if let Some(slot) = seq.slot.take() {
+            self.free_slots.push(slot);
+        }
+        if seq.admitted.is_none() {
+            self.counts.leave();
+        }
+        let usage = seq.usage();
+        self.counters.generated_tokens += usage.completion_tokens as u64;
+        self.counters.prompt_seconds += usage.prompt_time.as_secs_f64();
+        self.counters.generation_seconds += usage.generation_time.as_secs_f64();
+        match outcome {
+            Outcome::Finished(finish) => {
+                if finish == FinishReason::Cancelled {
+                    self.counters.requests_cancelled += 1;
+                } else {
+                    self.counters.requests_finished += 1;
+                }
+                // Text held back for a possible stop string belongs to the answer when something else
+                // ended it (a token that ended it has already released its text).
+                let rest = seq.text.flush();
+                if !rest.is_empty() {
+                    seq.send(GenerationEvent::Text { text: rest, tokens: vec![], logprobs: vec![] });
+                }
+                seq.send(GenerationEvent::Done { finish, usage });
+            }
+            Outcome::Failed(e) => {
+                self.counters.requests_failed += 1;
+                seq.send(GenerationEvent::Error(e));
+            }
+        }
+    }
+}
+
+/// Offers the sequence's newly filled pages to the prefix cache.
+fn offer_full_pages(cache: &mut PrefixCache, seq: &mut Sequence, page_size: usize) {
+    while (seq.offered_pages + 1) * page_size <= seq.kv.len {
+        let p = seq.offered_pages;
+        let tokens = &seq.tokens[p * page_size..(p + 1) * page_size];
+        seq.offered_key = cache.insert(seq.offered_key, tokens, p + 1, seq.kv.page(p));
+        seq.offered_pages += 1;
+    }
+}
+
+/// Samples the sequence's next token from its logits row and streams it; returns how it ended, if
+/// it did.
+fn sample_next(
+    seq: &mut Sequence,
+    tokenizer: &TextTokenizer,
+    row: &mut [f32],
+    ctx_size: usize,
+) -> Result<Option<FinishReason>, String> {
+    let now = Instant::now();
+    if seq.first_token.is_none() {
+        seq.first_token = Some(now);
+    }
+    if seq.text.exhausted() {
+        // `max_tokens` 0: the prompt is computed (and cached), nothing generated.
+        return Ok(Some(FinishReason::Length));
+    }
+    // Log-probabilities are the model's, before penalties change the row.
+    let model_row = seq.logprobs.map(|_| row.to_vec());
+    let token = seq.sampler.sample(row, &seq.tokens);
+    let step = seq.text.push(tokenizer, token)?;
+    let mut logprobs = Vec::new();
+    let mut tokens = Vec::new();
+    if step.accepted {
+        seq.tokens.push(token);
+        seq.last_token = Some(now);
+        tokens.push(token);
+        if let (Some(n), Some(model_row)) = (seq.logprobs, model_row) {
+            let (lse, top) = log_softmax_top(&model_row, n);
+            logprobs.push(TokenLogprob { token, logprob: model_row[token as usize] - lse, top });
+        }
+    }
+    if !step.text.is_empty() || !tokens.is_empty() {
+        seq.send(GenerationEvent::Text { text: step.text, tokens, logprobs });
+    }
+    if step.finish.is_some() {
+        return Ok(step.finish);
+    }
+    // Feeding this token next would pass the context.
+    if seq.tokens.len() >= ctx_size {
+        return Ok(Some(FinishReason::Length));
+    }
+    Ok(None)
+}
+
+/// The log-sum-exp of `row` and its `n` most likely tokens with their log-probabilities.
+fn log_softmax_top(row: &[f32], n: usize) -> (f32, Vec<(u32, f32)>) {
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = row.iter().map(|&l| ((l - max) as f64).exp()).sum();
+    let lse = max + sum.ln() as f32;
+    let mut idx: Vec<u32> = (0..row.len() as u32).collect();
+    let n = n.min(idx.len());
+    if n > 0 && n < idx.len() {
+        idx.select_nth_unstable_by(n - 1, |&a, &b| row[b as usize].total_cmp(&row[a as usize]));
+    }
+    idx.truncate(n);
+    idx.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+    (lse, idx.into_iter().map(|t| (t, row[t as usize] - lse)).collect())
+}
+
+#[cfg(test)]
+#[path = "scheduler_tests.rs"]
+mod tests;

@@ -1,0 +1,583 @@
+//! Scheduler tests over a stand-in model that behaves like a transformer where it matters here: the
+//! KV a position writes depends on every token before it, logits depend on the KV the block table
+//! points at, and reading a slot that does not hold the position it should is an error. So a wrong
+//! page, a page overwritten while shared or a prefix reused wrongly changes the output or fails.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+use super::*;
+use crate::engine::sampler::SamplingParams;
+
+const VOCAB: usize = 320;
+
+fn mix(a: u64, b: u64) -> u64 {
+    // splitmix64 of the pair
+    let mut z = a ^ b.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+struct CheckingModel {
+    pool: KvCache,
+    ctx: usize,
+    /// What each KV slot holds: its position and a digest of every token up to it.
+    slots: Vec<Option<(usize, u64)>>,
+    /// Per forward pass: (sequences, tokens).
+    steps: Vec<(usize, usize)>,
+    fail_next: bool,
+}
+
+impl CheckingModel {
+    fn new(pages: usize, page_size: usize, ctx: usize) -> Self {
+        CheckingModel {
+            pool: KvCache::single(pages, page_size),
+            ctx,
+            slots: vec![None; pages * page_size],
+            steps: Vec::new(),
+            fail_next: false,
+        }
+    }
+
+    fn slot(&self, c: &SeqChunk, pos: usize) -> usize {
+        let bs = self.pool.block_size;
+        c.blocks.blocks[pos / bs] as usize * bs + pos % bs
+    }
+}
+
+impl StepModel for CheckingModel {
+    fn forward(&mut self, chunks: &[SeqChunk]) -> anyhow::Result<Vec<f32>> {
+        if std::mem::take(&mut self.fail_next) {
+            anyhow::bail!("injected failure");
+        }
+        self.steps.push((chunks.len(), chunks.iter().map(|c| c.tokens.len()).sum()));
+        let mut out = Vec::new();
+        for c in chunks {
+            let end = c.start_pos + c.tokens.len();
+            anyhow::ensure!(end <= self.ctx, "past the context");
+            anyhow::ensure!(c.blocks.blocks.len() * self.pool.block_size >= end, "pages do not cover {end}");
+            for (j, &t) in c.tokens.iter().enumerate() {
+                let pos = c.start_pos + j;
+                let before = if pos == 0 {
+                    0
+                } else {
+                    match self.slots[self.slot(c, pos - 1)] {
+                        Some((p, d)) if p == pos - 1 => d,
+                        _ => anyhow::bail!("stale KV at position {}", pos - 1),
+                    }
+                };
+                let s = self.slot(c, pos);
+                self.slots[s] = Some((pos, mix(before, t as u64 + 1)));
+            }
+            if c.logits == Logits::Last {
+                let (_, digest) = self.slots[self.slot(c, end - 1)].unwrap();
+                out.extend((0..VOCAB as u64).map(|v| (mix(digest, v) >> 40) as f32 / (1u64 << 24) as f32 * 8.0));
+            }
+        }
+        Ok(out)
+    }
+    fn vocab_size(&self) -> usize {
+        VOCAB
+    }
+    fn ctx_size(&self) -> usize {
+        self.ctx
+    }
+    fn kv_cache(&self) -> &KvCache {
+        &self.pool
+    }
+    fn kv_bytes_per_token(&self) -> usize {
+        64
+    }
+    fn prefix_reuse_safe(&self) -> bool {
+        true
+    }
+}
+
+fn tokenizer() -> Arc<TextTokenizer> {
+    let dir = crate::testing::workspace_root().join("families/llama/tests/fixtures/qwen3-f32");
+    Arc::new(TextTokenizer::load(&dir, &serde_json::json!({}), None).unwrap())
+}
+
+fn scheduler(model: CheckingModel, opts: EngineOptions) -> Scheduler<CheckingModel> {
+    Scheduler::new(model, tokenizer(), opts)
+}
+
+fn opts(parallel: usize) -> EngineOptions {
+    EngineOptions { parallel, ..Default::default() }
+}
+
+fn prompt(seed: u64, len: usize) -> Vec<u32> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    (0..len).map(|_| rng.gen_range(3..VOCAB as u32)).collect()
+}
+
+fn request(prompt: Vec<u32>, max_tokens: usize) -> GenerationRequest {
+    let mut r = GenerationRequest::new(prompt, SamplingParams::greedy(), max_tokens);
+    r.ignore_eos = true;
+    r
+}
+
+#[derive(Debug, Default, Clone, PartialEq)]
+struct Outcome {
+    text: String,
+    tokens: Vec<u32>,
+    finish: Option<FinishReason>,
+    usage: Usage,
+    error: Option<EngineError>,
+}
+
+struct Client {
+    events: UnboundedReceiver<GenerationEvent>,
+    cancel: Arc<AtomicBool>,
+    got: Outcome,
+    done: bool,
+}
+
+impl Client {
+    fn poll(&mut self) {
+        while let Ok(e) = self.events.try_recv() {
+            match e {
+                GenerationEvent::Text { text, tokens, .. } => {
+                    self.got.text.push_str(&text);
+                    self.got.tokens.extend(tokens);
+                }
+                GenerationEvent::Done { finish, usage } => {
+                    self.got.finish = Some(finish);
+                    self.got.usage = usage;
+                    self.done = true;
+                }
+                GenerationEvent::Error(e) => {
+                    self.got.error = Some(e);
+                    self.done = true;
+                }
+            }
+        }
+    }
+}
+
+fn submit<M: StepModel>(s: &mut Scheduler<M>, id: u64, req: GenerationRequest) -> Result<Client, EngineError> {
+    let (tx, rx) = unbounded_channel();
+    let cancel = Arc::new(AtomicBool::new(false));
+    s.submit(Submission { id, request: req, events: tx, cancel: cancel.clone(), submitted: Instant::now() })?;
+    Ok(Client { events: rx, cancel, got: Outcome::default(), done: false })
+}
+
+/// Steps until nothing is left, polling the clients.
+fn drain<M: StepModel>(s: &mut Scheduler<M>, clients: &mut [Client]) {
+    for _ in 0..100_000 {
+        s.step();
+        clients.iter_mut().for_each(Client::poll);
+        if s.is_idle() {
+            return;
+        }
+    }
+    panic!("the scheduler did not finish");
+}
+
+/// What `req` produces alone on a roomy model.
+fn solo(req: &GenerationRequest) -> Outcome {
+    let mut s = scheduler(CheckingModel::new(256, 16, 2048), opts(1));
+    let mut c = vec![submit(&mut s, 1, req.clone()).unwrap()];
+    drain(&mut s, &mut c);
+    c.pop().unwrap().got
+}
+
+fn assert_no_leak<M: StepModel>(s: &Scheduler<M>) {
+    let st = s.stats();
+    assert_eq!(st.kv_pages_total - st.kv_pages_used, st.kv_pages_total - st.kv_pages_cached, "pages leaked");
+    assert_eq!(st.busy_slots(), 0);
+    assert_eq!(s.counts.waiting(), 0, "queue count");
+}
+
+fn same_answer(a: &Outcome, b: &Outcome) {
+    assert_eq!((&a.tokens, &a.text, a.finish, &a.error), (&b.tokens, &b.text, b.finish, &b.error));
+}
+
+#[test]
+fn concurrent_requests_each_match_their_solo_run() {
+    let reqs: Vec<GenerationRequest> =
+        (0..8).map(|i| request(prompt(i, 5 + 37 * i as usize), 40 + i as usize)).collect();
+    let want: Vec<Outcome> = reqs.iter().map(solo).collect();
+    // A small step budget forces prompts into chunks beside running decodes.
+    let mut s = scheduler(CheckingModel::new(256, 16, 2048), EngineOptions { ubatch_size: 64, ..opts(8) });
+    let mut clients: Vec<Client> =
+        reqs.iter().enumerate().map(|(i, r)| submit(&mut s, i as u64, r.clone()).unwrap()).collect();
+    drain(&mut s, &mut clients);
+    for (c, w) in clients.iter().zip(&want) {
+        same_answer(&c.got, w);
+        assert_eq!(c.got.finish, Some(FinishReason::Length));
+    }
+    let steps = &s.model().steps;
+    assert!(steps.iter().any(|&(seqs, _)| seqs >= 8), "all eight ran in one step");
+    assert!(steps.iter().all(|&(_, tokens)| tokens <= 64), "the step budget holds");
+    assert_no_leak(&s);
+}
+
+#[test]
+fn decodes_keep_running_while_a_long_prompt_is_prefilled_in_chunks() {
+    let mut s = scheduler(CheckingModel::new(64, 16, 1024), EngineOptions { ubatch_size: 32, ..opts(2) });
+    let mut clients = vec![submit(&mut s, 1, request(prompt(1, 4), 40)).unwrap()];
+    s.step();
+    clients.push(submit(&mut s, 2, request(prompt(2, 300), 2)).unwrap());
+    drain(&mut s, &mut clients);
+    // While the 300-token prompt went through in ≤ 32-token chunks, the first request decoded in the
+    // same steps.
+    let mixed = s.model().steps.iter().filter(|&&(seqs, tokens)| seqs == 2 && tokens == 32).count();
+    assert!(mixed >= 9, "steps with a decode beside a prompt chunk: {mixed}");
+    same_answer(&clients[0].got, &solo(&request(prompt(1, 4), 40)));
+    same_answer(&clients[1].got, &solo(&request(prompt(2, 300), 2)));
+}
+
+#[test]
+fn shared_prefix_comes_from_the_cache_with_the_same_answer() {
+    let prefix = prompt(7, 400);
+    let with_suffix = |seed| [prefix.clone(), prompt(seed, 9)].concat();
+    let mut s = scheduler(CheckingModel::new(128, 16, 2048), opts(4));
+    let mut first = vec![submit(&mut s, 1, request(with_suffix(1), 5)).unwrap()];
+    drain(&mut s, &mut first);
+    assert_eq!(first[0].got.usage.cached_tokens, 0);
+
+    let second = request(with_suffix(2), 8);
+    let mut c = vec![submit(&mut s, 2, second.clone()).unwrap()];
+    drain(&mut s, &mut c);
+    assert_eq!(c[0].got.usage.cached_tokens, 400, "25 whole pages of the shared prefix");
+    assert_eq!(c[0].got.usage.prompt_tokens, 409);
+
+    let mut uncached = second.clone();
+    uncached.cache_prompt = false;
+    let mut fresh = scheduler(CheckingModel::new(128, 16, 2048), opts(4));
+    let mut u = vec![submit(&mut fresh, 3, uncached).unwrap()];
+    drain(&mut fresh, &mut u);
+    assert_eq!(u[0].got.usage.cached_tokens, 0);
+    same_answer(&c[0].got, &u[0].got);
+    assert_eq!(s.stats().counters.cache_hit_tokens, 400);
+    assert_no_leak(&s);
+}
+
+#[test]
+fn a_repeated_prompt_still_computes_its_last_token() {
+    let p = prompt(3, 64); // exactly four pages
+    let mut s = scheduler(CheckingModel::new(64, 16, 1024), opts(1));
+    let mut a = vec![submit(&mut s, 1, request(p.clone(), 4)).unwrap()];
+    drain(&mut s, &mut a);
+    let mut b = vec![submit(&mut s, 2, request(p.clone(), 4)).unwrap()];
+    drain(&mut s, &mut b);
+    assert_eq!(b[0].got.usage.cached_tokens, 48, "the page with the last prompt token is recomputed");
+    same_answer(&a[0].got, &b[0].got);
+}
+
+#[test]
+fn cache_prompt_false_neither_reuses_nor_leaves_pages() {
+    let p = prompt(4, 100);
+    let mut s = scheduler(CheckingModel::new(64, 16, 1024), opts(1));
+    let mut r = request(p.clone(), 3);
+    r.cache_prompt = false;
+    let mut a = vec![submit(&mut s, 1, r.clone()).unwrap()];
+    drain(&mut s, &mut a);
+    assert_eq!(s.stats().kv_pages_cached, 0);
+    assert_eq!(s.stats().kv_pages_used, 0);
+    let mut b = vec![submit(&mut s, 2, request(p, 3)).unwrap()];
+    drain(&mut s, &mut b);
+    assert_eq!(b[0].got.usage.cached_tokens, 0);
+}
+
+#[test]
+fn eviction_under_a_small_kv_budget_keeps_answers_correct() {
+    // 12 pages of 16 tokens: room for about two of these prompts' pages at a time.
+    let mut s = scheduler(CheckingModel::new(12, 16, 1024), opts(1));
+    let prompts: Vec<Vec<u32>> = (0..4).map(|i| prompt(100 + i, 70)).collect();
+    for round in 0..3 {
+        for (i, p) in prompts.iter().enumerate() {
+            let req = request(p.clone(), 6);
+            let mut c = vec![submit(&mut s, (round * 10 + i) as u64, req.clone()).unwrap()];
+            drain(&mut s, &mut c);
+            same_answer(&c[0].got, &solo(&req));
+            assert!(s.stats().kv_pages_cached <= 12);
+        }
+    }
+    // The last prompt ran just before it was asked again: its pages are still cached.
+    let req = request(prompts[3].clone(), 6);
+    let mut c = vec![submit(&mut s, 99, req.clone()).unwrap()];
+    drain(&mut s, &mut c);
+    assert_eq!(c[0].got.usage.cached_tokens, 64);
+    same_answer(&c[0].got, &solo(&req));
+    assert_no_leak(&s);
+}
+
+#[test]
+fn preemption_when_pages_run_out_gives_the_same_greedy_output() {
+    // Ten pages of four tokens; three requests that each grow to ~30 tokens cannot all stay.
+    let reqs: Vec<GenerationRequest> = (0..3).map(|i| request(prompt(20 + i, 10), 20)).collect();
+    let mut s = scheduler(CheckingModel::new(10, 4, 256), opts(3));
+    let mut clients: Vec<Client> =
+        reqs.iter().enumerate().map(|(i, r)| submit(&mut s, i as u64, r.clone()).unwrap()).collect();
+    drain(&mut s, &mut clients);
+    assert!(s.stats().counters.preemptions > 0, "the pool is too small for all three");
+    for (c, r) in clients.iter().zip(&reqs) {
+        same_answer(&c.got, &solo(r));
+        assert_eq!(c.got.tokens.len(), 20);
+    }
+    assert_no_leak(&s);
+}
+
+#[test]
+fn preemption_without_the_prefix_cache_gives_the_same_output() {
+    let reqs: Vec<GenerationRequest> = (0..3).map(|i| request(prompt(30 + i, 10), 20)).collect();
+    let mut s = scheduler(CheckingModel::new(10, 4, 256), EngineOptions { prefix_cache: false, ..opts(3) });
+    let mut clients: Vec<Client> =
+        reqs.iter().enumerate().map(|(i, r)| submit(&mut s, i as u64, r.clone()).unwrap()).collect();
+    drain(&mut s, &mut clients);
+    assert!(s.stats().counters.preemptions > 0);
+    for (c, r) in clients.iter().zip(&reqs) {
+        same_answer(&c.got, &solo(r));
+    }
+    assert_eq!(s.stats().kv_pages_used, 0);
+}
+
+#[test]
+fn a_sequence_that_outgrows_the_whole_pool_ends_with_length() {
+    let mut s = scheduler(CheckingModel::new(4, 4, 256), opts(1));
+    let mut c = vec![submit(&mut s, 1, request(prompt(5, 6), 100)).unwrap()];
+    drain(&mut s, &mut c);
+    assert_eq!(c[0].got.finish, Some(FinishReason::Length));
+    assert_eq!(c[0].got.tokens.len(), 16 - 6 + 1, "every position of the pool, then the last sampled token");
+    assert_no_leak(&s);
+}
+
+#[test]
+fn dropping_the_stream_frees_the_pages_within_one_step() {
+    let mut s = scheduler(CheckingModel::new(64, 16, 1024), opts(2));
+    let mut c = submit(&mut s, 1, request(prompt(6, 100), 1000)).unwrap();
+    for _ in 0..5 {
+        s.step();
+    }
+    c.poll();
+    assert!(!c.got.tokens.is_empty());
+    assert!(s.stats().kv_pages_used > 6);
+    drop(c);
+    s.step();
+    let st = s.stats();
+    assert_eq!(st.kv_pages_used, st.kv_pages_cached, "only the prefix cache holds pages");
+    assert_eq!(st.busy_slots(), 0);
+    assert_eq!(st.counters.requests_cancelled, 1);
+    s.clear_prefix_cache();
+    assert_eq!(s.stats().kv_pages_used, 0);
+}
+
+#[test]
+fn cancel_flag_ends_the_request_with_cancelled() {
+    let mut s = scheduler(CheckingModel::new(64, 16, 1024), opts(1));
+    let mut c = vec![submit(&mut s, 1, request(prompt(8, 10), 1000)).unwrap()];
+    s.step();
+    s.step();
+    c[0].cancel.store(true, Ordering::Relaxed);
+    drain(&mut s, &mut c);
+    assert_eq!(c[0].got.finish, Some(FinishReason::Cancelled));
+    assert_eq!(c[0].got.usage.completion_tokens, c[0].got.tokens.len());
+}
+
+#[test]
+fn a_timeout_cancels_the_request() {
+    let mut s = scheduler(CheckingModel::new(64, 16, 1024), opts(1));
+    let mut r = request(prompt(9, 10), 1_000_000);
+    r.timeout = Some(Duration::from_millis(20));
+    let mut c = vec![submit(&mut s, 1, r).unwrap()];
+    s.step();
+    s.step();
+    std::thread::sleep(Duration::from_millis(30));
+    drain(&mut s, &mut c);
+    assert_eq!(c[0].got.finish, Some(FinishReason::Cancelled));
+    assert_eq!(c[0].got.tokens.len(), 2);
+
+    // A timeout too long to represent means none.
+    let mut r = request(prompt(9, 10), 3);
+    r.timeout = Some(Duration::MAX);
+    let mut c = vec![submit(&mut s, 2, r).unwrap()];
+    drain(&mut s, &mut c);
+    assert_eq!(c[0].got.finish, Some(FinishReason::Length));
+}
+
+#[test]
+fn a_hundred_requests_with_random_cancellations_leak_no_pages() {
+    let mut rng = StdRng::seed_from_u64(11);
+    // A small pool so that eviction and preemption happen along the way.
+    let mut s = scheduler(CheckingModel::new(40, 8, 512), EngineOptions { ubatch_size: 48, ..opts(6) });
+    let shared = prompt(12, 40);
+    let mut live: Vec<(Client, usize)> = Vec::new();
+    let mut finished = 0;
+    for i in 0..100u64 {
+        let len = rng.gen_range(1..60);
+        let p = if rng.gen_bool(0.5) { [shared.clone(), prompt(i, len)].concat() } else { prompt(i, len) };
+        let client = submit(&mut s, i, request(p, rng.gen_range(1..40))).unwrap();
+        live.push((client, rng.gen_range(0..30)));
+        for _ in 0..rng.gen_range(0..3) {
+            s.step();
+        }
+        // Drop some streams after a random number of steps.
+        live.retain_mut(|(c, ttl)| {
+            c.poll();
+            if c.done {
+                finished += 1;
+                return false;
+            }
+            *ttl = ttl.saturating_sub(1);
+            *ttl > 0
+        });
+    }
+    let mut rest: Vec<Client> = live.into_iter().map(|(c, _)| c).collect();
+    drain(&mut s, &mut rest);
+    let st = s.stats();
+    assert_eq!(st.counters.requests, 100);
+    assert!(st.counters.requests_cancelled > 10, "cancelled: {}", st.counters.requests_cancelled);
+    assert!(finished > 10, "finished: {finished}");
+    assert_eq!(st.counters.requests_cancelled + st.counters.requests_finished, 100);
+    assert_no_leak(&s);
+    s.clear_prefix_cache();
+    assert_eq!(s.stats().kv_pages_used, 0, "every page back in the pool");
+}
+
+#[test]
+fn a_full_queue_refuses_with_queue_full() {
+    let mut s = scheduler(CheckingModel::new(64, 16, 1024), EngineOptions { max_queue: 2, ..opts(2) });
+    let long = |i| request(prompt(i, 5), 100);
+    // Two free slots and two places in the queue.
+    let _held: Vec<Client> = (0..4).map(|i| submit(&mut s, i, long(i)).unwrap()).collect();
+    assert_eq!(submit(&mut s, 4, long(4)).err(), Some(EngineError::QueueFull { queued: 4 }));
+    s.step(); // two are admitted: the queue holds two
+    assert_eq!(submit(&mut s, 5, long(5)).err(), Some(EngineError::QueueFull { queued: 2 }));
+    assert_eq!(s.stats().queued, 2);
+    let mut none_waiting = scheduler(CheckingModel::new(64, 16, 1024), EngineOptions { max_queue: 0, ..opts(1) });
+    let _a = submit(&mut none_waiting, 1, long(1)).unwrap();
+    assert!(matches!(submit(&mut none_waiting, 2, long(2)), Err(EngineError::QueueFull { .. })));
+}
+
+#[test]
+fn prompts_that_can_never_fit_are_refused() {
+    let mut s = scheduler(CheckingModel::new(8, 16, 100), opts(1));
+    let too_long = |n| Some(EngineError::PromptTooLong { prompt_tokens: n, ctx_size: 100 });
+    assert_eq!(submit(&mut s, 1, request(prompt(1, 100), 1)).err(), too_long(100));
+    assert!(submit(&mut s, 2, request(prompt(1, 99), 1)).is_ok());
+    // The pool (128 positions) is bigger than the context here; a smaller pool is the limit.
+    let mut small = scheduler(CheckingModel::new(2, 16, 100), opts(1));
+    assert_eq!(
+        submit(&mut small, 1, request(prompt(1, 40), 1)).err(),
+        Some(EngineError::PromptTooLong { prompt_tokens: 40, ctx_size: 32 })
+    );
+    assert!(matches!(submit(&mut s, 3, request(vec![], 1)).err(), Some(EngineError::Invalid(_))));
+    assert!(matches!(submit(&mut s, 4, request(vec![VOCAB as u32], 1)).err(), Some(EngineError::Invalid(_))));
+}
+
+#[test]
+fn the_context_limit_ends_generation() {
+    let mut s = scheduler(CheckingModel::new(64, 16, 50), opts(1));
+    let mut c = vec![submit(&mut s, 1, request(prompt(1, 40), 1000)).unwrap()];
+    drain(&mut s, &mut c);
+    assert_eq!(c[0].got.finish, Some(FinishReason::Length));
+    assert_eq!(40 + c[0].got.tokens.len(), 50);
+}
+
+#[test]
+fn max_tokens_zero_computes_the_prompt_for_the_cache_and_generates_nothing() {
+    let mut s = scheduler(CheckingModel::new(64, 16, 1024), opts(1));
+    let p = prompt(1, 40);
+    let mut c = vec![submit(&mut s, 1, request(p.clone(), 0)).unwrap()];
+    drain(&mut s, &mut c);
+    assert_eq!(c[0].got.finish, Some(FinishReason::Length));
+    assert!(c[0].got.tokens.is_empty());
+    let mut d = vec![submit(&mut s, 2, request(p, 1)).unwrap()];
+    drain(&mut s, &mut d);
+    assert_eq!(d[0].got.usage.cached_tokens, 32);
+}
+
+#[test]
+fn logprobs_are_the_log_softmax_of_the_logits_row() {
+    let mut s = scheduler(CheckingModel::new(64, 16, 1024), opts(1));
+    let mut r = request(prompt(1, 10), 3);
+    r.logprobs = Some(4);
+    let (tx, mut rx) = unbounded_channel();
+    s.submit(Submission { id: 1, request: r, events: tx, cancel: Default::default(), submitted: Instant::now() })
+        .unwrap();
+    while !s.is_idle() {
+        s.step();
+    }
+    let mut n = 0;
+    while let Ok(e) = rx.try_recv() {
+        if let GenerationEvent::Text { tokens, logprobs, .. } = e {
+            assert_eq!(logprobs.len(), tokens.len());
+            for lp in logprobs {
+                n += 1;
+                assert_eq!(lp.top.len(), 4);
+                // Greedy: the chosen token is the most likely one.
+                assert_eq!(lp.top[0], (lp.token, lp.logprob));
+                assert!(lp.logprob < 0.0 && lp.top.windows(2).all(|w| w[0].1 >= w[1].1));
+            }
+        }
+    }
+    assert_eq!(n, 3);
+    let (lse, top) = log_softmax_top(&[0.0, (2f32).ln(), 0.0], 3);
+    assert!((lse - (4f32).ln()).abs() < 1e-6);
+    assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 0, 2]);
+    assert!((top[0].1 - (0.5f32).ln()).abs() < 1e-6);
+}
+
+#[test]
+fn stop_strings_end_the_request_and_are_not_shown() {
+    let req = request(prompt(2, 10), 30);
+    let full = solo(&req);
+    // Stop at a piece of text from the middle of the answer.
+    let cut = full.text.len() / 2;
+    let stop: String = full.text[cut..].chars().take(2).collect();
+    let mut r = req.clone();
+    r.stop = vec![stop.clone()];
+    let got = solo(&r);
+    assert_eq!(got.finish, Some(FinishReason::Stop));
+    assert!(!got.text.contains(&stop));
+    assert!(full.text.starts_with(&got.text));
+}
+
+#[test]
+fn a_failed_forward_pass_fails_its_batch_and_frees_the_pages() {
+    let mut s = scheduler(CheckingModel::new(64, 16, 1024), opts(2));
+    let mut c = vec![submit(&mut s, 1, request(prompt(1, 20), 50)).unwrap()];
+    s.step();
+    s.model.fail_next = true;
+    drain(&mut s, &mut c);
+    assert!(matches!(c[0].got.error, Some(EngineError::Internal(_))));
+    assert_eq!(s.stats().counters.requests_failed, 1);
+    // Pages filled before the failure stay cached and correct; the engine keeps serving.
+    let again = request(prompt(1, 20), 5);
+    let mut d = vec![submit(&mut s, 2, again.clone()).unwrap()];
+    drain(&mut s, &mut d);
+    same_answer(&d[0].got, &solo(&again));
+    assert_no_leak(&s);
+}
+
+#[test]
+fn slots_report_what_each_sequence_is_doing() {
+    let mut s = scheduler(CheckingModel::new(64, 16, 1024), EngineOptions { ubatch_size: 8, ..opts(2) });
+    let _a = submit(&mut s, 7, request(prompt(1, 30), 50)).unwrap();
+    s.step();
+    let st = s.stats();
+    assert_eq!(st.slots.len(), 2);
+    let busy: Vec<&SlotStats> = st.slots.iter().filter(|x| x.state != SlotState::Idle).collect();
+    assert_eq!(busy.len(), 1);
+    assert_eq!(
+        (busy[0].request, busy[0].state, busy[0].prompt_tokens, busy[0].kv_tokens),
+        (Some(7), SlotState::Prefill, 30, 8)
+    );
+    for _ in 0..5 {
+        s.step();
+    }
+    let st = s.stats();
+    let busy = st.slots.iter().find(|x| x.request == Some(7)).unwrap();
+    assert_eq!(busy.state, SlotState::Generating);
+    assert!(busy.generated_tokens >= 1);
+    assert_eq!(st.kv_page_tokens, 16);
+    assert_eq!(st.kv_pages_total, 64);
+}

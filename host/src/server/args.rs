@@ -1,0 +1,524 @@
+//! The server's flags, named as llama-server names them (and read from the same `LLAMA_ARG_*`
+//! environment variables), so an existing deployment's command line works unchanged. A llama-server
+//! flag mlxcel does not implement is refused by name, never silently ignored.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::Args;
+
+use crate::engine::SamplingParams;
+
+#[derive(Args, Debug, Clone)]
+pub struct ServerArgs {
+    /// Model folder or hub name (owner/name), as for `mlxcel run`.
+    #[arg(short = 'm', long = "model", env = "LLAMA_ARG_MODEL", value_name = "MODEL")]
+    pub model: Option<String>,
+    /// The model id clients see in /v1/models and answers (default: MODEL as given).
+    #[arg(short = 'a', long = "alias", env = "LLAMA_ARG_ALIAS")]
+    pub alias: Option<String>,
+    /// Address to listen on.
+    #[arg(long, env = "LLAMA_ARG_HOST", default_value = "127.0.0.1")]
+    pub host: String,
+    /// Port to listen on (0: any free port; the log line says which).
+    #[arg(long, env = "LLAMA_ARG_PORT", default_value_t = 8080)]
+    pub port: u16,
+    /// Context size per sequence in tokens (0: the model's maximum; default min(model maximum, 4096)).
+    #[arg(short = 'c', long = "ctx-size", env = "LLAMA_ARG_CTX_SIZE")]
+    pub ctx_size: Option<usize>,
+    /// Sequences computed together (also `-np`).
+    #[arg(long = "parallel", env = "LLAMA_ARG_N_PARALLEL", default_value_t = 1)]
+    pub parallel: usize,
+    /// Worker threads (default: all cores).
+    #[arg(short = 't', long = "threads", env = "LLAMA_ARG_THREADS")]
+    pub threads: Option<u32>,
+    /// Default most tokens to generate per request (-1: until EOS or the context is full).
+    #[arg(
+        short = 'n',
+        long = "n-predict",
+        visible_alias = "predict",
+        env = "LLAMA_ARG_N_PREDICT",
+        allow_negative_numbers = true
+    )]
+    pub n_predict: Option<i64>,
+    /// Most prompt tokens computed in one step across sequences.
+    #[arg(short = 'b', long = "batch-size", env = "LLAMA_ARG_BATCH", default_value_t = 2048)]
+    pub batch_size: usize,
+    /// Most prompt tokens of one sequence per prefill chunk (also `-ub`).
+    #[arg(long = "ubatch-size", env = "LLAMA_ARG_UBATCH", default_value_t = 512)]
+    pub ubatch_size: usize,
+    /// Require this API key (repeatable, or comma-separated).
+    #[arg(long = "api-key", env = "LLAMA_API_KEY", value_delimiter = ',')]
+    pub api_key: Vec<String>,
+    /// Read API keys from this file, one per line.
+    #[arg(long = "api-key-file", value_name = "FILE")]
+    pub api_key_file: Option<PathBuf>,
+    /// PEM private key for HTTPS (with --ssl-cert-file).
+    #[arg(long = "ssl-key-file", env = "LLAMA_ARG_SSL_KEY_FILE", value_name = "FILE")]
+    pub ssl_key_file: Option<PathBuf>,
+    /// PEM certificate chain for HTTPS (with --ssl-key-file).
+    #[arg(long = "ssl-cert-file", env = "LLAMA_ARG_SSL_CERT_FILE", value_name = "FILE")]
+    pub ssl_cert_file: Option<PathBuf>,
+    /// Seconds a request may run before it is cut short (also `-to`; 0: no limit).
+    #[arg(long = "timeout", env = "LLAMA_ARG_TIMEOUT", default_value_t = 600)]
+    pub timeout: u64,
+    /// Serve Prometheus metrics at /metrics.
+    #[arg(long = "metrics", env = "LLAMA_ARG_ENDPOINT_METRICS")]
+    pub metrics: bool,
+    /// Serve /slots (the default).
+    #[arg(long = "slots", overrides_with = "no_slots")]
+    pub slots: bool,
+    /// Answer /slots with 501.
+    #[arg(long = "no-slots", env = "LLAMA_ARG_NO_ENDPOINT_SLOTS", overrides_with = "slots")]
+    pub no_slots: bool,
+    /// Reuse the KV of a shared prompt prefix across requests (the default; per request `cache_prompt`).
+    #[arg(long = "cache-prompt", overrides_with = "no_cache_prompt")]
+    pub cache_prompt: bool,
+    /// Never reuse prompt KV across requests.
+    #[arg(long = "no-cache-prompt", env = "LLAMA_ARG_NO_CACHE_PROMPT", overrides_with = "cache_prompt")]
+    pub no_cache_prompt: bool,
+    /// A Jinja chat template (file) to use instead of the model's.
+    #[arg(long = "chat-template-file", env = "LLAMA_ARG_CHAT_TEMPLATE_FILE", value_name = "FILE")]
+    pub chat_template_file: Option<PathBuf>,
+    /// A Jinja chat template (source text) to use instead of the model's.
+    #[arg(long = "chat-template", env = "LLAMA_ARG_CHAT_TEMPLATE", conflicts_with = "chat_template_file")]
+    pub chat_template: Option<String>,
+    /// Use the Jinja chat template (mlxcel always does; accepted for llama-server command lines).
+    #[arg(long = "jinja", env = "LLAMA_ARG_JINJA")]
+    pub jinja: bool,
+    /// Backend plugin to use (default: the best-scoring one on this machine).
+    #[arg(long)]
+    pub backend: Option<String>,
+    /// Hub revision (branch, tag or commit) when MODEL is a hub name.
+    #[arg(long)]
+    pub revision: Option<String>,
+    /// Serve even when the memory estimate says the model does not fit.
+    #[arg(long)]
+    pub force: bool,
+    /// Largest request body in bytes (larger: 413).
+    #[arg(long = "max-body-bytes", default_value_t = 8 << 20)]
+    pub max_body_bytes: usize,
+    /// Default temperature (0: greedy).
+    #[arg(long = "temp", visible_alias = "temperature")]
+    pub temp: Option<f32>,
+    #[arg(long = "top-k")]
+    pub top_k: Option<usize>,
+    #[arg(long = "top-p")]
+    pub top_p: Option<f32>,
+    #[arg(long = "min-p")]
+    pub min_p: Option<f32>,
+    #[arg(long = "repeat-penalty")]
+    pub repeat_penalty: Option<f32>,
+    #[arg(long = "repeat-last-n")]
+    pub repeat_last_n: Option<usize>,
+    #[arg(long = "presence-penalty")]
+    pub presence_penalty: Option<f32>,
+    #[arg(long = "frequency-penalty")]
+    pub frequency_penalty: Option<f32>,
+    /// Default seed (-1: random).
+    #[arg(short = 's', long = "seed", env = "LLAMA_ARG_SEED", allow_negative_numbers = true)]
+    pub seed: Option<i64>,
+}
+
+/// llama-server's two-letter short flags that clap cannot spell (`-np`), rewritten to their long names
+/// before parsing.
+const SHORT_ALIASES: &[(&str, &str)] = &[("-np", "--parallel"), ("-ub", "--ubatch-size"), ("-to", "--timeout")];
+
+/// llama-server flags mlxcel does not implement: (flags, environment variable, why).
+const REFUSED: &[(&[&str], &str, &str)] = &[
+    (
+        &["-ngl", "--gpu-layers", "--n-gpu-layers"],
+        "LLAMA_ARG_N_GPU_LAYERS",
+        "layer offload: the backend plugin (--backend) holds the whole model",
+    ),
+    (&["-fa", "--flash-attn"], "LLAMA_ARG_FLASH_ATTN", "the attention kernel is the backend's choice"),
+    (
+        &["--mmproj", "-mm", "--mmproj-url", "-mmu", "--no-mmproj"],
+        "LLAMA_ARG_MMPROJ",
+        "multimodal projectors are not supported",
+    ),
+    (&["--lora", "--lora-scaled", "--lora-init-without-apply"], "LLAMA_ARG_LORA", "LoRA adapters are not supported"),
+    (
+        &["--control-vector", "--control-vector-scaled", "--control-vector-layer-range"],
+        "",
+        "control vectors are not supported",
+    ),
+    (
+        &["--rope-scaling", "--rope-scale", "--rope-freq-base", "--rope-freq-scale"],
+        "LLAMA_ARG_ROPE_SCALING_TYPE",
+        "RoPE comes from the model's config.json",
+    ),
+    (
+        &["--yarn-orig-ctx", "--yarn-ext-factor", "--yarn-attn-factor", "--yarn-beta-slow", "--yarn-beta-fast"],
+        "",
+        "RoPE comes from the model's config.json",
+    ),
+    (
+        &["--grammar", "--grammar-file", "-j", "--json-schema", "-jf", "--json-schema-file"],
+        "",
+        "grammars and JSON schemas are not supported",
+    ),
+    (
+        &[
+            "-md",
+            "--model-draft",
+            "--draft",
+            "--draft-max",
+            "--draft-n",
+            "--draft-min",
+            "--draft-p-min",
+            "-cd",
+            "--ctx-size-draft",
+            "-devd",
+            "--device-draft",
+            "-ngld",
+            "--gpu-layers-draft",
+        ],
+        "LLAMA_ARG_MODEL_DRAFT",
+        "speculative decoding is not supported",
+    ),
+    (
+        &["-ctk", "--cache-type-k", "-ctv", "--cache-type-v"],
+        "LLAMA_ARG_CACHE_TYPE_K",
+        "the KV cache type is the backend's",
+    ),
+    (
+        &["-sm", "--split-mode", "-ts", "--tensor-split", "-mg", "--main-gpu", "-dev", "--device"],
+        "LLAMA_ARG_SPLIT_MODE",
+        "multi-device splits are not supported; pick a backend with --backend",
+    ),
+    (
+        &["-ot", "--override-tensor", "-cmoe", "--cpu-moe", "-ncmoe", "--n-cpu-moe"],
+        "",
+        "tensor placement overrides are not supported",
+    ),
+    (&["--mlock", "--no-mmap", "--numa", "--direct-io"], "LLAMA_ARG_MLOCK", "weights are always memory-mapped"),
+    (
+        &["-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-hft", "--hf-token", "-mu", "--model-url"],
+        "LLAMA_ARG_HF_REPO",
+        "give the hub name to -m instead (mlxcel resolves owner/name itself)",
+    ),
+    (
+        &["--embedding", "--embeddings", "--reranking", "--rerank", "--pooling"],
+        "LLAMA_ARG_EMBEDDINGS",
+        "embedding and rerank endpoints are not served yet",
+    ),
+    (&["-nocb", "--no-cont-batching"], "LLAMA_ARG_NO_CONT_BATCHING", "continuous batching is always on"),
+    (&["-dt", "--defrag-thold"], "LLAMA_ARG_DEFRAG_THOLD", "the paged KV cache needs no defragmentation"),
+    (&["--slot-save-path", "--slot-prompt-similarity", "-sps"], "", "saving slots is not supported"),
+    (
+        &[
+            "--spm-infill",
+            "--ctx-shift",
+            "--no-context-shift",
+            "-kvu",
+            "--kv-unified",
+            "--swa-full",
+            "-cram",
+            "--cache-ram",
+            "--cache-reuse",
+        ],
+        "",
+        "not supported by mlxcel's engine",
+    ),
+    (
+        &["--reasoning-format", "--reasoning-budget", "--chat-template-kwargs"],
+        "",
+        "reasoning and template options are not supported",
+    ),
+    (&["--no-jinja"], "", "mlxcel only renders Jinja chat templates"),
+    (&["--api-prefix", "--path", "--props", "--no-webui", "--webui"], "", "not supported by mlxcel-server"),
+    (
+        &[
+            "-tb",
+            "--threads-batch",
+            "-C",
+            "--cpu-mask",
+            "-Cr",
+            "--cpu-range",
+            "--cpu-strict",
+            "--prio",
+            "--poll",
+            "-Cb",
+            "--cpu-mask-batch",
+            "--prio-batch",
+        ],
+        "",
+        "use -t/--threads; CPU affinity and priorities are not supported",
+    ),
+    (
+        &["-sp", "--special", "--no-warmup", "--keep", "--override-kv", "--check-tensors"],
+        "",
+        "not supported by mlxcel-server",
+    ),
+];
+
+/// Rewrites llama-server's multi-letter short flags and refuses the flags (and their environment
+/// variables) mlxcel does not implement, naming the flag.
+pub fn preprocess_argv(args: impl IntoIterator<Item = String>) -> Result<Vec<String>> {
+    let mut out = Vec::new();
+    for a in args {
+        let name = a.split('=').next().unwrap_or(&a);
+        if let Some((_, long)) = SHORT_ALIASES.iter().find(|(s, _)| *s == name) {
+            out.push(match a.split_once('=') {
+                Some((_, v)) => format!("{long}={v}"),
+                None => long.to_string(),
+            });
+            continue;
+        }
+        if name.starts_with('-') {
+            if let Some((_, _, why)) = REFUSED.iter().find(|(flags, _, _)| flags.contains(&name)) {
+                bail!("{name} is a llama-server flag mlxcel-server does not support: {why}");
+            }
+        }
+        out.push(a);
+    }
+    for (flags, env, why) in REFUSED {
+        if !env.is_empty() && std::env::var_os(env).is_some() {
+            bail!("{env} (llama-server's {}) is set, but mlxcel-server does not support it: {why}", flags[0]);
+        }
+    }
+    Ok(out)
+}
+
+/// The settings the server and its engine run with, resolved from the flags.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    pub model: String,
+    pub revision: Option<String>,
+    pub alias: Option<String>,
+    pub host: String,
+    pub port: u16,
+    /// None: min(model maximum, 4096); Some(0): the model's maximum.
+    pub ctx_size: Option<usize>,
+    pub parallel: usize,
+    pub threads: u32,
+    /// Default generation limit (None: until EOS or the context is full).
+    pub n_predict: Option<usize>,
+    pub batch_size: usize,
+    pub ubatch_size: usize,
+    pub api_keys: Vec<String>,
+    /// (certificate chain, private key), PEM.
+    pub tls: Option<(PathBuf, PathBuf)>,
+    pub timeout: Option<Duration>,
+    pub metrics: bool,
+    pub slots: bool,
+    pub cache_prompt: bool,
+    /// Chat template source replacing the model's.
+    pub chat_template: Option<String>,
+    pub backend: Option<String>,
+    pub plugin_dirs: Vec<PathBuf>,
+    pub force: bool,
+    pub max_body_bytes: usize,
+    /// Requests that may wait for a slot before new ones get 503.
+    pub queue_limit: usize,
+    /// Sampling flags applied over the model's generation_config.json.
+    pub sampling: SamplingOverrides,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct SamplingOverrides {
+    pub temperature: Option<f32>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<usize>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub seed: Option<u64>,
+}
+
+impl SamplingOverrides {
+    /// llama.cpp's defaults, then the model's `generation_config.json`, then these flags.
+    pub fn resolve(&self, generation_config: Option<&serde_json::Value>) -> SamplingParams {
+        let mut p = SamplingParams::default();
+        if let Some(g) = generation_config {
+            let f = |k: &str| g.get(k).and_then(serde_json::Value::as_f64).map(|v| v as f32);
+            if let Some(v) = f("temperature") {
+                p.temperature = v;
+            }
+            if let Some(v) = g.get("top_k").and_then(serde_json::Value::as_u64) {
+                p.top_k = v as usize;
+            }
+            if let Some(v) = f("top_p") {
+                p.top_p = v;
+            }
+            if let Some(v) = f("min_p") {
+                p.min_p = v;
+            }
+            if let Some(v) = f("repetition_penalty") {
+                p.repeat_penalty = v;
+            }
+            if g.get("do_sample") == Some(&serde_json::Value::Bool(false)) {
+                p.temperature = 0.0;
+            }
+        }
+        let o = self;
+        p.temperature = o.temperature.unwrap_or(p.temperature);
+        p.top_k = o.top_k.unwrap_or(p.top_k);
+        p.top_p = o.top_p.unwrap_or(p.top_p);
+        p.min_p = o.min_p.unwrap_or(p.min_p);
+        p.repeat_penalty = o.repeat_penalty.unwrap_or(p.repeat_penalty);
+        p.penalty_last_n = o.repeat_last_n.unwrap_or(p.penalty_last_n);
+        p.presence_penalty = o.presence_penalty.unwrap_or(p.presence_penalty);
+        p.frequency_penalty = o.frequency_penalty.unwrap_or(p.frequency_penalty);
+        p.seed = o.seed.or(p.seed);
+        p
+    }
+}
+
+impl ServerArgs {
+    pub fn config(&self, plugin_dirs: &[PathBuf]) -> Result<ServerConfig> {
+        let model = self.model.clone().context("no model: pass -m MODEL (a folder or a hub name)")?;
+        let mut api_keys: Vec<String> =
+            self.api_key.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect();
+        if let Some(f) = &self.api_key_file {
+            let text = std::fs::read_to_string(f).with_context(|| format!("reading --api-key-file {}", f.display()))?;
+            api_keys
+                .extend(text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(String::from));
+            if api_keys.is_empty() {
+                bail!("--api-key-file {} holds no key", f.display());
+            }
+        }
+        let tls = match (&self.ssl_cert_file, &self.ssl_key_file) {
+            (Some(c), Some(k)) => Some((c.clone(), k.clone())),
+            (None, None) => None,
+            _ => bail!("HTTPS needs both --ssl-cert-file and --ssl-key-file"),
+        };
+        let chat_template = match (&self.chat_template_file, &self.chat_template) {
+            (Some(f), _) => Some(
+                std::fs::read_to_string(f).with_context(|| format!("reading --chat-template-file {}", f.display()))?,
+            ),
+            (None, Some(s)) if s.contains("{{") || s.contains("{%") => Some(s.clone()),
+            (None, Some(s)) => bail!(
+                "--chat-template {s:?}: mlxcel takes the template's Jinja source here (or a file with --chat-template-file); llama-server's built-in template names are not supported"
+            ),
+            _ => None,
+        };
+        if self.parallel == 0 {
+            bail!("--parallel must be at least 1");
+        }
+        if self.batch_size == 0 || self.ubatch_size == 0 {
+            bail!("--batch-size and --ubatch-size must be at least 1");
+        }
+        let seed = match self.seed {
+            None | Some(-1) => None,
+            Some(s) if s >= 0 => Some(s as u64),
+            Some(s) => bail!("--seed must be ≥ 0 or -1 (random), got {s}"),
+        };
+        let sampling = SamplingOverrides {
+            temperature: self.temp,
+            top_k: self.top_k,
+            top_p: self.top_p,
+            min_p: self.min_p,
+            repeat_penalty: self.repeat_penalty,
+            repeat_last_n: self.repeat_last_n,
+            presence_penalty: self.presence_penalty,
+            frequency_penalty: self.frequency_penalty,
+            seed,
+        };
+        sampling.resolve(None).validate().map_err(|e| anyhow::anyhow!("invalid sampling flag: {e}"))?;
+        Ok(ServerConfig {
+            model,
+            revision: self.revision.clone(),
+            alias: self.alias.clone(),
+            host: self.host.clone(),
+            port: self.port,
+            ctx_size: self.ctx_size,
+            parallel: self.parallel,
+            threads: self.threads.unwrap_or(0),
+            n_predict: self.n_predict.and_then(|n| usize::try_from(n).ok()),
+            batch_size: self.batch_size,
+            ubatch_size: self.ubatch_size.min(self.batch_size),
+            api_keys,
+            tls,
+            timeout: (self.timeout > 0).then(|| Duration::from_secs(self.timeout)),
+            metrics: self.metrics,
+            slots: !self.no_slots,
+            cache_prompt: !self.no_cache_prompt,
+            chat_template,
+            backend: self.backend.clone(),
+            plugin_dirs: plugin_dirs.to_vec(),
+            force: self.force,
+            max_body_bytes: self.max_body_bytes,
+            queue_limit: (self.parallel * 4).max(16),
+            sampling,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::Parser;
+
+    use super::*;
+
+    #[derive(Parser)]
+    struct T {
+        #[command(flatten)]
+        a: ServerArgs,
+    }
+
+    fn parse(args: &[&str]) -> Result<ServerConfig> {
+        let argv = preprocess_argv(std::iter::once("x").chain(args.iter().copied()).map(String::from))?;
+        T::try_parse_from(argv)?.a.config(&[])
+    }
+
+    #[test]
+    fn llama_server_command_line_parses_with_two_letter_short_flags() {
+        let c = parse(&[
+            "-m",
+            "m",
+            "-a",
+            "smol",
+            "--port",
+            "9000",
+            "-c",
+            "2048",
+            "-np",
+            "4",
+            "-ub",
+            "256",
+            "-b",
+            "1024",
+            "-n",
+            "64",
+            "--api-key",
+            "k1,k2",
+            "--api-key",
+            "k3",
+            "--metrics",
+            "--no-slots",
+            "-to",
+            "30",
+            "--jinja",
+        ])
+        .unwrap();
+        assert_eq!((c.port, c.ctx_size, c.parallel, c.ubatch_size, c.batch_size), (9000, Some(2048), 4, 256, 1024));
+        assert_eq!(c.n_predict, Some(64));
+        assert_eq!(c.api_keys, ["k1", "k2", "k3"]);
+        assert!(c.metrics && !c.slots && c.cache_prompt);
+        assert_eq!(c.timeout, Some(Duration::from_secs(30)));
+        assert_eq!(c.alias.as_deref(), Some("smol"));
+    }
+
+    #[test]
+    fn unsupported_llama_server_flags_are_refused_by_name() {
+        for flag in ["-ngl", "--n-gpu-layers", "--mmproj", "--lora", "-fa", "--flash-attn", "--grammar", "-md"] {
+            let e = parse(&["-m", "m", flag, "1"]).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("{flag} is a llama-server flag")), "{flag}: {e}");
+        }
+        let e = parse(&["-m", "m", "--flash-attn=on"]).unwrap_err().to_string();
+        assert!(e.contains("--flash-attn"), "{e}");
+    }
+
+    #[test]
+    fn n_predict_minus_one_means_no_limit_and_half_a_tls_pair_is_an_error() {
+        assert_eq!(parse(&["-m", "m", "-n", "-1"]).unwrap().n_predict, None);
+        let e = parse(&["-m", "m", "--ssl-key-file", "k.pem"]).unwrap_err().to_string();
+        assert!(e.contains("--ssl-cert-file"), "{e}");
+        assert!(parse(&[]).unwrap_err().to_string().contains("-m MODEL"));
+    }
+}

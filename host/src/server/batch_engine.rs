@@ -1,0 +1,94 @@
+//! The server's [`Generator`] over the continuous-batching engine (`crate::engine::Engine`): the model
+//! is loaded with KV room for `--parallel` sequences, the scheduler batches every request into one
+//! forward pass per step, and each request's events are relayed to the HTTP task that asked.
+
+use std::sync::Arc;
+
+use anyhow::Result;
+use tokio::sync::mpsc;
+
+use super::args::ServerConfig;
+use super::generator::{EngineStats, EventStream, Generator, ModelFacts, SlotStats};
+use crate::engine::{Engine, EngineError, EngineHandle, EngineOptions, GenerationEvent, GenerationRequest, SlotState};
+use crate::text::TextTokenizer;
+
+pub struct BatchEngine {
+    handle: EngineHandle,
+}
+
+/// Loads the model (on the calling thread) and starts the engine thread on it.
+pub fn start(config: &ServerConfig) -> Result<(BatchEngine, Arc<TextTokenizer>, ModelFacts)> {
+    let parallel = config.parallel.max(1);
+    let (runner, tokenizer, facts) = super::model::load(config, parallel)?;
+    let tokenizer = Arc::new(tokenizer);
+    let options = EngineOptions {
+        parallel,
+        batch_size: config.batch_size,
+        ubatch_size: config.ubatch_size,
+        max_queue: config.queue_limit,
+        prefix_cache: config.cache_prompt,
+    };
+    let handle = Engine::start(runner, tokenizer.clone(), options)?;
+    Ok((BatchEngine { handle }, tokenizer, facts))
+}
+
+impl Drop for BatchEngine {
+    fn drop(&mut self) {
+        self.handle.shutdown();
+    }
+}
+
+impl Generator for BatchEngine {
+    fn submit(&self, req: GenerationRequest) -> Result<EventStream, EngineError> {
+        let mut stream = self.handle.submit(req)?;
+        let (tx, rx) = mpsc::channel(64);
+        // Relay until the request ends or the HTTP side lets go of its receiver; either way `stream`
+        // is dropped here, which cancels the request (its pages are freed within one step).
+        tokio::spawn(async move {
+            loop {
+                tokio::select! {
+                    event = stream.next() => match event {
+                        Some(ev) => {
+                            let last = matches!(ev, GenerationEvent::Done { .. } | GenerationEvent::Error(_));
+                            if tx.send(ev).await.is_err() || last {
+                                break;
+                            }
+                        }
+                        None => {
+                            let _ = tx
+                                .send(GenerationEvent::Error(EngineError::Internal("the engine stopped".into())))
+                                .await;
+                            break;
+                        }
+                    },
+                    _ = tx.closed() => break,
+                }
+            }
+        });
+        Ok(rx)
+    }
+
+    fn stats(&self) -> EngineStats {
+        let s = self.handle.stats();
+        let slots: Vec<SlotStats> = s
+            .slots
+            .iter()
+            .map(|slot| SlotStats {
+                id: slot.id,
+                is_processing: slot.state != SlotState::Idle,
+                n_prompt_tokens: slot.prompt_tokens,
+                n_decoded: slot.generated_tokens,
+            })
+            .collect();
+        EngineStats {
+            requests_processing: slots.iter().filter(|s| s.is_processing).count(),
+            requests_deferred: s.queued,
+            n_decode_total: s.counters.steps,
+            n_busy_slots_total: s.counters.sequence_steps,
+            kv_blocks_used: s.kv_pages_used,
+            kv_blocks_total: s.kv_pages_total,
+            kv_block_size: s.kv_page_tokens,
+            slots,
+        }
+    }
+}

@@ -1,0 +1,293 @@
+//! The path every generating route shares once its dialect is translated: check the prompt against
+//! the context, build the [`GenerationRequest`], submit it, and either collect the events into one
+//! answer or relay them as server-sent events through the dialect's [`StreamDialect`].
+
+use std::convert::Infallible;
+use std::sync::Arc;
+
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use futures_util::stream;
+use serde_json::json;
+use tokio::sync::mpsc;
+
+use super::error::ApiError;
+use super::generator::EventStream;
+use super::state::{AppState, LoadedModel, RequestLog};
+use crate::engine::{FinishReason, GenerationEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage};
+use crate::text::TextTokenizer;
+
+/// A request after its dialect is translated, before the server's limits are applied.
+#[derive(Debug, Clone)]
+pub struct Job {
+    pub prompt: Vec<u32>,
+    pub sampling: SamplingParams,
+    /// None: the server's `-n`, else until EOS or the context is full.
+    pub max_tokens: Option<usize>,
+    pub stop: Vec<String>,
+    pub ignore_eos: bool,
+    pub cache_prompt: Option<bool>,
+    pub logprobs: Option<usize>,
+}
+
+impl Job {
+    pub fn new(prompt: Vec<u32>, sampling: SamplingParams) -> Job {
+        Job { prompt, sampling, max_tokens: None, stop: vec![], ignore_eos: false, cache_prompt: None, logprobs: None }
+    }
+
+    /// Applies the context size, `-n`, `--timeout` and `--cache-prompt`; `prompt_param` names the request
+    /// field an over-long prompt came from.
+    pub fn into_request(
+        self,
+        state: &AppState,
+        model: &LoadedModel,
+        prompt_param: &str,
+    ) -> Result<GenerationRequest, ApiError> {
+        let ctx = model.facts.ctx_size;
+        if self.prompt.is_empty() {
+            return Err(ApiError::field(prompt_param, "the prompt is empty"));
+        }
+        if self.prompt.len() >= ctx {
+            return Err(ApiError::field(
+                prompt_param,
+                format!(
+                    "the prompt has {} tokens but the context size is {ctx}; shorten it or start the server with a larger --ctx-size",
+                    self.prompt.len()
+                ),
+            )
+            .with_code("context_length_exceeded"));
+        }
+        self.sampling.validate().map_err(ApiError::invalid)?;
+        let room = ctx - self.prompt.len();
+        let max_tokens = self.max_tokens.or(state.config.n_predict).unwrap_or(room).min(room);
+        let mut r = GenerationRequest::new(self.prompt, self.sampling, max_tokens);
+        r.stop = self.stop.into_iter().filter(|s| !s.is_empty()).collect();
+        r.ignore_eos = self.ignore_eos;
+        r.cache_prompt = state.config.cache_prompt && self.cache_prompt.unwrap_or(true);
+        r.logprobs = self.logprobs;
+        r.timeout = state.config.timeout;
+        Ok(r)
+    }
+}
+
+/// Submits `req` to the engine.
+pub fn submit(model: &LoadedModel, req: GenerationRequest) -> Result<EventStream, ApiError> {
+    model.generator.submit(req).map_err(ApiError::from)
+}
+
+/// How a request ended, in the detail the dialects report.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Ending {
+    /// An end-of-sequence token.
+    Eos,
+    /// A stop string (not part of the text).
+    StopWord(String),
+    /// The token limit or the context size.
+    Length,
+    /// Cut short (timeout or shutdown); reported as a length stop by the dialects that lack a word for it.
+    Cancelled,
+}
+
+impl Ending {
+    /// `finish_reason` of OpenAI and llama-server's OpenAI routes.
+    pub fn openai(&self) -> &'static str {
+        match self {
+            Ending::Eos | Ending::StopWord(_) => "stop",
+            Ending::Length | Ending::Cancelled => "length",
+        }
+    }
+}
+
+/// The whole answer of a request.
+#[derive(Debug, Clone)]
+pub struct Completion {
+    pub text: String,
+    pub tokens: Vec<u32>,
+    pub logprobs: Vec<TokenLogprob>,
+    pub ending: Ending,
+    pub usage: Usage,
+}
+
+/// Text and tokens received so far, and how to tell which stop string ended them.
+#[derive(Default)]
+pub struct Received {
+    pub text: String,
+    pub tokens: Vec<u32>,
+    pub logprobs: Vec<TokenLogprob>,
+}
+
+impl Received {
+    pub fn push(&mut self, text: &str, tokens: &[u32], logprobs: &[TokenLogprob]) {
+        self.text.push_str(text);
+        self.tokens.extend_from_slice(tokens);
+        self.logprobs.extend_from_slice(logprobs);
+    }
+
+    /// The engine strips a matched stop string from the text; which one matched shows in the decoded
+    /// tokens past the text.
+    pub fn ending(&self, finish: FinishReason, stops: &[String], tok: &TextTokenizer) -> Ending {
+        match finish {
+            FinishReason::Length => Ending::Length,
+            FinishReason::Cancelled => Ending::Cancelled,
+            FinishReason::Stop if stops.is_empty() => Ending::Eos,
+            FinishReason::Stop => {
+                let decoded = tok.decode(&self.tokens).unwrap_or_default();
+                let tail = decoded.strip_prefix(self.text.as_str()).unwrap_or(&decoded);
+                stops
+                    .iter()
+                    .filter_map(|s| tail.find(s.as_str()).map(|at| (at, s)))
+                    .min_by_key(|(at, _)| *at)
+                    .map_or(Ending::Eos, |(_, s)| Ending::StopWord(s.clone()))
+            }
+        }
+    }
+}
+
+/// Waits for the whole answer.
+pub async fn collect(
+    mut events: EventStream,
+    stops: &[String],
+    tok: &TextTokenizer,
+    state: &AppState,
+    log: &RequestLog,
+) -> Result<Completion, ApiError> {
+    let mut got = Received::default();
+    while let Some(ev) = events.recv().await {
+        match ev {
+            GenerationEvent::Text { text, tokens, logprobs } => got.push(&text, &tokens, &logprobs),
+            GenerationEvent::Done { finish, usage } => {
+                let ending = got.ending(finish, stops, tok);
+                state.metrics.record(&usage);
+                log.usage(&usage, ending.openai());
+                return Ok(Completion { text: got.text, tokens: got.tokens, logprobs: got.logprobs, ending, usage });
+            }
+            GenerationEvent::Error(e) => {
+                state.metrics.failed();
+                return Err(e.into());
+            }
+        }
+    }
+    state.metrics.failed();
+    Err(ApiError::internal("the engine ended the request without an answer"))
+}
+
+/// llama-server's `timings` object.
+pub fn timings(u: &Usage) -> serde_json::Value {
+    let prompt_n = u.prompt_tokens.saturating_sub(u.cached_tokens);
+    let prompt_ms = u.prompt_time.as_secs_f64() * 1e3;
+    let predicted_ms = u.generation_time.as_secs_f64() * 1e3;
+    let per = |n: usize, ms: f64| if n == 0 { 0.0 } else { ms / n as f64 };
+    let rate = |n: usize, ms: f64| if ms <= 0.0 { 0.0 } else { n as f64 * 1e3 / ms };
+    json!({
+        "cache_n": u.cached_tokens,
+        "prompt_n": prompt_n,
+        "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": per(prompt_n, prompt_ms),
+        "prompt_per_second": rate(prompt_n, prompt_ms),
+        "predicted_n": u.completion_tokens,
+        "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": per(u.completion_tokens, predicted_ms),
+        "predicted_per_second": rate(u.completion_tokens, predicted_ms),
+    })
+}
+
+/// A dialect's streaming format: which server-sent events each stage of a request becomes.
+pub trait StreamDialect: Send + 'static {
+    /// Before any text.
+    fn start(&mut self) -> Vec<Event>;
+    fn text(&mut self, text: &str, tokens: &[u32], logprobs: &[TokenLogprob]) -> Vec<Event>;
+    fn done(&mut self, ending: &Ending, usage: &Usage) -> Vec<Event>;
+    /// The request failed after the stream began.
+    fn error(&mut self, e: &ApiError) -> Vec<Event>;
+}
+
+/// A JSON `data:` event.
+pub fn data(v: &serde_json::Value) -> Event {
+    Event::default().data(v.to_string())
+}
+
+/// Relays `events` as SSE through `dialect`. A client that goes away drops the engine's stream, which
+/// cancels the request.
+pub fn stream_response(
+    mut events: EventStream,
+    mut dialect: impl StreamDialect,
+    stops: Vec<String>,
+    tok: Arc<TextTokenizer>,
+    state: Arc<AppState>,
+    log: RequestLog,
+) -> Response {
+    log.update(|l| l.stream = true);
+    let (tx, rx) = mpsc::channel::<Event>(64);
+    tokio::spawn(async move {
+        let send_all = |evs: Vec<Event>| {
+            let tx = tx.clone();
+            async move {
+                for e in evs {
+                    tx.send(e).await.map_err(|_| ())?;
+                }
+                Ok::<(), ()>(())
+            }
+        };
+        if send_all(dialect.start()).await.is_err() {
+            return;
+        }
+        let mut got = Received::default();
+        loop {
+            let ev = tokio::select! {
+                ev = events.recv() => ev,
+                _ = tx.closed() => return,
+            };
+            let out = match ev {
+                Some(GenerationEvent::Text { text, tokens, logprobs }) => {
+                    got.push(&text, &tokens, &logprobs);
+                    if text.is_empty() && logprobs.is_empty() {
+                        continue;
+                    }
+                    dialect.text(&text, &tokens, &logprobs)
+                }
+                Some(GenerationEvent::Done { finish, usage }) => {
+                    let ending = got.ending(finish, &stops, &tok);
+                    state.metrics.record(&usage);
+                    log.usage(&usage, ending.openai());
+                    let _ = send_all(dialect.done(&ending, &usage)).await;
+                    return;
+                }
+                Some(GenerationEvent::Error(e)) => {
+                    state.metrics.failed();
+                    let _ = send_all(dialect.error(&e.into())).await;
+                    return;
+                }
+                None => {
+                    state.metrics.failed();
+                    let _ =
+                        send_all(dialect.error(&ApiError::internal("the engine ended the request without an answer")))
+                            .await;
+                    return;
+                }
+            };
+            if send_all(out).await.is_err() {
+                return;
+            }
+        }
+    });
+    let body = stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (Ok::<_, Infallible>(e), rx)) });
+    Sse::new(body).keep_alive(KeepAlive::default()).into_response()
+}
+
+/// A random id with a prefix (`chatcmpl-…`, `msg_…`).
+pub fn new_id(prefix: &str) -> String {
+    use rand::Rng;
+    let mut r = rand::thread_rng();
+    let s: String = (0..24).map(|_| char::from(b"abcdefghijklmnopqrstuvwxyz0123456789"[r.gen_range(0..36)])).collect();
+    format!("{prefix}{s}")
+}
+
+/// Seconds since the Unix epoch.
+pub fn unix_time() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// The text of one token, for logprobs.
+pub fn token_text(tok: &TextTokenizer, id: u32) -> String {
+    tok.inner.decode(&[id], false).unwrap_or_default()
+}

@@ -1,0 +1,252 @@
+//! HTTP errors in the shape of the dialect the client speaks: OpenAI's
+//! `{"error": {"message", "type", "param", "code"}}`, Anthropic's
+//! `{"type": "error", "error": {"type", "message"}}`, llama-server's `{"error": {"code", "message", "type"}}`.
+
+use axum::http::{header, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+use crate::engine::EngineError;
+
+/// Which API a route belongs to, for the shape of its errors.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dialect {
+    OpenAi,
+    Anthropic,
+    Llama,
+}
+
+impl Dialect {
+    /// The dialect of a request path (for errors raised before a route runs: auth, body limit, 404).
+    pub fn of_path(path: &str) -> Dialect {
+        if path.starts_with("/v1/messages") {
+            Dialect::Anthropic
+        } else if path.starts_with("/v1/") || path == "/models" {
+            Dialect::OpenAi
+        } else {
+            Dialect::Llama
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    InvalidRequest,
+    Authentication,
+    NotFound,
+    MethodNotAllowed,
+    NotSupported,
+    TooLarge,
+    Unavailable,
+    Timeout,
+    Internal,
+}
+
+#[derive(Debug, Clone)]
+pub struct ApiError {
+    pub kind: ErrorKind,
+    pub message: String,
+    /// The request field at fault, when there is one.
+    pub param: Option<String>,
+    /// OpenAI's machine-readable `code` (e.g. `context_length_exceeded`).
+    pub code: Option<&'static str>,
+    /// Seconds for `Retry-After`.
+    pub retry_after: Option<u64>,
+    pub dialect: Dialect,
+}
+
+impl ApiError {
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
+        ApiError { kind, message: message.into(), param: None, code: None, retry_after: None, dialect: Dialect::OpenAi }
+    }
+    pub fn invalid(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::InvalidRequest, message)
+    }
+    /// An invalid value of the request field `param`.
+    pub fn field(param: &str, message: impl Into<String>) -> Self {
+        ApiError { param: Some(param.to_string()), ..Self::invalid(message) }
+    }
+    pub fn internal(message: impl Into<String>) -> Self {
+        Self::new(ErrorKind::Internal, message)
+    }
+    pub fn with_code(mut self, code: &'static str) -> Self {
+        self.code = Some(code);
+        self
+    }
+    pub fn in_dialect(mut self, d: Dialect) -> Self {
+        self.dialect = d;
+        self
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self.kind {
+            ErrorKind::InvalidRequest => StatusCode::BAD_REQUEST,
+            ErrorKind::Authentication => StatusCode::UNAUTHORIZED,
+            ErrorKind::NotFound => StatusCode::NOT_FOUND,
+            ErrorKind::MethodNotAllowed => StatusCode::METHOD_NOT_ALLOWED,
+            ErrorKind::NotSupported => StatusCode::NOT_IMPLEMENTED,
+            ErrorKind::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            ErrorKind::Unavailable => StatusCode::SERVICE_UNAVAILABLE,
+            ErrorKind::Timeout => StatusCode::GATEWAY_TIMEOUT,
+            ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The `type` string of the error in the current dialect.
+    pub fn type_name(&self) -> &'static str {
+        match (self.dialect, self.kind) {
+            (Dialect::Anthropic, ErrorKind::InvalidRequest | ErrorKind::MethodNotAllowed) => "invalid_request_error",
+            (Dialect::Anthropic, ErrorKind::Authentication) => "authentication_error",
+            (Dialect::Anthropic, ErrorKind::NotFound) => "not_found_error",
+            (Dialect::Anthropic, ErrorKind::TooLarge) => "request_too_large",
+            (Dialect::Anthropic, ErrorKind::Unavailable) => "overloaded_error",
+            (Dialect::Anthropic, ErrorKind::NotSupported | ErrorKind::Timeout | ErrorKind::Internal) => "api_error",
+            (_, ErrorKind::InvalidRequest | ErrorKind::TooLarge | ErrorKind::MethodNotAllowed) => {
+                "invalid_request_error"
+            }
+            (_, ErrorKind::Authentication) => "authentication_error",
+            (_, ErrorKind::NotFound) => "not_found_error",
+            (_, ErrorKind::NotSupported) => "not_supported_error",
+            (_, ErrorKind::Unavailable) => "unavailable_error",
+            (_, ErrorKind::Timeout) => "timeout_error",
+            (_, ErrorKind::Internal) => "server_error",
+        }
+    }
+
+    /// The error as the JSON body of its dialect (also what an SSE stream sends when it fails midway).
+    pub fn body(&self) -> serde_json::Value {
+        match self.dialect {
+            Dialect::OpenAi => json!({"error": {
+                "message": self.message,
+                "type": self.type_name(),
+                "param": self.param,
+                "code": self.code,
+            }}),
+            Dialect::Anthropic => {
+                json!({"type": "error", "error": {"type": self.type_name(), "message": self.message}})
+            }
+            Dialect::Llama => json!({"error": {
+                "code": self.status().as_u16(),
+                "message": self.message,
+                "type": self.type_name(),
+            }}),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (self.status(), axum::Json(self.body())).into_response();
+        if let Some(s) = self.retry_after {
+            r.headers_mut().insert(header::RETRY_AFTER, HeaderValue::from(s));
+        }
+        r
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> Self {
+        let message = e.to_string();
+        match e {
+            EngineError::QueueFull { .. } => {
+                ApiError { retry_after: Some(1), ..ApiError::new(ErrorKind::Unavailable, message) }
+            }
+            EngineError::ShuttingDown => ApiError::new(ErrorKind::Unavailable, message),
+            EngineError::PromptTooLong { .. } => ApiError::invalid(message).with_code("context_length_exceeded"),
+            EngineError::Invalid(_) => ApiError::invalid(message),
+            EngineError::Internal(_) => ApiError::internal(message),
+        }
+    }
+}
+
+/// A request body that did not parse: not JSON at all, or a field of the wrong type (named).
+pub fn json_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError {
+    let path = e.path().to_string();
+    let inner = e.into_inner();
+    if inner.is_syntax() || inner.is_eof() {
+        return ApiError::invalid(format!("the request body is not valid JSON: {inner}"));
+    }
+    if path.is_empty() || path == "." {
+        return ApiError::invalid(format!("invalid request body: {inner}"));
+    }
+    // serde's message ends with the position in the body, which says less than the field name.
+    let msg = inner.to_string();
+    let mut msg = msg.split(" at line ").next().unwrap_or(&msg).to_string();
+    if let Some(name) = msg.strip_prefix("data did not match any variant of untagged enum ") {
+        msg = format!("expected {}", expected_shape(name));
+    }
+    ApiError::field(&path, format!("invalid value for `{path}`: {msg}"))
+}
+
+/// What an untagged request type accepts, in words.
+fn expected_shape(type_name: &str) -> &'static str {
+    match type_name {
+        "StopField" => "a string or a list of strings",
+        "Content" => "a string or a list of content parts",
+        "Blocks" => "a string or a list of content blocks",
+        "PromptField" => "a string, a list of strings, a list of token ids or a list of token-id lists",
+        "Prompt" => "a string or a list of token ids",
+        _ => "another type",
+    }
+}
+
+/// Parses a JSON request body into `T`, reporting a wrong field by its path.
+pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Err(ApiError::invalid("the request body is empty; send a JSON object"));
+    }
+    let mut de = serde_json::Deserializer::from_slice(body);
+    let v = serde_path_to_error::deserialize(&mut de).map_err(json_error)?;
+    de.end().map_err(|e| ApiError::invalid(format!("the request body is not valid JSON: {e}")))?;
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[derive(serde::Deserialize, Debug)]
+    #[allow(dead_code)]
+    struct R {
+        temperature: Option<f32>,
+        messages: Option<Vec<M>>,
+    }
+    #[derive(serde::Deserialize, Debug)]
+    #[allow(dead_code)]
+    struct S {
+        stop: Option<crate::server::openai::StopField>,
+    }
+    #[derive(serde::Deserialize, Debug)]
+    #[allow(dead_code)]
+    struct M {
+        role: String,
+    }
+
+    #[test]
+    fn wrong_field_types_name_the_field_and_bad_json_says_so() {
+        let e = parse_body::<R>(br#"{"temperature": "hot"}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("temperature"));
+        assert!(e.message.contains("`temperature`") && !e.message.contains("line 1"), "{}", e.message);
+        let e = parse_body::<R>(br#"{"messages": [{"role": 3}]}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].role"));
+        let e = parse_body::<S>(br#"{"stop": 5}"#).unwrap_err();
+        assert_eq!(e.message, "invalid value for `stop`: expected a string or a list of strings");
+        let e = parse_body::<R>(b"{not json").unwrap_err();
+        assert!(e.message.contains("not valid JSON"), "{}", e.message);
+        assert!(parse_body::<R>(br#"{"unknown": 1}"#).is_ok());
+    }
+
+    #[test]
+    fn each_dialect_has_its_shape() {
+        let e = ApiError::field("max_tokens", "max_tokens is required");
+        assert_eq!(e.body()["error"]["param"], "max_tokens");
+        assert_eq!(e.body()["error"]["type"], "invalid_request_error");
+        let a = e.clone().in_dialect(Dialect::Anthropic).body();
+        assert_eq!((a["type"].as_str(), a["error"]["type"].as_str()), (Some("error"), Some("invalid_request_error")));
+        let l = e.in_dialect(Dialect::Llama).body();
+        assert_eq!(l["error"]["code"], 400);
+        assert_eq!(Dialect::of_path("/v1/messages/count_tokens"), Dialect::Anthropic);
+        assert_eq!(Dialect::of_path("/v1/chat/completions"), Dialect::OpenAi);
+        assert_eq!(Dialect::of_path("/completion"), Dialect::Llama);
+    }
+}

@@ -1,0 +1,116 @@
+//! Accepting connections: plain HTTP/1.1 or HTTPS (rustls), each connection served by hyper, and a
+//! graceful shutdown: stop accepting, let in-flight requests finish for a grace period, then drop
+//! them (which cancels their generation).
+
+use std::future::Future;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use axum::Router;
+use hyper_util::rt::TokioIo;
+use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::service::TowerToHyperService;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::net::TcpListener;
+use tokio_rustls::rustls;
+use tokio_rustls::TlsAcceptor;
+
+/// How long in-flight requests may run after a shutdown signal before they are cut.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+
+/// A TLS acceptor from PEM files (certificate chain, private key).
+pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor> {
+    let certs: Vec<CertificateDer<'static>> = CertificateDer::pem_file_iter(cert)
+        .with_context(|| format!("reading --ssl-cert-file {}", cert.display()))?
+        .collect::<Result<_, _>>()
+        .with_context(|| format!("--ssl-cert-file {} is not a PEM certificate chain", cert.display()))?;
+    if certs.is_empty() {
+        anyhow::bail!("--ssl-cert-file {} holds no certificate", cert.display());
+    }
+    let key = PrivateKeyDer::from_pem_file(key)
+        .with_context(|| format!("--ssl-key-file {} holds no PEM private key", key.display()))?;
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .context("TLS setup")?
+        .with_no_client_auth()
+        .with_single_cert(certs, key)
+        .context("the TLS certificate and key do not match or are not supported")?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(TlsAcceptor::from(Arc::new(config)))
+}
+
+/// Serves `app` on `listener` until `shutdown` resolves, then shuts down gracefully.
+pub async fn serve(listener: TcpListener, tls: Option<TlsAcceptor>, app: Router, shutdown: impl Future<Output = ()>) {
+    let graceful = GracefulShutdown::new();
+    tokio::pin!(shutdown);
+    loop {
+        let (tcp, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of file descriptors and the like: pause instead of spinning.
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let _ = tcp.set_nodelay(true);
+        let service = TowerToHyperService::new(app.clone());
+        let watcher = graceful.watcher();
+        let tls = tls.clone();
+        tokio::spawn(async move {
+            let builder = hyper::server::conn::http1::Builder::new();
+            let result = match tls {
+                Some(acceptor) => {
+                    let stream = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await {
+                        Ok(Ok(s)) => s,
+                        Ok(Err(e)) => return tracing::debug!("TLS handshake with {peer} failed: {e}"),
+                        Err(_) => return tracing::debug!("TLS handshake with {peer} timed out"),
+                    };
+                    let conn = builder.serve_connection(TokioIo::new(stream), service);
+                    watcher.watch(conn).await
+                }
+                None => {
+                    let conn = builder.serve_connection(TokioIo::new(tcp), service);
+                    watcher.watch(conn).await
+                }
+            };
+            if let Err(e) = result {
+                tracing::debug!("connection from {peer}: {e}");
+            }
+        });
+    }
+    drop(listener);
+    tracing::info!("shutting down: waiting up to {}s for {} connection(s)", SHUTDOWN_GRACE.as_secs(), graceful.count());
+    if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown()).await.is_err() {
+        tracing::warn!("in-flight requests did not finish within {}s; cancelling them", SHUTDOWN_GRACE.as_secs());
+    }
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

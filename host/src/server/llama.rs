@@ -1,0 +1,488 @@
+//! The llama-server (llama.cpp) native dialect: `/completion`, `/tokenize`, `/detokenize`,
+//! `/apply-template`, `/health`, `/props`, `/slots` and `/metrics`, with llama-server's field names.
+
+use std::fmt::Write;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::sse::Event;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::completion::{collect, data, stream_response, submit, timings, token_text, Ending, Job, StreamDialect};
+use super::error::{parse_body, ApiError, Dialect, ErrorKind};
+use super::openai::{chat_messages, MessageIn, StopField};
+use super::state::{AppState, LoadedModel, RequestLog};
+use crate::engine::{SamplingParams, TokenLogprob, Usage};
+
+/// A prompt as a string or token ids (a one-element list of either is taken as that element).
+#[derive(Deserialize, Debug)]
+#[serde(untagged)]
+pub enum Prompt {
+    Text(String),
+    Tokens(Vec<u32>),
+    One((Box<Prompt>,)),
+}
+
+#[derive(Deserialize, Debug)]
+pub struct CompletionRequest {
+    pub prompt: Prompt,
+    pub n_predict: Option<i64>,
+    pub stream: Option<bool>,
+    pub cache_prompt: Option<bool>,
+    pub temperature: Option<f32>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<i64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub seed: Option<i64>,
+    pub stop: Option<StopField>,
+    pub ignore_eos: Option<bool>,
+    pub n_probs: Option<usize>,
+    pub add_special: Option<bool>,
+    pub return_tokens: Option<bool>,
+    pub grammar: Option<String>,
+    pub json_schema: Option<Value>,
+}
+
+fn sampling(r: &CompletionRequest, defaults: &SamplingParams, ctx: usize) -> SamplingParams {
+    let mut p = defaults.clone();
+    p.temperature = r.temperature.unwrap_or(p.temperature);
+    p.top_k = r.top_k.unwrap_or(p.top_k);
+    p.top_p = r.top_p.unwrap_or(p.top_p);
+    p.min_p = r.min_p.unwrap_or(p.min_p);
+    p.repeat_penalty = r.repeat_penalty.unwrap_or(p.repeat_penalty);
+    p.penalty_last_n = match r.repeat_last_n {
+        Some(-1) => ctx,
+        Some(n) if n >= 0 => n as usize,
+        _ => p.penalty_last_n,
+    };
+    p.presence_penalty = r.presence_penalty.unwrap_or(p.presence_penalty);
+    p.frequency_penalty = r.frequency_penalty.unwrap_or(p.frequency_penalty);
+    // llama-server: -1 (or 0xFFFFFFFF) means a random seed.
+    p.seed = match r.seed {
+        Some(s) if s >= 0 && s != u32::MAX as i64 => Some(s as u64),
+        Some(_) => None,
+        None => p.seed,
+    };
+    p
+}
+
+fn prompt_ids(model: &LoadedModel, p: &Prompt, add_special: bool) -> Result<(String, Vec<u32>), ApiError> {
+    match p {
+        Prompt::Text(s) => {
+            Ok((s.clone(), model.text.encode(s, add_special).map_err(|e| ApiError::internal(e.to_string()))?))
+        }
+        Prompt::Tokens(ids) => {
+            let vocab = model.facts.vocab_size as u32;
+            if let Some(t) = ids.iter().find(|&&t| t >= vocab) {
+                return Err(ApiError::field(
+                    "prompt",
+                    format!("token id {t} is outside the vocabulary (size {vocab})"),
+                ));
+            }
+            Ok((model.text.decode(ids).unwrap_or_default(), ids.clone()))
+        }
+        Prompt::One((inner,)) => prompt_ids(model, inner, add_special),
+    }
+}
+
+fn stop_type(e: &Ending) -> (&'static str, String) {
+    match e {
+        Ending::Eos => ("eos", String::new()),
+        Ending::StopWord(s) => ("word", s.clone()),
+        Ending::Length => ("limit", String::new()),
+        Ending::Cancelled => ("none", String::new()),
+    }
+}
+
+/// `completion_probabilities`: per token, its probability list in llama-server's shape.
+fn probabilities(model: &LoadedModel, lps: &[TokenLogprob]) -> Value {
+    lps.iter()
+        .map(|l| {
+            let top: Vec<Value> = l
+                .top
+                .iter()
+                .map(|(id, lp)| json!({"id": id, "token": token_text(&model.text, *id), "logprob": lp}))
+                .collect();
+            json!({"id": l.token, "token": token_text(&model.text, l.token), "logprob": l.logprob, "top_logprobs": top})
+        })
+        .collect()
+}
+
+fn generation_settings(model: &LoadedModel, p: &SamplingParams, n_predict: i64) -> Value {
+    json!({
+        "n_predict": n_predict,
+        "temperature": p.temperature,
+        "top_k": p.top_k,
+        "top_p": p.top_p,
+        "min_p": p.min_p,
+        "repeat_penalty": p.repeat_penalty,
+        "repeat_last_n": p.penalty_last_n,
+        "presence_penalty": p.presence_penalty,
+        "frequency_penalty": p.frequency_penalty,
+        "seed": p.seed.map_or(-1i64, |s| s as i64),
+        "n_ctx": model.facts.ctx_size,
+        "model": model.facts.id,
+    })
+}
+
+pub async fn completion(
+    State(state): State<Arc<AppState>>,
+    Extension(log): Extension<RequestLog>,
+    body: Bytes,
+) -> Response {
+    completion_inner(state, log, &body).await.unwrap_or_else(|e| e.in_dialect(Dialect::Llama).into_response())
+}
+
+async fn completion_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Result<Response, ApiError> {
+    let model = state.ready()?;
+    let r: CompletionRequest = parse_body(body)?;
+    if r.grammar.as_deref().is_some_and(|g| !g.is_empty()) {
+        return Err(ApiError::field("grammar", "grammars are not supported by this server"));
+    }
+    if r.json_schema.as_ref().is_some_and(|s| !s.is_null() && s != &json!({})) {
+        return Err(ApiError::field("json_schema", "JSON schemas are not supported by this server"));
+    }
+    let (prompt_text, ids) = prompt_ids(model, &r.prompt, r.add_special.unwrap_or(true))?;
+    let params = sampling(&r, &model.facts.default_sampling, model.facts.ctx_size);
+    let mut job = Job::new(ids, params.clone());
+    job.max_tokens = r.n_predict.and_then(|n| usize::try_from(n).ok());
+    job.stop = r.stop.map(StopField::into_vec).unwrap_or_default();
+    job.cache_prompt = r.cache_prompt;
+    job.ignore_eos = r.ignore_eos.unwrap_or(false);
+    job.logprobs = r.n_probs.filter(|&n| n > 0);
+    let stops = job.stop.clone();
+    let prompt_n = job.prompt.len();
+    let req = job.into_request(&state, model, "prompt")?;
+    let n_predict = r.n_predict.unwrap_or(-1);
+    let settings = generation_settings(model, &params, n_predict);
+    let events = submit(model, req)?;
+
+    if r.stream.unwrap_or(false) {
+        let dialect = CompletionStream {
+            model: model.facts.id.clone(),
+            prompt_n,
+            predicted: 0,
+            settings,
+            prompt: prompt_text,
+            with_probs: r.n_probs.is_some_and(|n| n > 0),
+            tok: model.text.clone(),
+        };
+        return Ok(stream_response(events, dialect, stops, model.text.clone(), state.clone(), log));
+    }
+    let c = collect(events, &stops, &model.text, &state, &log).await?;
+    let (kind, word) = stop_type(&c.ending);
+    let mut out = json!({
+        "index": 0,
+        "content": c.text,
+        "tokens": if r.return_tokens.unwrap_or(false) { json!(c.tokens) } else { json!([]) },
+        "id_slot": 0,
+        "stop": true,
+        "model": model.facts.id,
+        "tokens_predicted": c.usage.completion_tokens,
+        "tokens_evaluated": c.usage.prompt_tokens,
+        "generation_settings": settings,
+        "prompt": prompt_text,
+        "has_new_line": c.text.contains('\n'),
+        "truncated": false,
+        "stop_type": kind,
+        "stopping_word": word,
+        "tokens_cached": c.usage.prompt_tokens + c.usage.completion_tokens,
+        "timings": timings(&c.usage),
+    });
+    if r.n_probs.is_some_and(|n| n > 0) {
+        out["completion_probabilities"] = probabilities(model, &c.logprobs);
+    }
+    Ok(Json(out).into_response())
+}
+
+struct CompletionStream {
+    model: String,
+    prompt_n: usize,
+    predicted: usize,
+    settings: Value,
+    prompt: String,
+    with_probs: bool,
+    tok: Arc<crate::text::TextTokenizer>,
+}
+
+impl StreamDialect for CompletionStream {
+    fn start(&mut self) -> Vec<Event> {
+        vec![]
+    }
+
+    fn text(&mut self, text: &str, tokens: &[u32], logprobs: &[TokenLogprob]) -> Vec<Event> {
+        self.predicted += tokens.len();
+        let mut v = json!({
+            "index": 0,
+            "content": text,
+            "tokens": tokens,
+            "stop": false,
+            "id_slot": -1,
+            "tokens_predicted": self.predicted,
+            "tokens_evaluated": self.prompt_n,
+        });
+        if self.with_probs {
+            let probs: Vec<Value> = logprobs
+                .iter()
+                .map(|l| json!({"id": l.token, "token": token_text(&self.tok, l.token), "logprob": l.logprob,
+                    "top_logprobs": l.top.iter().map(|(id, lp)| json!({"id": id, "token": token_text(&self.tok, *id), "logprob": lp})).collect::<Vec<_>>()}))
+                .collect();
+            v["completion_probabilities"] = json!(probs);
+        }
+        vec![data(&v)]
+    }
+
+    fn done(&mut self, ending: &Ending, usage: &Usage) -> Vec<Event> {
+        let (kind, word) = stop_type(ending);
+        vec![data(&json!({
+            "index": 0,
+            "content": "",
+            "tokens": [],
+            "id_slot": 0,
+            "stop": true,
+            "model": self.model,
+            "tokens_predicted": usage.completion_tokens,
+            "tokens_evaluated": usage.prompt_tokens,
+            "generation_settings": self.settings,
+            "prompt": self.prompt,
+            "truncated": false,
+            "stop_type": kind,
+            "stopping_word": word,
+            "tokens_cached": usage.prompt_tokens + usage.completion_tokens,
+            "timings": timings(usage),
+        }))]
+    }
+
+    fn error(&mut self, e: &ApiError) -> Vec<Event> {
+        vec![data(&e.clone().in_dialect(Dialect::Llama).body())]
+    }
+}
+
+fn llama_err(e: ApiError) -> Response {
+    e.in_dialect(Dialect::Llama).into_response()
+}
+
+#[derive(Deserialize)]
+struct TokenizeRequest {
+    content: String,
+    add_special: Option<bool>,
+    with_pieces: Option<bool>,
+}
+
+pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let run = || -> Result<Response, ApiError> {
+        let model = state.ready()?;
+        let r: TokenizeRequest = parse_body(&body)?;
+        let ids = model
+            .text
+            .encode(&r.content, r.add_special.unwrap_or(false))
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+        if !r.with_pieces.unwrap_or(false) {
+            return Ok(Json(json!({"tokens": ids})).into_response());
+        }
+        // A piece that is not valid UTF-8 by itself (part of a multi-byte character) is given as bytes.
+        let tokens: Vec<Value> = ids
+            .iter()
+            .map(|&id| {
+                let piece = model.text.inner.id_to_token(id).unwrap_or_default();
+                let text = token_text(&model.text, id);
+                if text.contains('\u{FFFD}') && !piece.contains('\u{FFFD}') {
+                    json!({"id": id, "piece": text.as_bytes()})
+                } else {
+                    json!({"id": id, "piece": text})
+                }
+            })
+            .collect();
+        Ok(Json(json!({"tokens": tokens})).into_response())
+    };
+    run().unwrap_or_else(llama_err)
+}
+
+#[derive(Deserialize)]
+struct DetokenizeRequest {
+    tokens: Vec<u32>,
+}
+
+pub async fn detokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let run = || -> Result<Response, ApiError> {
+        let model = state.ready()?;
+        let r: DetokenizeRequest = parse_body(&body)?;
+        let vocab = model.facts.vocab_size as u32;
+        if let Some(t) = r.tokens.iter().find(|&&t| t >= vocab) {
+            return Err(ApiError::field("tokens", format!("token id {t} is outside the vocabulary (size {vocab})")));
+        }
+        let content = model.text.inner.decode(&r.tokens, false).map_err(|e| ApiError::internal(e.to_string()))?;
+        Ok(Json(json!({"content": content})).into_response())
+    };
+    run().unwrap_or_else(llama_err)
+}
+
+#[derive(Deserialize)]
+struct ApplyTemplateRequest {
+    messages: Vec<MessageIn>,
+}
+
+pub async fn apply_template(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let run = || -> Result<Response, ApiError> {
+        let model = state.ready()?;
+        let r: ApplyTemplateRequest = parse_body(&body)?;
+        let (prompt, _) = super::openai::chat_prompt(model, &chat_messages(&r.messages)?)?;
+        Ok(Json(json!({"prompt": prompt})).into_response())
+    };
+    run().unwrap_or_else(llama_err)
+}
+
+/// `/health`: 200 `{"status": "ok"}` once the model is loaded, 503 before. Public (no API key).
+pub async fn health(State(state): State<Arc<AppState>>) -> Response {
+    match state.ready() {
+        Ok(_) => Json(json!({"status": "ok"})).into_response(),
+        Err(e) => llama_err(e),
+    }
+}
+
+pub async fn props(State(state): State<Arc<AppState>>) -> Response {
+    let model = match state.ready() {
+        Ok(m) => m,
+        Err(e) => return llama_err(e),
+    };
+    let f = &model.facts;
+    let c = &state.config;
+    let stats = model.generator.stats();
+    let n_predict = c.n_predict.map_or(-1, |n| n as i64);
+    Json(json!({
+        "default_generation_settings": generation_settings(model, &f.default_sampling, n_predict),
+        "total_slots": stats.slots.len().max(1),
+        "model_alias": f.id,
+        "model_path": f.path,
+        "chat_template": f.chat_template.clone().unwrap_or_default(),
+        "bos_token": model.text.bos_token.clone().unwrap_or_default(),
+        "eos_token": model.text.eos_token.clone().unwrap_or_default(),
+        "modalities": {"vision": false, "audio": false},
+        "build_info": format!("mlxcel {}", env!("CARGO_PKG_VERSION")),
+        "mlxcel": {
+            "architecture": f.architecture,
+            "family": f.family,
+            "backend": f.backend,
+            "n_ctx": f.ctx_size,
+            "n_ctx_train": f.ctx_train,
+            "parallel": c.parallel,
+            "batch_size": c.batch_size,
+            "ubatch_size": c.ubatch_size,
+            "cache_prompt": c.cache_prompt,
+            "queue_limit": c.queue_limit,
+            "timeout_s": c.timeout.map(|t| t.as_secs()),
+            "weight_bytes": f.weight_bytes,
+            "kv_bytes_per_token": f.kv_bytes_per_token,
+            "kv_blocks_total": stats.kv_blocks_total,
+            "kv_block_size": stats.kv_block_size,
+            "kv_budget_bytes": (stats.kv_blocks_total * stats.kv_block_size * f.kv_bytes_per_token),
+        },
+    }))
+    .into_response()
+}
+
+pub async fn slots(State(state): State<Arc<AppState>>) -> Response {
+    if !state.config.slots {
+        return llama_err(ApiError::new(ErrorKind::NotSupported, "This server does not support slots endpoint."));
+    }
+    let model = match state.ready() {
+        Ok(m) => m,
+        Err(e) => return llama_err(e),
+    };
+    let n_ctx = model.facts.ctx_size;
+    let slots: Vec<Value> = model
+        .generator
+        .stats()
+        .slots
+        .iter()
+        .map(|s| {
+            json!({
+                "id": s.id,
+                "n_ctx": n_ctx,
+                "is_processing": s.is_processing,
+                "n_prompt_tokens": s.n_prompt_tokens,
+                "next_token": {"n_decoded": s.n_decoded},
+            })
+        })
+        .collect();
+    Json(json!(slots)).into_response()
+}
+
+/// `/metrics`: Prometheus text with llama-server's `llamacpp:*` names and mlxcel's own.
+pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
+    if !state.config.metrics {
+        return llama_err(ApiError::new(
+            ErrorKind::NotSupported,
+            "This server does not support metrics endpoint. Start it with --metrics",
+        ));
+    }
+    let model = match state.ready() {
+        Ok(m) => m,
+        Err(e) => return llama_err(e),
+    };
+    let m = &state.metrics;
+    let s = model.generator.stats();
+    let r = Ordering::Relaxed;
+    let prompt_tokens = m.prompt_tokens_total.load(r);
+    let predicted = m.tokens_predicted_total.load(r);
+    let (prompt_s, predicted_s) = (m.prompt_seconds(), m.predicted_seconds());
+    let rate = |n: u64, secs: f64| if secs > 0.0 { n as f64 / secs } else { 0.0 };
+    let busy = if s.n_decode_total > 0 { s.n_busy_slots_total as f64 / s.n_decode_total as f64 } else { 0.0 };
+    let kv_tokens = s.kv_blocks_used * s.kv_block_size;
+    let rows: Vec<(&str, &str, &str, f64)> = vec![
+        ("llamacpp:prompt_tokens_total", "counter", "Number of prompt tokens processed.", prompt_tokens as f64),
+        ("llamacpp:prompt_seconds_total", "counter", "Prompt process time", prompt_s),
+        ("llamacpp:tokens_predicted_total", "counter", "Number of generation tokens processed.", predicted as f64),
+        ("llamacpp:tokens_predicted_seconds_total", "counter", "Predict process time", predicted_s),
+        ("llamacpp:n_decode_total", "counter", "Total number of llama_decode() calls", s.n_decode_total as f64),
+        ("llamacpp:n_busy_slots_per_decode", "counter", "Average number of busy slots per llama_decode() call", busy),
+        (
+            "llamacpp:prompt_tokens_seconds",
+            "gauge",
+            "Average prompt throughput in tokens/s.",
+            rate(prompt_tokens, prompt_s),
+        ),
+        (
+            "llamacpp:predicted_tokens_seconds",
+            "gauge",
+            "Average generation throughput in tokens/s.",
+            rate(predicted, predicted_s),
+        ),
+        ("llamacpp:kv_cache_usage_ratio", "gauge", "KV-cache usage. 1 means 100 percent usage.", s.kv_usage_ratio()),
+        ("llamacpp:kv_cache_tokens", "gauge", "KV-cache tokens.", kv_tokens as f64),
+        ("llamacpp:requests_processing", "gauge", "Number of requests processing.", s.requests_processing as f64),
+        ("llamacpp:requests_deferred", "gauge", "Number of requests deferred.", s.requests_deferred as f64),
+        ("mlxcel_requests_total", "counter", "Requests that finished with an answer.", m.requests_total.load(r) as f64),
+        ("mlxcel_requests_failed_total", "counter", "Requests the engine failed.", m.requests_failed.load(r) as f64),
+        (
+            "mlxcel_prompt_cached_tokens_total",
+            "counter",
+            "Prompt tokens served from the prefix cache.",
+            m.cached_tokens_total.load(r) as f64,
+        ),
+        ("mlxcel_queue_seconds_total", "counter", "Time requests waited in the queue.", m.queue_seconds()),
+        (
+            "mlxcel_kv_blocks_used",
+            "gauge",
+            "KV blocks held by sequences and the prefix cache.",
+            s.kv_blocks_used as f64,
+        ),
+        ("mlxcel_kv_blocks_total", "gauge", "KV blocks in the pool.", s.kv_blocks_total as f64),
+        ("mlxcel_uptime_seconds", "gauge", "Seconds since the server started.", state.started.elapsed().as_secs_f64()),
+    ];
+    let mut text = String::new();
+    for (name, kind, help, value) in rows {
+        let _ = writeln!(text, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
+    }
+    (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}

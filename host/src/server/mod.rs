@@ -1,0 +1,277 @@
+//! `mlxcel-server` / `mlxcel serve`: the HTTP layer. It knows HTTP and the API dialects (OpenAI,
+//! Anthropic, llama-server), each in its own module translating to and from one internal request
+//! ([`crate::engine::GenerationRequest`]); it reaches the model only through a [`Generator`].
+//!
+//! Layers around the routes, outermost first: CORS, tracing spans, the per-request log line (which also
+//! reshapes plain-text errors from the layers below into the dialect's JSON), API-key check, body limit.
+
+pub mod anthropic;
+pub mod args;
+pub mod batch_engine;
+pub mod completion;
+pub mod error;
+pub mod generator;
+pub mod listen;
+pub mod llama;
+pub mod model;
+pub mod openai;
+pub mod state;
+#[cfg(test)]
+mod tests;
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use anyhow::{Context, Result};
+use axum::body::Body;
+use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::http::{header, Method, StatusCode};
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use futures_util::StreamExt;
+use tower_http::cors::{Any, CorsLayer};
+use tower_http::limit::RequestBodyLimitLayer;
+use tower_http::trace::TraceLayer;
+
+pub use args::{ServerArgs, ServerConfig};
+use error::{ApiError, Dialect, ErrorKind};
+pub use generator::{EngineStats, EventStream, Generator, ModelFacts, SlotStats};
+pub use state::{AppState, LoadedModel, RequestLog};
+
+/// Routes answered without an API key.
+const PUBLIC_PATHS: &[&str] = &["/health", "/v1/health"];
+
+/// Every route, with the layers around them.
+pub fn router(state: Arc<AppState>) -> Router {
+    let limit = state.config.max_body_bytes;
+    Router::new()
+        .route("/v1/chat/completions", post(openai::chat))
+        .route("/chat/completions", post(openai::chat))
+        .route("/v1/completions", post(openai::completions))
+        .route("/v1/models", get(openai::models))
+        .route("/models", get(openai::models))
+        .route("/v1/messages", post(anthropic::messages))
+        .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
+        .route("/completion", post(llama::completion))
+        .route("/completions", post(llama::completion))
+        .route("/tokenize", post(llama::tokenize))
+        .route("/detokenize", post(llama::detokenize))
+        .route("/apply-template", post(llama::apply_template))
+        .route("/health", get(llama::health))
+        .route("/v1/health", get(llama::health))
+        .route("/props", get(llama::props))
+        .route("/slots", get(llama::slots))
+        .route("/metrics", get(llama::metrics))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::disable())
+        .layer(RequestBodyLimitLayer::new(limit))
+        .layer(middleware::from_fn_with_state(state.clone(), require_api_key))
+        .layer(middleware::from_fn(log_request))
+        .layer(TraceLayer::new_for_http())
+        .layer(
+            CorsLayer::new()
+                .allow_origin(Any)
+                .allow_methods(Any)
+                .allow_headers(Any)
+                .max_age(std::time::Duration::from_secs(3600)),
+        )
+        .with_state(state)
+}
+
+async fn not_found(req: Request) -> Response {
+    let path = req.uri().path().to_string();
+    ApiError::new(ErrorKind::NotFound, format!("no route {} {path}", req.method()))
+        .in_dialect(Dialect::of_path(&path))
+        .into_response()
+}
+
+/// `Authorization: Bearer KEY` or `x-api-key: KEY`, when the server has keys.
+async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let keys = &state.config.api_keys;
+    let path = req.uri().path();
+    if keys.is_empty() || PUBLIC_PATHS.contains(&path) || req.method() == Method::OPTIONS {
+        return next.run(req).await;
+    }
+    let h = req.headers();
+    let bearer = h
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .map(str::trim);
+    let x_key = h.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim);
+    let given: Vec<&str> = bearer.into_iter().chain(x_key).collect();
+    if given.iter().any(|g| keys.iter().any(|k| same_key(k.as_bytes(), g.as_bytes()))) {
+        return next.run(req).await;
+    }
+    let message = if given.is_empty() {
+        "Missing API key: send it as `Authorization: Bearer KEY` or `x-api-key: KEY`"
+    } else {
+        "Invalid API Key"
+    };
+    ApiError::new(ErrorKind::Authentication, message)
+        .with_code("invalid_api_key")
+        .in_dialect(Dialect::of_path(path))
+        .into_response()
+}
+
+/// Compares without an early exit, so the time taken says nothing about how much of a key matched.
+fn same_key(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+/// Writes one log line per request (for a stream: when it ends) and turns the plain-text errors of
+/// the layers below (body limit, method not allowed) into the dialect's JSON error.
+async fn log_request(mut req: Request, next: Next) -> Response {
+    let start = Instant::now();
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let log = RequestLog::default();
+    req.extensions_mut().insert(log.clone());
+    let mut resp = next.run(req).await;
+    let status = resp.status();
+    if (status.is_client_error() || status.is_server_error()) && !is_json(&resp) {
+        resp = reshape_error(status, &path);
+    }
+    let line = LogLine { log, start, method, path, status: resp.status() };
+    let is_stream =
+        resp.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
+    if !is_stream {
+        drop(line);
+        return resp;
+    }
+    // The line is written when the body ends or the client goes away (the stream is dropped).
+    let (parts, body) = resp.into_parts();
+    let body = Body::from_stream(body.into_data_stream().map(move |chunk| {
+        let _ = &line;
+        chunk
+    }));
+    Response::from_parts(parts, body)
+}
+
+fn is_json(r: &Response) -> bool {
+    r.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"application/json"))
+}
+
+fn reshape_error(status: StatusCode, path: &str) -> Response {
+    let (kind, message) = match status {
+        StatusCode::PAYLOAD_TOO_LARGE => {
+            (ErrorKind::TooLarge, "the request body is larger than the server accepts (--max-body-bytes)".to_string())
+        }
+        StatusCode::METHOD_NOT_ALLOWED => (ErrorKind::MethodNotAllowed, format!("{path} does not accept this method")),
+        StatusCode::NOT_FOUND => (ErrorKind::NotFound, format!("no route {path}")),
+        StatusCode::UNSUPPORTED_MEDIA_TYPE | StatusCode::BAD_REQUEST | StatusCode::UNPROCESSABLE_ENTITY => {
+            (ErrorKind::InvalidRequest, "the request could not be read".to_string())
+        }
+        _ => (ErrorKind::Internal, format!("request failed with status {status}")),
+    };
+    let e = ApiError::new(kind, message).in_dialect(Dialect::of_path(path));
+    let mut r = e.into_response();
+    *r.status_mut() = status;
+    r
+}
+
+struct LogLine {
+    log: RequestLog,
+    start: Instant,
+    method: Method,
+    path: String,
+    status: StatusCode,
+}
+
+impl Drop for LogLine {
+    fn drop(&mut self) {
+        let f = self.log.fields();
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let (method, route, status) = (self.method.as_str(), self.path.as_str(), self.status.as_u16());
+        let total_ms = ms(self.start.elapsed());
+        if route == "/health" || route == "/metrics" {
+            tracing::debug!(method, route, status, total_ms, "request");
+            return;
+        }
+        tracing::info!(
+            method,
+            route,
+            status,
+            prompt_tokens = f.prompt_tokens,
+            cached_tokens = f.cached_tokens,
+            completion_tokens = f.completion_tokens,
+            prompt_ms = ms(f.prompt_time),
+            generation_ms = ms(f.generation_time),
+            total_ms,
+            finish = f.finish.unwrap_or("-"),
+            stream = f.stream,
+            "request"
+        );
+    }
+}
+
+/// Runs the server until Ctrl-C or SIGTERM: listens at once (so `/health` answers 503 while the model
+/// loads), loads the model on the engine thread, then serves.
+pub fn run(config: ServerConfig) -> Result<()> {
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("mlxcel-http")
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let result = runtime.block_on(serve(config));
+    // Connections still open after the grace period are dropped here (cancelling their requests); a
+    // model still loading on a blocking thread is not waited for.
+    runtime.shutdown_timeout(std::time::Duration::from_secs(1));
+    result
+}
+
+async fn serve(config: ServerConfig) -> Result<()> {
+    let tls = match &config.tls {
+        Some((cert, key)) => Some(listen::tls_acceptor(cert, key)?),
+        None => None,
+    };
+    let addr = (config.host.as_str(), config.port);
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on {}:{}", config.host, config.port))?;
+    let local = listener.local_addr()?;
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    eprintln!("mlxcel-server: listening on {scheme}://{local} (loading {})", config.model);
+
+    let state = AppState::new(config);
+    let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<String>();
+    let loader = state.clone();
+    tokio::task::spawn_blocking(move || match batch_engine::start(&loader.config) {
+        Ok((engine, text, facts)) => {
+            eprintln!(
+                "mlxcel-server: model {} ready (context {}, {} slot(s))",
+                facts.id, facts.ctx_size, loader.config.parallel
+            );
+            let _ = loader.model.set(LoadedModel { generator: Arc::new(engine), text, facts });
+        }
+        Err(e) => {
+            let _ = failed_tx.send(crate::logging::one_line(&e));
+        }
+    });
+
+    let app = router(state.clone());
+    let failure = Arc::new(std::sync::Mutex::new(None::<String>));
+    let failed = failure.clone();
+    let stop = async move {
+        // A model that fails to load stops the server; a loader that succeeded drops its sender.
+        let load_failed = async {
+            match failed_rx.await {
+                Ok(e) => *failed.lock().unwrap() = Some(e),
+                Err(_) => std::future::pending::<()>().await,
+            }
+        };
+        tokio::select! {
+            _ = listen::shutdown_signal() => eprintln!("mlxcel-server: shutting down"),
+            _ = load_failed => {},
+        }
+    };
+    listen::serve(listener, tls, app, stop).await;
+    let failure = failure.lock().unwrap().take();
+    match failure {
+        Some(e) => Err(anyhow::anyhow!(e)),
+        None => Ok(()),
+    }
+}

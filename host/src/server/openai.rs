@@ -1,0 +1,706 @@
+//! The OpenAI dialect: `/v1/chat/completions`, `/v1/completions`, `/v1/models`. Requests become
+//! [`Job`]s; answers and stream chunks are written in OpenAI's shapes (plus llama-server's `timings`).
+//! Like llama-server, any `model` name is accepted and answered by the one served model.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::sse::Event;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::completion::{
+    collect, data, new_id, stream_response, submit, timings, token_text, unix_time, Completion, Ending, Job,
+    StreamDialect,
+};
+use super::error::{parse_body, ApiError, Dialect};
+use super::state::{AppState, LoadedModel, RequestLog};
+use crate::engine::{SamplingParams, TokenLogprob, Usage};
+use crate::text::{ChatMessage, TextTokenizer};
+
+/// `stop`: one string or a list.
+#[derive(Deserialize, Debug, Clone)]
+#[serde(untagged)]
+pub enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl StopField {
+    pub fn into_vec(self) -> Vec<String> {
+        match self {
+            StopField::One(s) => vec![s],
+            StopField::Many(v) => v,
+        }
+    }
+}
+
+#[derive(Deserialize, Debug, Default)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+}
+
+/// Message content: a string or a list of parts.
+#[derive(Deserialize, Debug)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Deserialize, Debug)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+#[derive(Deserialize, Debug)]
+pub struct MessageIn {
+    pub role: String,
+    pub content: Option<Content>,
+}
+
+/// Sampling fields shared by both generating routes (OpenAI's, plus llama-server's extensions).
+/// (Spelled out in each request rather than `#[serde(flatten)]`, which would lose the field name in
+/// type errors.)
+#[derive(Debug, Default)]
+pub struct SamplingFields {
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub seed: Option<i64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<usize>,
+}
+
+impl SamplingFields {
+    pub fn apply(&self, defaults: &SamplingParams) -> Result<SamplingParams, ApiError> {
+        let mut p = defaults.clone();
+        p.temperature = self.temperature.unwrap_or(p.temperature);
+        p.top_p = self.top_p.unwrap_or(p.top_p);
+        p.presence_penalty = self.presence_penalty.unwrap_or(p.presence_penalty);
+        p.frequency_penalty = self.frequency_penalty.unwrap_or(p.frequency_penalty);
+        p.top_k = self.top_k.unwrap_or(p.top_k);
+        p.min_p = self.min_p.unwrap_or(p.min_p);
+        p.repeat_penalty = self.repeat_penalty.unwrap_or(p.repeat_penalty);
+        p.penalty_last_n = self.repeat_last_n.unwrap_or(p.penalty_last_n);
+        match self.seed {
+            None => {}
+            Some(s) if s >= 0 => p.seed = Some(s as u64),
+            Some(_) => p.seed = None,
+        }
+        if !(-2.0..=2.0).contains(&p.presence_penalty) {
+            return Err(ApiError::field("presence_penalty", "presence_penalty must be in [-2, 2]"));
+        }
+        if !(-2.0..=2.0).contains(&p.frequency_penalty) {
+            return Err(ApiError::field("frequency_penalty", "frequency_penalty must be in [-2, 2]"));
+        }
+        if p.temperature > 2.0 || p.temperature < 0.0 || p.temperature.is_nan() {
+            return Err(ApiError::field(
+                "temperature",
+                format!("temperature must be in [0, 2], got {}", p.temperature),
+            ));
+        }
+        Ok(p)
+    }
+}
+
+macro_rules! sampling_fields {
+    ($r:expr) => {
+        SamplingFields {
+            temperature: $r.temperature,
+            top_p: $r.top_p,
+            seed: $r.seed,
+            presence_penalty: $r.presence_penalty,
+            frequency_penalty: $r.frequency_penalty,
+            top_k: $r.top_k,
+            min_p: $r.min_p,
+            repeat_penalty: $r.repeat_penalty,
+            repeat_last_n: $r.repeat_last_n,
+        }
+    };
+}
+
+#[derive(Deserialize, Debug)]
+pub struct ChatRequest {
+    pub model: Option<String>,
+    pub messages: Vec<MessageIn>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub max_tokens: Option<u64>,
+    pub max_completion_tokens: Option<u64>,
+    pub stop: Option<StopField>,
+    pub n: Option<u32>,
+    pub logprobs: Option<bool>,
+    pub top_logprobs: Option<u32>,
+    pub cache_prompt: Option<bool>,
+    pub ignore_eos: Option<bool>,
+    pub tools: Option<Vec<Value>>,
+    pub response_format: Option<Value>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub seed: Option<i64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<usize>,
+}
+
+/// A conversation in the roles chat templates know: `developer` is a system message; content parts
+/// are joined; anything but text is refused by name.
+pub fn chat_messages(messages: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::field("messages", "messages must hold at least one message"));
+    }
+    let mut out = Vec::with_capacity(messages.len());
+    for (i, m) in messages.iter().enumerate() {
+        let role = match m.role.as_str() {
+            "system" | "developer" => "system",
+            r @ ("user" | "assistant" | "tool") => r,
+            other => {
+                return Err(ApiError::field(
+                    &format!("messages[{i}].role"),
+                    format!("unknown role `{other}` (expected system, developer, user, assistant or tool)"),
+                ))
+            }
+        };
+        let content = match &m.content {
+            None => String::new(),
+            Some(Content::Text(s)) => s.clone(),
+            Some(Content::Parts(parts)) => {
+                let mut texts = Vec::new();
+                for (j, p) in parts.iter().enumerate() {
+                    match (p.kind.as_str(), &p.text) {
+                        ("text", Some(t)) => texts.push(t.as_str()),
+                        ("text", None) => {
+                            return Err(ApiError::field(
+                                &format!("messages[{i}].content[{j}].text"),
+                                "a text part needs `text`",
+                            ))
+                        }
+                        (kind, _) => {
+                            return Err(ApiError::field(
+                                &format!("messages[{i}].content[{j}].type"),
+                                format!("`{kind}` content is not supported; this server reads text parts only"),
+                            ))
+                        }
+                    }
+                }
+                texts.join("\n")
+            }
+        };
+        out.push(ChatMessage::new(role, &content));
+    }
+    Ok(out)
+}
+
+/// The token ids of a conversation through the model's chat template.
+pub fn chat_prompt(model: &LoadedModel, messages: &[ChatMessage]) -> Result<(String, Vec<u32>), ApiError> {
+    let t = model.text.chat_template.as_ref().ok_or_else(|| {
+        ApiError::invalid(
+            "this model has no chat template; start the server with --chat-template-file, or use /v1/completions",
+        )
+    })?;
+    let text = t.render(messages, true).map_err(ApiError::invalid)?;
+    let ids = model.text.encode(&text, false).map_err(|e| ApiError::internal(e.to_string()))?;
+    Ok((text, ids))
+}
+
+fn usage_json(prompt_tokens: usize, cached: usize, completion_tokens: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
+}
+
+fn token_entry(tok: &TextTokenizer, id: u32, logprob: f32) -> Value {
+    let t = token_text(tok, id);
+    json!({"token": t, "logprob": logprob, "bytes": t.as_bytes()})
+}
+
+/// Chat logprobs: `{"content": [{token, logprob, bytes, top_logprobs: [...]}]}`.
+fn chat_logprobs(tok: &TextTokenizer, lps: &[TokenLogprob]) -> Value {
+    let content: Vec<Value> = lps
+        .iter()
+        .map(|l| {
+            let mut e = token_entry(tok, l.token, l.logprob);
+            e["top_logprobs"] = l.top.iter().map(|(id, lp)| token_entry(tok, *id, *lp)).collect();
+            e
+        })
+        .collect();
+    json!({ "content": content })
+}
+
+/// Legacy completions logprobs: parallel lists.
+fn completion_logprobs(tok: &TextTokenizer, lps: &[TokenLogprob], start_offset: usize) -> Value {
+    let mut offset = start_offset;
+    let mut tokens = vec![];
+    let mut token_logprobs = vec![];
+    let mut top = vec![];
+    let mut offsets = vec![];
+    for l in lps {
+        let t = token_text(tok, l.token);
+        offsets.push(offset);
+        offset += t.len();
+        tokens.push(t);
+        token_logprobs.push(l.logprob);
+        let m: serde_json::Map<String, Value> =
+            l.top.iter().map(|(id, lp)| (token_text(tok, *id), json!(lp))).collect();
+        top.push(Value::Object(m));
+    }
+    json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
+}
+
+fn check_n(n: Option<u32>, stream: bool) -> Result<usize, ApiError> {
+    let n = n.unwrap_or(1) as usize;
+    if n == 0 || n > 16 {
+        return Err(ApiError::field("n", format!("n must be between 1 and 16, got {n}")));
+    }
+    if n > 1 && stream {
+        return Err(ApiError::field("n", "n > 1 is not supported with stream: true; send n separate requests"));
+    }
+    Ok(n)
+}
+
+fn refuse_unsupported(tools: &Option<Vec<Value>>, response_format: &Option<Value>) -> Result<(), ApiError> {
+    if tools.as_ref().is_some_and(|t| !t.is_empty()) {
+        return Err(ApiError::field("tools", "tool calling is not supported by this server yet"));
+    }
+    if let Some(f) = response_format {
+        let kind = f.get("type").and_then(Value::as_str).unwrap_or("");
+        if kind != "text" {
+            return Err(ApiError::field(
+                "response_format",
+                format!("response_format `{kind}` is not supported (only `text`); grammars and JSON schemas are not implemented"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Runs `jobs` (the `n` choices of one or more prompts) concurrently and collects every answer.
+async fn run_all(
+    jobs: Vec<Job>,
+    state: &Arc<AppState>,
+    model: &LoadedModel,
+    prompt_param: &str,
+    log: &RequestLog,
+) -> Result<Vec<Completion>, ApiError> {
+    let mut pending = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        let stops = job.stop.clone();
+        let req = job.into_request(state, model, prompt_param)?;
+        pending.push((submit(model, req)?, stops));
+    }
+    let mut out = Vec::with_capacity(pending.len());
+    for (events, stops) in pending {
+        out.push(collect(events, &stops, &model.text, state, log).await?);
+    }
+    Ok(out)
+}
+
+fn seeded(job: &Job, i: usize) -> Job {
+    let mut j = job.clone();
+    if let Some(s) = j.sampling.seed {
+        j.sampling.seed = Some(s.wrapping_add(i as u64));
+    }
+    j
+}
+
+pub async fn chat(State(state): State<Arc<AppState>>, Extension(log): Extension<RequestLog>, body: Bytes) -> Response {
+    chat_inner(state, log, &body).await.unwrap_or_else(|e| e.in_dialect(Dialect::OpenAi).into_response())
+}
+
+async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Result<Response, ApiError> {
+    let model = state.ready()?;
+    let r: ChatRequest = parse_body(body)?;
+    refuse_unsupported(&r.tools, &r.response_format)?;
+    let stream = r.stream.unwrap_or(false);
+    let n = check_n(r.n, stream)?;
+    let messages = chat_messages(&r.messages)?;
+    let (_, prompt) = chat_prompt(model, &messages)?;
+    let mut job = Job::new(prompt, sampling_fields!(r).apply(&model.facts.default_sampling)?);
+    job.max_tokens = r.max_completion_tokens.or(r.max_tokens).map(|v| v as usize);
+    job.stop = r.stop.map(StopField::into_vec).unwrap_or_default();
+    job.cache_prompt = r.cache_prompt;
+    job.ignore_eos = r.ignore_eos.unwrap_or(false);
+    let want_logprobs = r.logprobs.unwrap_or(false);
+    if let Some(k) = r.top_logprobs {
+        if !want_logprobs {
+            return Err(ApiError::field("top_logprobs", "top_logprobs needs logprobs: true"));
+        }
+        if k > 20 {
+            return Err(ApiError::field("top_logprobs", format!("top_logprobs must be at most 20, got {k}")));
+        }
+    }
+    job.logprobs = want_logprobs.then(|| r.top_logprobs.unwrap_or(0) as usize);
+    let model_name = r.model.filter(|m| !m.is_empty()).unwrap_or_else(|| model.facts.id.clone());
+    let id = new_id("chatcmpl-");
+
+    if stream {
+        let stops = job.stop.clone();
+        let req = job.into_request(&state, model, "messages")?;
+        let events = submit(model, req)?;
+        let include_usage = r.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+        let dialect = ChatStream {
+            id,
+            created: unix_time(),
+            model: model_name,
+            include_usage,
+            logprobs: want_logprobs,
+            tok: model.text.clone(),
+        };
+        return Ok(stream_response(events, dialect, stops, model.text.clone(), state.clone(), log));
+    }
+
+    let jobs = (0..n).map(|i| seeded(&job, i)).collect();
+    let done = run_all(jobs, &state, model, "messages", &log).await?;
+    let choices: Vec<Value> = done
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            json!({
+                "index": i,
+                "message": {"role": "assistant", "content": c.text},
+                "logprobs": if want_logprobs { chat_logprobs(&model.text, &c.logprobs) } else { Value::Null },
+                "finish_reason": c.ending.openai(),
+            })
+        })
+        .collect();
+    let u = &done[0].usage;
+    let completion_tokens = done.iter().map(|c| c.usage.completion_tokens).sum();
+    Ok(Json(json!({
+        "id": id,
+        "object": "chat.completion",
+        "created": unix_time(),
+        "model": model_name,
+        "system_fingerprint": system_fingerprint(),
+        "choices": choices,
+        "usage": usage_json(u.prompt_tokens, u.cached_tokens, completion_tokens),
+        "timings": timings(u),
+    }))
+    .into_response())
+}
+
+fn system_fingerprint() -> String {
+    format!("mlxcel-{}", env!("CARGO_PKG_VERSION"))
+}
+
+struct ChatStream {
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+    logprobs: bool,
+    tok: Arc<TextTokenizer>,
+}
+
+impl ChatStream {
+    fn chunk(&self, delta: Value, finish: Option<&str>, logprobs: Value) -> Value {
+        let mut c = json!({
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": system_fingerprint(),
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        });
+        if self.include_usage {
+            c["usage"] = Value::Null;
+        }
+        c
+    }
+}
+
+impl StreamDialect for ChatStream {
+    fn start(&mut self) -> Vec<Event> {
+        vec![data(&self.chunk(json!({"role": "assistant", "content": ""}), None, Value::Null))]
+    }
+
+    fn text(&mut self, text: &str, _tokens: &[u32], logprobs: &[TokenLogprob]) -> Vec<Event> {
+        let lp = if self.logprobs { chat_logprobs(&self.tok, logprobs) } else { Value::Null };
+        vec![data(&self.chunk(json!({"content": text}), None, lp))]
+    }
+
+    fn done(&mut self, ending: &Ending, usage: &Usage) -> Vec<Event> {
+        let mut last = self.chunk(json!({}), Some(ending.openai()), Value::Null);
+        last["timings"] = timings(usage);
+        let mut out = vec![data(&last)];
+        if self.include_usage {
+            let mut u = self.chunk(json!({}), None, Value::Null);
+            u["choices"] = json!([]);
+            u["usage"] = usage_json(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens);
+            out.push(data(&u));
+        }
+        out.push(Event::default().data("[DONE]"));
+        out
+    }
+
+    fn error(&mut self, e: &ApiError) -> Vec<Event> {
+        vec![data(&e.clone().in_dialect(Dialect::OpenAi).body())]
+    }
+}
+
+/// `prompt` of `/v1/completions`: a string, a list of strings, token ids, or a list of token-id lists.
+#[derive(Deserialize, Debug)]
+#[serde(untagged)]
+pub enum PromptField {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+    TokenLists(Vec<Vec<u32>>),
+}
+
+#[derive(Deserialize, Debug)]
+pub struct CompletionRequest {
+    pub model: Option<String>,
+    pub prompt: PromptField,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    pub max_tokens: Option<u64>,
+    pub stop: Option<StopField>,
+    pub n: Option<u32>,
+    pub logprobs: Option<u32>,
+    pub echo: Option<bool>,
+    pub suffix: Option<String>,
+    pub best_of: Option<u32>,
+    pub cache_prompt: Option<bool>,
+    pub ignore_eos: Option<bool>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub seed: Option<i64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub top_k: Option<usize>,
+    pub min_p: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<usize>,
+}
+
+/// The prompts of a completion request as (text, token ids).
+fn prompts(model: &LoadedModel, p: PromptField) -> Result<Vec<(String, Vec<u32>)>, ApiError> {
+    let enc = |s: &str| model.text.encode(s, true).map_err(|e| ApiError::internal(e.to_string()));
+    let dec = |ids: &[u32]| model.text.decode(ids).map_err(|e| ApiError::field("prompt", e.to_string()));
+    let vocab = model.facts.vocab_size as u32;
+    let check = |ids: &[u32]| match ids.iter().find(|&&t| t >= vocab) {
+        Some(t) => Err(ApiError::field("prompt", format!("token id {t} is outside the vocabulary (size {vocab})"))),
+        None => Ok(()),
+    };
+    let out = match p {
+        PromptField::Text(s) => vec![(s.clone(), enc(&s)?)],
+        PromptField::Texts(v) => v.iter().map(|s| Ok((s.clone(), enc(s)?))).collect::<Result<_, ApiError>>()?,
+        PromptField::Tokens(ids) => {
+            check(&ids)?;
+            vec![(dec(&ids)?, ids)]
+        }
+        PromptField::TokenLists(v) => v
+            .into_iter()
+            .map(|ids| {
+                check(&ids)?;
+                Ok((dec(&ids)?, ids))
+            })
+            .collect::<Result<_, ApiError>>()?,
+    };
+    if out.is_empty() {
+        return Err(ApiError::field("prompt", "the prompt is empty"));
+    }
+    Ok(out)
+}
+
+pub async fn completions(
+    State(state): State<Arc<AppState>>,
+    Extension(log): Extension<RequestLog>,
+    body: Bytes,
+) -> Response {
+    completions_inner(state, log, &body).await.unwrap_or_else(|e| e.in_dialect(Dialect::OpenAi).into_response())
+}
+
+async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Result<Response, ApiError> {
+    let model = state.ready()?;
+    let r: CompletionRequest = parse_body(body)?;
+    if r.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::field("suffix", "suffix (fill-in-the-middle) is not supported by this server"));
+    }
+    if r.best_of.is_some_and(|b| b > 1) {
+        return Err(ApiError::field("best_of", "best_of > 1 is not supported"));
+    }
+    let echo = r.echo.unwrap_or(false);
+    if let Some(k) = r.logprobs {
+        if k > 5 {
+            return Err(ApiError::field("logprobs", format!("logprobs must be at most 5, got {k}")));
+        }
+        if echo {
+            return Err(ApiError::field("echo", "echo with logprobs (prompt logprobs) is not supported"));
+        }
+    }
+    let stream = r.stream.unwrap_or(false);
+    let n = check_n(r.n, stream)?;
+    let prompts = prompts(model, r.prompt)?;
+    if stream && prompts.len() > 1 {
+        return Err(ApiError::field("prompt", "several prompts are not supported with stream: true"));
+    }
+    let sampling = sampling_fields!(r).apply(&model.facts.default_sampling)?;
+    let stop = r.stop.map(StopField::into_vec).unwrap_or_default();
+    let model_name = r.model.filter(|m| !m.is_empty()).unwrap_or_else(|| model.facts.id.clone());
+    let id = new_id("cmpl-");
+    let make_job = |ids: Vec<u32>| {
+        let mut job = Job::new(ids, sampling.clone());
+        job.max_tokens = r.max_tokens.map(|v| v as usize);
+        job.stop = stop.clone();
+        job.cache_prompt = r.cache_prompt;
+        job.ignore_eos = r.ignore_eos.unwrap_or(false);
+        job.logprobs = r.logprobs.map(|k| k as usize);
+        job
+    };
+
+    if stream {
+        let (text, ids) = prompts.into_iter().next().unwrap_or_default();
+        let job = make_job(ids);
+        let stops = job.stop.clone();
+        let events = submit(model, job.into_request(&state, model, "prompt")?)?;
+        let dialect = CompletionStream {
+            id,
+            created: unix_time(),
+            model: model_name,
+            include_usage: r.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
+            logprobs: r.logprobs.is_some(),
+            echo: echo.then_some(text),
+            offset: 0,
+            tok: model.text.clone(),
+        };
+        return Ok(stream_response(events, dialect, stops, model.text.clone(), state.clone(), log));
+    }
+
+    let mut jobs = Vec::new();
+    for (_, ids) in &prompts {
+        let job = make_job(ids.clone());
+        jobs.extend((0..n).map(|i| seeded(&job, i)));
+    }
+    let done = run_all(jobs, &state, model, "prompt", &log).await?;
+    let mut choices = Vec::new();
+    let (mut prompt_tokens, mut cached, mut completion_tokens) = (0, 0, 0);
+    for (i, c) in done.iter().enumerate() {
+        let prompt_text = &prompts[i / n].0;
+        let text = if echo { format!("{prompt_text}{}", c.text) } else { c.text.clone() };
+        let logprobs = match r.logprobs {
+            Some(_) => completion_logprobs(&model.text, &c.logprobs, 0),
+            None => Value::Null,
+        };
+        choices.push(json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.ending.openai()}));
+        if i % n == 0 {
+            prompt_tokens += c.usage.prompt_tokens;
+            cached += c.usage.cached_tokens;
+        }
+        completion_tokens += c.usage.completion_tokens;
+    }
+    Ok(Json(json!({
+        "id": id,
+        "object": "text_completion",
+        "created": unix_time(),
+        "model": model_name,
+        "system_fingerprint": system_fingerprint(),
+        "choices": choices,
+        "usage": usage_json(prompt_tokens, cached, completion_tokens),
+        "timings": timings(&done[0].usage),
+    }))
+    .into_response())
+}
+
+struct CompletionStream {
+    id: String,
+    created: u64,
+    model: String,
+    include_usage: bool,
+    logprobs: bool,
+    echo: Option<String>,
+    offset: usize,
+    tok: Arc<TextTokenizer>,
+}
+
+impl CompletionStream {
+    fn chunk(&self, text: &str, finish: Option<&str>, logprobs: Value) -> Value {
+        let mut c = json!({
+            "id": self.id,
+            "object": "text_completion",
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": system_fingerprint(),
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+        });
+        if self.include_usage {
+            c["usage"] = Value::Null;
+        }
+        c
+    }
+}
+
+impl StreamDialect for CompletionStream {
+    fn start(&mut self) -> Vec<Event> {
+        match self.echo.take() {
+            Some(p) => vec![data(&self.chunk(&p, None, Value::Null))],
+            None => vec![],
+        }
+    }
+
+    fn text(&mut self, text: &str, _tokens: &[u32], logprobs: &[TokenLogprob]) -> Vec<Event> {
+        let lp = if self.logprobs { completion_logprobs(&self.tok, logprobs, self.offset) } else { Value::Null };
+        self.offset += text.len();
+        vec![data(&self.chunk(text, None, lp))]
+    }
+
+    fn done(&mut self, ending: &Ending, usage: &Usage) -> Vec<Event> {
+        let mut last = self.chunk("", Some(ending.openai()), Value::Null);
+        last["timings"] = timings(usage);
+        let mut out = vec![data(&last)];
+        if self.include_usage {
+            let mut u = self.chunk("", None, Value::Null);
+            u["choices"] = json!([]);
+            u["usage"] = usage_json(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens);
+            out.push(data(&u));
+        }
+        out.push(Event::default().data("[DONE]"));
+        out
+    }
+
+    fn error(&mut self, e: &ApiError) -> Vec<Event> {
+        vec![data(&e.clone().in_dialect(Dialect::OpenAi).body())]
+    }
+}
+
+/// `/v1/models` (and `/models`): the one served model.
+pub async fn models(State(state): State<Arc<AppState>>) -> Response {
+    let model = match state.ready() {
+        Ok(m) => m,
+        Err(e) => return e.in_dialect(Dialect::OpenAi).into_response(),
+    };
+    let f = &model.facts;
+    Json(json!({
+        "object": "list",
+        "data": [{
+            "id": f.id,
+            "object": "model",
+            "created": state.started_unix,
+            "owned_by": "mlxcel",
+            "meta": {
+                "n_ctx": f.ctx_size,
+                "n_ctx_train": f.ctx_train,
+                "n_vocab": f.vocab_size,
+                "size": f.weight_bytes,
+                "architecture": f.architecture,
+                "path": f.path,
+            },
+        }],
+    }))
+    .into_response()
+}

@@ -1,0 +1,123 @@
+//! What every route shares: the configuration, the model once it is loaded (engine, tokenizer, facts),
+//! the server's own counters for `/metrics`, and the per-request record behind the log line.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use super::args::ServerConfig;
+use super::error::{ApiError, ErrorKind};
+use super::generator::{Generator, ModelFacts};
+use crate::engine::Usage;
+use crate::text::TextTokenizer;
+
+/// A loaded model: the engine that runs it and the text side the routes need (tokenizer, template).
+pub struct LoadedModel {
+    pub generator: Arc<dyn Generator>,
+    pub text: Arc<TextTokenizer>,
+    pub facts: ModelFacts,
+}
+
+pub struct AppState {
+    pub config: ServerConfig,
+    /// Set once loading finishes; until then generation routes and `/health` answer 503.
+    pub model: OnceLock<LoadedModel>,
+    pub metrics: Metrics,
+    pub started: Instant,
+    /// Start time in seconds since the Unix epoch (`created` of /v1/models).
+    pub started_unix: u64,
+}
+
+impl AppState {
+    pub fn new(config: ServerConfig) -> Arc<AppState> {
+        Arc::new(AppState {
+            config,
+            model: OnceLock::new(),
+            metrics: Metrics::default(),
+            started: Instant::now(),
+            started_unix: super::completion::unix_time(),
+        })
+    }
+
+    /// The model, or 503 while it is loading.
+    pub fn ready(&self) -> Result<&LoadedModel, ApiError> {
+        self.model
+            .get()
+            .ok_or_else(|| ApiError { retry_after: Some(5), ..ApiError::new(ErrorKind::Unavailable, "Loading model") })
+    }
+}
+
+/// Counters since start, kept by the HTTP layer from each finished request's usage.
+#[derive(Default)]
+pub struct Metrics {
+    pub requests_total: AtomicU64,
+    pub requests_failed: AtomicU64,
+    pub prompt_tokens_total: AtomicU64,
+    pub cached_tokens_total: AtomicU64,
+    pub tokens_predicted_total: AtomicU64,
+    prompt_micros_total: AtomicU64,
+    predicted_micros_total: AtomicU64,
+    queue_micros_total: AtomicU64,
+}
+
+impl Metrics {
+    pub fn record(&self, u: &Usage) {
+        let r = Ordering::Relaxed;
+        self.requests_total.fetch_add(1, r);
+        self.prompt_tokens_total.fetch_add(u.prompt_tokens.saturating_sub(u.cached_tokens) as u64, r);
+        self.cached_tokens_total.fetch_add(u.cached_tokens as u64, r);
+        self.tokens_predicted_total.fetch_add(u.completion_tokens as u64, r);
+        self.prompt_micros_total.fetch_add(u.prompt_time.as_micros() as u64, r);
+        self.predicted_micros_total.fetch_add(u.generation_time.as_micros() as u64, r);
+        self.queue_micros_total.fetch_add(u.queue_time.as_micros() as u64, r);
+    }
+    pub fn failed(&self) {
+        self.requests_failed.fetch_add(1, Ordering::Relaxed);
+    }
+    pub fn prompt_seconds(&self) -> f64 {
+        self.prompt_micros_total.load(Ordering::Relaxed) as f64 / 1e6
+    }
+    pub fn predicted_seconds(&self) -> f64 {
+        self.predicted_micros_total.load(Ordering::Relaxed) as f64 / 1e6
+    }
+    pub fn queue_seconds(&self) -> f64 {
+        self.queue_micros_total.load(Ordering::Relaxed) as f64 / 1e6
+    }
+}
+
+/// What a route learned about its request, for the one log line written when the response ends
+/// (for a stream: when the last event is sent or the client goes away).
+#[derive(Clone, Default)]
+pub struct RequestLog(Arc<Mutex<LogFields>>);
+
+#[derive(Default, Clone)]
+pub struct LogFields {
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub completion_tokens: usize,
+    pub prompt_time: Duration,
+    pub generation_time: Duration,
+    pub finish: Option<&'static str>,
+    pub stream: bool,
+}
+
+impl RequestLog {
+    pub fn update(&self, f: impl FnOnce(&mut LogFields)) {
+        if let Ok(mut g) = self.0.lock() {
+            f(&mut g);
+        }
+    }
+    pub fn usage(&self, u: &Usage, finish: &'static str) {
+        self.update(|l| {
+            l.prompt_tokens = u.prompt_tokens;
+            l.cached_tokens = u.cached_tokens;
+            l.completion_tokens = u.completion_tokens;
+            l.prompt_time = u.prompt_time;
+            l.generation_time = u.generation_time;
+            l.finish = Some(finish);
+        });
+    }
+    pub fn fields(&self) -> LogFields {
+        self.0.lock().map(|g| g.clone()).unwrap_or_default()
+    }
+}

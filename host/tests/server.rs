@@ -1,0 +1,261 @@
+//! The `mlxcel-server` binary on the real SmolLM2 (skipped without `MLXCEL_TEST_MODELS`): chat plain and
+//! streamed answer "Paris" over a socket, API keys, SIGTERM exits 0; then the official `openai` and
+//! `anthropic` Python SDKs (pinned in tests/sdk/requirements.txt, installed into target/sdk-venv) run `tests/sdk/test_sdk.py`
+//! against it. Refused llama-server flags need no model.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+const KEY: &str = "test-key";
+const QUESTION: &str = "What is the capital of France?";
+
+fn server_bin() -> Command {
+    mlxcel::testing::staged_plugin_dir();
+    let mut c = Command::new(env!("CARGO_BIN_EXE_mlxcel-server"));
+    c.env_remove("MLXCEL_PLUGIN_PATH").env_remove("RUST_BACKTRACE").env_remove("RUST_LOG");
+    // llama-server's environment variables would change the server under test.
+    for (k, _) in std::env::vars() {
+        if k.starts_with("LLAMA_ARG_") || k == "LLAMA_API_KEY" {
+            c.env_remove(k);
+        }
+    }
+    c
+}
+
+/// A running server, killed when dropped.
+struct Server {
+    child: Child,
+    base: String,
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts the server on an ephemeral port and waits until `/health` says the model is loaded.
+fn start(model: &PathBuf, extra: &[&str]) -> Server {
+    let mut child = server_bin()
+        .arg("-m")
+        .arg(model)
+        .args(["--port", "0", "-c", "2048", "--api-key", KEY, "--metrics"])
+        .args(extra)
+        .stderr(Stdio::piped())
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let base = loop {
+        let line = lines.next().expect("the server exited before listening").unwrap();
+        if let Some(rest) = line.split("listening on ").nth(1) {
+            break rest.split_whitespace().next().unwrap().to_string();
+        }
+    };
+    // Keep draining stderr so the server never blocks on a full pipe.
+    std::thread::spawn(move || for _ in lines {});
+    let server = Server { child, base };
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    rt.block_on(async {
+        loop {
+            if let Ok(r) = reqwest::get(format!("{}/health", server.base)).await {
+                if r.status() == 200 {
+                    return;
+                }
+                assert_eq!(r.status(), 503, "/health while loading");
+            }
+            assert!(Instant::now() < deadline, "the model did not load within 120 s");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    server
+}
+
+fn smollm2() -> Option<PathBuf> {
+    Some(mlxcel::testing::test_models()?.join("smollm2-135m-instruct-mlx-4bit"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_answers_paris_plain_and_streamed_and_sigterm_exits_cleanly() {
+    let Some(model) = smollm2() else { return };
+    let mut server = tokio::task::spawn_blocking(move || start(&model, &[])).await.unwrap();
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/chat/completions", server.base);
+    let body = json!({"messages": [{"role": "user", "content": QUESTION}], "temperature": 0, "max_tokens": 32});
+
+    let r = http.post(&url).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 401, "no API key");
+    let v: Value = http.post(&url).bearer_auth(KEY).json(&body).send().await.unwrap().json().await.unwrap();
+    let answer = v["choices"][0]["message"]["content"].as_str().unwrap_or_default();
+    assert!(answer.contains("Paris"), "{v}");
+    assert_eq!(v["choices"][0]["finish_reason"], "stop");
+
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    let text = http.post(&url).bearer_auth(KEY).json(&streamed).send().await.unwrap().text().await.unwrap();
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let answer: String = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .filter_map(|d| {
+            serde_json::from_str::<Value>(d).ok()?["choices"][0]["delta"]["content"].as_str().map(String::from)
+        })
+        .collect();
+    assert!(answer.contains("Paris"), "{answer}");
+    // The second request shares the first one's prompt: its KV is reused.
+    let m = http.get(format!("{}/metrics", server.base)).bearer_auth(KEY).send().await.unwrap().text().await.unwrap();
+    assert!(m.contains("llamacpp:tokens_predicted_total"), "{m}");
+    assert!(!m.contains("mlxcel_prompt_cached_tokens_total 0\n"), "{m}");
+
+    let pid = server.child.id().to_string();
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    let status = tokio::task::spawn_blocking(move || server.child.wait().unwrap()).await.unwrap();
+    assert_eq!(status.code(), Some(0), "SIGTERM should exit 0");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_leaving_mid_stream_frees_the_slot_timeouts_cut_answers_and_the_template_file_is_used() {
+    let Some(model) = smollm2() else { return };
+    // A template of our own (ChatML without SmolLM's default system prompt) replaces the model's.
+    let dir = tempfile::tempdir().unwrap();
+    let template = dir.path().join("chatml.jinja");
+    std::fs::write(&template, "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}").unwrap();
+    let args = ["-to".to_string(), "1".into(), "--chat-template-file".into(), template.display().to_string()];
+    let server =
+        tokio::task::spawn_blocking(move || start(&model, &args.iter().map(String::as_str).collect::<Vec<_>>()))
+            .await
+            .unwrap();
+    let http = reqwest::Client::new();
+    let v: Value = http
+        .post(format!("{}/apply-template", server.base))
+        .bearer_auth(KEY)
+        .json(&json!({"messages": [{"role": "user", "content": "hi"}]}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["prompt"], "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    let story = json!({"messages": [{"role": "user", "content": "Tell me a very long story about dragons."}],
+                       "max_tokens": 1500, "ignore_eos": true, "stream": true});
+    for _ in 0..3 {
+        let mut r = http
+            .post(format!("{}/v1/chat/completions", server.base))
+            .bearer_auth(KEY)
+            .json(&story)
+            .send()
+            .await
+            .unwrap();
+        r.chunk().await.unwrap().expect("a first chunk");
+        drop(r);
+    }
+    // The slot is free again within a moment of the last client leaving.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let slots: Value =
+            http.get(format!("{}/slots", server.base)).bearer_auth(KEY).send().await.unwrap().json().await.unwrap();
+        if slots[0]["is_processing"] == false {
+            break;
+        }
+        assert!(Instant::now() < deadline, "slot still busy after the client left: {slots}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // `-to 1`: a request that would run for long is cut after about a second.
+    let t = Instant::now();
+    let mut plain = story.clone();
+    plain["stream"] = json!(false);
+    let v: Value = http
+        .post(format!("{}/v1/chat/completions", server.base))
+        .bearer_auth(KEY)
+        .json(&plain)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["choices"][0]["finish_reason"], "length", "{v}");
+    assert!(v["usage"]["completion_tokens"].as_u64().unwrap() < 1500, "{v}");
+    assert!(t.elapsed() < Duration::from_secs(5), "the timeout did not cut the request: {:?}", t.elapsed());
+}
+
+/// A venv with the SDKs pinned in `tests/sdk/requirements.txt` (target/sdk-venv, made once; `cargo xtask
+/// test` prepares it before the tests run).
+fn sdk_python() -> PathBuf {
+    let venv = std::env::var_os("MLXCEL_SDK_VENV")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| mlxcel::testing::workspace_root().join("target/sdk-venv"));
+    let py = venv.join("bin/python");
+    let requirements = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/requirements.txt");
+    let pins: Vec<String> = std::fs::read_to_string(&requirements)
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("=="))
+        .map(|l| l.trim().replace("==", " "))
+        .collect();
+    let check = "import importlib.metadata as m, sys; sys.exit(0 if all(m.version(p.split()[0]) == p.split()[1] for p in sys.argv[1:]) else 1)";
+    let ready =
+        |py: &PathBuf| Command::new(py).args(["-c", check]).args(&pins).output().is_ok_and(|o| o.status.success());
+    if ready(&py) {
+        return py;
+    }
+    eprintln!("installing the SDKs of {} into {}", requirements.display(), venv.display());
+    let ok = Command::new("python3").args(["-m", "venv"]).arg(&venv).status().is_ok_and(|s| s.success());
+    assert!(ok, "python3 -m venv {} failed (python3 with venv is needed for the SDK tests)", venv.display());
+    let ok = Command::new(venv.join("bin/pip"))
+        .args(["install", "-q", "-r"])
+        .arg(&requirements)
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok && ready(&py), "installing {} failed", requirements.display());
+    py
+}
+
+#[test]
+fn openai_and_anthropic_sdks_get_right_answers_plain_and_streamed() {
+    let Some(model) = smollm2() else { return };
+    let py = sdk_python();
+    let server = start(&model, &["-a", "smollm2"]);
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/test_sdk.py");
+    let out = Command::new(py).arg(script).args([&server.base, KEY, "smollm2"]).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(out.status.success(), "SDK checks failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn unsupported_llama_server_flags_are_refused_by_name() {
+    for (args, flag) in [(&["-m", "x", "-ngl", "99"][..], "-ngl"), (&["-m", "x", "--mmproj", "p.gguf"], "--mmproj")] {
+        let out = server_bin().args(args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert!(stderr.starts_with(&format!("error: {flag} is a llama-server flag")), "{stderr}");
+    }
+    let out = server_bin().args(["-m", "x", "--lora", "a"]).env("LLAMA_ARG_N_GPU_LAYERS", "99").output().unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--lora"));
+    let out = server_bin().args(["-m", "x"]).env("LLAMA_ARG_N_GPU_LAYERS", "99").output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("LLAMA_ARG_N_GPU_LAYERS") && stderr.contains("-ngl"), "{stderr}");
+    // `mlxcel serve` is the same program.
+    let mlxcel = env!("CARGO_BIN_EXE_mlxcel-server").replace("mlxcel-server", "mlxcel");
+    let out = Command::new(mlxcel).args(["serve", "-m", "x", "--flash-attn", "on"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.starts_with("error: --flash-attn is a llama-server flag"), "{stderr}");
+}
+
+#[test]
+fn a_model_that_does_not_load_ends_the_server_with_one_error_line() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = server_bin().arg("-m").arg(dir.path()).args(["--port", "0"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.lines().last().unwrap().starts_with("error: "), "{stderr}");
+}
