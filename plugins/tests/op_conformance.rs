@@ -487,6 +487,9 @@ fn erf(x: f64) -> f64 {
     s * h / 3.0 * 2.0 / std::f64::consts::PI.sqrt()
 }
 
+/// A reference for an elementwise op: (input, parameter or second input) → output, in f64.
+type RefFn = fn(f64, f64) -> f64;
+
 #[test]
 fn elementwise_ops_match_reference() {
     each_backend(|ctx, rng| {
@@ -494,7 +497,7 @@ fn elementwise_ops_match_reference() {
             let a = rng.vec(r * c, 4.0);
             let b = rng.vec(r * c, 2.0);
             let shape = [r as u64, c as u64];
-            let unary: [(OpCode, f32, fn(f64, f64) -> f64); 7] = [
+            let unary: [(OpCode, f32, RefFn); 7] = [
                 (OpCode::Scale, 0.37, |x, p| x * p),
                 (OpCode::Silu, 0.0, |x, _| silu(x)),
                 (OpCode::Gelu, 0.0, |x, _| 0.5 * x * (1.0 + erf(x / 2f64.sqrt()))),
@@ -511,7 +514,7 @@ fn elementwise_ops_match_reference() {
                 let want: Vec<f64> = a.iter().map(|&x| f(x as f64, p as f64)).collect();
                 check(&format!("{} {op:?} {r}x{c}", ctx.name()), &got, &want, 1);
             }
-            let binary: [(OpCode, fn(f64, f64) -> f64); 4] = [
+            let binary: [(OpCode, RefFn); 4] = [
                 (OpCode::Add, |x, y| x + y),
                 (OpCode::Mul, |x, y| x * y),
                 (OpCode::SiluMul, |x, y| silu(x) * y),
@@ -610,11 +613,11 @@ fn rope_matches_reference() {
             );
             let got = run.execute(o);
             let mut want: Vec<f64> = x.iter().map(|&v| v as f64).collect();
-            for ti in 0..t {
+            for (ti, &p) in pos.iter().enumerate().take(t) {
                 for hh in 0..h {
                     let base = ti * h * hd + hh * hd;
-                    for i in 0..rot / 2 {
-                        let th = pos[ti] as f64 * inv[i] as f64;
+                    for (i, &f) in inv.iter().enumerate().take(rot / 2) {
+                        let th = p as f64 * f as f64;
                         let (c, s) = (th.cos() * mscale as f64, th.sin() * mscale as f64);
                         let (a, b) = if trad == 1 { (2 * i, 2 * i + 1) } else { (i, i + rot / 2) };
                         let (x1, x2) = (x[base + a] as f64, x[base + b] as f64);

