@@ -99,22 +99,42 @@ enum Cmd {
     },
 }
 
-/// The library file stems of the workspace's plugin crates: those whose Cargo.toml says
-/// `[package.metadata.mlxcel] plugin = "backend"` or `"family"`, so a new plugin crate needs no list here.
-fn plugin_crates() -> Result<Vec<String>> {
+/// The workspace's plugin packages: those whose Cargo.toml says `[package.metadata.mlxcel] plugin =
+/// "backend"` or `"family"`, so a new plugin crate needs no list here.
+fn plugin_packages() -> Result<Vec<serde_json::Value>> {
     let out = cargo().args(["metadata", "--format-version", "1", "--no-deps"]).output().context("cargo metadata")?;
     if !out.status.success() {
         bail!("cargo metadata failed: {}", String::from_utf8_lossy(&out.stderr));
     }
     let meta: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    let mut stems = Vec::new();
-    for p in meta["packages"].as_array().into_iter().flatten() {
-        let kind = p["metadata"]["mlxcel"]["plugin"].as_str();
-        if matches!(kind, Some("backend" | "family")) {
-            stems.push(p["name"].as_str().context("package without a name")?.replace('-', "_"));
+    Ok(meta["packages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| matches!(p["metadata"]["mlxcel"]["plugin"].as_str(), Some("backend" | "family")))
+        .cloned()
+        .collect())
+}
+
+/// The library file stems of the plugin crates.
+fn plugin_crates() -> Result<Vec<String>> {
+    plugin_packages()?
+        .iter()
+        .map(|p| Ok(p["name"].as_str().context("package without a name")?.replace('-', "_")))
+        .collect()
+}
+
+/// The family packages with a `golden` test (tests/golden.rs), run on every kernel path.
+fn family_golden_tests() -> Result<Vec<String>> {
+    let mut v = Vec::new();
+    for p in plugin_packages()? {
+        let golden =
+            p["targets"].as_array().into_iter().flatten().any(|t| t["name"] == "golden" && t["kind"][0] == "test");
+        if p["metadata"]["mlxcel"]["plugin"] == "family" && golden {
+            v.push(p["name"].as_str().context("package without a name")?.to_string());
         }
     }
-    Ok(stems)
+    Ok(v)
 }
 
 pub(crate) fn root() -> PathBuf {
@@ -310,14 +330,11 @@ fn main() -> Result<()> {
             run(c)?;
             // Every CPU kernel path this machine supports goes through the op conformance suite and
             // the golden tests (the run above used the best one).
+            let golden = family_golden_tests()?;
             for isa in supported_isas() {
                 println!("== op conformance and golden tests with MLXCEL_CPU_ISA={isa}");
-                for (package, test) in [
-                    ("mlxcel-plugins", "op_conformance"),
-                    ("mlxcel-plugins", "quant_mlx"),
-                    ("mlxcel-family-llama", "golden"),
-                    ("mlxcel-family-moe", "golden"),
-                ] {
+                let suites = [("mlxcel-plugins", "op_conformance"), ("mlxcel-plugins", "quant_mlx")];
+                for (package, test) in suites.into_iter().chain(golden.iter().map(|p| (p.as_str(), "golden"))) {
                     let mut c = cargo();
                     c.env("MLXCEL_CPU_ISA", isa).env("MLXCEL_TEST_BACKEND", "cpu");
                     c.args(["test", "--release", "-p", package, "--test", test]);
@@ -327,12 +344,8 @@ fn main() -> Result<()> {
             // The exact path: f32 activations everywhere, held to the f64 op reference, to mlx-lm's
             // logits at 1e-4 and its greedy tokens exactly, and to the real-model reference at 0.01.
             println!("== golden and real-model tests with MLXCEL_CPU_INT16=0");
-            for (package, test) in [
-                ("mlxcel-plugins", "op_conformance"),
-                ("mlxcel-family-llama", "golden"),
-                ("mlxcel-family-moe", "golden"),
-                ("mlxcel", "real_models"),
-            ] {
+            let suites = [("mlxcel-plugins", "op_conformance"), ("mlxcel", "real_models")];
+            for (package, test) in suites.into_iter().chain(golden.iter().map(|p| (p.as_str(), "golden"))) {
                 let mut c = cargo();
                 c.env("MLXCEL_CPU_INT16", "0").env("MLXCEL_TEST_BACKEND", "cpu");
                 c.args(["test", "--release", "-p", package, "--test", test]);
