@@ -126,11 +126,22 @@ fn plugin_crates() -> Result<Vec<String>> {
 
 /// The family packages with a `golden` test (tests/golden.rs), run on every kernel path.
 fn family_golden_tests() -> Result<Vec<String>> {
+    family_golden_tests_on(None)
+}
+
+/// The family packages with a `golden` test, all of them or those whose tests run on `backend`
+/// (`[package.metadata.mlxcel] golden-backends`, default every backend).
+fn family_golden_tests_on(backend: Option<&str>) -> Result<Vec<String>> {
     let mut v = Vec::new();
     for p in plugin_packages()? {
         let golden =
             p["targets"].as_array().into_iter().flatten().any(|t| t["name"] == "golden" && t["kind"][0] == "test");
-        if p["metadata"]["mlxcel"]["plugin"] == "family" && golden {
+        let meta = &p["metadata"]["mlxcel"];
+        let on = match (backend, meta["golden-backends"].as_array()) {
+            (Some(b), Some(list)) => list.iter().any(|x| x == b),
+            _ => true,
+        };
+        if meta["plugin"] == "family" && golden && on {
             v.push(p["name"].as_str().context("package without a name")?.to_string());
         }
     }
@@ -355,7 +366,9 @@ fn main() -> Result<()> {
             // it above (every usable staged backend); the family golden tests and the real models too.
             if mlx.is_some() {
                 println!("== golden and real-model tests on the mlx backend");
-                for (package, test) in [("mlxcel-family-llama", "golden"), ("mlxcel", "real_models")] {
+                let golden = family_golden_tests_on(Some("mlx"))?;
+                let suites = golden.iter().map(|p| (p.as_str(), "golden")).chain([("mlxcel", "real_models")]);
+                for (package, test) in suites {
                     let mut c = cargo();
                     c.env("MLXCEL_TEST_BACKEND", "mlx").args(["test", "--release", "-p", package, "--test", test]);
                     run(c)?;
