@@ -310,6 +310,17 @@ fn batches<'a, T>(items: &'a [(T, &'a EncodedInput)], budget: usize) -> Vec<&'a 
     out
 }
 
+/// Runs `inputs` on the calling thread in passes of at most `max_batch_tokens`: one row per input.
+pub fn encode_all(runner: &mut ModelRunner, inputs: &[EncodedInput], max_batch_tokens: usize) -> Result<Vec<Vec<f32>>> {
+    let items: Vec<((), &EncodedInput)> = inputs.iter().map(|i| ((), i)).collect();
+    let mut out = Vec::with_capacity(inputs.len());
+    for batch in batches(&items, max_batch_tokens) {
+        let refs: Vec<&EncodedInput> = batch.iter().map(|(_, i)| *i).collect();
+        out.extend(forward(runner, &refs)?);
+    }
+    Ok(out)
+}
+
 /// One forward pass over whole sequences: one output row per input.
 pub fn forward(runner: &mut ModelRunner, inputs: &[&EncodedInput]) -> Result<Vec<Vec<f32>>> {
     let blocks = SeqBlocks::new();

@@ -471,11 +471,11 @@ impl ModelRunner {
 /// Why a model of `task` cannot be loaded where `wanted` tasks are, and what to do instead.
 fn task_refusal(dir: &Path, task: Task, wanted: &[Task]) -> String {
     let words = |t: &Task| match t {
-        Task::Text => "text-generation",
-        Task::Embed => "embedding",
-        Task::Rerank => "reranking (cross-encoder)",
-        Task::Asr => "speech-recognition",
-        Task::Tts => "text-to-speech",
+        Task::Text => "a text-generation",
+        Task::Embed => "an embedding",
+        Task::Rerank => "a reranking (cross-encoder)",
+        Task::Asr => "a speech-recognition",
+        Task::Tts => "a text-to-speech",
     };
     let wanted: Vec<&str> = wanted.iter().map(words).collect();
     let instead = match task {
@@ -483,13 +483,7 @@ fn task_refusal(dir: &Path, task: Task, wanted: &[Task]) -> String {
         Task::Rerank => "; use `mlxcel rerank` or serve it (`mlxcel serve`: /v1/rerank)",
         _ => "",
     };
-    format!(
-        "{} is a{} {} model; this needs a {} model{instead}",
-        dir.display(),
-        if task == Task::Embed { "n" } else { "" },
-        words(&task),
-        wanted.join(" or ")
-    )
+    format!("{} is {} model; this needs {} model{instead}", dir.display(), words(&task), wanted.join(" or "))
 }
 
 // SAFETY: the only fields that are not `Send` are the raw handles in `weight_handles`, copies of the
