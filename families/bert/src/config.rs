@@ -88,7 +88,7 @@ impl BertConfig {
         if !ARCHITECTURES.contains(&cfg.model_type.as_str()) {
             return Err(format!("model_type `{}` is not one of {ARCHITECTURES:?}", cfg.model_type));
         }
-        if cfg.num_attention_heads == 0 || cfg.hidden_size % cfg.num_attention_heads != 0 {
+        if cfg.num_attention_heads == 0 || !cfg.hidden_size.is_multiple_of(cfg.num_attention_heads) {
             return Err(format!(
                 "hidden_size {} is not a multiple of num_attention_heads {}",
                 cfg.hidden_size, cfg.num_attention_heads

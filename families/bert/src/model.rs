@@ -50,7 +50,8 @@ struct Layer {
     output_norm: Norm,
 }
 
-/// The head's weights (see [`Head`]).
+/// The head's weights (see [`Head`]). One per model, so the variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 enum HeadWeights {
     Embedding {
         pooling: Pooling,

@@ -121,3 +121,65 @@ fn print_json(v: &serde_json::Value) -> Result<()> {
         r => Ok(r?),
     }
 }
+
+#[derive(Args, Debug, Clone)]
+pub struct BenchEmbedArgs {
+    #[command(flatten)]
+    pub model: EncoderModelArgs,
+    /// JSON object of named text sets, `{"short": ["…", …], "passages": ["…", …]}`: each set is
+    /// embedded as one request (truncated as the model says), `--repetitions` times.
+    #[arg(long)]
+    pub texts: std::path::PathBuf,
+    /// Repetitions per set; the median is reported.
+    #[arg(short = 'r', long, default_value_t = 3)]
+    pub repetitions: usize,
+    /// One JSON object on stdout.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `mlxcel bench-embed`: embeddings per second of an embedding model on given sets of texts (the first
+/// run of each set is a warm-up and not counted).
+pub fn bench(global: &GlobalArgs, a: &BenchEmbedArgs) -> Result<()> {
+    let text = std::fs::read_to_string(&a.texts).with_context(|| format!("reading {}", a.texts.display()))?;
+    let sets: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text)
+        .with_context(|| format!("{}: expected an object of text lists", a.texts.display()))?;
+    let (mut runner, tok) = load(global, &a.model, Task::Embed)?;
+    let mut out = serde_json::Map::new();
+    for (name, texts) in &sets {
+        let texts: Vec<&str> = texts
+            .as_array()
+            .with_context(|| format!("{}: `{name}` is not a list", a.texts.display()))?
+            .iter()
+            .map(|t| t.as_str().with_context(|| format!("`{name}` holds a non-string")))
+            .collect::<Result<_>>()?;
+        let mut seconds = Vec::new();
+        let mut tokens = 0;
+        for rep in 0..=a.repetitions.max(1) {
+            let t0 = std::time::Instant::now();
+            // Tokenizing is part of the work, as it is for a peer given the same texts.
+            let inputs: Vec<EncodedInput> = texts.iter().map(|t| tok.encode(t)).collect::<Result<_, _>>()?;
+            let rows = run_inputs(&mut runner, &tok, &inputs)?;
+            std::hint::black_box(rows);
+            if rep > 0 {
+                seconds.push(t0.elapsed().as_secs_f64());
+            }
+            tokens = inputs.iter().map(|i| i.ids.len()).sum::<usize>();
+        }
+        seconds.sort_by(f64::total_cmp);
+        let s = seconds[seconds.len() / 2];
+        out.insert(
+            name.clone(),
+            json!({"texts": texts.len(), "tokens": tokens, "seconds": s, "embeddings_per_s": texts.len() as f64 / s}),
+        );
+        if !a.json {
+            eprintln!("{name}: {} texts, {tokens} tokens: {:.1} embeddings/s", texts.len(), texts.len() as f64 / s);
+        }
+    }
+    let v = json!({"sets": out, "peak_rss_bytes": super::bench::peak_rss(), "backend": runner.backend_name,
+                   "features": runner.backend_features});
+    if a.json {
+        print_json(&v)?;
+    }
+    Ok(())
+}

@@ -59,6 +59,8 @@ pub enum Command {
     Embed(embed::EmbedArgs),
     /// Order documents by a cross-encoder's relevance to a query; prints JSON, best first.
     Rerank(embed::RerankArgs),
+    /// Embeddings per second of an embedding model on sets of texts (`cargo xtask bench --embeddings`).
+    BenchEmbed(embed::BenchEmbedArgs),
     /// Serve a model over HTTP (OpenAI, Anthropic, llama-server APIs); the same as `mlxcel-server`.
     Serve(crate::server::ServerArgs),
 }

@@ -179,10 +179,13 @@ pub struct EncoderCounters {
     pub compute_micros: AtomicU64,
 }
 
+/// One output row per input, or why the request failed.
+type Rows = Result<Vec<Vec<f32>>, EngineError>;
+
 /// One request's inputs, and where its rows go.
 struct Job {
     inputs: Vec<EncodedInput>,
-    reply: tokio::sync::oneshot::Sender<Result<Vec<Vec<f32>>, EngineError>>,
+    reply: tokio::sync::oneshot::Sender<Rows>,
 }
 
 /// A running encoder model: a handle to its thread (Clone + Send + Sync). Dropping the last handle
@@ -224,10 +227,7 @@ impl Encoder {
         rx.blocking_recv().unwrap_or_else(|_| Err(EngineError::Internal("the encoder stopped".into())))
     }
 
-    fn submit(
-        &self,
-        inputs: Vec<EncodedInput>,
-    ) -> Result<tokio::sync::oneshot::Receiver<Result<Vec<Vec<f32>>, EngineError>>, EngineError> {
+    fn submit(&self, inputs: Vec<EncodedInput>) -> Result<tokio::sync::oneshot::Receiver<Rows>, EngineError> {
         if inputs.is_empty() {
             return Err(EngineError::Invalid("no inputs".into()));
         }
