@@ -5,7 +5,7 @@
 //!
 //! Both sides compute in f32; differences are summation order only (measured ≤ 1e-6), so 1e-4.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use mlxcel::engine::embed::{forward, EncodedInput, EncoderTokenizer};
 use mlxcel::engine::{ModelRunner, RunnerOptions};
@@ -24,7 +24,7 @@ fn fixture(name: &str) -> (PathBuf, Value) {
     (dir, v)
 }
 
-fn load(dir: &PathBuf, task: Task) -> (ModelRunner, EncoderTokenizer) {
+fn load(dir: &Path, task: Task) -> (ModelRunner, EncoderTokenizer) {
     let catalog = mlxcel::testing::staged_catalog();
     let opts = RunnerOptions { threads: 2, backend: backend(), ..Default::default() };
     let runner =
