@@ -76,11 +76,9 @@ fn check(name: &str, runner: &mut ModelRunner, inputs: &[EncodedInput], want: &[
         let d = max_diff(got, want);
         eprintln!("{name}: input {i}: max |diff| {d:.2e}");
         assert!(d <= TOLERANCE, "{name}: input {i}: max |diff| {d} > {TOLERANCE}");
-        // Alone and batched agree to float rounding (the CPU backend's float matmuls are not yet bit-for-bit
-        // batch invariant on every path: measured ≤ 1.2e-7 here).
+        // A sequence's result does not depend on its batch-mates, bit for bit.
         let alone = forward(runner, &[&inputs[i]]).unwrap();
-        let d = max_diff(&alone[0], got);
-        assert!(d <= 1e-6, "{name}: input {i} differs by {d} alone and batched");
+        assert_eq!(&alone[0], got, "{name}: input {i} differs alone and batched");
     }
 }
 
