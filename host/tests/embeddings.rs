@@ -97,6 +97,21 @@ mod http {
         rt().block_on(async { reqwest::get(url).await.ok().map(|r| r.status().as_u16()) })
     }
 
+    /// POSTs every body at once (concurrent requests); the answers in order.
+    pub fn post_all(url: &str, bodies: &[serde_json::Value]) -> Vec<(u16, serde_json::Value)> {
+        rt().block_on(async {
+            let c = reqwest::Client::new();
+            let calls = bodies.iter().map(|b| {
+                let c = c.clone();
+                async move {
+                    let r = c.post(url).json(b).send().await.unwrap();
+                    (r.status().as_u16(), r.json().await.unwrap())
+                }
+            });
+            futures_util::future::join_all(calls).await
+        })
+    }
+
     /// POSTs JSON; the status and the body as JSON.
     pub fn post(url: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
         rt().block_on(async {
@@ -213,9 +228,17 @@ fn embedding_server_matches_transformers_on_every_route_and_refuses_bad_input() 
     assert_eq!((s, v["error"]["code"].as_u64()), (400, Some(400)), "{v}");
     let m = server.refused("/v1/rerank", json!({"query": "a", "documents": ["b"]}), 400);
     assert!(m.contains("cross-encoder"), "{m}");
-    // The server still works after all that.
-    let (s, _) = server.post("/v1/embeddings", json!({"input": texts[0]}));
-    assert_eq!(s, 200);
+    // The server still works after all that, and concurrent requests (which the encoder may gather into
+    // shared passes) get exactly what each input gets alone.
+    let bodies: Vec<Value> = (0..12).map(|i| json!({"input": [texts[i % 3], texts[(i + 1) % 3]]})).collect();
+    let answers = http::post_all(&format!("{}/v1/embeddings", server.base), &bodies);
+    for (i, (s, v)) in answers.iter().enumerate() {
+        assert_eq!(*s, 200, "{v}");
+        for (j, k) in [(0, i % 3), (1, (i + 1) % 3)] {
+            let (_, alone) = server.post("/v1/embeddings", json!({"input": texts[k]}));
+            assert_eq!(v["data"][j]["embedding"], alone["data"][0]["embedding"], "request {i}, input {j}");
+        }
+    }
 }
 
 #[test]
