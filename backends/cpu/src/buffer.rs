@@ -78,7 +78,7 @@ pub fn as_f32(bytes: &[u8]) -> &[f32] {
     if bytes.is_empty() {
         return &[];
     }
-    assert!(bytes.as_ptr() as usize % 4 == 0 && bytes.len() % 4 == 0, "misaligned f32 data");
+    assert!((bytes.as_ptr() as usize).is_multiple_of(4) && bytes.len().is_multiple_of(4), "misaligned f32 data");
     unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const f32, bytes.len() / 4) }
 }
 
@@ -86,7 +86,7 @@ pub fn as_f32_mut(bytes: &mut [u8]) -> &mut [f32] {
     if bytes.is_empty() {
         return &mut [];
     }
-    assert!(bytes.as_ptr() as usize % 4 == 0 && bytes.len() % 4 == 0, "misaligned f32 data");
+    assert!((bytes.as_ptr() as usize).is_multiple_of(4) && bytes.len().is_multiple_of(4), "misaligned f32 data");
     unsafe { std::slice::from_raw_parts_mut(bytes.as_mut_ptr() as *mut f32, bytes.len() / 4) }
 }
 
@@ -94,7 +94,7 @@ pub fn as_i32(bytes: &[u8]) -> &[i32] {
     if bytes.is_empty() {
         return &[];
     }
-    assert!(bytes.as_ptr() as usize % 4 == 0 && bytes.len() % 4 == 0, "misaligned i32 data");
+    assert!((bytes.as_ptr() as usize).is_multiple_of(4) && bytes.len().is_multiple_of(4), "misaligned i32 data");
     unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const i32, bytes.len() / 4) }
 }
 
@@ -102,6 +102,6 @@ pub fn as_u16(bytes: &[u8]) -> &[u16] {
     if bytes.is_empty() {
         return &[];
     }
-    assert!(bytes.as_ptr() as usize % 2 == 0 && bytes.len() % 2 == 0, "misaligned 16-bit data");
+    assert!((bytes.as_ptr() as usize).is_multiple_of(2) && bytes.len().is_multiple_of(2), "misaligned 16-bit data");
     unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const u16, bytes.len() / 2) }
 }

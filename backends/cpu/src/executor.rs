@@ -222,7 +222,7 @@ fn quant_matrix<'a>(
     };
     let (pn, sn, bn) = (&nodes[p], &nodes[sc], &nodes[b]);
     let n = pn.rows();
-    if k % group != 0 || pn.cols() * 32 != k * bits {
+    if !k.is_multiple_of(group) || pn.cols() * 32 != k * bits {
         return Err(format!(
             "packed weight is [{n}, {}] u32 but {k} columns at {bits} bits need {} words per row",
             pn.cols(),

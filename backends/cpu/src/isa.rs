@@ -2,9 +2,9 @@
 //! `MLXCEL_CPU_ISA=scalar|avx2|avx512|neon` forces one (for tests and comparisons); forcing a path the
 //! CPU lacks is an error, never a silent fallback.
 
-/// A kernel path.
+/// A SIMD instruction set a kernel can be compiled for (a name; it proves nothing about this CPU).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Isa {
+pub enum IsaPath {
     /// Portable Rust compiled for the target's baseline (no extra features enabled).
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
@@ -15,22 +15,22 @@ pub enum Isa {
     Neon,
 }
 
-impl Isa {
+impl IsaPath {
     pub fn name(self) -> &'static str {
         match self {
-            Isa::Scalar => "scalar",
-            Isa::Avx2 => "avx2",
-            Isa::Avx512 => "avx512",
-            Isa::Neon => "neon",
+            IsaPath::Scalar => "scalar",
+            IsaPath::Avx2 => "avx2",
+            IsaPath::Avx512 => "avx512",
+            IsaPath::Neon => "neon",
         }
     }
 
-    pub fn parse(s: &str) -> Option<Isa> {
+    pub fn parse(s: &str) -> Option<IsaPath> {
         match s.trim().to_ascii_lowercase().as_str() {
-            "scalar" => Some(Isa::Scalar),
-            "avx2" => Some(Isa::Avx2),
-            "avx512" => Some(Isa::Avx512),
-            "neon" => Some(Isa::Neon),
+            "scalar" => Some(IsaPath::Scalar),
+            "avx2" => Some(IsaPath::Avx2),
+            "avx512" => Some(IsaPath::Avx512),
+            "neon" => Some(IsaPath::Neon),
             _ => None,
         }
     }
@@ -38,49 +38,80 @@ impl Isa {
     /// Whether this CPU can run the path.
     pub fn supported(self) -> bool {
         match self {
-            Isa::Scalar => true,
+            IsaPath::Scalar => true,
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => {
+            IsaPath::Avx2 => {
                 is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
             }
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => {
-                Isa::Avx2.supported()
+            IsaPath::Avx512 => {
+                IsaPath::Avx2.supported()
                     && is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512bw")
                     && is_x86_feature_detected!("avx512vl")
             }
             #[cfg(target_arch = "aarch64")]
-            Isa::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            IsaPath::Neon => std::arch::is_aarch64_feature_detected!("neon"),
             #[allow(unreachable_patterns)]
             _ => false,
         }
     }
+}
+
+/// A kernel path this CPU was found to support: only detection makes one (the field is private), so
+/// holding an `Isa` is what makes calling its `#[target_feature]` kernels sound.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Isa(IsaPath);
+
+impl Isa {
+    /// The portable path, which every CPU runs.
+    pub const SCALAR: Isa = Isa(IsaPath::Scalar);
+
+    /// `path`, when this CPU supports it.
+    pub fn detect(path: IsaPath) -> Option<Isa> {
+        path.supported().then_some(Isa(path))
+    }
+
+    pub fn path(self) -> IsaPath {
+        self.0
+    }
+
+    pub fn name(self) -> &'static str {
+        self.0.name()
+    }
+
+    /// AVX2, FMA and F16C are there (the AVX2 and AVX-512 paths).
+    pub fn has_avx2(self) -> bool {
+        matches!(self.0, IsaPath::Avx2 | IsaPath::Avx512)
+    }
+
+    pub fn is_neon(self) -> bool {
+        self.0 == IsaPath::Neon
+    }
 
     /// The best path this CPU supports.
     pub fn best() -> Isa {
-        [Isa::Avx512, Isa::Avx2, Isa::Neon].into_iter().find(|i| i.supported()).unwrap_or(Isa::Scalar)
+        [IsaPath::Avx512, IsaPath::Avx2, IsaPath::Neon].into_iter().find_map(Isa::detect).unwrap_or(Isa::SCALAR)
     }
 
     /// Every path this CPU supports.
     pub fn all_supported() -> Vec<Isa> {
-        [Isa::Scalar, Isa::Avx2, Isa::Avx512, Isa::Neon].into_iter().filter(|i| i.supported()).collect()
+        [IsaPath::Scalar, IsaPath::Avx2, IsaPath::Avx512, IsaPath::Neon].into_iter().filter_map(Isa::detect).collect()
     }
 
     /// The path to use: `MLXCEL_CPU_ISA` if set, else the best.
     pub fn from_env() -> Result<Isa, String> {
         match std::env::var("MLXCEL_CPU_ISA") {
             Ok(v) if !v.trim().is_empty() => {
-                let isa = Isa::parse(&v)
+                let path = IsaPath::parse(&v)
                     .ok_or_else(|| format!("MLXCEL_CPU_ISA=`{v}` is not one of scalar, avx2, avx512, neon"))?;
-                if !isa.supported() {
-                    return Err(format!(
+                Isa::detect(path).ok_or_else(|| {
+                    format!(
                         "MLXCEL_CPU_ISA={} is not supported by this CPU (supported: {})",
-                        isa.name(),
+                        path.name(),
                         Isa::all_supported().iter().map(|i| i.name()).collect::<Vec<_>>().join(", ")
-                    ));
-                }
-                Ok(isa)
+                    )
+                })
             }
             _ => Ok(Isa::best()),
         }
@@ -116,16 +147,16 @@ macro_rules! simd_kernel {
             #[cfg(target_arch = "aarch64")]
             #[target_feature(enable = "neon")]
             pub unsafe fn neon($($p: $t),*) $(-> $ret)? { body($($p),*) }
-            /// Runs the path `isa` (which the context checked is supported).
+            /// Runs the path `isa` (an `Isa` exists only for a path this CPU supports).
             #[inline]
             pub fn run(isa: $crate::isa::Isa, $($p: $t),*) $(-> $ret)? {
-                match isa {
+                match isa.path() {
                     #[cfg(target_arch = "x86_64")]
-                    $crate::isa::Isa::Avx2 => unsafe { avx2($($p),*) },
+                    $crate::isa::IsaPath::Avx2 => unsafe { avx2($($p),*) },
                     #[cfg(target_arch = "x86_64")]
-                    $crate::isa::Isa::Avx512 => unsafe { avx512($($p),*) },
+                    $crate::isa::IsaPath::Avx512 => unsafe { avx512($($p),*) },
                     #[cfg(target_arch = "aarch64")]
-                    $crate::isa::Isa::Neon => unsafe { neon($($p),*) },
+                    $crate::isa::IsaPath::Neon => unsafe { neon($($p),*) },
                     _ => scalar($($p),*),
                 }
             }

@@ -117,7 +117,7 @@ impl BackendContext for CpuContext {
 
     unsafe fn buffer_from_host(&mut self, ptr: *const u8, len: usize) -> Result<Buffer, PluginError> {
         // Zero-copy when aligned for the widest element type; otherwise a private aligned copy.
-        if len == 0 || ptr as usize % 8 == 0 {
+        if len == 0 || (ptr as usize).is_multiple_of(8) {
             return Ok(Buffer::Borrowed { ptr, len });
         }
         let mut a = AlignedBytes::zeroed(len).ok_or_else(|| out_of_memory(len))?;

@@ -24,8 +24,20 @@ int fail(const char* what) {
   return 1;
 }
 
+// MLX keeps a default stream per thread, and a stream made by one thread cannot be evaluated on
+// another, but the host may call from any thread (the engine runs on its own; a context is used by
+// one thread at a time). So all work goes to one stream usable from any thread, made the calling
+// thread's default at every entry point.
+void ensure_stream() {
+  auto d = mx::default_device();
+  static const mx::Stream shared = mx::new_thread_unsafe_stream(d);
+  auto current = mx::peek_default_stream(d);
+  if (!current || !(*current == shared)) mx::set_default_stream(shared);
+}
+
 #define MLXB_TRY(...)                           \
   try {                                         \
+    ensure_stream();                            \
     __VA_ARGS__;                                \
     return 0;                                   \
   } catch (const std::exception& e) {           \
@@ -161,6 +173,16 @@ int mlxb_quant_matmul(const mlxb_array* x, const mlxb_array* w, const mlxb_array
 
 int mlxb_take_rows(const mlxb_array* x, const mlxb_array* rows, mlxb_array** out) {
   MLXB_TRY({ *out = wrap(f32(mx::take(x->a, rows->a, 0))); })
+}
+
+int mlxb_slice_rows(const mlxb_array* x, int64_t start, int64_t stop, mlxb_array** out) {
+  MLXB_TRY({
+    auto shape = x->a.shape();
+    mx::Shape lo(shape.size(), 0), hi(shape.begin(), shape.end());
+    lo[0] = static_cast<int>(start);
+    hi[0] = static_cast<int>(stop);
+    *out = wrap(mx::slice(x->a, lo, hi));
+  })
 }
 
 int mlxb_quant_embedding(const mlxb_array* ids, const mlxb_array* w, const mlxb_array* scales,

@@ -44,6 +44,8 @@ int mlxb_matmul(const mlxb_array* x, const mlxb_array* w, mlxb_array** out);
 int mlxb_quant_matmul(const mlxb_array* x, const mlxb_array* w, const mlxb_array* scales, const mlxb_array* biases,
                       int bits, int group, mlxb_array** out);
 int mlxb_take_rows(const mlxb_array* x, const mlxb_array* rows, mlxb_array** out);
+/* Rows start..stop of x (any dtype, no cast): a view for one part of a fused weight. */
+int mlxb_slice_rows(const mlxb_array* x, int64_t start, int64_t stop, mlxb_array** out);
 int mlxb_quant_embedding(const mlxb_array* ids, const mlxb_array* w, const mlxb_array* scales,
                          const mlxb_array* biases, int bits, int group, mlxb_array** out);
 int mlxb_unary(int kind, const mlxb_array* x, float p, mlxb_array** out);

@@ -26,7 +26,25 @@ pub fn supports(node: &Node) -> bool {
         OpCode::QuantMatMul | OpCode::QuantEmbedding => {
             matches!(node.iparams[0], 2 | 3 | 4 | 5 | 6 | 8) && matches!(node.iparams[1], 32 | 64 | 128)
         }
-        _ => node.dtype() == DType::F32,
+        // The ops `compute` implements, in f32.
+        OpCode::Embedding
+        | OpCode::GetRows
+        | OpCode::MatMul
+        | OpCode::Add
+        | OpCode::Mul
+        | OpCode::SiluMul
+        | OpCode::GeluTanhMul
+        | OpCode::Scale
+        | OpCode::Silu
+        | OpCode::Gelu
+        | OpCode::GeluTanh
+        | OpCode::Relu
+        | OpCode::Softcap
+        | OpCode::RmsNorm
+        | OpCode::LayerNorm
+        | OpCode::Rope
+        | OpCode::Attention => node.dtype() == DType::F32,
+        _ => false,
     }
 }
 
@@ -188,10 +206,29 @@ pub unsafe fn compute(args: &ComputeArgs) -> Result<(), PluginError> {
                 // SAFETY: a handle of this plugin, used by this thread only.
                 let buf =
                     unsafe { (h as *mut MlxBuffer).as_mut() }.ok_or_else(|| e(format!("weight {idx} is null")))?;
-                if buf.byte_len() != expect_bytes {
-                    return Err(e(format!("weight {idx} has {} bytes, expected {expect_bytes}", buf.byte_len())));
+                let shape = shape_of(node);
+                let (first, stored_rows) = (node.iparams[1], node.iparams[2]);
+                if stored_rows == 0 {
+                    if buf.byte_len() != expect_bytes {
+                        return Err(e(format!("weight {idx} has {} bytes, expected {expect_bytes}", buf.byte_len())));
+                    }
+                    buf.typed(node.dtype(), &shape).map_err(e)?
+                } else {
+                    // A row view: rows `first..first + rows` of a stored `[stored_rows, cols]` tensor.
+                    let rows = shape[0];
+                    if shape.len() != 2 || first < 0 || first + rows > stored_rows {
+                        return Err(e(format!(
+                            "row view {first}+{rows} outside the {stored_rows} rows of weight {idx}"
+                        )));
+                    }
+                    let stored_bytes = expect_bytes / rows.max(1) as usize * stored_rows as usize;
+                    if buf.byte_len() != stored_bytes {
+                        return Err(e(format!("weight {idx} has {} bytes, expected {stored_bytes}", buf.byte_len())));
+                    }
+                    let whole = buf.typed(node.dtype(), &[stored_rows, shape[1]]).map_err(e)?;
+                    // SAFETY: a live handle.
+                    make(|o| unsafe { ffi::mlxb_slice_rows(whole.raw(), first, first + rows, o) }).map_err(e)?
                 }
-                buf.typed(node.dtype(), &shape_of(node)).map_err(e)?
             }
             OpCode::Constant => {
                 let (off, len) = (node.iparams[0] as usize, node.iparams[1] as usize);
@@ -376,6 +413,8 @@ pub unsafe fn compute(args: &ComputeArgs) -> Result<(), PluginError> {
                 let batch = batch.as_ref().ok_or_else(|| e("no step batch given".into()))?;
                 attention(i, node, nodes, &vals, batch, &groups, &kv, &mut caches)?
             }
+            // `supports` refuses these, so the host never sends them; a graph that does is an error.
+            other => return Err(bad(i, node, format!("{other:?} is not implemented by the mlx backend"))),
         };
         vals[i] = Some(val);
     }

@@ -47,6 +47,7 @@ extern "C" {
         out: Out,
     ) -> c_int;
     pub fn mlxb_take_rows(x: *const RawArray, rows: *const RawArray, out: Out) -> c_int;
+    pub fn mlxb_slice_rows(x: *const RawArray, start: i64, stop: i64, out: Out) -> c_int;
     pub fn mlxb_quant_embedding(
         ids: *const RawArray,
         w: *const RawArray,

@@ -1,6 +1,6 @@
 //! The grouped-query self-attention block most decoders share: q/k/v projections (with optional
 //! biases), optional per-head RMS norm on q and k, RoPE, paged attention over the layer's KV cache
-//! (full or sliding window), o_proj.
+//! (full or sliding window, optionally soft-capped and scaled by a configured query scalar), o_proj.
 
 use mlxcel_plugin_api::{OpCode, TensorId};
 use serde_json::Value;
@@ -16,8 +16,14 @@ pub struct AttentionShape {
     pub head_dim: usize,
     pub qkv_bias: bool,
     pub o_bias: bool,
-    /// Per-head RMS norm on q and k (Qwen3).
+    /// Per-head RMS norm on q and k (Qwen3, Gemma 3).
     pub qk_norm: bool,
+    /// The q/k norms scale by `(1 + w)`: the checkpoint stores the offset from one (Gemma 3).
+    pub norm_plus_one: bool,
+    /// Attention-score scale; `None` is `1/√head_dim` (Gemma 2 and 3: `1/√query_pre_attn_scalar`).
+    pub scale: Option<f32>,
+    /// Soft-cap of the attention scores, `cap · tanh(s / cap)` (Gemma 2; 0 = none).
+    pub softcap: f32,
     /// Sliding window (0 = full attention).
     pub window: usize,
 }
@@ -96,8 +102,13 @@ impl SelfAttention {
         let mut k = w.linear(x, t, &self.k);
         let v = w.linear(x, t, &self.v);
         if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
-            q = w.rms_norm(q, &[t, nh * hd], qn, eps);
-            k = w.rms_norm(k, &[t, nkv * hd], kn, eps);
+            if s.norm_plus_one {
+                q = w.rms_norm_plus_one(q, &[t, nh * hd], qn, eps);
+                k = w.rms_norm_plus_one(k, &[t, nkv * hd], kn, eps);
+            } else {
+                q = w.rms_norm(q, &[t, nh * hd], qn, eps);
+                k = w.rms_norm(k, &[t, nkv * hd], kn, eps);
+            }
         }
         let src = |x| [x, rope.positions, rope.inv_freq];
         let q = w.g.op_with(OpCode::Rope, &[t, nh * hd], &src(q), &rope.params, &[rope.mscale]);
@@ -107,7 +118,7 @@ impl SelfAttention {
             &[t, nh * hd],
             &[q, k, v],
             &[layer as i64, nh as i64, nkv as i64, hd as i64, s.window as i64],
-            &[1.0 / (hd as f32).sqrt(), 0.0],
+            &[s.scale.unwrap_or(1.0 / (hd as f32).sqrt()), s.softcap],
         );
         w.linear(attn, t, &self.o)
     }

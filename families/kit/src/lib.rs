@@ -1,12 +1,15 @@
 //! The family kit: what every family plugin shares, so that a family crate is its config, its blocks and
 //! its wiring (see `docs/adding-a-family.md`).
 //!
-//! - [`weights`]: the checkpoint's weight table, float and MLX-quantized linear layers, and a
-//!   [`GraphWriter`] that emits their nodes (linear, embedding, RMS norm);
-//! - [`quant`]: quantization specs from `config.json`, with per-module overrides;
+//! - [`weights`]: the checkpoint's weight table, float and MLX-quantized linear layers (and row views of
+//!   fused ones), and a [`GraphWriter`] that emits their nodes (linear, embedding, RMS norm, `1 + w`
+//!   RMS norm);
+//! - [`quant`]: quantization specs from `config.json`, with per-module overrides, and their one-line
+//!   description;
 //! - [`rope`]: rotary frequencies for every scaling type mlx-lm knows, and per-sequence frequencies for
 //!   the context-dependent ones ([`rope::step_inv_freq`]);
-//! - [`attention`]: the grouped-query self-attention block (q/k/v, q/k norm, RoPE, paged attention, o);
+//! - [`attention`]: the grouped-query self-attention block (q/k/v, q/k norm, RoPE, paged attention with
+//!   window, scale and soft-cap, o);
 //! - [`config`]: reading `model_type` (top level or `text_config`);
 //! - [`experts`]: mixture-of-experts projections (stacked, quantized or one tensor per expert) and the
 //!   router, expert matmul and combine nodes.
@@ -25,4 +28,4 @@ pub use attention::{AttentionShape, RopeInputs, SelfAttention};
 pub use experts::{ExpertWeights, Experts, Routes};
 pub use quant::{module_quant, QuantSpec};
 pub use rope::{rope_freqs, RopeFreqs};
-pub use weights::{GraphWriter, Linear, LinearWeights, WeightRef, WeightTable};
+pub use weights::{GraphWriter, Linear, LinearWeights, RowView, WeightRef, WeightTable};

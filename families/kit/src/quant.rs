@@ -34,3 +34,16 @@ pub fn module_quant(quant: Option<&Value>, path: &str) -> Result<Option<QuantSpe
         None => spec_of(q),
     }
 }
+
+/// How a model is quantized, in words for `mlxcel inspect` (e.g. `affine 4-bit g32`, with ` (mixed)`
+/// when config overrides some modules); empty when `spec` (a representative layer's) is `None`.
+pub fn describe(spec: Option<QuantSpec>, config: Option<&Value>) -> String {
+    match spec {
+        Some(s) => {
+            let mixed = config
+                .is_some_and(|q| q.as_object().is_some_and(|o| o.values().any(|v| v.is_object() || v.is_boolean())));
+            format!("affine {}-bit g{}{}", s.bits, s.group_size, if mixed { " (mixed)" } else { "" })
+        }
+        None => String::new(),
+    }
+}

@@ -104,8 +104,45 @@ pub fn rope_freqs(dims: usize, base: f64, scaling: Option<&Value>, max_positions
                 dynamic: None,
             })
         }
-        other => Err(format!("rope_scaling type `{other}` is not supported (default, linear, dynamic, llama3, yarn)")),
+        "longrope" | "su" => {
+            let long = factors(s, "long_factor", dims)?;
+            let orig = num(s, "original_max_position_embeddings")
+                .ok_or_else(|| format!("rope_scaling type `{kind}` needs `original_max_position_embeddings`"))?;
+            Ok(su_scaled(dims, base, &long, max_positions, orig as usize))
+        }
+        other => Err(format!(
+            "rope_scaling type `{other}` is not supported (default, linear, dynamic, llama3, yarn, longrope)"
+        )),
     }
+}
+
+/// `rope_scaling[key]`: one factor per frequency (`dims / 2` of them).
+pub fn factors(scaling: &Value, key: &str, dims: usize) -> Result<Vec<f64>, String> {
+    let v: Vec<f64> = scaling
+        .get(key)
+        .and_then(Value::as_array)
+        .ok_or_else(|| format!("rope_scaling needs a list `{key}`"))?
+        .iter()
+        .map(|f| f.as_f64().ok_or_else(|| format!("rope_scaling `{key}` holds a non-number")))
+        .collect::<Result<_, _>>()?;
+    if v.len() != dims / 2 {
+        return Err(format!(
+            "rope_scaling `{key}` has {} factors for {dims} rotary dims (needs {})",
+            v.len(),
+            dims / 2
+        ));
+    }
+    Ok(v)
+}
+
+/// LongRoPE ("su") as mlx-lm's `SuScaledRoPE` runs it: every period stretched by its `long_factor`
+/// (at every context length: mlx-lm never uses `short_factor`), and the rotated dims scaled by
+/// `sqrt(1 + ln(max / original) / ln(original))` when the context was extended.
+pub fn su_scaled(dims: usize, base: f64, long_factor: &[f64], max_positions: usize, original: usize) -> RopeFreqs {
+    let freqs: Vec<f64> = base_freqs(dims, base).iter().zip(long_factor).map(|(f, l)| f * l).collect();
+    let factor = max_positions as f64 / original as f64;
+    let mscale = if factor <= 1.0 { 1.0 } else { (1.0 + factor.ln() / (original as f64).ln()).sqrt() };
+    RopeFreqs { inv_freq: inv(&freqs), mscale: mscale as f32, dynamic: None }
 }
 
 /// Dynamic NTK: the base grows once the context exceeds the trained length.
@@ -179,6 +216,18 @@ mod tests {
         let f = rope_freqs(8, 10000.0, Some(&s), 2048).unwrap();
         let p = rope_freqs(8, 10000.0, None, 2048).unwrap();
         assert!((f.inv_freq[2] * 4.0 - p.inv_freq[2]).abs() < 1e-7);
+    }
+
+    #[test]
+    fn longrope_stretches_periods_by_the_long_factors() {
+        let s: Value = serde_json::json!({"type": "longrope", "long_factor": [1.0, 2.0], "short_factor": [1.0, 1.0],
+                                          "original_max_position_embeddings": 32});
+        let f = rope_freqs(4, 10000.0, Some(&s), 512).unwrap();
+        assert_eq!(f.inv_freq[0], 1.0);
+        assert!((f.inv_freq[1] - 1.0 / (2.0 * 100.0)).abs() < 1e-9);
+        assert!((f.mscale - (1.0 + 16f32.ln() / 32f32.ln()).sqrt()).abs() < 1e-6);
+        let short: Value = serde_json::json!({"type": "longrope", "long_factor": [1.0]});
+        assert!(rope_freqs(4, 10000.0, Some(&short), 512).unwrap_err().contains("long_factor"));
     }
 
     #[test]

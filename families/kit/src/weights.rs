@@ -9,13 +9,41 @@ use serde_json::Value;
 
 use crate::quant::{module_quant, QuantSpec};
 
-/// One checkpoint tensor as the graph refers to it.
+/// One checkpoint tensor as the graph refers to it, or a range of its rows.
 #[derive(Debug, Clone)]
 pub struct WeightRef {
     pub index: u32,
     pub name: String,
     pub dtype: DType,
+    /// The shape the graph sees (a row view's has its row count first).
     pub shape: Vec<u64>,
+    /// For a row view: the first row it starts at and the rows of the stored tensor.
+    pub view: Option<RowView>,
+}
+
+/// Rows `first ..` of a stored 2-D tensor of `stored_rows` rows (see `OpCode::Weight`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RowView {
+    pub first: u64,
+    pub stored_rows: u64,
+}
+
+impl WeightRef {
+    /// Rows `first .. first + count` of this 2-D tensor (of this view): how a fused checkpoint tensor
+    /// (`qkv_proj`, `gate_up_proj`) is read as its parts without repacking.
+    pub fn rows(&self, first: u64, count: u64) -> Result<WeightRef, String> {
+        let [n, _] = self.shape[..] else {
+            return Err(format!("tensor `{}`: a row view needs a 2-D tensor, not {:?}", self.name, self.shape));
+        };
+        if count == 0 || first + count > n {
+            return Err(format!("tensor `{}`: rows {first}..{} of its {n} rows", self.name, first + count));
+        }
+        let view = match self.view {
+            Some(v) => RowView { first: v.first + first, stored_rows: v.stored_rows },
+            None => RowView { first, stored_rows: n },
+        };
+        Ok(WeightRef { shape: vec![count, self.shape[1]], view: Some(view), ..self.clone() })
+    }
 }
 
 /// The checkpoint's tensors by name.
@@ -31,7 +59,8 @@ impl WeightTable {
             .map(|(i, w)| {
                 let name = unsafe { w.name.as_str() }.to_string();
                 let shape = w.shape[..(w.ndim as usize).min(4)].to_vec();
-                (name.clone(), WeightRef { index: i as u32, name, dtype: DType::from_raw(w.dtype), shape })
+                let dtype = DType::from_raw(w.dtype);
+                (name.clone(), WeightRef { index: i as u32, name, dtype, shape, view: None })
             })
             .collect();
         WeightTable { by_name }
@@ -158,6 +187,23 @@ impl Linear {
         Ok(Linear { weights, bias, in_features: inf, out_features: outf })
     }
 
+    /// Output rows `first .. first + count` of this layer: one part of a fused projection, reading the
+    /// same checkpoint tensors (packed words, scales and biases alike). Views are 2-D, so a layer with a
+    /// bias vector is refused.
+    pub fn rows(&self, first: u64, count: u64) -> Result<Linear, String> {
+        let weights = match &self.weights {
+            LinearWeights::Float(w) => LinearWeights::Float(w.rows(first, count)?),
+            LinearWeights::Quantized { packed, scales, biases, spec } => LinearWeights::Quantized {
+                packed: packed.rows(first, count)?,
+                scales: scales.rows(first, count)?,
+                biases: biases.rows(first, count)?,
+                spec: *spec,
+            },
+        };
+        let bias = self.bias.as_ref().map(|b| b.rows(first, count)).transpose()?;
+        Ok(Linear { weights, bias, in_features: self.in_features, out_features: count })
+    }
+
     /// Every tensor index this layer reads.
     pub fn indices(&self) -> Vec<u32> {
         let mut v = match &self.weights {
@@ -166,6 +212,15 @@ impl Linear {
         };
         v.extend(self.bias.as_ref().map(|b| b.index));
         v
+    }
+
+    /// The dtype MLX computes this layer's output in: the weight's, or the scales' when quantized
+    /// (families that round a constant "in the activation dtype" as mlx-lm does ask this).
+    pub fn compute_dtype(&self) -> DType {
+        match &self.weights {
+            LinearWeights::Float(w) => w.dtype,
+            LinearWeights::Quantized { scales, .. } => scales.dtype,
+        }
     }
 
     pub fn describe_quant(&self) -> Option<QuantSpec> {
@@ -179,7 +234,8 @@ impl Linear {
 /// Emits nodes into a graph, creating each weight's source node once.
 pub struct GraphWriter<'g> {
     pub g: &'g mut Graph,
-    seen: HashMap<u32, TensorId>,
+    /// Source nodes made so far, by tensor index and row view.
+    seen: HashMap<(u32, Option<RowView>), TensorId>,
 }
 
 impl<'g> GraphWriter<'g> {
@@ -188,11 +244,15 @@ impl<'g> GraphWriter<'g> {
     }
 
     pub fn weight(&mut self, w: &WeightRef) -> TensorId {
-        if let Some(&id) = self.seen.get(&w.index) {
+        let key = (w.index, w.view);
+        if let Some(&id) = self.seen.get(&key) {
             return id;
         }
-        let id = self.g.weight(w.index, w.dtype, &w.shape);
-        self.seen.insert(w.index, id);
+        let id = match w.view {
+            Some(v) => self.g.weight_rows(w.index, w.dtype, v.stored_rows, v.first, w.shape[0], w.shape[1]),
+            None => self.g.weight(w.index, w.dtype, &w.shape),
+        };
+        self.seen.insert(key, id);
         id
     }
 
@@ -248,5 +308,11 @@ impl<'g> GraphWriter<'g> {
     pub fn rms_norm(&mut self, x: TensorId, shape: &[u64], w: &WeightRef, eps: f32) -> TensorId {
         let w = self.weight(w);
         self.g.op_with(OpCode::RmsNorm, shape, &[x, w], &[0], &[eps])
+    }
+
+    /// RMS norm scaled by `(1 + w)`: the checkpoint stores the offset from one (Gemma).
+    pub fn rms_norm_plus_one(&mut self, x: TensorId, shape: &[u64], w: &WeightRef, eps: f32) -> TensorId {
+        let w = self.weight(w);
+        self.g.op_with(OpCode::RmsNorm, shape, &[x, w], &[1], &[eps])
     }
 }

@@ -85,13 +85,13 @@ impl LlamaConfig {
             return Err(format!("model_type `{}` is not handled by the llama family", self.model_type));
         }
         let nkv = self.n_kv_heads();
-        if self.num_attention_heads == 0 || nkv == 0 || self.num_attention_heads % nkv != 0 {
+        if self.num_attention_heads == 0 || nkv == 0 || !self.num_attention_heads.is_multiple_of(nkv) {
             return Err(format!(
                 "config.json: num_attention_heads ({}) must be a positive multiple of num_key_value_heads ({nkv})",
                 self.num_attention_heads
             ));
         }
-        if self.head_dim() == 0 || self.head_dim() % 2 != 0 {
+        if self.head_dim() == 0 || !self.head_dim().is_multiple_of(2) {
             return Err(format!("config.json: head_dim {} must be even and positive", self.head_dim()));
         }
         if let Some(act) = &self.hidden_act {

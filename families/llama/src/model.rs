@@ -12,7 +12,6 @@ use mlxcel_plugin_api::{
     DType, FamilyModel, Graph, KvKind, KvLayerDesc, ModelDescription, OpCode, OutputKind, PluginError, StepDesc, Task,
     Versioned, INPUT_OUTPUT_ROWS, INPUT_POSITIONS, INPUT_TOKENS,
 };
-use serde_json::Value;
 
 use crate::config::{LlamaConfig, Variant};
 
@@ -64,6 +63,9 @@ impl LlamaModel {
                 qkv_bias,
                 o_bias,
                 qk_norm,
+                norm_plus_one: false,
+                scale: None,
+                softcap: 0.0,
                 window: cfg.layer_window(i),
             };
             let attn = SelfAttention::load(table, q, &format!("{p}.self_attn"), shape)?;
@@ -115,7 +117,8 @@ impl LlamaModel {
         used.sort_unstable();
         used.dedup();
 
-        let quantization = describe_quantization(&embed, &layers, cfg.quantization.as_ref());
+        let first = layers.first().and_then(|l| l.mlp.down.describe_quant()).or_else(|| embed.describe_quant());
+        let quantization = mlxcel_family_kit::quant::describe(first, cfg.quantization.as_ref());
         Ok(LlamaModel {
             cfg,
             embed,
@@ -214,17 +217,5 @@ impl FamilyModel for LlamaModel {
     fn build_graph(&mut self, step: &StepDesc) -> Result<&Graph, PluginError> {
         self.forward(step).map_err(PluginError::invalid)?;
         Ok(&self.graph)
-    }
-}
-
-fn describe_quantization(embed: &Linear, layers: &[Layer], config: Option<&Value>) -> String {
-    let first = layers.first().and_then(|l| l.mlp.down.describe_quant()).or_else(|| embed.describe_quant());
-    match first {
-        Some(s) => {
-            let mixed = config
-                .is_some_and(|q| q.as_object().is_some_and(|o| o.values().any(|v| v.is_object() || v.is_boolean())));
-            format!("affine {}-bit g{}{}", s.bits, s.group_size, if mixed { " (mixed)" } else { "" })
-        }
-        None => String::new(),
     }
 }

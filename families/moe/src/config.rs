@@ -75,13 +75,13 @@ impl MoeConfig {
             return Err(format!("model_type `{}` is not handled by the moe family", self.model_type));
         }
         let nkv = self.n_kv_heads();
-        if self.num_attention_heads == 0 || nkv == 0 || self.num_attention_heads % nkv != 0 {
+        if self.num_attention_heads == 0 || nkv == 0 || !self.num_attention_heads.is_multiple_of(nkv) {
             return Err(format!(
                 "config.json: num_attention_heads ({}) must be a positive multiple of num_key_value_heads ({nkv})",
                 self.num_attention_heads
             ));
         }
-        if self.head_dim() == 0 || self.head_dim() % 2 != 0 {
+        if self.head_dim() == 0 || !self.head_dim().is_multiple_of(2) {
             return Err(format!("config.json: head_dim {} must be even and positive", self.head_dim()));
         }
         if self.num_experts == 0 || self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.num_experts {
@@ -125,7 +125,7 @@ impl MoeConfig {
 
     /// Whether layer `i` routes through experts (else a dense MLP of `intermediate_size`).
     pub fn sparse_layer(&self, i: usize) -> bool {
-        !self.mlp_only_layers.contains(&i) && (i + 1) % self.decoder_sparse_step == 0
+        !self.mlp_only_layers.contains(&i) && (i + 1).is_multiple_of(self.decoder_sparse_step)
     }
 
     /// mlx-lm's qwen2_moe always has its own `lm_head`; qwen3_moe ties when the config says so.

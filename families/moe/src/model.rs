@@ -154,6 +154,9 @@ impl MoeModel {
                 qkv_bias: bias,
                 o_bias: false,
                 qk_norm: cfg.qk_norm(),
+                norm_plus_one: false,
+                scale: None,
+                softcap: 0.0,
                 window: 0,
             };
             let attn = SelfAttention::load(table, q, &format!("{p}.self_attn"), shape)?;

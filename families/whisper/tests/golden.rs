@@ -53,7 +53,7 @@ fn load(dir: &std::path::Path) -> ModelRunner {
     let backend = std::env::var("MLXCEL_TEST_BACKEND").ok().filter(|b| !b.is_empty());
     let opts = RunnerOptions { ctx_size: 64, threads: 2, backend, parallel: 2, ..Default::default() };
     let ck = Checkpoint::open(dir).unwrap();
-    ModelRunner::from_checkpoint_for(&catalog, ck, &opts, Task::Asr).unwrap_or_else(|e| panic!("{e:#}"))
+    ModelRunner::from_checkpoint_for(&catalog, ck, &opts, &[Task::Asr]).unwrap_or_else(|e| panic!("{e:#}"))
 }
 
 fn max_diff(what: &str, got: &[f32], want: &[f32]) -> f32 {

@@ -2,6 +2,7 @@
 //! sharded with `model.safetensors.index.json`) mapped into memory, and the tokenizer files.
 
 mod safetensors_file;
+pub mod sentence_transformers;
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -30,7 +31,8 @@ pub enum CheckpointError {
 /// A model folder with its weights mapped.
 pub struct Checkpoint {
     pub dir: PathBuf,
-    /// `config.json` as text (families parse it themselves).
+    /// `config.json` as text (families parse it themselves), with the sentence-transformers metadata
+    /// added when the folder has it (see [`sentence_transformers`]).
     pub config_text: String,
     pub config: Value,
     pub generation_config: Option<Value>,
@@ -55,12 +57,17 @@ impl Checkpoint {
         if !config_path.is_file() {
             return Err(CheckpointError::NoConfig(dir.to_path_buf()));
         }
-        let config_text = std::fs::read_to_string(&config_path)
+        let mut config_text = std::fs::read_to_string(&config_path)
             .map_err(|e| CheckpointError::BadJson { path: config_path.clone(), reason: e.to_string() })?;
-        let config: Value = serde_json::from_str(&config_text).map_err(|e| CheckpointError::BadJson {
+        let mut config: Value = serde_json::from_str(&config_text).map_err(|e| CheckpointError::BadJson {
             path: config_path.clone(),
             reason: format!("invalid JSON: {e}"),
         })?;
+        // sentence-transformers' pooling and normalisation are part of what the model computes.
+        if let (Some(st), Some(obj)) = (sentence_transformers::read(dir)?, config.as_object_mut()) {
+            obj.insert(sentence_transformers::CONFIG_KEY.into(), st);
+            config_text = config.to_string();
+        }
         let gen_path = dir.join("generation_config.json");
         let generation_config = if gen_path.is_file() { Some(read_json(&gen_path)?) } else { None };
 

@@ -2,6 +2,7 @@
 
 pub mod arch;
 pub mod bench;
+pub mod embed;
 pub mod inspect;
 pub mod run;
 pub mod store;
@@ -55,6 +56,12 @@ pub enum Command {
     Inspect(inspect::InspectArgs),
     /// Measure prompt processing (pp) and generation (tg) speed, like llama-bench.
     Bench(bench::BenchArgs),
+    /// Embed texts with a sentence-embedding model; prints JSON.
+    Embed(embed::EmbedArgs),
+    /// Order documents by a cross-encoder's relevance to a query; prints JSON, best first.
+    Rerank(embed::RerankArgs),
+    /// Embeddings per second of an embedding model on sets of texts (`cargo xtask bench --embeddings`).
+    BenchEmbed(embed::BenchEmbedArgs),
     /// Serve a model over HTTP (OpenAI, Anthropic, llama-server APIs); the same as `mlxcel-server`.
     Serve(crate::server::ServerArgs),
     /// Speech to text with a Whisper model: print the transcript of each audio file.

@@ -1,6 +1,7 @@
 //! The engine: sequences, the paged KV cache, the prefix cache, batch steps and sampling. It knows no
 //! architecture (that is the family plugin's) and no HTTP (that is the server's).
 
+pub mod embed;
 pub mod generate;
 pub mod handle;
 pub mod kv_cache;
@@ -13,6 +14,7 @@ pub mod sampler;
 pub mod scheduler;
 pub mod streaming_text;
 
+pub use embed::{EncodedInput, Encoder, EncoderOptions, EncoderTokenizer};
 pub use generate::{FinishReason, GenerateOptions, Generation, Session};
 pub use handle::{Engine, EngineHandle, RequestStream};
 pub use kv_cache::{KvBlock, KvBlockPool, KvCache, SeqBlocks};

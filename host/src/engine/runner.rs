@@ -157,21 +157,26 @@ pub struct ModelRunner {
 }
 
 impl ModelRunner {
+    /// Loads a text-generation model (anything else is refused by name).
     pub fn load(catalog: &Catalog, dir: &Path, opts: &RunnerOptions) -> Result<ModelRunner> {
+        Self::load_for(catalog, dir, opts, &[Task::Text])
+    }
+
+    /// Loads a model whose task is one of `tasks`.
+    pub fn load_for(catalog: &Catalog, dir: &Path, opts: &RunnerOptions, tasks: &[Task]) -> Result<ModelRunner> {
         let checkpoint = Checkpoint::open(dir)?;
-        Self::from_checkpoint(catalog, checkpoint, opts)
+        Self::from_checkpoint_for(catalog, checkpoint, opts, tasks)
     }
 
     pub fn from_checkpoint(catalog: &Catalog, checkpoint: Checkpoint, opts: &RunnerOptions) -> Result<ModelRunner> {
-        Self::from_checkpoint_for(catalog, checkpoint, opts, Task::Text)
+        Self::from_checkpoint_for(catalog, checkpoint, opts, &[Task::Text])
     }
 
-    /// Loads a model that must do `task` (a speech model for `Task::Asr`), refusing others by name.
     pub fn from_checkpoint_for(
         catalog: &Catalog,
         checkpoint: Checkpoint,
         opts: &RunnerOptions,
-        task: Task,
+        tasks: &[Task],
     ) -> Result<ModelRunner> {
         let model_type = checkpoint
             .model_type()
@@ -185,12 +190,8 @@ impl ModelRunner {
             .create_model(&checkpoint.config_text, &infos)
             .map_err(|e| anyhow::anyhow!("{}: {}", checkpoint.dir.display(), e.message))?;
         let info = model.info().clone();
-        if info.task != task {
-            let hint = match info.task {
-                Task::Asr => "; transcribe with `mlxcel transcribe`",
-                _ => "",
-            };
-            bail!("{} is a {} model, not a {} model{hint}", checkpoint.dir.display(), info.task.name(), task.name());
+        if !tasks.contains(&info.task) {
+            bail!("{}", task_refusal(&checkpoint.dir, info.task, tasks));
         }
         let described = backend_plugin.describe();
         let ctx_size = match opts.ctx_size {
@@ -254,7 +255,14 @@ impl ModelRunner {
     /// Runs one step over `chunks` (each chunk's blocks must already cover its positions, see
     /// [`KvCache::reserve`]) and returns the requested output rows, `[rows, output_dim]`, in chunk order.
     pub fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Vec<f32>> {
-        self.forward_with_features(chunks, &[], 0)
+        self.forward_with_inputs(chunks, &[], &[], 0)
+    }
+
+    /// [`ModelRunner::forward`] with each chunk's token types (BERT's segment ids, the
+    /// `INPUT_TOKEN_TYPES` input): `token_types[i]` has one entry per token of `chunks[i]`; chunks
+    /// past its end (all of them when it is empty) have type 0 throughout.
+    pub fn forward_with_types(&mut self, chunks: &[SeqChunk], token_types: &[&[u32]]) -> Result<Vec<f32>> {
+        self.forward_with_inputs(chunks, token_types, &[], 0)
     }
 
     /// [`ModelRunner::forward`] where chunk `i` also brings `features[i]` (rows of `feature_dim`
@@ -263,6 +271,18 @@ impl ModelRunner {
     pub fn forward_with_features(
         &mut self,
         chunks: &[SeqChunk],
+        features: &[&[f32]],
+        feature_dim: usize,
+    ) -> Result<Vec<f32>> {
+        self.forward_with_inputs(chunks, &[], features, feature_dim)
+    }
+
+    /// One step with every per-token and per-sequence input: token types and feature rows as in
+    /// [`ModelRunner::forward_with_types`] and [`ModelRunner::forward_with_features`].
+    fn forward_with_inputs(
+        &mut self,
+        chunks: &[SeqChunk],
+        token_types: &[&[u32]],
         features: &[&[f32]],
         feature_dim: usize,
     ) -> Result<Vec<f32>> {
@@ -286,6 +306,7 @@ impl ModelRunner {
         let mut seq_n_tokens: Vec<u32> = Vec::with_capacity(chunks.len());
         let mut seq_context: Vec<u32> = Vec::with_capacity(chunks.len());
         let mut state_slots: Vec<u32> = Vec::with_capacity(chunks.len());
+        let mut types_i32: Vec<i32> = Vec::new();
         for (s, c) in chunks.iter().enumerate() {
             let end = c.start_pos + c.tokens.len();
             if end > self.ctx_size {
@@ -306,6 +327,13 @@ impl ModelRunner {
                 state_slots.push(slot);
             } else {
                 state_slots.push(0);
+            }
+            match token_types.get(s) {
+                Some(types) if types.len() != c.tokens.len() => {
+                    bail!("internal: {} token types for {} tokens", types.len(), c.tokens.len())
+                }
+                Some(types) => types_i32.extend(types.iter().map(|&t| t as i32)),
+                None => types_i32.resize(types_i32.len() + c.tokens.len(), 0),
             }
             seq_n_tokens.push(c.tokens.len() as u32);
             seq_context.push(end as u32);
@@ -361,7 +389,7 @@ impl ModelRunner {
             host(positions.as_ptr() as *const u8, positions.len() * 4),
             host(rows.as_ptr() as *const u8, rows.len() * 4),
             host(token_seq_i32.as_ptr() as *const u8, token_seq_i32.len() * 4),
-            host(std::ptr::null(), 0),
+            host(types_i32.as_ptr() as *const u8, types_i32.len() * 4),
             host(feature_rows.as_ptr() as *const u8, feature_rows.len() * 4),
         ];
         let handle = |b: &Option<DeviceBuffer>| b.as_ref().map_or(std::ptr::null_mut(), |b| b.handle());
@@ -474,6 +502,25 @@ impl ModelRunner {
         }
         Ok(())
     }
+}
+
+/// Why a model of `task` cannot be loaded where `wanted` tasks are, and what to do instead.
+fn task_refusal(dir: &Path, task: Task, wanted: &[Task]) -> String {
+    let words = |t: &Task| match t {
+        Task::Text => "a text-generation",
+        Task::Embed => "an embedding",
+        Task::Rerank => "a reranking (cross-encoder)",
+        Task::Asr => "a speech-recognition",
+        Task::Tts => "a text-to-speech",
+    };
+    let wanted: Vec<&str> = wanted.iter().map(words).collect();
+    let instead = match task {
+        Task::Embed => "; use `mlxcel embed` or serve it (`mlxcel serve`: /v1/embeddings)",
+        Task::Rerank => "; use `mlxcel rerank` or serve it (`mlxcel serve`: /v1/rerank)",
+        Task::Asr => "; use `mlxcel transcribe` or serve it (`mlxcel serve`: /v1/audio/transcriptions)",
+        _ => "",
+    };
+    format!("{} is {} model; this needs {} model{instead}", dir.display(), words(&task), wanted.join(" or "))
 }
 
 // SAFETY: the only fields that are not `Send` are the raw handles in `weight_handles`, copies of the

@@ -205,7 +205,8 @@ const REFUSED: &[(&[&str], &str, &str)] = &[
     (
         &["--embedding", "--embeddings", "--reranking", "--rerank", "--pooling"],
         "LLAMA_ARG_EMBEDDINGS",
-        "embedding and rerank endpoints are not served yet",
+        "embedding and rerank routes need no flag: they are served when MODEL is an embedding or reranking \
+         model, pooled as its sentence-transformers files say",
     ),
     (&["-nocb", "--no-cont-batching"], "LLAMA_ARG_NO_CONT_BATCHING", "continuous batching is always on"),
     (&["-dt", "--defrag-thold"], "LLAMA_ARG_DEFRAG_THOLD", "the paged KV cache needs no defragmentation"),

@@ -9,7 +9,9 @@ use tokio::sync::mpsc;
 
 use super::args::ServerConfig;
 use super::generator::{EngineStats, EventStream, Generator, ModelFacts, SlotStats};
-use crate::engine::{Engine, EngineError, EngineHandle, EngineOptions, GenerationEvent, GenerationRequest, SlotState};
+use crate::engine::{
+    Engine, EngineError, EngineHandle, EngineOptions, GenerationEvent, GenerationRequest, ModelRunner, SlotState,
+};
 use crate::text::TextTokenizer;
 
 pub struct BatchEngine {
@@ -18,8 +20,18 @@ pub struct BatchEngine {
 
 /// Loads the model (on the calling thread) and starts the engine thread on it.
 pub fn start(config: &ServerConfig) -> Result<(BatchEngine, Arc<TextTokenizer>, ModelFacts)> {
+    let (runner, tokenizer, facts) = super::model::load(config, config.parallel.max(1))?;
+    start_loaded(config, runner, tokenizer, facts)
+}
+
+/// Starts the engine thread on a model [`super::model::load`] loaded.
+pub fn start_loaded(
+    config: &ServerConfig,
+    runner: ModelRunner,
+    tokenizer: TextTokenizer,
+    facts: ModelFacts,
+) -> Result<(BatchEngine, Arc<TextTokenizer>, ModelFacts)> {
     let parallel = config.parallel.max(1);
-    let (runner, tokenizer, facts) = super::model::load(config, parallel)?;
     let tokenizer = Arc::new(tokenizer);
     let options = EngineOptions {
         parallel,

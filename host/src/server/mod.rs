@@ -10,6 +10,7 @@ pub mod args;
 pub mod audio;
 pub mod batch_engine;
 pub mod completion;
+pub mod embeddings;
 pub mod error;
 pub mod generator;
 pub mod listen;
@@ -65,7 +66,13 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/props", get(llama::props))
         .route("/slots", get(llama::slots))
         .route("/metrics", get(llama::metrics))
+        .route("/v1/embeddings", post(embeddings::openai_embeddings))
+        .route("/embedding", post(embeddings::llama_embeddings))
+        .route("/embeddings", post(embeddings::llama_embeddings))
+        .route("/rerank", post(embeddings::rerank))
+        .route("/v1/rerank", post(embeddings::rerank))
         .fallback(not_found)
+        .layer(middleware::from_fn_with_state(state.clone(), embeddings::task_gate))
         .layer(DefaultBodyLimit::disable())
         .layer(RequestBodyLimitLayer::new(limit))
         .merge(audio::routes(state.config.max_audio_bytes))
@@ -241,6 +248,8 @@ async fn serve(config: ServerConfig) -> Result<()> {
     let state = AppState::new(config);
     let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<String>();
     let loader = state.clone();
+    // A speech model (Whisper) is served by the transcription engine; any other model by the
+    // encoder engine (embeddings, rerank) or the batching text engine, as its task says.
     tokio::task::spawn_blocking(move || match audio::start_if_speech(&loader.config) {
         Ok(Some(speech)) => {
             eprintln!("mlxcel-server: speech model {} ready (/v1/audio/transcriptions)", speech.id);
@@ -249,13 +258,23 @@ async fn serve(config: ServerConfig) -> Result<()> {
         Err(e) => {
             let _ = failed_tx.send(crate::logging::one_line(&e));
         }
-        Ok(None) => match batch_engine::start(&loader.config) {
-            Ok((engine, text, facts)) => {
-                eprintln!(
-                    "mlxcel-server: model {} ready (context {}, {} slot(s))",
-                    facts.id, facts.ctx_size, loader.config.parallel
-                );
-                let _ = loader.model.set(LoadedModel { generator: Arc::new(engine), text, facts });
+        Ok(None) => match embeddings::start_model(&loader.config) {
+            Ok(model) => {
+                let f = &model.facts;
+                match &model.encoder {
+                    Some(e) => eprintln!(
+                        "mlxcel-server: {} model {} ready ({} tokens per input, {} outputs per input)",
+                        e.info().task.name(),
+                        f.id,
+                        e.info().max_tokens,
+                        e.info().output_dim
+                    ),
+                    None => eprintln!(
+                        "mlxcel-server: model {} ready (context {}, {} slot(s))",
+                        f.id, f.ctx_size, loader.config.parallel
+                    ),
+                }
+                let _ = loader.model.set(model);
             }
             Err(e) => {
                 let _ = failed_tx.send(crate::logging::one_line(&e));

@@ -4,6 +4,7 @@
 //! Whatever engine runs the model calls this on the thread that will own the runner.
 
 use anyhow::{bail, Result};
+use mlxcel_plugin_api::Task;
 use mlxcel_plugins::{Catalog, PluginSearch};
 
 use super::args::ServerConfig;
@@ -23,7 +24,8 @@ pub fn load(config: &ServerConfig, parallel: usize) -> Result<(ModelRunner, Text
         parallel: parallel.max(1),
         ..Default::default()
     };
-    let runner = ModelRunner::load(&catalog, &dir, &opts)?;
+    // Text generation, or an encoder (embeddings, reranking) that `embeddings::start_model` runs.
+    let runner = ModelRunner::load_for(&catalog, &dir, &opts, &[Task::Text, Task::Embed, Task::Rerank])?;
     let est = MemoryEstimate::new(
         &runner.info,
         runner.checkpoint.weight_bytes(),

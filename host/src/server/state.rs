@@ -16,6 +16,8 @@ pub struct LoadedModel {
     pub generator: Arc<dyn Generator>,
     pub text: Arc<TextTokenizer>,
     pub facts: ModelFacts,
+    /// Set for an embedding or reranking model (its `generator` then refuses to generate).
+    pub encoder: Option<super::embeddings::EncoderModel>,
 }
 
 pub struct AppState {

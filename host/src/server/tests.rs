@@ -195,7 +195,7 @@ async fn start_with(config: ServerConfig, fake: Fake, loaded: bool) -> Server {
             chat_template: Some(CHATML.into()),
             default_sampling: SamplingParams::default(),
         };
-        let _ = state.model.set(LoadedModel { generator: fake.clone(), text, facts });
+        let _ = state.model.set(LoadedModel { generator: fake.clone(), text, facts, encoder: None });
     }
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());

@@ -22,7 +22,7 @@ use crate::engine::{ModelRunner, RunnerOptions};
 pub fn load_transcriber(catalog: &Catalog, dir: &Path, backend: Option<String>, threads: u32) -> Result<Transcriber> {
     let checkpoint = Checkpoint::open(dir)?;
     let opts = RunnerOptions { backend, threads, ctx_size: 0, parallel: 1, ..Default::default() };
-    let runner = ModelRunner::from_checkpoint_for(catalog, checkpoint, &opts, Task::Asr)?;
+    let runner = ModelRunner::from_checkpoint_for(catalog, checkpoint, &opts, &[Task::Asr])?;
     let tokenizer = vocab::load_tokenizer(dir)?;
     Transcriber::new(runner, tokenizer)
 }

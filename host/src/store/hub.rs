@@ -46,9 +46,10 @@ pub struct RemoteFile {
 }
 
 /// Files a model folder needs; everything else in a repo (READMEs, images, other formats) is skipped.
+/// sentence-transformers models also need their module list and pooling config (`1_Pooling/config.json`).
 pub fn is_needed(path: &str) -> bool {
-    if path.contains('/') {
-        return false;
+    if let Some((dir, file)) = path.split_once('/') {
+        return dir.ends_with("_Pooling") && file == "config.json";
     }
     matches!(
         path,
@@ -60,6 +61,9 @@ pub fn is_needed(path: &str) -> bool {
             | "chat_template.jinja"
             | "chat_template.json"
             | "model.safetensors.index.json"
+            | "modules.json"
+            | "config_sentence_transformers.json"
+            | "sentence_bert_config.json"
     ) || path.ends_with(".safetensors")
 }
 
@@ -81,7 +85,8 @@ fn http_error(repo: &RepoId, what: &str, e: ureq::Error) -> anyhow::Error {
 
 /// The repo's files at `revision` (hub tree API).
 pub fn list_files(repo: &RepoId, revision: &str) -> Result<Vec<RemoteFile>> {
-    let url = format!("{}/api/models/{}/{}/tree/{}", endpoint(), repo.owner, repo.name, revision);
+    // Recursive: sentence-transformers keep their pooling config in a subfolder.
+    let url = format!("{}/api/models/{}/{}/tree/{}?recursive=true", endpoint(), repo.owner, repo.name, revision);
     let resp = with_auth(agent().get(&url)).call().map_err(|e| http_error(repo, "listing files", e))?;
     let text = resp.into_string().context("reading the hub's file list")?;
     let v: serde_json::Value = serde_json::from_str(&text).context("the hub's file list is not JSON")?;
@@ -122,6 +127,9 @@ fn fetch_file(
     bar: &indicatif::ProgressBar,
 ) -> Result<()> {
     let dest = dir.join(&file.path);
+    if let Some(parent) = dest.parent() {
+        std::fs::create_dir_all(parent).with_context(|| format!("creating {}", parent.display()))?;
+    }
     if dest.is_file() && std::fs::metadata(&dest)?.len() == file.size {
         bar.inc(file.size);
         return Ok(());
@@ -207,4 +215,27 @@ pub fn download(repo: &RepoId, revision: &str, dest: &Path) -> Result<PathBuf> {
     }
     std::fs::rename(&partial, dest).with_context(|| format!("moving {} into place", dest.display()))?;
     Ok(dest.to_path_buf())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_needed;
+
+    #[test]
+    fn sentence_transformers_side_files_are_downloaded_and_other_folders_skipped() {
+        for p in [
+            "config.json",
+            "model.safetensors",
+            "modules.json",
+            "sentence_bert_config.json",
+            "config_sentence_transformers.json",
+            "1_Pooling/config.json",
+        ] {
+            assert!(is_needed(p), "{p}");
+        }
+        for p in ["README.md", "onnx/model.onnx", "onnx/config.json", "1_Pooling/other.json", "a/1_Pooling/config.json"]
+        {
+            assert!(!is_needed(p), "{p}");
+        }
+    }
 }

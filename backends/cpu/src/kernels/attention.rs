@@ -127,7 +127,7 @@ fn attention_tokens(
     let (tokens, bases, spans) = (&scratch.tokens, &scratch.bases, &scratch.spans);
     let out_ptr = SharedMut(out.as_mut_ptr());
     #[cfg(target_arch = "x86_64")]
-    if dh % 8 == 0 && matches!(isa, Isa::Avx2 | Isa::Avx512) {
+    if dh % 8 == 0 && isa.has_avx2() {
         // One task per (token, KV head): each key and value row is loaded once for the whole group of
         // query heads that share it (GQA).
         (0..tokens.len() * n_kv_heads).into_par_iter().for_each(|i| {

@@ -65,7 +65,7 @@ pub fn quantize_acts(isa: Isa, x: &[f32], t: usize, k: usize, group: usize, nibb
 #[inline]
 fn quantize_block(isa: Isa, xs: &[f32], q: &mut [i16], nibble_order: bool) -> (f32, f32) {
     #[cfg(target_arch = "x86_64")]
-    if matches!(isa, Isa::Avx2 | Isa::Avx512) {
+    if isa.has_avx2() {
         assert!(xs.len() >= 32 && q.len() >= 32);
         // SAFETY: AVX2 is present on these paths; both slices hold a whole block.
         return unsafe { x86::quantize_block_avx2(xs.as_ptr(), q.as_mut_ptr(), nibble_order) };
@@ -124,7 +124,7 @@ pub struct ActRow<'a> {
 #[inline]
 pub fn dot_row(isa: Isa, w: QuantRow, x: ActRow) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if matches!(isa, Isa::Avx2 | Isa::Avx512) && matches!(w.bits, 4 | 8) {
+    if isa.has_avx2() && matches!(w.bits, 4 | 8) {
         // SAFETY: the context only selects these paths when the CPU has AVX2, FMA and F16C.
         return unsafe {
             match (w.scales, w.biases) {
@@ -145,7 +145,7 @@ pub fn dot_row(isa: Isa, w: QuantRow, x: ActRow) -> f32 {
 #[inline]
 pub fn dot_rows<const NT: usize>(isa: Isa, w: QuantRow, x: &[ActRow; NT], out: &mut [f32; NT]) {
     #[cfg(target_arch = "x86_64")]
-    if w.bits == 4 && matches!(isa, Isa::Avx2 | Isa::Avx512) {
+    if w.bits == 4 && isa.has_avx2() {
         // SAFETY: as for `dot_row`.
         unsafe {
             match (w.scales, w.biases) {
@@ -194,7 +194,7 @@ impl<'a> QuantMatrix<'a> {
 /// where that would leave the buffer, take [`dot_row`]) and four rows share one reduction.
 pub fn dot_tile(isa: Isa, w: QuantMatrix, rows: std::ops::Range<usize>, x: ActRow, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if matches!(isa, Isa::Avx2 | Isa::Avx512) && matches!(w.group, 32 | 64 | 128) {
+    if isa.has_avx2() && matches!(w.group, 32 | 64 | 128) {
         let gpr = w.groups_per_row();
         // Rows whose scale/bias vectors stay inside the buffers.
         // (and, for 2/3/5/6 bits, whose blocks are read eight bytes at a time, inside the weights).
@@ -618,8 +618,8 @@ mod x86 {
                     i += 1;
                 }
             } else {
-                for i in 0..n {
-                    comb[i] = S::load(sp, g0 + (b0 + i) / gb) * *x.d.get_unchecked(b0 + i);
+                for (i, c) in comb.iter_mut().enumerate().take(n) {
+                    *c = S::load(sp, g0 + (b0 + i) / gb) * *x.d.get_unchecked(b0 + i);
                 }
             }
             let part = if w.bits == 4 {
@@ -636,6 +636,7 @@ mod x86 {
     /// `NT` activation rows against one 4-bit weight row: each block's nibbles are unpacked once and
     /// used for all of them (the prefill path, where many tokens share every weight row).
     #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::needless_range_loop)] // `t` walks `x` and the matching `comb` stripe together
     pub unsafe fn dot_rows_q4_avx2<S: ScaleKind, const NT: usize>(
         w: super::QuantRow,
         sp: *const u16,
@@ -648,8 +649,8 @@ mod x86 {
         let gb = w.group_blocks;
         let nb = groups * gb;
         let g0 = w.group0;
-        for t in 0..NT {
-            out[t] = bias_term::<S>(bp, g0, x[t].group_sums);
+        for (o, xt) in out.iter_mut().zip(x) {
+            *o = bias_term::<S>(bp, g0, xt.group_sums);
         }
         let wp = w.words.as_ptr() as *const u8;
         // comb[t][i] = s[(b0+i)/gb] · d_t[b0+i], formed 8 at a time when groups are one block.

@@ -110,6 +110,7 @@ pub unsafe fn gemm_strided(
 ///
 /// # Safety
 /// `out` points to a `[T, n]` row-major matrix whose columns `n0..n0+nc` only this call writes.
+#[allow(clippy::too_many_arguments)] // a kernel's shape, strides and destination, kept flat for the hot path
 pub unsafe fn gemm_tile(
     x: &[f32],
     t: usize,
@@ -168,20 +169,17 @@ pub fn matmul(
     }
     let nc = tile_rows(n, threads);
     let out_ptr = SharedMut(out.as_mut_ptr());
-    (0..n.div_ceil(nc)).into_par_iter().for_each_init(
-        || Vec::<f32>::new(),
-        |scratch, ti| {
-            let n0 = ti * nc;
-            let rows = nc.min(n - n0);
-            let tile: &[f32] = match w {
-                Floats::F32(s) => &s[n0 * k..(n0 + rows) * k],
-                _ => {
-                    scratch.resize(rows * k, 0.0);
-                    w.to_f32(n0 * k, scratch);
-                    scratch
-                }
-            };
-            unsafe { gemm_tile(x, t, k, tile, rows, out_ptr, n, n0) };
-        },
-    );
+    (0..n.div_ceil(nc)).into_par_iter().for_each_init(Vec::<f32>::new, |scratch, ti| {
+        let n0 = ti * nc;
+        let rows = nc.min(n - n0);
+        let tile: &[f32] = match w {
+            Floats::F32(s) => &s[n0 * k..(n0 + rows) * k],
+            _ => {
+                scratch.resize(rows * k, 0.0);
+                w.to_f32(n0 * k, scratch);
+                scratch
+            }
+        };
+        unsafe { gemm_tile(x, t, k, tile, rows, out_ptr, n, n0) };
+    });
 }

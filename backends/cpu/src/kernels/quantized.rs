@@ -189,18 +189,15 @@ pub fn qmatmul(
     }
     let nc = tile_rows(n, threads);
     let out_ptr = SharedMut(out.as_mut_ptr());
-    (0..n.div_ceil(nc)).into_par_iter().for_each_init(
-        || Vec::<f32>::new(),
-        |tile, ti| {
-            let n0 = ti * nc;
-            let rows = nc.min(n - n0);
-            tile.resize(rows * k, 0.0);
-            for r in 0..rows {
-                w.dequantize_row(isa, n0 + r, &mut tile[r * k..(r + 1) * k]);
-            }
-            unsafe { gemm_tile(x, t, k, tile, rows, out_ptr, n, n0) };
-        },
-    );
+    (0..n.div_ceil(nc)).into_par_iter().for_each_init(Vec::<f32>::new, |tile, ti| {
+        let n0 = ti * nc;
+        let rows = nc.min(n - n0);
+        tile.resize(rows * k, 0.0);
+        for r in 0..rows {
+            w.dequantize_row(isa, n0 + r, &mut tile[r * k..(r + 1) * k]);
+        }
+        unsafe { gemm_tile(x, t, k, tile, rows, out_ptr, n, n0) };
+    });
 }
 
 /// One matrix of [`qmatmul_shared_input`]: `out[T, n] = x · wᵀ`.
@@ -217,7 +214,7 @@ pub struct QuantPart<'a, 'o> {
 /// would be that scalar code, so the float paths (auto-vectorised for NEON) are used instead — a
 /// choice by reasoning, not yet measured on ARM hardware.
 pub fn int_path_applies(isa: Isa, bits: usize, t: usize, int_enabled: bool) -> bool {
-    int_enabled && !matches!(isa, Isa::Neon) && matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) && t < FLOAT_TILES_MIN_TOKENS
+    int_enabled && !isa.is_neon() && matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) && t < FLOAT_TILES_MIN_TOKENS
 }
 
 /// The kernel a quantized matmul takes for rows of a sequence with `seq_tokens` tokens in the step.

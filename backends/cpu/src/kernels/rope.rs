@@ -4,6 +4,7 @@ use rayon::prelude::*;
 
 /// Rotates each head of `x [T, H*head_dim]` by `positions[t] * inv_freq`.
 /// `traditional` pairs (2i, 2i+1); otherwise (i, i + rot/2) as in NeoX/HF. Dims past `rot` pass through.
+#[allow(clippy::too_many_arguments)] // the op's operands and attributes, kept flat for the hot path
 pub fn rope(
     x: &[f32],
     positions: &[i32],

@@ -1,0 +1,366 @@
+//! Encoder models: sentence embeddings and cross-encoder rerankers. An encoder keeps no state between
+//! steps, so there are no KV pages and no scheduler: each input is one whole sequence, many inputs go
+//! through one forward pass (each sequence attends only to itself, without padding), and the model
+//! outputs one row per input (a pooled vector, or a relevance logit).
+//!
+//! - [`EncoderTokenizer`] turns texts, text pairs or caller-given token ids into sequences, honouring
+//!   the model's truncation (sentence-transformers' `max_seq_length`, else `tokenizer.json`'s), with any
+//!   padding switched off, and refuses what the model cannot take (empty input, ids outside the
+//!   vocabulary, too long with truncation off).
+//! - [`Encoder`] owns the [`ModelRunner`] on its own thread; concurrent requests are gathered into the
+//!   same forward passes, up to a token budget per pass.
+
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result};
+use mlxcel_plugin_api::Task;
+use serde_json::Value;
+use tokenizers::{Tokenizer, TruncationDirection, TruncationParams, TruncationStrategy};
+
+use super::kv_cache::SeqBlocks;
+use super::request::EngineError;
+use super::runner::{Logits, ModelRunner, SeqChunk};
+
+/// One input ready for the model: token ids and their token types (segment ids).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EncodedInput {
+    pub ids: Vec<u32>,
+    pub types: Vec<u32>,
+}
+
+/// The tokenizer side of an encoder model.
+pub struct EncoderTokenizer {
+    inner: Tokenizer,
+    /// Longest sequence the model takes (its positions, or the truncation length when lower).
+    pub max_tokens: usize,
+    /// Whether texts longer than `max_tokens` are truncated (else refused).
+    pub truncates: bool,
+    vocab_size: usize,
+    /// RoBERTa-style models have one token type: every token is type 0 whatever the tokenizer says.
+    single_type: bool,
+}
+
+impl EncoderTokenizer {
+    /// Loads `dir/tokenizer.json` for a model of `vocab_size` ids and `model_max` positions.
+    /// Truncation: `sentence_transformers.max_seq_length` of `config` (what sentence-transformers
+    /// truncates to), else the `truncation` of `tokenizer.json`, capped at `model_max`; neither means
+    /// inputs are never truncated. A fixed padding in `tokenizer.json` (all-MiniLM-L6-v2 pads to 128)
+    /// is switched off: every sequence runs at its own length.
+    pub fn load(dir: &Path, config: &Value, model_max: usize, vocab_size: usize) -> Result<EncoderTokenizer> {
+        let path = dir.join("tokenizer.json");
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("{}: an encoder model needs tokenizer.json beside its weights", path.display()))?;
+        let json: Value =
+            serde_json::from_str(&text).with_context(|| format!("{} is not valid JSON", path.display()))?;
+        let mut inner = Tokenizer::from_file(&path)
+            .map_err(|e| anyhow::anyhow!("{}: cannot load tokenizer: {e}", path.display()))?;
+        let st_max = config
+            .get(crate::checkpoint::sentence_transformers::CONFIG_KEY)
+            .and_then(|s| s.get("max_seq_length"))
+            .and_then(Value::as_u64);
+        let tok_max = json.get("truncation").and_then(|t| t.get("max_length")).and_then(Value::as_u64);
+        let limit = st_max.or(tok_max).map(|m| (m as usize).min(model_max));
+        inner.with_padding(None);
+        let truncation = limit.map(|max_length| TruncationParams {
+            max_length,
+            strategy: TruncationStrategy::LongestFirst,
+            stride: 0,
+            direction: TruncationDirection::Right,
+        });
+        inner.with_truncation(truncation).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let single_type = config.get("type_vocab_size").and_then(Value::as_u64) == Some(1);
+        Ok(EncoderTokenizer {
+            inner,
+            max_tokens: limit.unwrap_or(model_max),
+            truncates: limit.is_some(),
+            vocab_size,
+            single_type,
+        })
+    }
+
+    /// One text, with the tokenizer's special tokens (`[CLS] text [SEP]`).
+    pub fn encode(&self, text: &str) -> Result<EncodedInput, EngineError> {
+        if text.is_empty() {
+            return Err(EngineError::Invalid("the input is an empty string".into()));
+        }
+        let enc = self.inner.encode(text, true).map_err(|e| EngineError::Invalid(format!("tokenizing failed: {e}")))?;
+        self.finish(enc.get_ids().to_vec(), enc.get_type_ids().to_vec())
+    }
+
+    /// A (query, document) pair for a cross-encoder (`[CLS] a [SEP] b [SEP]`, types 0 then 1).
+    pub fn encode_pair(&self, a: &str, b: &str) -> Result<EncodedInput, EngineError> {
+        if a.is_empty() || b.is_empty() {
+            return Err(EngineError::Invalid("the query and each document must be non-empty strings".into()));
+        }
+        let enc =
+            self.inner.encode((a, b), true).map_err(|e| EngineError::Invalid(format!("tokenizing failed: {e}")))?;
+        self.finish(enc.get_ids().to_vec(), enc.get_type_ids().to_vec())
+    }
+
+    /// Token ids the caller tokenized: used as given (no special tokens added, never truncated).
+    pub fn from_ids(&self, ids: Vec<u32>) -> Result<EncodedInput, EngineError> {
+        if ids.is_empty() {
+            return Err(EngineError::Invalid("the input is an empty list of token ids".into()));
+        }
+        if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.vocab_size) {
+            return Err(EngineError::Invalid(format!(
+                "token id {bad} is outside the vocabulary (ids are below {})",
+                self.vocab_size
+            )));
+        }
+        if ids.len() > self.max_tokens {
+            return Err(EngineError::Invalid(format!(
+                "the input has {} tokens; the model takes at most {}",
+                ids.len(),
+                self.max_tokens
+            )));
+        }
+        let types = vec![0; ids.len()];
+        Ok(EncodedInput { ids, types })
+    }
+
+    fn finish(&self, ids: Vec<u32>, mut types: Vec<u32>) -> Result<EncodedInput, EngineError> {
+        if ids.len() > self.max_tokens {
+            // Only reachable without truncation: the tokenizer truncates to `max_tokens` otherwise.
+            return Err(EngineError::Invalid(format!(
+                "the input has {} tokens; the model takes at most {} and its tokenizer does not truncate",
+                ids.len(),
+                self.max_tokens
+            )));
+        }
+        if self.single_type {
+            types.iter_mut().for_each(|t| *t = 0);
+        }
+        Ok(EncodedInput { ids, types })
+    }
+}
+
+/// A cross-encoder's relevance logit as a score in (0, 1): the sigmoid sentence-transformers'
+/// `CrossEncoder` applies to one-label models. Monotonic, so the order is the logits' order.
+pub fn relevance_score(logit: f32) -> f32 {
+    1.0 / (1.0 + (-logit).exp())
+}
+
+/// How an [`Encoder`] batches.
+#[derive(Debug, Clone, Copy)]
+pub struct EncoderOptions {
+    /// Most tokens in one forward pass (a longer single input still runs, alone).
+    pub max_batch_tokens: usize,
+    /// Most requests waiting before new ones are refused with [`EngineError::QueueFull`].
+    pub max_queue: usize,
+}
+
+impl Default for EncoderOptions {
+    fn default() -> Self {
+        EncoderOptions { max_batch_tokens: 4096, max_queue: 256 }
+    }
+}
+
+/// What the model is, for the front ends.
+#[derive(Debug, Clone)]
+pub struct EncoderInfo {
+    pub task: Task,
+    /// Floats per output row (the embedding width; 1 for a reranker).
+    pub output_dim: usize,
+    pub max_tokens: usize,
+}
+
+/// Counters since start.
+#[derive(Debug, Default)]
+pub struct EncoderCounters {
+    pub queued: AtomicUsize,
+    pub running: AtomicUsize,
+    pub passes: AtomicU64,
+    pub inputs: AtomicU64,
+    pub tokens: AtomicU64,
+    pub compute_micros: AtomicU64,
+}
+
+/// One output row per input, or why the request failed.
+type Rows = Result<Vec<Vec<f32>>, EngineError>;
+
+/// One request's inputs, and where its rows go.
+struct Job {
+    inputs: Vec<EncodedInput>,
+    reply: tokio::sync::oneshot::Sender<Rows>,
+}
+
+/// A running encoder model: a handle to its thread (Clone + Send + Sync). Dropping the last handle
+/// stops the thread once its queue is empty.
+#[derive(Clone)]
+pub struct Encoder {
+    tx: mpsc::SyncSender<Job>,
+    pub info: EncoderInfo,
+    pub counters: Arc<EncoderCounters>,
+}
+
+impl Encoder {
+    /// Moves `runner` onto its own thread. The runner's model must be an embedding or rerank model.
+    pub fn start(runner: ModelRunner, max_tokens: usize, opts: EncoderOptions) -> Result<Encoder> {
+        let task = runner.info.task;
+        if !matches!(task, Task::Embed | Task::Rerank) {
+            anyhow::bail!("{} is a {} model, not an encoder", runner.checkpoint.dir.display(), task.name());
+        }
+        let info = EncoderInfo { task, output_dim: runner.info.output_dim, max_tokens };
+        let (tx, rx) = mpsc::sync_channel::<Job>(opts.max_queue.max(1));
+        let counters = Arc::new(EncoderCounters::default());
+        let c = counters.clone();
+        std::thread::Builder::new()
+            .name("mlxcel-encoder".into())
+            .spawn(move || serve(runner, rx, opts, &c))
+            .context("cannot start the encoder thread")?;
+        Ok(Encoder { tx, info, counters })
+    }
+
+    /// Runs `inputs` and returns one row per input, in order.
+    pub async fn run(&self, inputs: Vec<EncodedInput>) -> Result<Vec<Vec<f32>>, EngineError> {
+        let rx = self.submit(inputs)?;
+        rx.await.unwrap_or_else(|_| Err(EngineError::Internal("the encoder stopped".into())))
+    }
+
+    /// [`Encoder::run`] for callers outside an async runtime (the CLI).
+    pub fn run_blocking(&self, inputs: Vec<EncodedInput>) -> Result<Vec<Vec<f32>>, EngineError> {
+        let rx = self.submit(inputs)?;
+        rx.blocking_recv().unwrap_or_else(|_| Err(EngineError::Internal("the encoder stopped".into())))
+    }
+
+    fn submit(&self, inputs: Vec<EncodedInput>) -> Result<tokio::sync::oneshot::Receiver<Rows>, EngineError> {
+        if inputs.is_empty() {
+            return Err(EngineError::Invalid("no inputs".into()));
+        }
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        match self.tx.try_send(Job { inputs, reply }) {
+            Ok(()) => {
+                self.counters.queued.fetch_add(1, Ordering::Relaxed);
+                Ok(rx)
+            }
+            Err(mpsc::TrySendError::Full(_)) => {
+                Err(EngineError::QueueFull { queued: self.counters.queued.load(Ordering::Relaxed) })
+            }
+            Err(mpsc::TrySendError::Disconnected(_)) => Err(EngineError::ShuttingDown),
+        }
+    }
+}
+
+/// The encoder thread: take a request, gather whatever else is waiting, run them all in passes of at
+/// most `max_batch_tokens`, answer each request with its rows.
+fn serve(mut runner: ModelRunner, rx: mpsc::Receiver<Job>, opts: EncoderOptions, counters: &EncoderCounters) {
+    while let Ok(first) = rx.recv() {
+        let mut jobs = vec![first];
+        while let Ok(more) = rx.try_recv() {
+            jobs.push(more);
+        }
+        counters.queued.fetch_sub(jobs.len(), Ordering::Relaxed);
+        counters.running.store(jobs.len(), Ordering::Relaxed);
+        // Every input of every job, in order; a failed pass fails the jobs it held.
+        let all: Vec<(usize, &EncodedInput)> =
+            jobs.iter().enumerate().flat_map(|(j, job)| job.inputs.iter().map(move |i| (j, i))).collect();
+        let mut rows: Vec<Vec<Vec<f32>>> = jobs.iter().map(|j| Vec::with_capacity(j.inputs.len())).collect();
+        let mut failed: Vec<Option<EngineError>> = jobs.iter().map(|_| None).collect();
+        for batch in batches(&all, opts.max_batch_tokens) {
+            let inputs: Vec<&EncodedInput> = batch.iter().map(|(_, i)| *i).collect();
+            let start = Instant::now();
+            let result = forward(&mut runner, &inputs);
+            counters.compute_micros.fetch_add(start.elapsed().as_micros() as u64, Ordering::Relaxed);
+            counters.passes.fetch_add(1, Ordering::Relaxed);
+            counters.inputs.fetch_add(inputs.len() as u64, Ordering::Relaxed);
+            counters.tokens.fetch_add(inputs.iter().map(|i| i.ids.len() as u64).sum(), Ordering::Relaxed);
+            match result {
+                Ok(out) => {
+                    for ((j, _), row) in batch.iter().zip(out) {
+                        rows[*j].push(row);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!("encoder pass failed: {e:#}");
+                    for (j, _) in batch {
+                        failed[*j].get_or_insert_with(|| EngineError::Internal(format!("{e:#}")));
+                    }
+                }
+            }
+        }
+        for ((job, rows), failed) in jobs.into_iter().zip(rows).zip(failed) {
+            let _ = job.reply.send(match failed {
+                Some(e) => Err(e),
+                None => Ok(rows),
+            });
+        }
+        counters.running.store(0, Ordering::Relaxed);
+    }
+}
+
+/// Consecutive runs of `items` holding at most `budget` tokens each (a longer item alone).
+fn batches<'a, T>(items: &'a [(T, &'a EncodedInput)], budget: usize) -> Vec<&'a [(T, &'a EncodedInput)]> {
+    let mut out = Vec::new();
+    let (mut start, mut tokens) = (0, 0);
+    for (i, (_, input)) in items.iter().enumerate() {
+        let n = input.ids.len();
+        if i > start && tokens + n > budget {
+            out.push(&items[start..i]);
+            (start, tokens) = (i, 0);
+        }
+        tokens += n;
+    }
+    if start < items.len() {
+        out.push(&items[start..]);
+    }
+    out
+}
+
+/// Runs `inputs` on the calling thread in passes of at most `max_batch_tokens`: one row per input.
+pub fn encode_all(runner: &mut ModelRunner, inputs: &[EncodedInput], max_batch_tokens: usize) -> Result<Vec<Vec<f32>>> {
+    let items: Vec<((), &EncodedInput)> = inputs.iter().map(|i| ((), i)).collect();
+    let mut out = Vec::with_capacity(inputs.len());
+    for batch in batches(&items, max_batch_tokens) {
+        let refs: Vec<&EncodedInput> = batch.iter().map(|(_, i)| *i).collect();
+        out.extend(forward(runner, &refs)?);
+    }
+    Ok(out)
+}
+
+/// One forward pass over whole sequences: one output row per input.
+pub fn forward(runner: &mut ModelRunner, inputs: &[&EncodedInput]) -> Result<Vec<Vec<f32>>> {
+    let blocks = SeqBlocks::new();
+    let chunks: Vec<SeqChunk> = inputs
+        .iter()
+        .map(|i| SeqChunk { blocks: &blocks, tokens: &i.ids, start_pos: 0, logits: Logits::Last })
+        .collect();
+    let types: Vec<&[u32]> = inputs.iter().map(|i| i.types.as_slice()).collect();
+    let out = runner.forward_with_types(&chunks, &types)?;
+    let dim = runner.info.output_dim;
+    Ok(out.chunks(dim).map(<[f32]>::to_vec).collect())
+}
+
+impl EncoderCounters {
+    /// Time spent in forward passes since start.
+    pub fn compute_time(&self) -> Duration {
+        Duration::from_micros(self.compute_micros.load(Ordering::Relaxed))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn input(n: usize) -> EncodedInput {
+        EncodedInput { ids: vec![1; n], types: vec![0; n] }
+    }
+
+    #[test]
+    fn batches_fill_the_token_budget_and_a_long_input_runs_alone() {
+        let inputs = [input(3), input(3), input(3), input(10), input(1)];
+        let items: Vec<(usize, &EncodedInput)> = inputs.iter().enumerate().collect();
+        let sizes: Vec<usize> = batches(&items, 6).iter().map(|b| b.len()).collect();
+        assert_eq!(sizes, [2, 1, 1, 1]);
+        assert_eq!(batches(&items, 100).len(), 1);
+    }
+
+    #[test]
+    fn relevance_is_the_sigmoid_of_the_logit() {
+        assert_eq!(relevance_score(0.0), 0.5);
+        assert!(relevance_score(5.0) > relevance_score(1.0));
+    }
+}
