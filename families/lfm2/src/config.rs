@@ -157,7 +157,7 @@ mod tests {
     }
 
     #[test]
-    fn a_config_without_layer_kinds_or_with_a_wrong_block_dim_is_refused() {
+    fn a_config_without_layer_kinds_with_a_wrong_block_dim_or_a_layer_out_of_range_is_refused() {
         assert!(config("").unwrap_err().contains("layer_types"));
         let wrong = r#"{"model_type":"lfm2","vocab_size":8,"hidden_size":8,"num_hidden_layers":1,
             "num_attention_heads":2,"max_position_embeddings":8,"norm_eps":1e-5,"conv_bias":false,

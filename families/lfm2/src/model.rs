@@ -89,7 +89,7 @@ pub struct Lfm2Model {
     graph: Graph,
 }
 
-/// The depthwise kernel `{prefix}.weight` seen as `[C, K, 1]`. Hugging Face checkpoints store it as
+/// The depthwise kernel `name` seen as `[C, K, 1]`. Hugging Face checkpoints store it as
 /// `[C, 1, K]`, MLX ones as `[C, K, 1]` (mlx-lm transposes on load); with a middle or last axis of one
 /// both hold the same bytes in the same order, so no copy is needed.
 fn depthwise_kernel(table: &WeightTable, name: &str, c: u64, k: u64) -> Result<WeightRef, String> {
