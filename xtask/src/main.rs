@@ -353,6 +353,11 @@ fn main() -> Result<()> {
         Cmd::Install { prefix } => install(&prefix),
         Cmd::Test { rest } => {
             let (_, mlx) = build_with(None)?;
+            if let Some(m) = &mlx {
+                // The test builds below see the same MLX as the build above (the mlx plugin's build
+                // script reruns when MLX_DIR changes, and would rebuild it without libmlx).
+                std::env::set_var("MLX_DIR", &m.dir);
+            }
             let mut c = cargo();
             if std::env::var_os("MLXCEL_TEST_MODELS").is_some() {
                 // The server's SDK tests (host/tests/server.rs) run the official Python clients.
