@@ -28,6 +28,13 @@ fn mistral_matches_mlx_lm() {
     run_case(&fixtures(), "mistral");
 }
 
+/// Mistral with `sliding_window: 8` on alternating layers and a 66-token sequence: attention and the
+/// cache's released window pages against mlx-lm past the window.
+#[test]
+fn mistral_sliding_window_matches_mlx_lm() {
+    run_case(&fixtures(), "mistral-swa");
+}
+
 #[test]
 fn qwen2_matches_mlx_lm() {
     run_case(&fixtures(), "qwen2");
