@@ -278,11 +278,33 @@ fn inspect_json_gives_exact_weight_bytes_and_a_kv_figure() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["memory"]["weight_bytes"].as_u64().unwrap(), payload_bytes(&dir.join("model.safetensors")));
-    // 2 layers × K and V × 2 KV heads × head_dim 16 × 4 bytes, for 256 tokens × 2 sequences.
-    assert_eq!(v["memory"]["kv_bytes_per_token"].as_u64().unwrap(), 2 * 2 * 2 * 16 * 4);
-    assert_eq!(v["memory"]["kv_bytes"].as_u64().unwrap(), 2 * 2 * 2 * 16 * 4 * 256 * 2);
+    // 2 layers × K and V × 2 KV heads × head_dim 16 × 2 bytes (f16 by default), for 256 tokens × 2
+    // sequences.
+    assert_eq!(
+        (v["memory"]["cache_type_k"].as_str(), v["memory"]["cache_type_v"].as_str()),
+        (Some("f16"), Some("f16"))
+    );
+    assert_eq!(v["memory"]["kv_bytes_per_token"].as_u64().unwrap(), 2 * 2 * 2 * 16 * 2);
+    assert_eq!(v["memory"]["kv_bytes"].as_u64().unwrap(), 2 * 2 * 2 * 16 * 2 * 256 * 2);
     assert_eq!(v["architecture"], "qwen2");
     assert_eq!(v["quantization"], "affine 4-bit g32");
+
+    // An f32 K cache beside a bf16 V cache: 4 + 2 bytes per value pair.
+    let out = mlxcel()
+        .arg("inspect")
+        .arg(&dir)
+        .args(["--json", "-c", "256", "--cache-type-k", "f32", "--cache-type-v", "bf16"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["memory"]["kv_bytes_per_token"].as_u64().unwrap(), 2 * 2 * 16 * (4 + 2));
+
+    // A type the engine does not keep is refused by clap with the reason.
+    let out = mlxcel().arg("inspect").arg(&dir).args(["--cache-type-k", "q8_0"]).output().unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("quantized KV caches (q8_0) are not supported"), "{err}");
 }
 
 fn generate_text(dir: &Path) -> String {

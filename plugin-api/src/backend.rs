@@ -90,12 +90,29 @@ pub struct KvBinding {
     pub size: usize,
     pub k: BufferHandle,
     pub v: BufferHandle,
-    /// [`crate::DType`] of the K/V cache as a raw number.
+    /// [`crate::DType`] of the K cache as a raw number (and of the V cache from a host before 2.3).
     pub dtype: u32,
     /// Which [`crate::KvGroupTables`] of the step's batch this layer's block tables are.
     pub group: u32,
     /// Recurrent state, or null.
     pub state: BufferHandle,
+    // ---- ABI 2.3 ----
+    /// [`crate::DType`] of the V cache as a raw number (llama.cpp's `--cache-type-v` may differ from
+    /// `-k`). Read it through [`KvBinding::value_dtype`], which knows a 2.2 host never wrote it.
+    pub v_dtype: u32,
+}
+
+impl KvBinding {
+    /// The K cache's dtype.
+    pub fn key_dtype(&self) -> crate::DType {
+        crate::DType::from_raw(self.dtype)
+    }
+
+    /// The V cache's dtype: `v_dtype` when the host's struct has it (2.3+), else the K cache's.
+    pub fn value_dtype(&self) -> crate::DType {
+        let has_v_dtype = self.size >= std::mem::offset_of!(KvBinding, v_dtype) + std::mem::size_of::<u32>();
+        crate::DType::from_raw(if has_v_dtype { self.v_dtype } else { self.dtype })
+    }
 }
 
 // SAFETY: repr(C), `size` first, plain data.

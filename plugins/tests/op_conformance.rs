@@ -101,6 +101,8 @@ struct Run<'a> {
     weights: Vec<DeviceBuffer>,
     /// Per layer: K, V and state buffer handles (null where absent); the test keeps the buffers.
     kv: Vec<[BufferHandle; 3]>,
+    /// What the K and V caches keep (f32 unless a test says otherwise).
+    kv_types: (DType, DType),
     batch: Option<BatchData>,
 }
 
@@ -145,7 +147,15 @@ impl BatchData {
 
 impl<'a> Run<'a> {
     fn new(ctx: &'a mut BackendContext) -> Self {
-        Run { ctx, g: Graph::new(), inputs: vec![], weights: vec![], kv: vec![], batch: None }
+        Run {
+            ctx,
+            g: Graph::new(),
+            inputs: vec![],
+            weights: vec![],
+            kv: vec![],
+            kv_types: (DType::F32, DType::F32),
+            batch: None,
+        }
     }
     fn input_f32(&mut self, v: &[f32], shape: &[u64]) -> TensorId {
         let slot = self.inputs.len() as i64;
@@ -212,7 +222,14 @@ impl<'a> Run<'a> {
         let kv: Vec<KvBinding> = self
             .kv
             .iter()
-            .map(|&[k, v, state]| KvBinding { k, v, state, dtype: DType::F32 as u32, ..KvBinding::zeroed() })
+            .map(|&[k, v, state]| KvBinding {
+                k,
+                v,
+                state,
+                dtype: self.kv_types.0 as u32,
+                v_dtype: self.kv_types.1 as u32,
+                ..KvBinding::zeroed()
+            })
             .collect();
         let groups: Vec<KvGroupTables> = self
             .batch
@@ -684,8 +701,36 @@ fn ref_attention(q: &[f64], keys: &[Vec<f64>], values: &[Vec<f64>], scale: f64, 
     out
 }
 
+/// `x` as a KV cache of type `dtype` keeps it.
+fn round_through(x: f32, dtype: DType) -> f32 {
+    match dtype {
+        DType::F16 => f16::from_f32(x).to_f32(),
+        DType::BF16 => bf16::from_f32(x).to_f32(),
+        _ => x,
+    }
+}
+
+/// `v` as the bytes of a KV cache of type `dtype`.
+fn cache_bytes(v: &[f32], dtype: DType) -> Vec<u8> {
+    match dtype {
+        DType::F16 => bytes(&v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>()),
+        DType::BF16 => bytes(&v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>()),
+        _ => bytes(v),
+    }
+}
+
 #[test]
 fn paged_attention_matches_reference() {
+    // Caches in f32, f16, bf16 and a mixed pair (K and V may differ, as llama.cpp's flags allow): the
+    // reference sees every key and value rounded as the cache keeps it, so the bound stays f32's.
+    let types =
+        [(DType::F32, DType::F32), (DType::F16, DType::F16), (DType::BF16, DType::BF16), (DType::F16, DType::BF16)];
+    for (kt, vt) in types {
+        paged_attention_with_cache_types(kt, vt);
+    }
+}
+
+fn paged_attention_with_cache_types(kt: DType, vt: DType) {
     each_backend(|ctx, rng| {
         // (heads, kv heads, head_dim, window, softcap): MHA, GQA, MQA, sliding window, soft-capping.
         let heads = [
@@ -697,7 +742,9 @@ fn paged_attention_matches_reference() {
         ];
         // Two sequences: A has cached tokens and adds some, B is a fresh prompt. Short runs take the
         // per-token kernel; long ones the tiled prefill kernel (tiles of 16 tokens, key blocks of 64).
-        let steps = [(9usize, 3usize, 6usize), (9, 20, 70)];
+        // The last step decodes A over 1100 cached keys: the per-token kernel splits them (512 a
+        // split) and merges the partial softmaxes.
+        let steps = [(9usize, 3usize, 6usize), (9, 20, 70), (1100, 1, 2)];
         for (&(hq, hkv, dh, window, softcap), &(a_cached, a_new, b_new)) in
             heads.iter().flat_map(|h| steps.iter().map(move |s| (h, s)))
         {
@@ -739,12 +786,21 @@ fn paged_attention_matches_reference() {
             tables[..a_blocks.len()].copy_from_slice(&a_blocks);
             tables[max_blocks..max_blocks + b_blocks.len()].copy_from_slice(&b_blocks);
 
-            let mut kb = ctx.alloc(kcache.len() * 4).unwrap();
-            let mut vb = ctx.alloc(vcache.len() * 4).unwrap();
-            ctx.write(&mut kb, 0, &bytes(&kcache)).unwrap();
-            ctx.write(&mut vb, 0, &bytes(&vcache)).unwrap();
+            let desc = |dtype: DType| KvCacheDesc {
+                num_blocks: num_blocks as u32,
+                block_size: bs as u32,
+                n_kv_heads: hkv as u32,
+                head_dim: dh as u32,
+                dtype: dtype as u32,
+                ..KvCacheDesc::zeroed()
+            };
+            let mut kb = ctx.kv_alloc(&desc(kt)).unwrap();
+            let mut vb = ctx.kv_alloc(&desc(vt)).unwrap();
+            ctx.write(&mut kb, 0, &cache_bytes(&kcache, kt)).unwrap();
+            ctx.write(&mut vb, 0, &cache_bytes(&vcache, vt)).unwrap();
             let mut run = Run::new(ctx);
             run.kv.push([kb.handle(), vb.handle(), std::ptr::null_mut()]);
+            run.kv_types = (kt, vt);
             run.batch = Some(BatchData {
                 token_seq,
                 positions: positions.clone(),
@@ -768,8 +824,11 @@ fn paged_attention_matches_reference() {
             let got = run.execute(o);
 
             // Reference: the full key/value history of each sequence in order.
-            let row = |src: &[f32], i: usize, h: usize| -> Vec<f64> {
-                src[i * kv_row + h * dh..i * kv_row + (h + 1) * dh].iter().map(|&x| x as f64).collect()
+            let row = |src: &[f32], i: usize, h: usize, dtype: DType| -> Vec<f64> {
+                src[i * kv_row + h * dh..i * kv_row + (h + 1) * dh]
+                    .iter()
+                    .map(|&x| round_through(x, dtype) as f64)
+                    .collect()
             };
             let mut want = vec![0f64; t * hq * dh];
             for ti in 0..t {
@@ -781,12 +840,12 @@ fn paged_attention_matches_reference() {
                     for p in start..=pos {
                         let (kk, vv) = if ti < a_new {
                             if p < a_cached {
-                                (row(&a_k_old, p, kvh), row(&a_v_old, p, kvh))
+                                (row(&a_k_old, p, kvh, kt), row(&a_v_old, p, kvh, vt))
                             } else {
-                                (row(&k, p - a_cached, kvh), row(&v, p - a_cached, kvh))
+                                (row(&k, p - a_cached, kvh, kt), row(&v, p - a_cached, kvh, vt))
                             }
                         } else {
-                            (row(&k, a_new + p, kvh), row(&v, a_new + p, kvh))
+                            (row(&k, a_new + p, kvh, kt), row(&v, a_new + p, kvh, vt))
                         };
                         keys.push(kk);
                         vals.push(vv);
@@ -797,8 +856,10 @@ fn paged_attention_matches_reference() {
                 }
             }
             let what = format!(
-                "{} attention hq{hq} hkv{hkv} dh{dh} window{window} softcap{softcap} A {a_cached}+{a_new} B {b_new}",
-                ctx.name()
+                "{} attention K {} V {} hq{hq} hkv{hkv} dh{dh} window{window} softcap{softcap} A {a_cached}+{a_new} B {b_new}",
+                ctx.name(),
+                kt.name(),
+                vt.name()
             );
             check(&what, &got, &want, dh);
         }

@@ -17,6 +17,8 @@ pub struct Options {
     pub threads: Vec<usize>,
     pub n_prompt: usize,
     pub n_gen: usize,
+    /// Contexts at which generation is also timed (llama-bench's `-d`).
+    pub depths: Vec<usize>,
     pub no_peer: bool,
     /// `mlx`: mlxcel's MLX backend against mlx-lm; otherwise the host's default against llama.cpp.
     pub backend: Option<String>,
@@ -148,9 +150,15 @@ pub fn run(o: &Options) -> Result<()> {
     let script = crate::root().join(if on_mlx { "xtask/bench_mlx_lm.py" } else { "xtask/bench_llama_cpp.py" });
     let backend_args: Vec<String> = o.backend.iter().flat_map(|b| ["--backend".to_string(), b.clone()]).collect();
 
+    let depth_list = o.depths.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",");
+    let depth_args: Vec<String> = if o.depths.is_empty() { vec![] } else { vec!["-d".to_string(), depth_list.clone()] };
     let mut rows = Vec::new();
+    // (threads, depth, mlxcel tg runs, peer tg runs)
+    let mut depth_rows: Vec<(usize, usize, Vec<f64>, Vec<f64>)> = Vec::new();
     for &t in &o.threads {
         let (mut m_pp, mut m_tg, mut l_pp, mut l_tg) = (vec![], vec![], vec![], vec![]);
+        let first_depth_row = depth_rows.len();
+        depth_rows.extend(o.depths.iter().map(|&d| (t, d, vec![], vec![])));
         let mut rss = 0u64;
         let mut weights = 0u64;
         let mut kv = 0u64;
@@ -173,9 +181,15 @@ pub fn run(o: &Options) -> Result<()> {
                         "--json",
                     ])
                     .args(&backend_args)
+                    .args(&depth_args)
                     .output()?,
                 "mlxcel bench",
             )?;
+            for (row, d) in
+                depth_rows[first_depth_row..].iter_mut().zip(v["tg_at_depth"].as_array().into_iter().flatten())
+            {
+                row.2.push(d["tg_tps"].as_f64().unwrap_or(0.0));
+            }
             m_pp.push(v["pp_tps"].as_f64().unwrap_or(0.0));
             m_tg.push(v["tg_tps"].as_f64().unwrap_or(0.0));
             rss = rss.max(v["peak_rss_bytes"].as_u64().unwrap_or(0));
@@ -189,10 +203,17 @@ pub fn run(o: &Options) -> Result<()> {
                     c.arg(&mlx).args([o.n_prompt.to_string(), o.n_gen.to_string()]);
                 } else {
                     c.arg(&gguf).args([t.to_string(), o.n_prompt.to_string(), o.n_gen.to_string()]);
+                    c.arg(&depth_list);
                 }
                 let v = json_of(c.output()?, &format!("{peer_name} bench"))?;
                 l_pp.push(v["pp_tps"].as_f64().unwrap_or(0.0));
                 l_tg.push(v["tg_tps"].as_f64().unwrap_or(0.0));
+                // mlx-lm's script times no depths: its column stays empty.
+                for (row, d) in
+                    depth_rows[first_depth_row..].iter_mut().zip(v["tg_at_depth"].as_array().into_iter().flatten())
+                {
+                    row.3.push(d["tg_tps"].as_f64().unwrap_or(0.0));
+                }
             }
         }
         let bw = read_bandwidth(t);
@@ -244,6 +265,23 @@ pub fn run(o: &Options) -> Result<()> {
             weights as f64 / 1e6,
             kv as f64 / 1e6
         );
+    }
+    if !depth_rows.is_empty() {
+        println!();
+        println!("Generation on top of a filled context (tg{} after d tokens, prefilled untimed):", o.n_gen);
+        println!();
+        println!("| threads | depth | mlxcel tg{} | {peer_name} tg{} | ratio |", o.n_gen, o.n_gen);
+        println!("|---|---|---|---|---|");
+        for (t, d, m, l) in depth_rows {
+            let m = median(m);
+            let (l, ratio) = if l.is_empty() {
+                ("—".to_string(), "—".to_string())
+            } else {
+                let l = median(l);
+                (format!("{l:.1}"), format!("{:.2}×", m / l))
+            };
+            println!("| {t} | {d} | {m:.1} | {l} | {ratio} |");
+        }
     }
     Ok(())
 }

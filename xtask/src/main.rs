@@ -61,6 +61,10 @@ enum Cmd {
         n_prompt: usize,
         #[arg(long, default_value_t = 128)]
         n_gen: usize,
+        /// Contexts (tokens already in the KV cache) at which generation is also timed, as llama-bench's
+        /// `-d` (empty: only from an empty context).
+        #[arg(long, value_delimiter = ',', default_value = "512,2048,4096")]
+        depths: Vec<usize>,
         /// Only mlxcel (no llama.cpp / mlx-lm runs).
         #[arg(long)]
         no_peer: bool,
@@ -323,6 +327,7 @@ fn main() -> Result<()> {
             serve,
             parallel,
             ctx_size,
+            depths,
             ..
         } => {
             backend_flag(backend.as_deref())?;
@@ -341,7 +346,17 @@ fn main() -> Result<()> {
                     no_peer,
                 });
             }
-            bench::run(&bench::Options { models, reps, threads, n_prompt, n_gen, no_peer, backend, mlx_lm_python })
+            bench::run(&bench::Options {
+                models,
+                reps,
+                threads,
+                n_prompt,
+                n_gen,
+                depths,
+                no_peer,
+                backend,
+                mlx_lm_python,
+            })
         }
         Cmd::Build { backend } => build_with(Some(backend_flag(backend.as_deref())?)).map(|_| ()),
         Cmd::FetchMlx => mlx::fetch().map(|_| ()),
@@ -392,6 +407,21 @@ fn main() -> Result<()> {
                 c.env("MLXCEL_CPU_INT16", "0").env("MLXCEL_TEST_BACKEND", "cpu");
                 c.args(["test", "--release", "-p", package, "--test", test]);
                 run(c)?;
+            }
+            // The KV cache in each type it may be kept in: the golden tests ran with f32 above (the
+            // references' own) and the real models with the default, f16; now the other ones.
+            for (cache_type, suites) in [
+                ("f16", golden.iter().map(|p| (p.as_str(), "golden")).collect::<Vec<_>>()),
+                ("bf16", golden.iter().map(|p| (p.as_str(), "golden")).chain([("mlxcel", "real_models")]).collect()),
+                ("f32", vec![("mlxcel", "real_models")]),
+            ] {
+                println!("== golden and real-model tests with the KV cache in {cache_type}");
+                for (package, test) in suites {
+                    let mut c = cargo();
+                    c.env("MLXCEL_TEST_CACHE_TYPE", cache_type).env("MLXCEL_TEST_BACKEND", "cpu");
+                    c.args(["test", "--release", "-p", package, "--test", test]);
+                    run(c)?;
+                }
             }
             // The MLX plugin, when it was built with libmlx: the op conformance suite already ran on
             // it above (every usable staged backend); the family golden tests and the real models too.

@@ -4,6 +4,7 @@
 
 use std::borrow::Cow;
 
+use half::{bf16, f16};
 use mlxcel_plugin_api::{
     read_versioned, read_versioned_array, slice_from, BufferHandle, ComputeArgs, DType, HostTensor, KvBinding,
     KvGroupTables, Node, OpCode, PluginError, StepBatch, CONV_CAUSAL_STATE, CONV_WEIGHT_MLX, CONV_WEIGHT_TORCH,
@@ -13,12 +14,13 @@ use rayon::prelude::*;
 
 use crate::buffer::{as_f32, as_i32, as_u16, Buffer};
 use crate::isa::Isa;
-use crate::kernels::attention::{self, AttentionScratch, AttentionShape, PagedLayout};
+use crate::kernels::attention::{AttentionScratch, AttentionShape, CachedStep, PagedLayout};
 use crate::kernels::attention_step::{self, Mask};
 use crate::kernels::conv1d::{self, ConvShape, Padding};
 use crate::kernels::cross_attention;
 use crate::kernels::elementwise::{self as ew, binary, unary};
 use crate::kernels::int_dot::IntActs;
+use crate::kernels::kv_elem::elem_bytes;
 use crate::kernels::pooling::{segment_pool, Pool};
 use crate::kernels::quantized::{self, QuantMatrix, QuantPath};
 use crate::kernels::{experts, matmul, norm, rope, segments, softmax, Floats, Segment};
@@ -902,9 +904,14 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                             return Err(e(format!("q/k/v shapes do not match {t} tokens of {hq}/{hkv} heads x {dh}")));
                         }
                         let binding = kv.get(layer).ok_or_else(|| e(format!("KV cache layer {layer} not bound")))?;
-                        if binding.dtype != DType::F32 as u32 {
-                            return Err(e("the cpu backend keeps its KV cache in f32".into()));
-                        }
+                        let (k_type, v_type) = (binding.key_dtype(), binding.value_dtype());
+                        let (Some(k_bytes), Some(v_bytes)) = (elem_bytes(k_type), elem_bytes(v_type)) else {
+                            return Err(e(format!(
+                                "the cpu backend keeps KV caches in f32, f16 or bf16, not {}/{}",
+                                k_type.name(),
+                                v_type.name()
+                            )));
+                        };
                         let group = groups
                             .get(binding.group as usize)
                             .ok_or_else(|| e(format!("layer {layer}: KV group {} not given", binding.group)))?;
@@ -933,14 +940,11 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                         let (Some(kb), Some(vb)) = (kb, vb) else { return Err(e("null KV buffer".into())) };
                         let kc = kb.bytes_mut().ok_or_else(|| e("KV cache must be an allocated buffer".into()))?;
                         let vc = vb.bytes_mut().ok_or_else(|| e("KV cache must be an allocated buffer".into()))?;
-                        if kc.len() < slots * kv_row * 4 || vc.len() < slots * kv_row * 4 {
+                        if kc.len() < slots * kv_row * k_bytes || vc.len() < slots * kv_row * v_bytes {
                             return Err(e(format!("KV cache layer {layer} is smaller than {slots} slots")));
                         }
-                        let kc = crate::buffer::as_f32_mut(kc);
-                        let vc = crate::buffer::as_f32_mut(vc);
                         validate_layout(&layout, batch.n_seqs as usize, slots, group.num_blocks as usize, window)
                             .map_err(e)?;
-                        attention::write_kv(&layout, &kx, &vx, kv_row, kc, vc);
                         let shape = AttentionShape {
                             n_heads: hq,
                             n_kv_heads: hkv,
@@ -949,7 +953,20 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                             scale: node.fparams[0],
                             softcap: node.fparams[1],
                         };
-                        attention::attention(isa, &layout, shape, &q, kc, vc, &mut out, &mut ctx.attention_scratch);
+                        let step = CachedStep { isa, layout: &layout, shape, q: &q, k: &kx, v: &vx };
+                        let scratch = &mut ctx.attention_scratch;
+                        match (k_type, v_type) {
+                            (DType::F32, DType::F32) => step.run::<f32, f32>(kc, vc, &mut out, scratch),
+                            (DType::F16, DType::F16) => step.run::<f16, f16>(kc, vc, &mut out, scratch),
+                            (DType::BF16, DType::BF16) => step.run::<bf16, bf16>(kc, vc, &mut out, scratch),
+                            (DType::F16, DType::F32) => step.run::<f16, f32>(kc, vc, &mut out, scratch),
+                            (DType::F32, DType::F16) => step.run::<f32, f16>(kc, vc, &mut out, scratch),
+                            (DType::BF16, DType::F32) => step.run::<bf16, f32>(kc, vc, &mut out, scratch),
+                            (DType::F32, DType::BF16) => step.run::<f32, bf16>(kc, vc, &mut out, scratch),
+                            (DType::F16, DType::BF16) => step.run::<f16, bf16>(kc, vc, &mut out, scratch),
+                            (DType::BF16, DType::F16) => step.run::<bf16, f16>(kc, vc, &mut out, scratch),
+                            _ => unreachable!("elem_bytes admitted only f32, f16 and bf16"),
+                        }
                     }
                     OpCode::Slice => {
                         need(1)?;

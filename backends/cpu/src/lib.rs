@@ -103,13 +103,11 @@ fn range_check(buf: &Buffer, offset: usize, len: usize) -> Result<(), PluginErro
 
 /// Bytes per cache slot of a layer, or an error for a cache type the CPU backend does not keep.
 fn kv_slot_bytes(desc: &KvCacheDesc) -> Result<usize, PluginError> {
-    if desc.dtype != DType::F32 as u32 {
-        return Err(PluginError::invalid(format!(
-            "the cpu backend keeps KV caches in f32, not {}",
-            DType::from_raw(desc.dtype).name()
-        )));
-    }
-    Ok(desc.n_kv_heads as usize * desc.head_dim as usize * 4)
+    let dtype = DType::from_raw(desc.dtype);
+    let elem = kernels::kv_elem::elem_bytes(dtype).ok_or_else(|| {
+        PluginError::invalid(format!("the cpu backend keeps KV caches in f32, f16 or bf16, not {}", dtype.name()))
+    })?;
+    Ok(desc.n_kv_heads as usize * desc.head_dim as usize * elem)
 }
 
 impl BackendContext for CpuContext {

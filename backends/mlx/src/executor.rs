@@ -554,25 +554,27 @@ fn attention(
 
     // This layer's caches: the ones an earlier node of this step left, else the buffers' arrays.
     if let std::collections::hash_map::Entry::Vacant(slot) = caches.entry(layer) {
-        let dtype = DType::from_raw(binding.dtype);
-        if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
-            return Err(e(format!("KV cache dtype {} is not one the mlx backend keeps", dtype.name())));
+        let (k_type, v_type) = (binding.key_dtype(), binding.value_dtype());
+        for dtype in [k_type, v_type] {
+            if !matches!(dtype, DType::F32 | DType::F16 | DType::BF16) {
+                return Err(e(format!("KV cache dtype {} is not one the mlx backend keeps", dtype.name())));
+            }
         }
         // SAFETY: handles the host bound for this layer; used by this thread only.
         let (kb, vb) = unsafe { ((binding.k as *mut MlxBuffer).as_mut(), (binding.v as *mut MlxBuffer).as_mut()) };
         let (Some(kb), Some(vb)) = (kb, vb) else { return Err(e("null KV buffer".into())) };
-        let row_bytes = kv_row * dtype.size();
-        let bind = |b: &mut MlxBuffer| -> Result<Array, PluginError> {
+        let bind = |b: &mut MlxBuffer, dtype: DType| -> Result<Array, PluginError> {
             if !matches!(b, MlxBuffer::Device { .. }) {
                 return Err(e("KV cache must be an allocated buffer".into()));
             }
+            let row_bytes = kv_row * dtype.size();
             let have = b.byte_len() / row_bytes;
             if have < slots || have * row_bytes != b.byte_len() {
                 return Err(e(format!("KV cache layer {layer} is not {slots} slots of {kv_row} values")));
             }
             b.typed(dtype, &[have as i64, kv_row as i64]).map_err(e)
         };
-        let (k, v) = (bind(kb)?, bind(vb)?);
+        let (k, v) = (bind(kb, k_type)?, bind(vb, v_type)?);
         slot.insert(LayerCache { k, v, k_buf: kb, v_buf: vb });
     }
     let cache = caches.get_mut(&layer).unwrap();

@@ -6,6 +6,7 @@ use std::time::Instant;
 use anyhow::Result;
 use clap::Args;
 
+use super::cache_type::CacheTypeArgs;
 use super::run::resolve_model;
 use super::GlobalArgs;
 use crate::engine::{Logits, ModelRunner, RunnerOptions, SeqBlocks, SeqChunk};
@@ -29,11 +30,17 @@ pub struct BenchArgs {
     /// Prefill chunk (tokens per step).
     #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
     pub batch: usize,
+    /// Also time generation after this many tokens of context (comma-separated, as llama-bench's
+    /// `-d`): the context is prefilled untimed, then n-gen tokens are decoded on top of it.
+    #[arg(short = 'd', long = "n-depth", value_delimiter = ',')]
+    pub depths: Vec<usize>,
     #[arg(long)]
     pub backend: Option<String>,
     /// One JSON object on stdout.
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub cache_types: CacheTypeArgs,
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -60,7 +67,8 @@ pub fn run(global: &GlobalArgs, args: &BenchArgs) -> Result<()> {
     let opts = RunnerOptions {
         backend: args.backend.clone(),
         threads: args.threads,
-        ctx_size: args.n_prompt + args.n_gen + 16,
+        ctx_size: args.n_prompt.max(args.depths.iter().copied().max().unwrap_or(0)) + args.n_gen + 16,
+        cache_types: args.cache_types.types(),
         ..Default::default()
     };
     let mut runner = ModelRunner::load(&global.catalog(), &dir, &opts)?;
@@ -75,6 +83,7 @@ pub fn run(global: &GlobalArgs, args: &BenchArgs) -> Result<()> {
     };
     let prompt: Vec<u32> = (0..args.n_prompt).map(|_| next()).collect();
     let gen_tokens: Vec<u32> = (0..args.n_gen).map(|_| next()).collect();
+    let context: Vec<u32> = (0..args.depths.iter().copied().max().unwrap_or(0)).map(|_| next()).collect();
 
     let mut pp = Vec::new();
     let mut tg = Vec::new();
@@ -111,6 +120,41 @@ pub fn run(global: &GlobalArgs, args: &BenchArgs) -> Result<()> {
             tg.push(args.n_gen as f64 / tg_s);
         }
     }
+    // Generation on top of a context of each depth (prefilled untimed, in chunks of --batch-size).
+    let mut at_depth = Vec::new();
+    for &depth in &args.depths {
+        let mut runs = Vec::new();
+        for rep in 0..=args.repetitions {
+            let mut seq = SeqBlocks::default();
+            runner.pool.reserve(&mut seq, depth + args.n_gen)?;
+            for start in (0..depth).step_by(args.batch.max(1)) {
+                let end = (start + args.batch.max(1)).min(depth);
+                let want = if end == depth { Logits::Last } else { Logits::None };
+                runner.forward(&[SeqChunk {
+                    blocks: &seq,
+                    tokens: &context[start..end],
+                    start_pos: start,
+                    logits: want,
+                }])?;
+            }
+            let t = Instant::now();
+            for (i, tok) in gen_tokens.iter().enumerate() {
+                let chunk = SeqChunk {
+                    blocks: &seq,
+                    tokens: std::slice::from_ref(tok),
+                    start_pos: depth + i,
+                    logits: Logits::Last,
+                };
+                runner.forward(&[chunk])?;
+            }
+            let s = t.elapsed().as_secs_f64();
+            runner.pool.release(&mut seq);
+            if rep > 0 {
+                runs.push(args.n_gen as f64 / s);
+            }
+        }
+        at_depth.push((depth, median(runs)));
+    }
     let (pp_m, tg_m) = (median(pp.clone()), median(tg.clone()));
     let rss = peak_rss();
     if args.json {
@@ -125,6 +169,9 @@ pub fn run(global: &GlobalArgs, args: &BenchArgs) -> Result<()> {
             "tg_tps": tg_m,
             "pp_runs": pp,
             "tg_runs": tg,
+            "tg_at_depth": at_depth.iter().map(|(d, t)| serde_json::json!({"depth": d, "tg_tps": t})).collect::<Vec<_>>(),
+            "cache_type_k": runner.cache_types().k.name(),
+            "cache_type_v": runner.cache_types().v.name(),
             "weight_bytes": runner.checkpoint.weight_bytes(),
             "kv_bytes": runner.kv_bytes_per_token() * (args.n_prompt + args.n_gen + 16),
             "peak_rss_bytes": rss,
@@ -142,6 +189,9 @@ pub fn run(global: &GlobalArgs, args: &BenchArgs) -> Result<()> {
             runner.backend_features,
             rss as f64 / 1e6
         );
+        for (d, t) in &at_depth {
+            println!("  tg{} @ d{d}: {t:.1} tok/s (KV cache {})", args.n_gen, runner.cache_types());
+        }
     }
     Ok(())
 }

@@ -6,10 +6,12 @@ use anyhow::{Context, Result};
 use clap::Args;
 use serde_json::json;
 
+use super::cache_type::CacheTypeArgs;
 use super::run::resolve_model;
 use super::GlobalArgs;
 use crate::checkpoint::Checkpoint;
 use crate::engine::memory::MemoryEstimate;
+use crate::engine::KvCacheTypes;
 
 #[derive(Args, Debug)]
 pub struct InspectArgs {
@@ -28,6 +30,8 @@ pub struct InspectArgs {
     pub revision: Option<String>,
     #[arg(long)]
     pub json: bool,
+    #[command(flatten)]
+    pub cache_types: CacheTypeArgs,
 }
 
 pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
@@ -48,7 +52,8 @@ pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
         .ok()
         .and_then(|b| b.describe().devices.first().map(|d| d.free_memory_bytes))
         .unwrap_or(0);
-    let est = MemoryEstimate::new(info, ck.weight_bytes(), ctx, args.parallel as u64, free);
+    let cache_types = args.cache_types.types().unwrap_or(KvCacheTypes::DEFAULT);
+    let est = MemoryEstimate::new(info, ck.weight_bytes(), ctx, args.parallel as u64, free, cache_types);
     let params: u64 = ck.tensors.iter().map(|t| t.shape.iter().product::<u64>()).sum();
     if args.json {
         let v = json!({
@@ -79,11 +84,13 @@ pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
     println!("  quantization   {}", if info.quantization.is_empty() { "none" } else { &info.quantization });
     println!("  weights        {} in {} tensors, {} file(s)", mb(est.weight_bytes), ck.tensors.len(), ck.files.len());
     println!(
-        "  KV cache       {} ({:.1} KB per token × {} tokens × {} sequence(s))",
+        "  KV cache       {} ({:.1} KB per token × {} tokens × {} sequence(s); K {}, V {})",
         mb(est.kv_bytes),
         est.kv_bytes_per_token as f64 / 1e3,
         ctx,
-        est.parallel
+        est.parallel,
+        est.cache_type_k,
+        est.cache_type_v
     );
     println!("  activations    {} (estimate)", mb(est.activation_bytes));
     println!(

@@ -2,6 +2,7 @@
 
 pub mod arch;
 pub mod bench;
+pub mod cache_type;
 pub mod embed;
 pub mod inspect;
 pub mod run;

@@ -9,6 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 use serde_json::Value;
 
+use super::cache_type::CacheTypeArgs;
 use super::GlobalArgs;
 use crate::engine::memory::MemoryEstimate;
 use crate::engine::{
@@ -80,6 +81,8 @@ pub struct RunArgs {
     /// Run even when the memory estimate says the model does not fit.
     #[arg(long)]
     pub force: bool,
+    #[command(flatten)]
+    pub cache_types: CacheTypeArgs,
 }
 
 /// A MODEL argument as a folder: local, Hugging Face cache, mlxcel store, or downloaded.
@@ -167,6 +170,7 @@ fn load(global: &GlobalArgs, args: &RunArgs) -> Result<Loaded> {
         backend: args.backend.clone(),
         threads: args.threads.unwrap_or(0),
         ctx_size: args.ctx_size.unwrap_or(4096),
+        cache_types: args.cache_types.types(),
         ..Default::default()
     };
     let runner = ModelRunner::load(&catalog, &dir, &opts)?;
@@ -176,6 +180,7 @@ fn load(global: &GlobalArgs, args: &RunArgs) -> Result<Loaded> {
         runner.ctx_size as u64,
         1,
         runner.device_free_memory,
+        runner.cache_types(),
     );
     if !est.fits && !args.force {
         bail!("{} does not fit in memory: {}; lower --ctx-size or pass --force", dir.display(), est.summary());
@@ -184,13 +189,14 @@ fn load(global: &GlobalArgs, args: &RunArgs) -> Result<Loaded> {
     let sampling = sampling_params(args, runner.checkpoint.generation_config.as_ref());
     sampling.validate().map_err(|e| anyhow::anyhow!("invalid sampling option: {e}"))?;
     tracing::info!(
-        "loaded {} ({} via family `{}`) on backend `{}` [{}], context {}",
+        "loaded {} ({} via family `{}`) on backend `{}` [{}], context {}, KV cache {}",
         dir.display(),
         runner.info.architecture,
         runner.family_name,
         runner.backend_name,
         runner.backend_features,
-        runner.ctx_size
+        runner.ctx_size,
+        runner.cache_types()
     );
     let tokenizer = Arc::new(tokenizer);
     let engine =

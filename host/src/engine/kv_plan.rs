@@ -2,11 +2,100 @@
 //! group, how many blocks each group gets, and the bytes that makes. The runner allocates from it and
 //! the memory estimate counts from it, so the fit check counts what will actually be allocated.
 
-use mlxcel_plugin_api::KvKind;
+use mlxcel_plugin_api::{DType, KvKind};
 use mlxcel_plugins::ModelInfo;
 
-/// Bytes per KV element in this engine's caches (f32).
-pub const KV_ELEMENT_BYTES: usize = 4;
+/// What a KV cache keeps its values in, named as llama.cpp's `--cache-type-k/-v` name them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvCacheType {
+    F32,
+    F16,
+    Bf16,
+}
+
+impl KvCacheType {
+    pub const ALL: [KvCacheType; 3] = [KvCacheType::F32, KvCacheType::F16, KvCacheType::Bf16];
+
+    pub fn dtype(self) -> DType {
+        match self {
+            KvCacheType::F32 => DType::F32,
+            KvCacheType::F16 => DType::F16,
+            KvCacheType::Bf16 => DType::BF16,
+        }
+    }
+
+    pub fn bytes(self) -> usize {
+        self.dtype().size()
+    }
+
+    /// Of two types, the one that rounds more (bf16, then f16, then f32).
+    pub fn coarser(self, other: KvCacheType) -> KvCacheType {
+        let rank = |t: KvCacheType| match t {
+            KvCacheType::F32 => 0,
+            KvCacheType::F16 => 1,
+            KvCacheType::Bf16 => 2,
+        };
+        if rank(other) > rank(self) {
+            other
+        } else {
+            self
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            KvCacheType::F32 => "f32",
+            KvCacheType::F16 => "f16",
+            KvCacheType::Bf16 => "bf16",
+        }
+    }
+}
+
+impl std::fmt::Display for KvCacheType {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for KvCacheType {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.to_ascii_lowercase().as_str() {
+            "f32" => Ok(KvCacheType::F32),
+            "f16" => Ok(KvCacheType::F16),
+            "bf16" => Ok(KvCacheType::Bf16),
+            q if q.starts_with('q') || q.starts_with("iq") => {
+                Err(format!("quantized KV caches ({s}) are not supported yet; use f32, f16 or bf16"))
+            }
+            _ => Err(format!("`{s}` is not a KV cache type; use f32, f16 or bf16")),
+        }
+    }
+}
+
+/// The types of a model's K and V caches.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KvCacheTypes {
+    pub k: KvCacheType,
+    pub v: KvCacheType,
+}
+
+impl KvCacheTypes {
+    /// Half the memory of f32 at the precision the checkpoints are trained in (llama.cpp's default).
+    pub const DEFAULT: KvCacheTypes = KvCacheTypes { k: KvCacheType::F16, v: KvCacheType::F16 };
+    pub const F32: KvCacheTypes = KvCacheTypes { k: KvCacheType::F32, v: KvCacheType::F32 };
+
+    /// Bytes of one token's K and V rows in a layer of `n_kv_heads` × `head_dim`.
+    pub fn bytes_per_token(self, n_kv_heads: usize, head_dim: usize) -> usize {
+        n_kv_heads * head_dim * (self.k.bytes() + self.v.bytes())
+    }
+}
+
+impl std::fmt::Display for KvCacheTypes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "K {} / V {}", self.k, self.v)
+    }
+}
 
 /// The KV groups and state rows of a model at a context size and parallelism.
 #[derive(Debug, Clone, PartialEq)]
@@ -70,7 +159,7 @@ impl KvPlan {
     }
 
     /// Bytes of every KV cache and state buffer this plan allocates (f32 caches).
-    pub fn bytes(&self, info: &ModelInfo) -> u64 {
+    pub fn bytes(&self, info: &ModelInfo, types: KvCacheTypes) -> u64 {
         info.kv_layers
             .iter()
             .zip(&self.layer_group)
@@ -78,7 +167,7 @@ impl KvPlan {
                 (KvKind::Recurrent, _) => (self.state_slots * l.state_elems * 4) as u64,
                 (_, Some(g)) => {
                     let slots = self.blocks_per_group[*g as usize] * self.block_size;
-                    (2 * slots * l.n_kv_heads * l.head_dim * KV_ELEMENT_BYTES) as u64
+                    (slots * types.bytes_per_token(l.n_kv_heads, l.head_dim)) as u64
                 }
                 _ => 0,
             })

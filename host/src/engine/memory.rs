@@ -7,7 +7,7 @@ use mlxcel_plugin_api::KvKind;
 use mlxcel_plugins::ModelInfo;
 use serde::Serialize;
 
-use super::kv_plan::{KvPlan, KV_ELEMENT_BYTES};
+use super::kv_plan::{KvCacheTypes, KvPlan};
 
 /// Prompt tokens computed per step (activations scale with it).
 pub const PREFILL_CHUNK: u64 = 512;
@@ -17,6 +17,9 @@ pub struct MemoryEstimate {
     pub weight_bytes: u64,
     pub kv_bytes: u64,
     pub kv_bytes_per_token: u64,
+    /// What the K and V caches keep (`f32`, `f16`, `bf16`).
+    pub cache_type_k: &'static str,
+    pub cache_type_v: &'static str,
     pub activation_bytes: u64,
     pub total_bytes: u64,
     pub available_bytes: u64,
@@ -28,16 +31,23 @@ pub struct MemoryEstimate {
 impl MemoryEstimate {
     /// `available` is the free memory of the device the model will run on (the backend's own report;
     /// 0 = unknown, which never refuses).
-    pub fn new(info: &ModelInfo, weight_bytes: u64, ctx_size: u64, parallel: u64, available: u64) -> MemoryEstimate {
+    pub fn new(
+        info: &ModelInfo,
+        weight_bytes: u64,
+        ctx_size: u64,
+        parallel: u64,
+        available: u64,
+        cache_types: KvCacheTypes,
+    ) -> MemoryEstimate {
         let parallel = parallel.max(1);
         let per_token: u64 = info
             .kv_layers
             .iter()
             .filter(|l| matches!(l.kind, KvKind::Full | KvKind::SlidingWindow))
-            .map(|l| (2 * l.n_kv_heads * l.head_dim * KV_ELEMENT_BYTES) as u64)
+            .map(|l| cache_types.bytes_per_token(l.n_kv_heads, l.head_dim) as u64)
             .sum();
         let plan = KvPlan::new(info, ctx_size as usize, 16, parallel as usize, PREFILL_CHUNK as usize);
-        let kv_bytes = plan.bytes(info);
+        let kv_bytes = plan.bytes(info, cache_types);
         // One prefill chunk of activations plus the logits rows, plus CPU-side scratch slack.
         let chunk = PREFILL_CHUNK.min(ctx_size.max(1));
         let activation_bytes =
@@ -47,6 +57,8 @@ impl MemoryEstimate {
             weight_bytes,
             kv_bytes,
             kv_bytes_per_token: per_token,
+            cache_type_k: cache_types.k.name(),
+            cache_type_v: cache_types.v.name(),
             activation_bytes,
             total_bytes: total,
             available_bytes: available,

@@ -18,7 +18,7 @@ pub use embed::{EncodedInput, Encoder, EncoderOptions, EncoderTokenizer};
 pub use generate::{FinishReason, GenerateOptions, Generation, Session};
 pub use handle::{Engine, EngineHandle, RequestStream};
 pub use kv_cache::{KvBlock, KvBlockPool, KvCache, SeqBlocks};
-pub use kv_plan::KvPlan;
+pub use kv_plan::{KvCacheType, KvCacheTypes, KvPlan};
 pub use prefix_cache::PrefixCache;
 pub use request::{EngineError, GenerationEvent, GenerationRequest, TokenLogprob, Usage};
 pub use runner::{Logits, ModelRunner, RunnerOptions, SeqChunk};

@@ -6,13 +6,13 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use mlxcel_plugin_api::{
-    BufferHandle, ComputeArgs, DType, HostTensor, KvBinding, KvCacheDesc, KvGroupTables, KvKind, StepBatch, StepDesc,
-    Task, Versioned, NO_BLOCK,
+    BufferHandle, ComputeArgs, HostTensor, KvBinding, KvCacheDesc, KvGroupTables, KvKind, StepBatch, StepDesc, Task,
+    Versioned, NO_BLOCK,
 };
 use mlxcel_plugins::{BackendContext, BackendPlugin, Catalog, DeviceBuffer, FamilyModel, FamilyPlugin, ModelInfo};
 
 use super::kv_cache::{KvCache, SeqBlocks};
-use super::kv_plan::KvPlan;
+use super::kv_plan::{KvCacheType, KvCacheTypes, KvPlan};
 use crate::checkpoint::Checkpoint;
 
 /// How to load a model.
@@ -31,11 +31,22 @@ pub struct RunnerOptions {
     /// Most tokens one sequence brings to a step (the prefill chunk): a sliding-window group holds
     /// the window plus one such chunk per sequence.
     pub max_step_tokens: usize,
+    /// What the K and V caches keep their values in; `None`: [`KvCacheTypes::DEFAULT`] where the
+    /// backend keeps it, else f32.
+    pub cache_types: Option<KvCacheTypes>,
 }
 
 impl Default for RunnerOptions {
     fn default() -> Self {
-        RunnerOptions { backend: None, threads: 0, ctx_size: 4096, parallel: 1, block_size: 16, max_step_tokens: 512 }
+        RunnerOptions {
+            backend: None,
+            threads: 0,
+            ctx_size: 4096,
+            parallel: 1,
+            block_size: 16,
+            max_step_tokens: 512,
+            cache_types: None,
+        }
     }
 }
 
@@ -75,6 +86,7 @@ struct DeviceState {
     weight_handles: Vec<BufferHandle>,
     backend: BackendContext,
     kv_bytes: u64,
+    cache_types: KvCacheTypes,
 }
 
 impl DeviceState {
@@ -85,8 +97,10 @@ impl DeviceState {
         checkpoint: &Checkpoint,
         info: &ModelInfo,
         plan: &KvPlan,
+        cache_types: Option<KvCacheTypes>,
     ) -> Result<DeviceState> {
         let mut backend = plugin.create(threads, 0)?;
+        let cache_types = choose_cache_types(plugin, &mut backend, cache_types)?;
         let mut weights: Vec<Option<DeviceBuffer>> = (0..checkpoint.tensors.len()).map(|_| None).collect();
         for &i in &info.used_weights {
             let t = checkpoint
@@ -104,15 +118,15 @@ impl DeviceState {
             match (l.kind, group) {
                 (KvKind::Full | KvKind::SlidingWindow, Some(group)) => {
                     st.group = *group;
-                    let desc = KvCacheDesc {
+                    let desc = |t: KvCacheType| KvCacheDesc {
                         num_blocks: plan.blocks_per_group[st.group as usize] as u32,
                         block_size: plan.block_size as u32,
                         n_kv_heads: l.n_kv_heads as u32,
                         head_dim: l.head_dim as u32,
-                        dtype: DType::F32 as u32,
+                        dtype: t.dtype() as u32,
                         ..KvCacheDesc::zeroed()
                     };
-                    let (k, v) = (backend.kv_alloc(&desc)?, backend.kv_alloc(&desc)?);
+                    let (k, v) = (backend.kv_alloc(&desc(cache_types.k))?, backend.kv_alloc(&desc(cache_types.v))?);
                     kv_bytes += (k.len() + v.len()) as u64;
                     (st.k, st.v) = (Some(k), Some(v));
                 }
@@ -126,8 +140,51 @@ impl DeviceState {
             layers.push(st);
         }
         let weight_handles = weights.iter().map(|w| w.as_ref().map_or(std::ptr::null_mut(), |b| b.handle())).collect();
-        Ok(DeviceState { layers, weights, weight_handles, backend, kv_bytes })
+        Ok(DeviceState { layers, weights, weight_handles, backend, kv_bytes, cache_types })
     }
+}
+
+/// The cache types to allocate: the ones asked for (refused with the backend's reason if it does not
+/// keep them), or by default f16 where the backend keeps it and f32 where it does not. Types are tried
+/// on a one-slot cache, so nothing large is allocated twice.
+fn choose_cache_types(
+    plugin: &BackendPlugin,
+    backend: &mut BackendContext,
+    asked: Option<KvCacheTypes>,
+) -> Result<KvCacheTypes> {
+    let keeps = |backend: &mut BackendContext, t: KvCacheType| {
+        let desc = KvCacheDesc {
+            num_blocks: 1,
+            block_size: 1,
+            n_kv_heads: 1,
+            head_dim: 8,
+            dtype: t.dtype() as u32,
+            ..KvCacheDesc::zeroed()
+        };
+        backend.kv_alloc(&desc).map(drop)
+    };
+    let Some(types) = asked else {
+        let default = KvCacheTypes::DEFAULT;
+        return Ok(match keeps(backend, default.k).and_then(|()| keeps(backend, default.v)) {
+            Ok(()) => default,
+            Err(e) => {
+                tracing::info!("backend `{}` keeps no {default} KV cache ({}): using f32", plugin.name(), e.message);
+                KvCacheTypes::F32
+            }
+        });
+    };
+    if types.k != types.v && plugin.meta.abi_minor < 3 {
+        bail!(
+            "backend `{}` (ABI {}.{}) keeps K and V in one type; give --cache-type-k and --cache-type-v the same type",
+            plugin.name(),
+            plugin.meta.abi_major,
+            plugin.meta.abi_minor
+        );
+    }
+    for (which, t) in [("k", types.k), ("v", types.v)] {
+        keeps(backend, t).map_err(|e| anyhow::anyhow!("--cache-type-{which} {t}: {}", e.message))?;
+    }
+    Ok(types)
 }
 
 pub struct ModelRunner {
@@ -200,7 +257,7 @@ impl ModelRunner {
         };
         let plan = KvPlan::new(&info, ctx_size, opts.block_size, opts.parallel, opts.max_step_tokens);
         let pool = KvCache::new(&plan.windows, &plan.blocks_per_group, plan.block_size, plan.state_slots);
-        let device = DeviceState::bind(backend_plugin, opts.threads, &checkpoint, &info, &plan)?;
+        let device = DeviceState::bind(backend_plugin, opts.threads, &checkpoint, &info, &plan, opts.cache_types)?;
         Ok(ModelRunner {
             backend_name: device.backend.name().to_string(),
             device,
@@ -234,7 +291,9 @@ impl ModelRunner {
         tracing::warn!("a plugin panicked: rebuilding the `{}` backend context and the model", self.backend_name);
         let infos = self.checkpoint.weight_infos()?;
         self.model = self.family.create_model(&self.checkpoint.config_text, &infos)?;
-        self.device = DeviceState::bind(&self.backend_plugin, self.threads, &self.checkpoint, &self.info, &self.plan)?;
+        let types = Some(self.device.cache_types);
+        self.device =
+            DeviceState::bind(&self.backend_plugin, self.threads, &self.checkpoint, &self.info, &self.plan, types)?;
         let p = &self.plan;
         self.pool = KvCache::new(&p.windows, &p.blocks_per_group, p.block_size, p.state_slots);
         self.supported_ops.clear();
@@ -242,14 +301,20 @@ impl ModelRunner {
         Ok(())
     }
 
-    /// Bytes of KV cache per token of context (all layers, K and V, f32).
+    /// Bytes of KV cache per token of context (all layers, K and V, in the caches' types).
     pub fn kv_bytes_per_token(&self) -> usize {
+        let types = self.device.cache_types;
         self.info
             .kv_layers
             .iter()
             .filter(|l| matches!(l.kind, KvKind::Full | KvKind::SlidingWindow))
-            .map(|l| 2 * l.n_kv_heads * l.head_dim * 4)
+            .map(|l| types.bytes_per_token(l.n_kv_heads, l.head_dim))
             .sum()
+    }
+
+    /// What the K and V caches keep their values in.
+    pub fn cache_types(&self) -> KvCacheTypes {
+        self.device.cache_types
     }
 
     /// Runs one step over `chunks` (each chunk's blocks must already cover its positions, see
@@ -393,6 +458,7 @@ impl ModelRunner {
             host(feature_rows.as_ptr() as *const u8, feature_rows.len() * 4),
         ];
         let handle = |b: &Option<DeviceBuffer>| b.as_ref().map_or(std::ptr::null_mut(), |b| b.handle());
+        let types = self.device.cache_types;
         let kv: Vec<KvBinding> = self
             .device
             .layers
@@ -400,7 +466,8 @@ impl ModelRunner {
             .map(|l| KvBinding {
                 k: handle(&l.k),
                 v: handle(&l.v),
-                dtype: DType::F32 as u32,
+                dtype: types.k.dtype() as u32,
+                v_dtype: types.v.dtype() as u32,
                 group: l.group,
                 state: handle(&l.state),
                 ..KvBinding::zeroed()

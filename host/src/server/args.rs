@@ -8,7 +8,8 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
-use crate::engine::SamplingParams;
+use crate::cli::cache_type::CacheTypeArgs;
+use crate::engine::{KvCacheTypes, SamplingParams};
 
 #[derive(Args, Debug, Clone)]
 pub struct ServerArgs {
@@ -122,11 +123,20 @@ pub struct ServerArgs {
     /// Default seed (-1: random).
     #[arg(short = 's', long = "seed", env = "LLAMA_ARG_SEED", allow_negative_numbers = true)]
     pub seed: Option<i64>,
+    /// `--cache-type-k/-v` (also `-ctk`/`-ctv`).
+    #[command(flatten)]
+    pub cache_types: CacheTypeArgs,
 }
 
 /// llama-server's two-letter short flags that clap cannot spell (`-np`), rewritten to their long names
 /// before parsing.
-const SHORT_ALIASES: &[(&str, &str)] = &[("-np", "--parallel"), ("-ub", "--ubatch-size"), ("-to", "--timeout")];
+const SHORT_ALIASES: &[(&str, &str)] = &[
+    ("-np", "--parallel"),
+    ("-ub", "--ubatch-size"),
+    ("-to", "--timeout"),
+    ("-ctk", "--cache-type-k"),
+    ("-ctv", "--cache-type-v"),
+];
 
 /// llama-server flags mlxcel does not implement: (flags, environment variable, why).
 const REFUSED: &[(&[&str], &str, &str)] = &[
@@ -180,11 +190,6 @@ const REFUSED: &[(&[&str], &str, &str)] = &[
         ],
         "LLAMA_ARG_MODEL_DRAFT",
         "speculative decoding is not supported",
-    ),
-    (
-        &["-ctk", "--cache-type-k", "-ctv", "--cache-type-v"],
-        "LLAMA_ARG_CACHE_TYPE_K",
-        "the KV cache type is the backend's",
     ),
     (
         &["-sm", "--split-mode", "-ts", "--tensor-split", "-mg", "--main-gpu", "-dev", "--device"],
@@ -316,6 +321,8 @@ pub struct ServerConfig {
     pub force: bool,
     pub max_body_bytes: usize,
     pub max_audio_bytes: usize,
+    /// KV cache types (None: f16 where the backend keeps it, else f32).
+    pub cache_types: Option<KvCacheTypes>,
     /// Requests that may wait for a slot before new ones get 503.
     pub queue_limit: usize,
     /// Sampling flags applied over the model's generation_config.json.
@@ -448,6 +455,7 @@ impl ServerArgs {
             plugin_dirs: plugin_dirs.to_vec(),
             force: self.force,
             max_body_bytes: self.max_body_bytes,
+            cache_types: self.cache_types.types(),
             max_audio_bytes: self.max_audio_bytes,
             queue_limit: (self.parallel * 4).max(16),
             sampling,
@@ -460,6 +468,7 @@ mod tests {
     use clap::Parser;
 
     use super::*;
+    use crate::engine::KvCacheType;
 
     #[derive(Parser)]
     struct T {
@@ -500,8 +509,16 @@ mod tests {
             "-to",
             "30",
             "--jinja",
+            "-ctk",
+            "bf16",
+            "-ctv",
+            "f32",
         ])
         .unwrap();
+        assert_eq!(c.cache_types, Some(KvCacheTypes { k: KvCacheType::Bf16, v: KvCacheType::F32 }));
+        assert_eq!(parse(&["-m", "m"]).unwrap().cache_types, None);
+        let e = parse(&["-m", "m", "--cache-type-k", "q4_0"]).unwrap_err().to_string();
+        assert!(e.contains("quantized KV caches (q4_0) are not supported"), "{e}");
         assert_eq!((c.port, c.ctx_size, c.parallel, c.ubatch_size, c.batch_size), (9000, Some(2048), 4, 256, 1024));
         assert_eq!(c.n_predict, Some(64));
         assert_eq!(c.api_keys, ["k1", "k2", "k3"]);

@@ -22,6 +22,7 @@ pub fn load(config: &ServerConfig, parallel: usize) -> Result<(ModelRunner, Text
         threads: config.threads,
         ctx_size: config.ctx_size.unwrap_or(4096),
         parallel: parallel.max(1),
+        cache_types: config.cache_types,
         ..Default::default()
     };
     // Text generation, or an encoder (embeddings, reranking) that `embeddings::start_model` runs.
@@ -32,6 +33,7 @@ pub fn load(config: &ServerConfig, parallel: usize) -> Result<(ModelRunner, Text
         runner.ctx_size as u64,
         parallel.max(1) as u64,
         runner.device_free_memory,
+        runner.cache_types(),
     );
     if !est.fits && !config.force {
         bail!("{} does not fit in memory: {}; lower --ctx-size or pass --force", dir.display(), est.summary());

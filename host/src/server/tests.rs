@@ -140,6 +140,7 @@ fn config() -> ServerConfig {
         force: false,
         max_body_bytes: 64 * 1024,
         max_audio_bytes: 256 * 1024,
+        cache_types: None,
         queue_limit: 16,
         sampling: SamplingOverrides::default(),
     }

@@ -6,6 +6,7 @@
 use rayon::prelude::*;
 
 use super::attention::{exp_approx, AttentionShape, PagedLayout};
+use super::kv_elem::KvElem;
 use super::matmul::gemm_rows;
 use super::SharedMut;
 use crate::isa::Isa;
@@ -67,14 +68,14 @@ thread_local! {
 /// Attention for the tokens of `runs` (each long enough to tile), written into `out[t, h*Dh..]`.
 /// `tasks` is the caller's buffer for the task list.
 #[allow(clippy::too_many_arguments)]
-pub fn attention_runs(
+pub fn attention_runs<K: KvElem, V: KvElem>(
     isa: Isa,
     layout: &PagedLayout,
     shape: AttentionShape,
     runs: impl Iterator<Item = Run>,
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[K],
+    v_cache: &[V],
     out: &mut [f32],
     tasks: &mut Vec<(Run, usize)>,
 ) {
@@ -104,15 +105,15 @@ pub fn attention_runs(
 
 /// One tile of query tokens against its whole context for one KV head (keys in the paged cache).
 #[allow(clippy::too_many_arguments)]
-unsafe fn tile_task(
+unsafe fn tile_task<K: KvElem, V: KvElem>(
     isa: Isa,
     layout: &PagedLayout,
     shape: AttentionShape,
     tile: Run,
     kvh: usize,
     q: &[f32],
-    k_cache: &[f32],
-    v_cache: &[f32],
+    k_cache: &[K],
+    v_cache: &[V],
     sc: &mut Scratch,
     out: SharedMut<f32>,
 ) {
@@ -133,15 +134,16 @@ unsafe fn tile_task(
     attend_tile(isa, shape, tile, kvh, q, &keys, sc, out)
 }
 
-/// Where a tile's keys come from and which of them each of its query tokens sees.
-pub struct TileKeys<'a, R, V> {
+/// Where a tile's keys come from (in the cache's types `K`, `V`) and which of them each of its query
+/// tokens sees.
+pub struct TileKeys<'a, K, V, R, S> {
     /// Key rows; key `p` of KV head `h` is `k[row(p) + h·Dh..][..Dh]`.
-    pub k: &'a [f32],
+    pub k: &'a [K],
     /// Value rows, at the same offsets as the keys.
-    pub v: &'a [f32],
+    pub v: &'a [V],
     pub row: R,
     /// Keys `lo..hi` that the tile's `i`-th query token sees (key numbers, as `row` takes them).
-    pub visible: V,
+    pub visible: S,
 }
 
 /// [`attend_tile`] with this worker's scratch.
@@ -149,13 +151,13 @@ pub struct TileKeys<'a, R, V> {
 /// # Safety
 /// As for [`attend_tile`].
 #[allow(clippy::too_many_arguments)]
-pub unsafe fn attend_tile_scratch<R: Fn(usize) -> usize, V: Fn(usize) -> (usize, usize)>(
+pub unsafe fn attend_tile_scratch<K: KvElem, V: KvElem, R: Fn(usize) -> usize, S: Fn(usize) -> (usize, usize)>(
     isa: Isa,
     shape: AttentionShape,
     tile: Run,
     kvh: usize,
     q: &[f32],
-    keys: &TileKeys<R, V>,
+    keys: &TileKeys<K, V, R, S>,
     out: SharedMut<f32>,
 ) {
     // SAFETY: the caller's contract is ours.
@@ -171,13 +173,13 @@ pub unsafe fn attend_tile_scratch<R: Fn(usize) -> usize, V: Fn(usize) -> (usize,
 /// Every visible key's row must lie inside `keys.k` and `keys.v`; no other thread may write the
 /// tile's output rows of this KV head's query heads.
 #[allow(clippy::too_many_arguments)]
-unsafe fn attend_tile<R: Fn(usize) -> usize, V: Fn(usize) -> (usize, usize)>(
+unsafe fn attend_tile<K: KvElem, V: KvElem, R: Fn(usize) -> usize, S: Fn(usize) -> (usize, usize)>(
     isa: Isa,
     shape: AttentionShape,
     tile: Run,
     kvh: usize,
     q: &[f32],
-    keys: &TileKeys<R, V>,
+    keys: &TileKeys<K, V, R, S>,
     sc: &mut Scratch,
     out: SharedMut<f32>,
 ) {
@@ -217,8 +219,8 @@ unsafe fn attend_tile<R: Fn(usize) -> usize, V: Fn(usize) -> (usize, usize)>(
         let kb = KEY_BLOCK.min(end_key - p0);
         for j in 0..kb {
             let base = (keys.row)(p0 + j) + kvh * dh;
-            sc.k[j * dh..(j + 1) * dh].copy_from_slice(&keys.k[base..base + dh]);
-            sc.v[j * dh..(j + 1) * dh].copy_from_slice(&keys.v[base..base + dh]);
+            K::load(&keys.k[base..base + dh], &mut sc.k[j * dh..(j + 1) * dh]);
+            V::load(&keys.v[base..base + dh], &mut sc.v[j * dh..(j + 1) * dh]);
         }
         // S[rows, kb] = Q · Kᵀ
         gemm_rows(rows, kb, dh, sc.s.as_mut_ptr(), kb, false, sc.q.as_ptr(), sc.k.as_ptr(), true);

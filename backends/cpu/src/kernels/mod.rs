@@ -8,6 +8,7 @@ pub mod cross_attention;
 pub mod elementwise;
 pub mod experts;
 pub mod int_dot;
+pub mod kv_elem;
 pub mod matmul;
 pub mod norm;
 pub mod pooling;
