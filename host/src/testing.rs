@@ -81,3 +81,84 @@ pub fn sdk_venv_python() -> PathBuf {
     assert!(ok && ready(&py), "installing {} failed", requirements.display());
     py
 }
+
+/// `exe` (the test's `env!("CARGO_BIN_EXE_mlxcel-server")`) on the staged plugins, without the
+/// environment variables that would change it (`MLXCEL_PLUGIN_PATH`, `RUST_LOG`, llama-server's).
+pub fn server_command(exe: &str) -> std::process::Command {
+    staged_plugin_dir();
+    let mut c = std::process::Command::new(exe);
+    c.env_remove("MLXCEL_PLUGIN_PATH").env_remove("RUST_BACKTRACE").env_remove("RUST_LOG");
+    for (k, _) in std::env::vars() {
+        if k.starts_with("LLAMA_ARG_") || k == "LLAMA_API_KEY" {
+            c.env_remove(k);
+        }
+    }
+    c
+}
+
+/// A running `mlxcel-server` under test, on an ephemeral port of 127.0.0.1; killed when dropped.
+pub struct TestServer {
+    pub child: std::process::Child,
+    /// `http://127.0.0.1:PORT`.
+    pub base: String,
+}
+
+impl TestServer {
+    /// Starts [`server_command`] with `-m model --port 0` and `args`, and waits until `/health` answers 200 (the model is loaded; 503
+    /// until then) for at most 120 s.
+    pub fn start(exe: &str, model: &std::path::Path, args: &[&str]) -> TestServer {
+        use std::io::{BufRead, BufReader};
+        use std::process::Stdio;
+        use std::time::{Duration, Instant};
+
+        let mut c = server_command(exe);
+        let mut child = c
+            .arg("-m")
+            .arg(model)
+            .args(["--port", "0"])
+            .args(args)
+            .stderr(Stdio::piped())
+            .stdout(Stdio::null())
+            .spawn()
+            .unwrap();
+        let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+        let base = loop {
+            let line = lines.next().expect("the server exited before listening").unwrap();
+            if let Some(rest) = line.split("listening on ").nth(1) {
+                break rest.split_whitespace().next().unwrap().to_string();
+            }
+        };
+        // Keep draining stderr so the server never blocks on a full pipe.
+        std::thread::spawn(move || for _ in lines {});
+        let server = TestServer { child, base };
+        let deadline = Instant::now() + Duration::from_secs(120);
+        loop {
+            match server.health() {
+                Some(200) => return server,
+                Some(status) => assert_eq!(status, 503, "/health while loading"),
+                None => {}
+            }
+            assert!(Instant::now() < deadline, "the model did not load within 120 s");
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// The status of `GET /health` (plain HTTP/1.1 on a socket of its own), `None` when it cannot be read.
+    pub fn health(&self) -> Option<u16> {
+        use std::io::{Read, Write};
+        let addr = self.base.strip_prefix("http://")?;
+        let mut s = std::net::TcpStream::connect(addr).ok()?;
+        s.write_all(format!("GET /health HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes()).ok()?;
+        let mut head = [0u8; 12];
+        s.read_exact(&mut head).ok()?;
+        // "HTTP/1.1 200"
+        std::str::from_utf8(&head[9..12]).ok()?.parse().ok()
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

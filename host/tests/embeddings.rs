@@ -4,10 +4,10 @@
 //! reference (tools/fixtures/minilm_reference.py → tests/fixtures/minilm-reference.json) over HTTP
 //! and through the official `openai` SDK (tests/sdk/test_embeddings_sdk.py).
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+
+use mlxcel::testing::TestServer;
 
 use serde_json::{json, Value};
 
@@ -33,68 +33,25 @@ fn cos(a: &[f32], b: &[f32]) -> f32 {
     dot / (a.iter().map(|x| x * x).sum::<f32>().sqrt() * b.iter().map(|x| x * x).sum::<f32>().sqrt())
 }
 
-fn server_bin() -> Command {
-    mlxcel::testing::staged_plugin_dir();
-    let mut c = Command::new(env!("CARGO_BIN_EXE_mlxcel-server"));
-    c.env_remove("MLXCEL_PLUGIN_PATH").env_remove("RUST_BACKTRACE").env_remove("RUST_LOG");
-    for (k, _) in std::env::vars() {
-        if k.starts_with("LLAMA_ARG_") || k == "LLAMA_API_KEY" {
-            c.env_remove(k);
-        }
-    }
-    c
-}
+/// The server under test, with the calls these tests make.
+struct Server(TestServer);
 
-/// A running server, killed when dropped.
-struct Server {
-    child: Child,
-    base: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+impl std::ops::Deref for Server {
+    type Target = TestServer;
+    fn deref(&self) -> &TestServer {
+        &self.0
     }
 }
 
 /// Starts the server on an ephemeral port (no flags beyond the model) and waits for `/health`.
 fn start(model: &Path) -> Server {
-    let mut child = server_bin()
-        .arg("-m")
-        .arg(model)
-        .args(["--port", "0", "-a", "test-model"])
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let base = loop {
-        let line = lines.next().expect("the server exited before listening").unwrap();
-        if let Some(rest) = line.split("listening on ").nth(1) {
-            break rest.split_whitespace().next().unwrap().to_string();
-        }
-    };
-    std::thread::spawn(move || for _ in lines {});
-    let server = Server { child, base };
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        if http::status(&format!("{}/health", server.base)) == Some(200) {
-            return server;
-        }
-        assert!(Instant::now() < deadline, "the model did not load within 120 s");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    Server(TestServer::start(env!("CARGO_BIN_EXE_mlxcel-server"), model, &["-a", "test-model"]))
 }
 
 /// Blocking calls over reqwest's async client (the crate is built without its blocking API).
 mod http {
     fn rt() -> tokio::runtime::Runtime {
         tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap()
-    }
-
-    pub fn status(url: &str) -> Option<u16> {
-        rt().block_on(async { reqwest::get(url).await.ok().map(|r| r.status().as_u16()) })
     }
 
     /// POSTs every body at once (concurrent requests); the answers in order.
@@ -392,29 +349,10 @@ fn all_minilm_embeddings_match_the_numpy_reference_and_sentence_similarity() {
     assert_eq!(v["usage"]["prompt_tokens"], 3);
 }
 
-/// The venv with the SDKs pinned in `tests/sdk/requirements.txt` (`cargo xtask test` prepares it).
-fn sdk_python() -> Option<PathBuf> {
-    let venv = std::env::var_os("MLXCEL_SDK_VENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| mlxcel::testing::workspace_root().join("target/sdk-venv"));
-    let py = venv.join("bin/python");
-    let ok = Command::new(&py).args(["-c", "import openai"]).output().is_ok_and(|o| o.status.success());
-    if !ok {
-        assert!(
-            std::env::var_os("MLXCEL_REQUIRE_TEST_MODELS").is_none(),
-            "no openai SDK in {} (cargo xtask test makes it)",
-            venv.display()
-        );
-        eprintln!("skipping: no openai SDK in {} (cargo xtask test makes it)", venv.display());
-        return None;
-    }
-    Some(py)
-}
-
 #[test]
 fn openai_sdk_embeddings_create_gets_the_reference_vectors() {
     let Some(model) = minilm() else { return };
-    let Some(py) = sdk_python() else { return };
+    let py = mlxcel::testing::sdk_venv_python();
     let server = start(&model);
     let (reference, _) = reference();
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/test_embeddings_sdk.py");

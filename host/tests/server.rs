@@ -3,10 +3,11 @@
 //! `anthropic` Python SDKs (pinned in tests/sdk/requirements.txt, installed into target/sdk-venv) run `tests/sdk/test_sdk.py`
 //! against it. Refused llama-server flags need no model.
 
-use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::{Duration, Instant};
+
+use mlxcel::testing::TestServer;
 
 use serde_json::{json, Value};
 
@@ -14,67 +15,13 @@ const KEY: &str = "test-key";
 const QUESTION: &str = "What is the capital of France?";
 
 fn server_bin() -> Command {
-    mlxcel::testing::staged_plugin_dir();
-    let mut c = Command::new(env!("CARGO_BIN_EXE_mlxcel-server"));
-    c.env_remove("MLXCEL_PLUGIN_PATH").env_remove("RUST_BACKTRACE").env_remove("RUST_LOG");
-    // llama-server's environment variables would change the server under test.
-    for (k, _) in std::env::vars() {
-        if k.starts_with("LLAMA_ARG_") || k == "LLAMA_API_KEY" {
-            c.env_remove(k);
-        }
-    }
-    c
-}
-
-/// A running server, killed when dropped.
-struct Server {
-    child: Child,
-    base: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+    mlxcel::testing::server_command(env!("CARGO_BIN_EXE_mlxcel-server"))
 }
 
 /// Starts the server on an ephemeral port and waits until `/health` says the model is loaded.
-fn start(model: &PathBuf, extra: &[&str]) -> Server {
-    let mut child = server_bin()
-        .arg("-m")
-        .arg(model)
-        .args(["--port", "0", "-c", "2048", "--api-key", KEY, "--metrics"])
-        .args(extra)
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let base = loop {
-        let line = lines.next().expect("the server exited before listening").unwrap();
-        if let Some(rest) = line.split("listening on ").nth(1) {
-            break rest.split_whitespace().next().unwrap().to_string();
-        }
-    };
-    // Keep draining stderr so the server never blocks on a full pipe.
-    std::thread::spawn(move || for _ in lines {});
-    let server = Server { child, base };
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    rt.block_on(async {
-        loop {
-            if let Ok(r) = reqwest::get(format!("{}/health", server.base)).await {
-                if r.status() == 200 {
-                    return;
-                }
-                assert_eq!(r.status(), 503, "/health while loading");
-            }
-            assert!(Instant::now() < deadline, "the model did not load within 120 s");
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    });
-    server
+fn start(model: &Path, extra: &[&str]) -> TestServer {
+    let args = [&["-c", "2048", "--api-key", KEY, "--metrics"], extra].concat();
+    TestServer::start(env!("CARGO_BIN_EXE_mlxcel-server"), model, &args)
 }
 
 fn smollm2() -> Option<PathBuf> {
@@ -187,42 +134,10 @@ async fn a_client_leaving_mid_stream_frees_the_slot_timeouts_cut_answers_and_the
     assert!(t.elapsed() < Duration::from_secs(5), "the timeout did not cut the request: {:?}", t.elapsed());
 }
 
-/// A venv with the SDKs pinned in `tests/sdk/requirements.txt` (target/sdk-venv, made once; `cargo xtask
-/// test` prepares it before the tests run).
-fn sdk_python() -> PathBuf {
-    let venv = std::env::var_os("MLXCEL_SDK_VENV")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| mlxcel::testing::workspace_root().join("target/sdk-venv"));
-    let py = venv.join("bin/python");
-    let requirements = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/requirements.txt");
-    let pins: Vec<String> = std::fs::read_to_string(&requirements)
-        .unwrap()
-        .lines()
-        .filter(|l| l.contains("=="))
-        .map(|l| l.trim().replace("==", " "))
-        .collect();
-    let check = "import importlib.metadata as m, sys; sys.exit(0 if all(m.version(p.split()[0]) == p.split()[1] for p in sys.argv[1:]) else 1)";
-    let ready =
-        |py: &PathBuf| Command::new(py).args(["-c", check]).args(&pins).output().is_ok_and(|o| o.status.success());
-    if ready(&py) {
-        return py;
-    }
-    eprintln!("installing the SDKs of {} into {}", requirements.display(), venv.display());
-    let ok = Command::new("python3").args(["-m", "venv"]).arg(&venv).status().is_ok_and(|s| s.success());
-    assert!(ok, "python3 -m venv {} failed (python3 with venv is needed for the SDK tests)", venv.display());
-    let ok = Command::new(venv.join("bin/pip"))
-        .args(["install", "-q", "-r"])
-        .arg(&requirements)
-        .status()
-        .is_ok_and(|s| s.success());
-    assert!(ok && ready(&py), "installing {} failed", requirements.display());
-    py
-}
-
 #[test]
 fn openai_and_anthropic_sdks_get_right_answers_plain_and_streamed() {
     let Some(model) = smollm2() else { return };
-    let py = sdk_python();
+    let py = mlxcel::testing::sdk_venv_python();
     let server = start(&model, &["-a", "smollm2"]);
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/sdk/test_sdk.py");
     let out = Command::new(py).arg(script).args([&server.base, KEY, "smollm2"]).output().unwrap();

@@ -5,10 +5,10 @@
 //! model serves `/v1/audio/*` to the official `openai` SDK (tests/sdk/test_audio.py) and answers chat
 //! routes and bad uploads with 400s; `mlxcel arch` lists the family (no model needed).
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::process::Command;
+
+use mlxcel::testing::TestServer;
 
 /// The reference's stable sentence and its whole greedy transcript.
 const STABLE: &str = "This is a speech recognition test.";
@@ -185,55 +185,12 @@ fn mulaw_wav() -> Vec<u8> {
     v
 }
 
-struct Server {
-    child: std::process::Child,
-    base: String,
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 const KEY: &str = "test-key";
 
-fn start_server(model: &Path) -> Server {
-    mlxcel::testing::staged_plugin_dir();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_mlxcel-server"))
-        .env_remove("MLXCEL_PLUGIN_PATH")
-        .arg("-m")
-        .arg(model)
-        // The speech file is 222 kB; a small audio limit keeps the 413 check's body small.
-        .args(["--port", "0", "--api-key", KEY, "-a", "whisper-tiny.en", "--max-audio-bytes", "300000"])
-        .stderr(Stdio::piped())
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let base = loop {
-        let line = lines.next().expect("the server exited before listening").unwrap();
-        if let Some(rest) = line.split("listening on ").nth(1) {
-            break rest.split_whitespace().next().unwrap().to_string();
-        }
-    };
-    std::thread::spawn(move || for _ in lines {});
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        if get_status(&format!("{base}/health")) == Some(200) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the model did not load within 120 s");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    Server { child, base }
-}
-
-/// The status of a GET (`reqwest` here has no blocking client: a small runtime per call).
-fn get_status(url: &str) -> Option<u16> {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    rt.block_on(async { reqwest::get(url).await.ok().map(|r| r.status().as_u16()) })
+fn start_server(model: &Path) -> TestServer {
+    // The speech file is 222 kB; a small audio limit keeps the 413 check's body small.
+    let args = ["--api-key", KEY, "-a", "whisper-tiny.en", "--max-audio-bytes", "300000"];
+    TestServer::start(env!("CARGO_BIN_EXE_mlxcel-server"), model, &args)
 }
 
 #[test]

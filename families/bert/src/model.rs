@@ -10,7 +10,7 @@
 //! Every sequence is whole in its step (an encoder keeps no state between steps), so a step's rows are
 //! exactly its sequences' tokens, without padding.
 
-use mlxcel_family_kit::{GraphWriter, Linear, WeightRef, WeightTable};
+use mlxcel_family_kit::{GraphWriter, Linear, WeightRef, WeightTable, Weights};
 use mlxcel_plugin_api::{
     DType, FamilyModel, Graph, ModelDescription, OpCode, OutputKind, PluginError, StepDesc, Task, TensorId,
     INPUT_POSITIONS, INPUT_TOKENS, INPUT_TOKEN_SEQ, INPUT_TOKEN_TYPES, POOL_FIRST, POOL_LAST, POOL_MEAN,

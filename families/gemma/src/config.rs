@@ -1,6 +1,7 @@
 //! The `config.json` fields this family reads, with the defaults of mlx-lm's `gemma.py`, `gemma2.py`,
 //! `gemma3_text.py` and `gemma3.py` (the multimodal wrapper whose text tower this family serves).
 
+use mlxcel_family_kit::config::{check_head_dim, check_heads};
 use mlxcel_plugin_api::DType;
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -137,15 +138,8 @@ impl GemmaConfig {
         if !ARCHITECTURES.contains(&self.model_type.as_str()) {
             return Err(format!("model_type `{}` is not handled by the gemma family", self.model_type));
         }
-        let (nh, nkv) = (self.num_attention_heads, self.num_key_value_heads);
-        if nh == 0 || nkv == 0 || nh % nkv != 0 {
-            return Err(format!(
-                "config.json: num_attention_heads ({nh}) must be a positive multiple of num_key_value_heads ({nkv})"
-            ));
-        }
-        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
-            return Err(format!("config.json: head_dim {} must be even and positive", self.head_dim));
-        }
+        check_heads(self.num_attention_heads, self.num_key_value_heads)?;
+        check_head_dim(self.head_dim)?;
         if self.generation() == Generation::Gemma3 && self.sliding_window_pattern == Some(0) {
             return Err("config.json: sliding_window_pattern must be at least 1".into());
         }

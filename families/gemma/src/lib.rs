@@ -8,7 +8,7 @@ pub mod config;
 pub mod model;
 
 use mlxcel_family_kit::config::match_architectures;
-use mlxcel_family_kit::WeightTable;
+use mlxcel_family_kit::{Decoder, WeightTable};
 use mlxcel_plugin_api::{export_family, Family, PluginError, WeightInfo};
 
 use config::{GemmaConfig, ARCHITECTURES};
@@ -22,15 +22,15 @@ impl Family for Gemma {
     const DESCRIPTION: &'static str =
         "Gemma 1/2/3: (1 + w) RMS norms, GELU MLP, soft-capping, local/global attention with per-layer rope";
     const ARCHITECTURES: &'static [&'static str] = ARCHITECTURES;
-    type Model = GemmaModel;
+    type Model = Decoder<GemmaModel>;
 
     fn match_config(config_json: &str) -> u32 {
         match_architectures(config_json, ARCHITECTURES)
     }
 
-    fn create(config_json: &str, weights: &[WeightInfo]) -> Result<GemmaModel, PluginError> {
+    fn create(config_json: &str, weights: &[WeightInfo]) -> Result<Decoder<GemmaModel>, PluginError> {
         let cfg = GemmaConfig::parse(config_json).map_err(PluginError::invalid)?;
-        GemmaModel::new(cfg, &WeightTable::new(weights)).map_err(PluginError::invalid)
+        GemmaModel::load(cfg, &WeightTable::new(weights)).map_err(PluginError::invalid)
     }
 }
 

@@ -1,5 +1,6 @@
 //! The `config.json` fields this family reads, as mlx-lm's `glm4.py` does (it requires most of them).
 
+use mlxcel_family_kit::config::check_heads;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -43,12 +44,7 @@ impl Glm4Config {
         if !ARCHITECTURES.contains(&cfg.model_type.as_str()) {
             return Err(format!("model_type `{}` is not handled by the glm family", cfg.model_type));
         }
-        let (nh, nkv) = (cfg.num_attention_heads, cfg.num_key_value_heads);
-        if nh == 0 || nkv == 0 || nh % nkv != 0 {
-            return Err(format!(
-                "config.json: num_attention_heads ({nh}) must be a positive multiple of num_key_value_heads ({nkv})"
-            ));
-        }
+        check_heads(cfg.num_attention_heads, cfg.num_key_value_heads)?;
         let rot = cfg.rotary_dims();
         if rot == 0 || !rot.is_multiple_of(2) || rot > cfg.head_dim {
             return Err(format!("config.json: partial_rotary_factor gives {rot} rotary dims; it must be even"));

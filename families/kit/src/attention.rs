@@ -2,10 +2,10 @@
 //! biases), optional per-head RMS norm on q and k, RoPE, paged attention over the layer's KV cache
 //! (full or sliding window, optionally soft-capped and scaled by a configured query scalar), o_proj.
 
-use mlxcel_plugin_api::{OpCode, TensorId};
+use mlxcel_plugin_api::{KvKind, KvLayerDesc, OpCode, TensorId, Versioned};
 use serde_json::Value;
 
-use crate::weights::{GraphWriter, Linear, WeightRef, WeightTable};
+use crate::weights::{GraphWriter, Linear, WeightRef, WeightTable, Weights};
 
 /// The shape of one layer's attention.
 #[derive(Debug, Clone, Copy)]
@@ -26,6 +26,42 @@ pub struct AttentionShape {
     pub softcap: f32,
     /// Sliding window (0 = full attention).
     pub window: usize,
+}
+
+impl AttentionShape {
+    /// Plain attention of these sizes: no biases, no q/k norm, score scale `1/√head_dim`, no soft-cap,
+    /// full context. Variants set their fields over it (`AttentionShape { qk_norm: true, ..base }`).
+    pub fn new(hidden: usize, n_heads: usize, n_kv_heads: usize, head_dim: usize) -> AttentionShape {
+        AttentionShape {
+            hidden,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            qkv_bias: false,
+            o_bias: false,
+            qk_norm: false,
+            norm_plus_one: false,
+            scale: None,
+            softcap: 0.0,
+            window: 0,
+        }
+    }
+
+    /// The layer's KV cache: full, or a sliding window.
+    pub fn kv_layer(&self) -> KvLayerDesc {
+        KvLayerDesc {
+            kind: if self.window > 0 { KvKind::SlidingWindow } else { KvKind::Full } as u32,
+            n_kv_heads: self.n_kv_heads as u32,
+            head_dim: self.head_dim as u32,
+            window: self.window as u32,
+            ..KvLayerDesc::zeroed()
+        }
+    }
+
+    /// f32 values of one token's q, k and v.
+    pub fn qkv_width(&self) -> usize {
+        (self.n_heads + 2 * self.n_kv_heads) * self.head_dim
+    }
 }
 
 /// One layer's weights.
@@ -79,13 +115,6 @@ impl SelfAttention {
         })
     }
 
-    /// Weight-table indices the block reads.
-    pub fn indices(&self) -> Vec<u32> {
-        let mut v: Vec<u32> = [&self.q, &self.k, &self.v, &self.o].iter().flat_map(|l| l.indices()).collect();
-        v.extend(self.q_norm.iter().chain(self.k_norm.iter()).map(|w| w.index));
-        v
-    }
-
     /// `o_proj(attention(rope(q), rope(k), v))` for `t` tokens of `x`, through KV cache `layer`.
     pub fn forward(
         &self,
@@ -121,5 +150,13 @@ impl SelfAttention {
             &[s.scale.unwrap_or(1.0 / (hd as f32).sqrt()), s.softcap],
         );
         w.linear(attn, t, &self.o)
+    }
+}
+
+impl Weights for SelfAttention {
+    fn indices(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = [&self.q, &self.k, &self.v, &self.o].iter().flat_map(|l| l.indices()).collect();
+        v.extend(self.q_norm.iter().chain(self.k_norm.iter()).map(|w| w.index));
+        v
     }
 }

@@ -19,6 +19,26 @@ pub fn match_architectures(json: &str, architectures: &[&str]) -> u32 {
     }
 }
 
+/// Grouped-query heads as a config gives them: `num_attention_heads` a positive multiple of
+/// `num_key_value_heads`.
+pub fn check_heads(n_heads: usize, n_kv_heads: usize) -> Result<(), String> {
+    if n_heads == 0 || n_kv_heads == 0 || !n_heads.is_multiple_of(n_kv_heads) {
+        return Err(format!(
+            "config.json: num_attention_heads ({n_heads}) must be a positive multiple of num_key_value_heads \
+             ({n_kv_heads})"
+        ));
+    }
+    Ok(())
+}
+
+/// A head size rope can turn: even and positive.
+pub fn check_head_dim(head_dim: usize) -> Result<(), String> {
+    if head_dim == 0 || !head_dim.is_multiple_of(2) {
+        return Err(format!("config.json: head_dim {head_dim} must be even and positive"));
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

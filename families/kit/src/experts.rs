@@ -11,7 +11,7 @@ use mlxcel_plugin_api::{DType, OpCode, TensorId, MAX_SRC, TOPK_INDICES, TOPK_VAL
 use serde_json::Value;
 
 use crate::quant::{module_quant, QuantSpec};
-use crate::weights::{GraphWriter, WeightRef, WeightTable};
+use crate::weights::{GraphWriter, WeightRef, WeightTable, Weights};
 
 /// How one projection's experts are stored.
 #[derive(Debug, Clone)]
@@ -115,19 +115,20 @@ impl Experts {
         Ok(Experts { weights, n_experts: e, in_features: inf, out_features: outf })
     }
 
-    /// Every tensor index these experts read.
-    pub fn indices(&self) -> Vec<u32> {
-        match &self.weights {
-            ExpertWeights::Stacked(w) => vec![w.index],
-            ExpertWeights::Separate(ws) => ws.iter().map(|w| w.index).collect(),
-            ExpertWeights::Quantized { packed, scales, biases, .. } => vec![packed.index, scales.index, biases.index],
-        }
-    }
-
     pub fn describe_quant(&self) -> Option<QuantSpec> {
         match &self.weights {
             ExpertWeights::Quantized { spec, .. } => Some(*spec),
             _ => None,
+        }
+    }
+}
+
+impl Weights for Experts {
+    fn indices(&self) -> Vec<u32> {
+        match &self.weights {
+            ExpertWeights::Stacked(w) => vec![w.index],
+            ExpertWeights::Separate(ws) => ws.iter().map(|w| w.index).collect(),
+            ExpertWeights::Quantized { packed, scales, biases, .. } => vec![packed.index, scales.index, biases.index],
         }
     }
 }

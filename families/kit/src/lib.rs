@@ -2,14 +2,17 @@
 //! its wiring (see `docs/adding-a-family.md`).
 //!
 //! - [`weights`]: the checkpoint's weight table, float and MLX-quantized linear layers (and row views of
-//!   fused ones), and a [`GraphWriter`] that emits their nodes (linear, embedding, RMS norm, `1 + w`
-//!   RMS norm);
+//!   fused ones), the tensors a model reads ([`Weights`], [`UsedWeights`]), and a [`GraphWriter`] that
+//!   emits their nodes (linear, embedding, RMS norm, `1 + w` RMS norm);
 //! - [`quant`]: quantization specs from `config.json`, with per-module overrides, and their one-line
 //!   description;
 //! - [`rope`]: rotary frequencies for every scaling type mlx-lm knows, and per-sequence frequencies for
 //!   the context-dependent ones ([`rope::step_inv_freq`]);
 //! - [`attention`]: the grouped-query self-attention block (q/k/v, q/k norm, RoPE, paged attention with
-//!   window, scale and soft-cap, o);
+//!   window, scale and soft-cap, o) and the KV layer it needs;
+//! - [`mlp`]: the gated MLP, `down(act(gate(x)) · up(x))`, with separate or fused gate and up;
+//! - [`decoder`]: a text decoder's `FamilyModel` around the family's `forward` ([`Decoder`]), its
+//!   step inputs and logit rows, and the facts its description reports;
 //! - [`config`]: reading `model_type` (top level or `text_config`);
 //! - [`experts`]: mixture-of-experts projections (stacked, quantized or one tensor per expert) and the
 //!   router, expert matmul and combine nodes.
@@ -19,13 +22,17 @@
 
 pub mod attention;
 pub mod config;
+pub mod decoder;
 pub mod experts;
+pub mod mlp;
 pub mod quant;
 pub mod rope;
 pub mod weights;
 
 pub use attention::{AttentionShape, RopeInputs, SelfAttention};
+pub use decoder::{Decoder, StepInputs, TextDecoder, TextModelFacts};
 pub use experts::{ExpertWeights, Experts, Routes};
+pub use mlp::{GateActivation, GatedMlp};
 pub use quant::{module_quant, QuantSpec};
 pub use rope::{rope_freqs, RopeFreqs};
-pub use weights::{GraphWriter, Linear, LinearWeights, RowView, WeightRef, WeightTable};
+pub use weights::{GraphWriter, Linear, LinearWeights, RowView, UsedWeights, WeightRef, WeightTable, Weights};

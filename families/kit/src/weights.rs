@@ -204,16 +204,6 @@ impl Linear {
         Ok(Linear { weights, bias, in_features: self.in_features, out_features: count })
     }
 
-    /// Every tensor index this layer reads.
-    pub fn indices(&self) -> Vec<u32> {
-        let mut v = match &self.weights {
-            LinearWeights::Float(w) => vec![w.index],
-            LinearWeights::Quantized { packed, scales, biases, .. } => vec![packed.index, scales.index, biases.index],
-        };
-        v.extend(self.bias.as_ref().map(|b| b.index));
-        v
-    }
-
     /// The dtype MLX computes this layer's output in: the weight's, or the scales' when quantized
     /// (families that round a constant "in the activation dtype" as mlx-lm does ask this).
     pub fn compute_dtype(&self) -> DType {
@@ -228,6 +218,53 @@ impl Linear {
             LinearWeights::Quantized { spec, .. } => Some(*spec),
             LinearWeights::Float(_) => None,
         }
+    }
+}
+
+/// A part of a model that reads checkpoint tensors: a weight, a layer, a block, or one that may be absent.
+pub trait Weights {
+    /// The weight-table index of every tensor it reads.
+    fn indices(&self) -> Vec<u32>;
+}
+
+impl Weights for WeightRef {
+    fn indices(&self) -> Vec<u32> {
+        vec![self.index]
+    }
+}
+
+impl Weights for Linear {
+    fn indices(&self) -> Vec<u32> {
+        let mut v = match &self.weights {
+            LinearWeights::Float(w) => vec![w.index],
+            LinearWeights::Quantized { packed, scales, biases, .. } => vec![packed.index, scales.index, biases.index],
+        };
+        v.extend(self.bias.as_ref().map(|b| b.index));
+        v
+    }
+}
+
+impl<T: Weights> Weights for Option<T> {
+    fn indices(&self) -> Vec<u32> {
+        self.as_ref().map_or_else(Vec::new, T::indices)
+    }
+}
+
+/// The tensors a model reads (`ModelDescription::used_weights`): collected part by part, reported
+/// sorted and each once.
+#[derive(Debug, Default)]
+pub struct UsedWeights(Vec<u32>);
+
+impl UsedWeights {
+    pub fn add(&mut self, part: &impl Weights) -> &mut Self {
+        self.0.extend(part.indices());
+        self
+    }
+
+    pub fn finish(mut self) -> Vec<u32> {
+        self.0.sort_unstable();
+        self.0.dedup();
+        self.0
     }
 }
 

@@ -14,14 +14,15 @@
 //! each sequence of a batch keeps its own. The final norm is `embedding_norm` (applied after the last
 //! layer, despite its name) and the head is the embedding, as mlx-lm always ties it.
 
+use mlxcel_family_kit::decoder::quantization;
 use mlxcel_family_kit::rope::step_inv_freq;
 use mlxcel_family_kit::{
-    rope_freqs, AttentionShape, GraphWriter, Linear, RopeFreqs, RopeInputs, SelfAttention, WeightRef, WeightTable,
+    rope_freqs, AttentionShape, Decoder, GateActivation, GatedMlp, GraphWriter, Linear, RopeFreqs, RopeInputs,
+    SelfAttention, StepInputs, TextDecoder, TextModelFacts, UsedWeights, WeightRef, WeightTable, Weights,
 };
 use mlxcel_plugin_api::{
-    conv_state_elems, DType, FamilyModel, Graph, KvKind, KvLayerDesc, ModelDescription, OpCode, OutputKind,
-    PluginError, StepDesc, Task, TensorId, Versioned, CONV_CAUSAL_STATE, INPUT_OUTPUT_ROWS, INPUT_POSITIONS,
-    INPUT_TOKENS, INPUT_TOKEN_SEQ,
+    conv_state_elems, DType, KvKind, KvLayerDesc, OpCode, StepDesc, TensorId, Versioned, CONV_CAUSAL_STATE,
+    INPUT_TOKEN_SEQ,
 };
 
 use crate::config::Lfm2Config;
@@ -56,6 +57,16 @@ impl ShortConv {
     }
 }
 
+impl Weights for ShortConv {
+    fn indices(&self) -> Vec<u32> {
+        let mut v = self.in_proj.indices();
+        v.push(self.conv.index);
+        v.extend(self.conv_bias.as_ref().map(|b| b.index));
+        v.extend(self.out_proj.indices());
+        v
+    }
+}
+
 /// What a layer does before its MLP. (One per layer, made once at load: the variants' sizes do not matter.)
 #[allow(clippy::large_enum_variant)]
 enum Operator {
@@ -63,17 +74,21 @@ enum Operator {
     Conv(ShortConv),
 }
 
-struct Mlp {
-    w1: Linear,
-    w3: Linear,
-    w2: Linear,
+impl Weights for Operator {
+    fn indices(&self) -> Vec<u32> {
+        match self {
+            Operator::Attention(a) => a.indices(),
+            Operator::Conv(c) => c.indices(),
+        }
+    }
 }
 
 struct Layer {
     operator_norm: WeightRef,
     op: Operator,
     ffn_norm: WeightRef,
-    mlp: Mlp,
+    /// `w2(silu(w1 x) * w3 x)`.
+    mlp: GatedMlp,
 }
 
 pub struct Lfm2Model {
@@ -82,11 +97,6 @@ pub struct Lfm2Model {
     layers: Vec<Layer>,
     embedding_norm: WeightRef,
     rope: RopeFreqs,
-    kv_layers: Vec<KvLayerDesc>,
-    used_weights: Vec<u32>,
-    quantization: String,
-    /// The most recent step's graph, owned here as the ABI requires.
-    graph: Graph,
 }
 
 /// The depthwise kernel `name` seen as `[C, K, 1]`. Hugging Face checkpoints store it as
@@ -104,13 +114,14 @@ fn depthwise_kernel(table: &WeightTable, name: &str, c: u64, k: u64) -> Result<W
 }
 
 impl Lfm2Model {
-    pub fn new(cfg: Lfm2Config, table: &WeightTable) -> Result<Lfm2Model, String> {
+    pub fn load(cfg: Lfm2Config, table: &WeightTable) -> Result<Decoder<Lfm2Model>, String> {
         let (d, hd, ff) = (cfg.hidden_size, cfg.head_dim(), cfg.ff_dim());
         let (nh, nkv) = (cfg.num_attention_heads, cfg.n_kv_heads());
         let kernel = cfg.conv_l_cache as u64;
         let q = cfg.quantization.as_ref();
         let vector = |name: String, n: usize| table.float(&name, &[n as u64]);
         let lin = |name: String, i: usize, o: usize, bias: bool| Linear::load(table, q, &name, i, o, bias);
+        let shape = AttentionShape { qk_norm: true, ..AttentionShape::new(d, nh, nkv, hd) };
 
         let embed = lin("model.embed_tokens".into(), d, cfg.vocab_size, false)?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
@@ -119,12 +130,7 @@ impl Lfm2Model {
             let p = format!("model.layers.{i}");
             let op = if cfg.is_attention(i) {
                 let a = format!("{p}.self_attn");
-                kv_layers.push(KvLayerDesc {
-                    kind: KvKind::Full as u32,
-                    n_kv_heads: nkv as u32,
-                    head_dim: hd as u32,
-                    ..KvLayerDesc::zeroed()
-                });
+                kv_layers.push(shape.kv_layer());
                 Operator::Attention(SelfAttention {
                     q: lin(format!("{a}.q_proj"), d, nh * hd, false)?,
                     k: lin(format!("{a}.k_proj"), d, nkv * hd, false)?,
@@ -132,19 +138,7 @@ impl Lfm2Model {
                     o: lin(format!("{a}.out_proj"), nh * hd, d, false)?,
                     q_norm: Some(vector(format!("{a}.q_layernorm.weight"), hd)?),
                     k_norm: Some(vector(format!("{a}.k_layernorm.weight"), hd)?),
-                    shape: AttentionShape {
-                        hidden: d,
-                        n_heads: nh,
-                        n_kv_heads: nkv,
-                        head_dim: hd,
-                        qkv_bias: false,
-                        o_bias: false,
-                        qk_norm: true,
-                        norm_plus_one: false,
-                        scale: None,
-                        softcap: 0.0,
-                        window: 0,
-                    },
+                    shape,
                 })
             } else {
                 let c = format!("{p}.conv");
@@ -164,78 +158,44 @@ impl Lfm2Model {
                 operator_norm: vector(format!("{p}.operator_norm.weight"), d)?,
                 op,
                 ffn_norm: vector(format!("{p}.ffn_norm.weight"), d)?,
-                mlp: Mlp {
-                    w1: lin(format!("{p}.feed_forward.w1"), d, ff, false)?,
-                    w3: lin(format!("{p}.feed_forward.w3"), d, ff, false)?,
-                    w2: lin(format!("{p}.feed_forward.w2"), ff, d, false)?,
+                mlp: GatedMlp {
+                    gate: lin(format!("{p}.feed_forward.w1"), d, ff, false)?,
+                    up: lin(format!("{p}.feed_forward.w3"), d, ff, false)?,
+                    down: lin(format!("{p}.feed_forward.w2"), ff, d, false)?,
+                    activation: GateActivation::Silu,
                 },
             });
         }
         let embedding_norm = vector("model.embedding_norm.weight".into(), d)?;
         let rope = rope_freqs(hd, cfg.rope_theta, None, cfg.max_position_embeddings)?;
 
-        let mut used: Vec<u32> = embed.indices();
+        let mut used = UsedWeights::default();
+        used.add(&embed).add(&embedding_norm);
         for l in &layers {
-            used.extend([l.operator_norm.index, l.ffn_norm.index]);
-            match &l.op {
-                Operator::Attention(a) => used.extend(a.indices()),
-                Operator::Conv(c) => {
-                    used.extend(c.in_proj.indices());
-                    used.push(c.conv.index);
-                    used.extend(c.conv_bias.as_ref().map(|b| b.index));
-                    used.extend(c.out_proj.indices());
-                }
-            }
-            for lin in [&l.mlp.w1, &l.mlp.w3, &l.mlp.w2] {
-                used.extend(lin.indices());
-            }
+            used.add(&l.operator_norm).add(&l.op).add(&l.ffn_norm).add(&l.mlp);
         }
-        used.push(embedding_norm.index);
-        used.sort_unstable();
-        used.dedup();
-
-        let first = layers.first().and_then(|l| l.mlp.w2.describe_quant()).or_else(|| embed.describe_quant());
-        let quantization = mlxcel_family_kit::quant::describe(first, cfg.quantization.as_ref());
-        Ok(Lfm2Model {
-            cfg,
-            embed,
-            layers,
-            embedding_norm,
-            rope,
+        // One layer's f32 values: the residual stream's, the operator's widest projection, the MLP's.
+        let per_token = 5 * d + (3 * d).max(shape.qkv_width()) + 3 * ff;
+        let facts = TextModelFacts {
+            architecture: cfg.model_type.clone(),
+            vocab_size: cfg.vocab_size,
+            hidden_size: d,
+            max_positions: cfg.max_position_embeddings,
             kv_layers,
-            used_weights: used,
-            quantization,
-            graph: Graph::new(),
-        })
+            used_weights: used.finish(),
+            activation_bytes_per_token: (per_token * 4) as u64,
+            quantization: quantization(layers.first().map(|l| &l.mlp.down), &embed, q),
+        };
+        Ok(Decoder::new(Lfm2Model { cfg, embed, layers, embedding_norm, rope }, facts))
     }
+}
 
-    /// Rough activation bytes per token in flight (f32 activations of one layer plus logits rows).
-    pub fn activation_bytes_per_token(&self) -> u64 {
-        let c = &self.cfg;
-        let attention = (c.num_attention_heads + 2 * c.n_kv_heads()) * c.head_dim();
-        let per = 5 * c.hidden_size + (3 * c.hidden_size).max(attention) + 3 * c.ff_dim();
-        (per * 4) as u64
-    }
-
-    /// The forward pass of one step.
-    fn forward(&mut self, step: &StepDesc) -> Result<(), String> {
-        let t = step.n_tokens as u64;
-        let r = step.n_output_rows as u64;
-        if t == 0 {
-            return Err("a step needs at least one token".into());
-        }
+impl TextDecoder for Lfm2Model {
+    fn forward(&self, w: &mut GraphWriter, step: &StepDesc, inputs: StepInputs) -> Result<TensorId, String> {
+        let StepInputs { tokens, positions, n_tokens: t, n_rows: r } = inputs;
         let cfg = &self.cfg;
         let d = cfg.hidden_size as u64;
         let eps = cfg.norm_eps;
-
-        let mut graph = std::mem::take(&mut self.graph);
-        graph.nodes.clear();
-        graph.constants.clear();
-        graph.outputs.clear();
-        let mut w = GraphWriter::new(&mut graph);
-
-        let tokens = w.g.input(INPUT_TOKENS, DType::I32, &[t]);
-        let positions = w.g.input(INPUT_POSITIONS, DType::I32, &[t]);
         let seq = w.g.input(INPUT_TOKEN_SEQ, DType::I32, &[t]);
         let hd = cfg.head_dim() as i64;
         let rope = RopeInputs {
@@ -249,52 +209,19 @@ impl Lfm2Model {
         for (i, layer) in self.layers.iter().enumerate() {
             let x = w.rms_norm(h, &[t, d], &layer.operator_norm, eps);
             let o = match &layer.op {
-                Operator::Attention(a) => a.forward(&mut w, x, t, i, &rope, eps),
-                Operator::Conv(c) => c.forward(&mut w, x, t, seq, i),
+                Operator::Attention(a) => a.forward(w, x, t, i, &rope, eps),
+                Operator::Conv(c) => c.forward(w, x, t, seq, i),
             };
             h = w.g.op(OpCode::Add, &[t, d], &[h, o]);
 
             let x = w.rms_norm(h, &[t, d], &layer.ffn_norm, eps);
-            let ff = layer.mlp.w1.out_features;
-            let gate = w.linear(x, t, &layer.mlp.w1);
-            let up = w.linear(x, t, &layer.mlp.w3);
-            let m = w.g.op(OpCode::SiluMul, &[t, ff], &[gate, up]);
-            let down = w.linear(m, t, &layer.mlp.w2);
-            h = w.g.op(OpCode::Add, &[t, d], &[h, down]);
+            let m = layer.mlp.forward(w, x, t);
+            h = w.g.op(OpCode::Add, &[t, d], &[h, m]);
         }
 
-        // Only the rows that need logits go through the final norm and the tied head.
-        let rows = w.g.input(INPUT_OUTPUT_ROWS, DType::I32, &[r]);
-        let h = w.g.op(OpCode::GetRows, &[r, d], &[h, rows]);
+        // The final norm and the tied head.
+        let h = inputs.output_rows(w, h, d);
         let h = w.rms_norm(h, &[r, d], &self.embedding_norm, eps);
-        let logits = w.linear(h, r, &self.embed);
-        w.g.mark_output(logits);
-        self.graph = graph;
-        Ok(())
-    }
-}
-
-impl FamilyModel for Lfm2Model {
-    fn description(&self) -> ModelDescription {
-        let c = &self.cfg;
-        ModelDescription {
-            task: Task::Text,
-            architecture: c.model_type.clone(),
-            vocab_size: c.vocab_size as u64,
-            hidden_size: c.hidden_size as u64,
-            n_layers: c.num_hidden_layers as u32,
-            max_positions: c.max_position_embeddings as u64,
-            kv_layers: self.kv_layers.clone(),
-            used_weights: self.used_weights.clone(),
-            activation_bytes_per_token: self.activation_bytes_per_token(),
-            quantization: self.quantization.clone(),
-            output_kind: OutputKind::Logits,
-            output_dim: c.vocab_size as u64,
-        }
-    }
-
-    fn build_graph(&mut self, step: &StepDesc) -> Result<&Graph, PluginError> {
-        self.forward(step).map_err(PluginError::invalid)?;
-        Ok(&self.graph)
+        Ok(w.linear(h, r, &self.embed))
     }
 }

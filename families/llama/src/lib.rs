@@ -7,7 +7,7 @@ pub mod config;
 pub mod model;
 
 use mlxcel_family_kit::config::match_architectures;
-use mlxcel_family_kit::WeightTable;
+use mlxcel_family_kit::{Decoder, WeightTable};
 use mlxcel_plugin_api::{export_family, Family, PluginError, WeightInfo};
 
 use config::{LlamaConfig, ARCHITECTURES};
@@ -20,15 +20,15 @@ impl Family for Llama {
     const NAME: &'static str = "llama";
     const DESCRIPTION: &'static str = "Llama-style decoders: Llama, Mistral, Qwen2, Qwen3 (q/k norm)";
     const ARCHITECTURES: &'static [&'static str] = ARCHITECTURES;
-    type Model = LlamaModel;
+    type Model = Decoder<LlamaModel>;
 
     fn match_config(config_json: &str) -> u32 {
         match_architectures(config_json, ARCHITECTURES)
     }
 
-    fn create(config_json: &str, weights: &[WeightInfo]) -> Result<LlamaModel, PluginError> {
+    fn create(config_json: &str, weights: &[WeightInfo]) -> Result<Decoder<LlamaModel>, PluginError> {
         let cfg = LlamaConfig::parse(config_json).map_err(PluginError::invalid)?;
-        LlamaModel::new(cfg, &WeightTable::new(weights)).map_err(PluginError::invalid)
+        LlamaModel::load(cfg, &WeightTable::new(weights)).map_err(PluginError::invalid)
     }
 }
 

@@ -4,28 +4,21 @@
 //! `h += down(act(gate(x)) * up(x))` over `rms_norm(h)`. Qwen2 adds q/k/v biases, Qwen3 adds a per-head
 //! RMS norm on q and k; both are flags on [`Variant`], not copies of this file.
 
+use mlxcel_family_kit::decoder::{activation_bytes_per_token, quantization};
 use mlxcel_family_kit::rope::step_inv_freq;
 use mlxcel_family_kit::{
-    rope_freqs, AttentionShape, GraphWriter, Linear, RopeFreqs, RopeInputs, SelfAttention, WeightRef, WeightTable,
+    rope_freqs, AttentionShape, Decoder, GateActivation, GatedMlp, GraphWriter, Linear, RopeFreqs, RopeInputs,
+    SelfAttention, StepInputs, TextDecoder, TextModelFacts, UsedWeights, WeightRef, WeightTable,
 };
-use mlxcel_plugin_api::{
-    DType, FamilyModel, Graph, KvKind, KvLayerDesc, ModelDescription, OpCode, OutputKind, PluginError, StepDesc, Task,
-    Versioned, INPUT_OUTPUT_ROWS, INPUT_POSITIONS, INPUT_TOKENS,
-};
+use mlxcel_plugin_api::{OpCode, StepDesc, TensorId};
 
 use crate::config::{LlamaConfig, Variant};
-
-struct Mlp {
-    gate: Linear,
-    up: Linear,
-    down: Linear,
-}
 
 struct Layer {
     input_norm: WeightRef,
     attn: SelfAttention,
     post_attention_norm: WeightRef,
-    mlp: Mlp,
+    mlp: GatedMlp,
 }
 
 pub struct LlamaModel {
@@ -36,186 +29,88 @@ pub struct LlamaModel {
     /// `None` when tied to the embedding.
     lm_head: Option<Linear>,
     rope: RopeFreqs,
-    kv_layers: Vec<KvLayerDesc>,
-    used_weights: Vec<u32>,
-    quantization: String,
-    /// The most recent step's graph, owned here as the ABI requires.
-    graph: Graph,
 }
 
 impl LlamaModel {
-    pub fn new(cfg: LlamaConfig, table: &WeightTable) -> Result<LlamaModel, String> {
+    pub fn load(cfg: LlamaConfig, table: &WeightTable) -> Result<Decoder<LlamaModel>, String> {
         let Variant { qkv_bias, o_bias, qk_norm } = cfg.variant();
-        let (d, hd) = (cfg.hidden_size, cfg.head_dim());
-        let (nh, nkv) = (cfg.num_attention_heads, cfg.n_kv_heads());
+        let (d, hd, inter) = (cfg.hidden_size, cfg.head_dim(), cfg.intermediate_size);
         let q = cfg.quantization.as_ref();
-        let norm = |name: String, n: usize| table.float(&name, &[n as u64]);
+        let norm = |name: String| table.float(&name, &[d as u64]);
+        let act = if cfg.gelu() { GateActivation::GeluTanh } else { GateActivation::Silu };
+        let shape = AttentionShape {
+            qkv_bias,
+            o_bias,
+            qk_norm,
+            ..AttentionShape::new(d, cfg.num_attention_heads, cfg.n_kv_heads(), hd)
+        };
 
         let embed = Linear::load(table, q, "model.embed_tokens", d, cfg.vocab_size, false)?;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let p = format!("model.layers.{i}");
-            let shape = AttentionShape {
-                hidden: d,
-                n_heads: nh,
-                n_kv_heads: nkv,
-                head_dim: hd,
-                qkv_bias,
-                o_bias,
-                qk_norm,
-                norm_plus_one: false,
-                scale: None,
-                softcap: 0.0,
-                window: cfg.layer_window(i),
-            };
-            let attn = SelfAttention::load(table, q, &format!("{p}.self_attn"), shape)?;
-            let mlp = Mlp {
-                gate: Linear::load(table, q, &format!("{p}.mlp.gate_proj"), d, cfg.intermediate_size, cfg.mlp_bias)?,
-                up: Linear::load(table, q, &format!("{p}.mlp.up_proj"), d, cfg.intermediate_size, cfg.mlp_bias)?,
-                down: Linear::load(table, q, &format!("{p}.mlp.down_proj"), cfg.intermediate_size, d, cfg.mlp_bias)?,
-            };
+            let shape = AttentionShape { window: cfg.layer_window(i), ..shape };
             layers.push(Layer {
-                input_norm: norm(format!("{p}.input_layernorm.weight"), d)?,
-                attn,
-                post_attention_norm: norm(format!("{p}.post_attention_layernorm.weight"), d)?,
-                mlp,
+                input_norm: norm(format!("{p}.input_layernorm.weight"))?,
+                attn: SelfAttention::load(table, q, &format!("{p}.self_attn"), shape)?,
+                post_attention_norm: norm(format!("{p}.post_attention_layernorm.weight"))?,
+                mlp: GatedMlp::load(table, q, &format!("{p}.mlp"), d, inter, cfg.mlp_bias, act)?,
             });
         }
-        let final_norm = norm("model.norm.weight".into(), d)?;
+        let final_norm = norm("model.norm.weight".into())?;
         let lm_head = if cfg.tied_embeddings() {
             None
         } else {
             Some(Linear::load(table, q, "lm_head", d, cfg.vocab_size, false)?)
         };
-        let max_pos = cfg.max_position_embeddings.unwrap_or(4096);
-        let rope = rope_freqs(hd, cfg.rope_base(), cfg.rope_scaling(), max_pos)?;
+        let max_positions = cfg.max_position_embeddings.unwrap_or(4096);
+        let rope = rope_freqs(hd, cfg.rope_base(), cfg.rope_scaling(), max_positions)?;
 
-        let kv_layers = layers
-            .iter()
-            .map(|l| KvLayerDesc {
-                kind: if l.attn.shape.window > 0 { KvKind::SlidingWindow } else { KvKind::Full } as u32,
-                n_kv_heads: nkv as u32,
-                head_dim: hd as u32,
-                window: l.attn.shape.window as u32,
-                ..KvLayerDesc::zeroed()
-            })
-            .collect();
-
-        let mut used: Vec<u32> = embed.indices();
+        let mut used = UsedWeights::default();
+        used.add(&embed).add(&final_norm).add(&lm_head);
         for l in &layers {
-            used.push(l.input_norm.index);
-            used.push(l.post_attention_norm.index);
-            used.extend(l.attn.indices());
-            for lin in [&l.mlp.gate, &l.mlp.up, &l.mlp.down] {
-                used.extend(lin.indices());
-            }
+            used.add(&l.input_norm).add(&l.attn).add(&l.post_attention_norm).add(&l.mlp);
         }
-        used.push(final_norm.index);
-        if let Some(h) = &lm_head {
-            used.extend(h.indices());
-        }
-        used.sort_unstable();
-        used.dedup();
-
-        let first = layers.first().and_then(|l| l.mlp.down.describe_quant()).or_else(|| embed.describe_quant());
-        let quantization = mlxcel_family_kit::quant::describe(first, cfg.quantization.as_ref());
-        Ok(LlamaModel {
-            cfg,
-            embed,
-            layers,
-            norm: final_norm,
-            lm_head,
-            rope,
-            kv_layers,
-            used_weights: used,
-            quantization,
-            graph: Graph::new(),
-        })
+        let facts = TextModelFacts {
+            architecture: cfg.model_type.clone(),
+            vocab_size: cfg.vocab_size,
+            hidden_size: d,
+            max_positions,
+            kv_layers: layers.iter().map(|l| l.attn.shape.kv_layer()).collect(),
+            used_weights: used.finish(),
+            activation_bytes_per_token: activation_bytes_per_token(4, &shape, inter),
+            quantization: quantization(layers.first().map(|l| &l.mlp.down), &embed, q),
+        };
+        Ok(Decoder::new(LlamaModel { cfg, embed, layers, norm: final_norm, lm_head, rope }, facts))
     }
+}
 
-    /// Rough activation bytes per token in flight (f32 activations of one layer plus logits rows).
-    pub fn activation_bytes_per_token(&self) -> u64 {
-        let c = &self.cfg;
-        let per =
-            4 * c.hidden_size + 3 * c.intermediate_size + (c.num_attention_heads + 2 * c.n_kv_heads()) * c.head_dim();
-        (per * 4) as u64
-    }
-
-    /// The forward pass of one step.
-    fn forward(&mut self, step: &StepDesc) -> Result<(), String> {
-        let t = step.n_tokens as u64;
-        let r = step.n_output_rows as u64;
-        if t == 0 {
-            return Err("a step needs at least one token".into());
-        }
+impl TextDecoder for LlamaModel {
+    fn forward(&self, w: &mut GraphWriter, step: &StepDesc, inputs: StepInputs) -> Result<TensorId, String> {
+        let StepInputs { tokens, positions, n_tokens: t, n_rows: r } = inputs;
         let cfg = &self.cfg;
-        let (d, hd) = (cfg.hidden_size as u64, cfg.head_dim() as u64);
+        let (d, hd) = (cfg.hidden_size as u64, cfg.head_dim() as i64);
         let eps = cfg.rms_norm_eps;
-
-        let mut graph = std::mem::take(&mut self.graph);
-        graph.nodes.clear();
-        graph.constants.clear();
-        graph.outputs.clear();
-        let mut w = GraphWriter::new(&mut graph);
-
-        let tokens = w.g.input(INPUT_TOKENS, DType::I32, &[t]);
-        let positions = w.g.input(INPUT_POSITIONS, DType::I32, &[t]);
-        let inv_freq = step_inv_freq(w.g, &self.rope, step);
         let rope = RopeInputs {
             positions,
-            inv_freq,
-            params: [hd as i64, hd as i64, cfg.rope_traditional as i64],
+            inv_freq: step_inv_freq(w.g, &self.rope, step),
+            params: [hd, hd, cfg.rope_traditional as i64],
             mscale: self.rope.mscale,
         };
 
         let mut h = w.embedding(tokens, t, &self.embed);
         for (i, layer) in self.layers.iter().enumerate() {
             let x = w.rms_norm(h, &[t, d], &layer.input_norm, eps);
-            let o = layer.attn.forward(&mut w, x, t, i, &rope, eps);
+            let o = layer.attn.forward(w, x, t, i, &rope, eps);
             h = w.g.op(OpCode::Add, &[t, d], &[h, o]);
 
             let x = w.rms_norm(h, &[t, d], &layer.post_attention_norm, eps);
-            let inter = layer.mlp.gate.out_features;
-            let gate = w.linear(x, t, &layer.mlp.gate);
-            let up = w.linear(x, t, &layer.mlp.up);
-            let act = if cfg.gelu() { OpCode::GeluTanhMul } else { OpCode::SiluMul };
-            let m = w.g.op(act, &[t, inter], &[gate, up]);
-            let down = w.linear(m, t, &layer.mlp.down);
-            h = w.g.op(OpCode::Add, &[t, d], &[h, down]);
+            let m = layer.mlp.forward(w, x, t);
+            h = w.g.op(OpCode::Add, &[t, d], &[h, m]);
         }
 
-        // Only the rows that need logits go through the final norm and the vocabulary projection.
-        let rows = w.g.input(INPUT_OUTPUT_ROWS, DType::I32, &[r]);
-        let h = w.g.op(OpCode::GetRows, &[r, d], &[h, rows]);
+        let h = inputs.output_rows(w, h, d);
         let h = w.rms_norm(h, &[r, d], &self.norm, eps);
-        let logits = w.linear(h, r, self.lm_head.as_ref().unwrap_or(&self.embed));
-        w.g.mark_output(logits);
-        self.graph = graph;
-        Ok(())
-    }
-}
-
-impl FamilyModel for LlamaModel {
-    fn description(&self) -> ModelDescription {
-        let c = &self.cfg;
-        ModelDescription {
-            task: Task::Text,
-            architecture: c.model_type.clone(),
-            vocab_size: c.vocab_size as u64,
-            hidden_size: c.hidden_size as u64,
-            n_layers: c.num_hidden_layers as u32,
-            max_positions: c.max_position_embeddings.unwrap_or(4096) as u64,
-            kv_layers: self.kv_layers.clone(),
-            used_weights: self.used_weights.clone(),
-            activation_bytes_per_token: self.activation_bytes_per_token(),
-            quantization: self.quantization.clone(),
-            output_kind: OutputKind::Logits,
-            output_dim: c.vocab_size as u64,
-        }
-    }
-
-    fn build_graph(&mut self, step: &StepDesc) -> Result<&Graph, PluginError> {
-        self.forward(step).map_err(PluginError::invalid)?;
-        Ok(&self.graph)
+        Ok(w.linear(h, r, self.lm_head.as_ref().unwrap_or(&self.embed)))
     }
 }

@@ -1,5 +1,6 @@
 //! The `config.json` fields this family reads, with the defaults mlx-lm and transformers use.
 
+use mlxcel_family_kit::config::{check_head_dim, check_heads};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -74,16 +75,8 @@ impl MoeConfig {
         if !ARCHITECTURES.contains(&self.model_type.as_str()) {
             return Err(format!("model_type `{}` is not handled by the moe family", self.model_type));
         }
-        let nkv = self.n_kv_heads();
-        if self.num_attention_heads == 0 || nkv == 0 || !self.num_attention_heads.is_multiple_of(nkv) {
-            return Err(format!(
-                "config.json: num_attention_heads ({}) must be a positive multiple of num_key_value_heads ({nkv})",
-                self.num_attention_heads
-            ));
-        }
-        if self.head_dim() == 0 || !self.head_dim().is_multiple_of(2) {
-            return Err(format!("config.json: head_dim {} must be even and positive", self.head_dim()));
-        }
+        check_heads(self.num_attention_heads, self.n_kv_heads())?;
+        check_head_dim(self.head_dim())?;
         if self.num_experts == 0 || self.num_experts_per_tok == 0 || self.num_experts_per_tok > self.num_experts {
             return Err(format!(
                 "config.json: num_experts_per_tok ({}) must be between 1 and num_experts ({})",

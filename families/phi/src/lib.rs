@@ -8,7 +8,7 @@ pub mod config;
 pub mod model;
 
 use mlxcel_family_kit::config::match_architectures;
-use mlxcel_family_kit::WeightTable;
+use mlxcel_family_kit::{Decoder, WeightTable};
 use mlxcel_plugin_api::{export_family, Family, PluginError, WeightInfo};
 
 use config::{Phi3Config, ARCHITECTURES};
@@ -21,15 +21,15 @@ impl Family for Phi {
     const NAME: &'static str = "phi";
     const DESCRIPTION: &'static str = "Phi-3: fused qkv / gate-up projections, partial rotary, LongRoPE";
     const ARCHITECTURES: &'static [&'static str] = ARCHITECTURES;
-    type Model = Phi3Model;
+    type Model = Decoder<Phi3Model>;
 
     fn match_config(config_json: &str) -> u32 {
         match_architectures(config_json, ARCHITECTURES)
     }
 
-    fn create(config_json: &str, weights: &[WeightInfo]) -> Result<Phi3Model, PluginError> {
+    fn create(config_json: &str, weights: &[WeightInfo]) -> Result<Decoder<Phi3Model>, PluginError> {
         let cfg = Phi3Config::parse(config_json).map_err(PluginError::invalid)?;
-        Phi3Model::new(cfg, &WeightTable::new(weights)).map_err(PluginError::invalid)
+        Phi3Model::load(cfg, &WeightTable::new(weights)).map_err(PluginError::invalid)
     }
 }
 

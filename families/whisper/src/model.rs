@@ -14,7 +14,7 @@
 //! mlx-community (`encoder.blocks.N.attn.query`, conv weights `[C_out, K, C_in]`, encoder positions
 //! computed as sinusoids, optional affine quantization) name the same tensors; [`Names`] maps them.
 
-use mlxcel_family_kit::{GraphWriter, Linear, WeightRef, WeightTable};
+use mlxcel_family_kit::{GraphWriter, Linear, WeightRef, WeightTable, Weights};
 use mlxcel_plugin_api::{
     cross_kv_state_elems, DType, FamilyModel, Graph, KvKind, KvLayerDesc, ModelDescription, OpCode, OutputKind,
     StepDesc, Task, TensorId, Versioned, CONV_WEIGHT_MLX, CONV_WEIGHT_TORCH, CONV_WHOLE, INPUT_FEATURES,

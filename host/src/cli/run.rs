@@ -14,7 +14,7 @@ use super::GlobalArgs;
 use crate::engine::memory::MemoryEstimate;
 use crate::engine::{
     Engine, EngineError, EngineHandle, EngineOptions, FinishReason, GenerationEvent, GenerationRequest, ModelRunner,
-    RequestStream, RunnerOptions, SamplingParams, Usage,
+    RequestStream, RunnerOptions, SamplingOverrides, SamplingParams, Usage,
 };
 use crate::text::{ChatMessage, TextTokenizer};
 
@@ -96,54 +96,18 @@ pub fn resolve_model(model: &str, revision: Option<&str>) -> Result<PathBuf> {
 
 /// Defaults from `generation_config.json`, then the command-line flags on top.
 fn sampling_params(args: &RunArgs, generation_config: Option<&Value>) -> SamplingParams {
-    let mut p = SamplingParams::default();
-    if let Some(g) = generation_config {
-        let f = |k: &str| g.get(k).and_then(Value::as_f64).map(|v| v as f32);
-        if let Some(t) = f("temperature") {
-            p.temperature = t;
-        }
-        if let Some(k) = g.get("top_k").and_then(Value::as_u64) {
-            p.top_k = k as usize;
-        }
-        if let Some(v) = f("top_p") {
-            p.top_p = v;
-        }
-        if let Some(v) = f("min_p") {
-            p.min_p = v;
-        }
-        if let Some(v) = f("repetition_penalty") {
-            p.repeat_penalty = v;
-        }
-        if g.get("do_sample") == Some(&Value::Bool(false)) {
-            p.temperature = 0.0;
-        }
-    }
-    if let Some(v) = args.temp {
-        p.temperature = v;
-    }
-    if let Some(v) = args.top_k {
-        p.top_k = v;
-    }
-    if let Some(v) = args.top_p {
-        p.top_p = v;
-    }
-    if let Some(v) = args.min_p {
-        p.min_p = v;
-    }
-    if let Some(v) = args.repeat_penalty {
-        p.repeat_penalty = v;
-    }
-    if let Some(v) = args.repeat_last_n {
-        p.penalty_last_n = v;
-    }
-    if let Some(v) = args.presence_penalty {
-        p.presence_penalty = v;
-    }
-    if let Some(v) = args.frequency_penalty {
-        p.frequency_penalty = v;
-    }
-    p.seed = args.seed;
-    p
+    let flags = SamplingOverrides {
+        temperature: args.temp,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        min_p: args.min_p,
+        repeat_penalty: args.repeat_penalty,
+        repeat_last_n: args.repeat_last_n,
+        presence_penalty: args.presence_penalty,
+        frequency_penalty: args.frequency_penalty,
+        seed: args.seed,
+    };
+    flags.resolve(generation_config)
 }
 
 /// The model behind one batching engine (one sequence at a time: the CLI is one person), and how to

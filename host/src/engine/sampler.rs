@@ -5,6 +5,7 @@ use std::collections::HashMap;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use serde_json::Value;
 
 /// Sampling settings; every field is honoured.
 #[derive(Debug, Clone, PartialEq)]
@@ -68,6 +69,60 @@ impl SamplingParams {
             return Err("presence_penalty and frequency_penalty must be finite".into());
         }
         Ok(())
+    }
+}
+
+/// Sampling options a person gave (the CLI's flags, the server's): each one set replaces the model's
+/// default.
+#[derive(Debug, Clone, Default)]
+pub struct SamplingOverrides {
+    pub temperature: Option<f32>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<usize>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub seed: Option<u64>,
+}
+
+impl SamplingOverrides {
+    /// llama.cpp's defaults, then the model's `generation_config.json`, then these flags.
+    pub fn resolve(&self, generation_config: Option<&Value>) -> SamplingParams {
+        let mut p = SamplingParams::default();
+        if let Some(g) = generation_config {
+            let f = |k: &str| g.get(k).and_then(Value::as_f64).map(|v| v as f32);
+            if let Some(v) = f("temperature") {
+                p.temperature = v;
+            }
+            if let Some(v) = g.get("top_k").and_then(Value::as_u64) {
+                p.top_k = v as usize;
+            }
+            if let Some(v) = f("top_p") {
+                p.top_p = v;
+            }
+            if let Some(v) = f("min_p") {
+                p.min_p = v;
+            }
+            if let Some(v) = f("repetition_penalty") {
+                p.repeat_penalty = v;
+            }
+            if g.get("do_sample") == Some(&Value::Bool(false)) {
+                p.temperature = 0.0;
+            }
+        }
+        let o = self;
+        p.temperature = o.temperature.unwrap_or(p.temperature);
+        p.top_k = o.top_k.unwrap_or(p.top_k);
+        p.top_p = o.top_p.unwrap_or(p.top_p);
+        p.min_p = o.min_p.unwrap_or(p.min_p);
+        p.repeat_penalty = o.repeat_penalty.unwrap_or(p.repeat_penalty);
+        p.penalty_last_n = o.repeat_last_n.unwrap_or(p.penalty_last_n);
+        p.presence_penalty = o.presence_penalty.unwrap_or(p.presence_penalty);
+        p.frequency_penalty = o.frequency_penalty.unwrap_or(p.frequency_penalty);
+        p.seed = o.seed.or(p.seed);
+        p
     }
 }
 

@@ -9,7 +9,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use crate::cli::cache_type::CacheTypeArgs;
-use crate::engine::{KvCacheTypes, SamplingParams};
+use crate::engine::{KvCacheTypes, SamplingOverrides};
 
 #[derive(Args, Debug, Clone)]
 pub struct ServerArgs {
@@ -327,58 +327,6 @@ pub struct ServerConfig {
     pub queue_limit: usize,
     /// Sampling flags applied over the model's generation_config.json.
     pub sampling: SamplingOverrides,
-}
-
-#[derive(Debug, Clone, Default)]
-pub struct SamplingOverrides {
-    pub temperature: Option<f32>,
-    pub top_k: Option<usize>,
-    pub top_p: Option<f32>,
-    pub min_p: Option<f32>,
-    pub repeat_penalty: Option<f32>,
-    pub repeat_last_n: Option<usize>,
-    pub presence_penalty: Option<f32>,
-    pub frequency_penalty: Option<f32>,
-    pub seed: Option<u64>,
-}
-
-impl SamplingOverrides {
-    /// llama.cpp's defaults, then the model's `generation_config.json`, then these flags.
-    pub fn resolve(&self, generation_config: Option<&serde_json::Value>) -> SamplingParams {
-        let mut p = SamplingParams::default();
-        if let Some(g) = generation_config {
-            let f = |k: &str| g.get(k).and_then(serde_json::Value::as_f64).map(|v| v as f32);
-            if let Some(v) = f("temperature") {
-                p.temperature = v;
-            }
-            if let Some(v) = g.get("top_k").and_then(serde_json::Value::as_u64) {
-                p.top_k = v as usize;
-            }
-            if let Some(v) = f("top_p") {
-                p.top_p = v;
-            }
-            if let Some(v) = f("min_p") {
-                p.min_p = v;
-            }
-            if let Some(v) = f("repetition_penalty") {
-                p.repeat_penalty = v;
-            }
-            if g.get("do_sample") == Some(&serde_json::Value::Bool(false)) {
-                p.temperature = 0.0;
-            }
-        }
-        let o = self;
-        p.temperature = o.temperature.unwrap_or(p.temperature);
-        p.top_k = o.top_k.unwrap_or(p.top_k);
-        p.top_p = o.top_p.unwrap_or(p.top_p);
-        p.min_p = o.min_p.unwrap_or(p.min_p);
-        p.repeat_penalty = o.repeat_penalty.unwrap_or(p.repeat_penalty);
-        p.penalty_last_n = o.repeat_last_n.unwrap_or(p.penalty_last_n);
-        p.presence_penalty = o.presence_penalty.unwrap_or(p.presence_penalty);
-        p.frequency_penalty = o.frequency_penalty.unwrap_or(p.frequency_penalty);
-        p.seed = o.seed.or(p.seed);
-        p
-    }
 }
 
 impl ServerArgs {

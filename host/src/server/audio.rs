@@ -6,6 +6,7 @@
 //! Upload problems (no file, an empty or undecodable one, a field this server does not know or a value
 //! it cannot honour) are 400s naming the field; a full queue is a 503.
 
+use std::path::Path;
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;
 
@@ -21,9 +22,7 @@ use tower_http::limit::RequestBodyLimitLayer;
 use super::args::ServerConfig;
 use super::error::{ApiError, Dialect, ErrorKind};
 use super::state::AppState;
-use crate::speech::{
-    is_speech_model, load_transcriber, render, ResponseFormat, SpeechTask, TranscribeOptions, Transcript,
-};
+use crate::speech::{load_transcriber, render, ResponseFormat, SpeechTask, TranscribeOptions, Transcript};
 
 /// Transcriptions waiting beyond the one running before new ones get 503.
 const QUEUE: usize = 8;
@@ -41,18 +40,10 @@ pub struct SpeechService {
     jobs: SyncSender<Job>,
 }
 
-/// Loads the served model as a speech model when its `config.json` says it is one (`Ok(None)` when it
-/// is not, so the text engine loads it instead).
-pub fn start_if_speech(config: &ServerConfig) -> Result<Option<SpeechService>> {
-    let dir = crate::cli::run::resolve_model(&config.model, config.revision.as_deref())?;
-    let config_json = std::fs::read_to_string(dir.join("config.json"))
-        .ok()
-        .and_then(|s| serde_json::from_str::<serde_json::Value>(&s).ok());
-    if !config_json.as_ref().is_some_and(is_speech_model) {
-        return Ok(None);
-    }
+/// Starts the transcription thread on the speech model in `dir` (see [`super::model::start`]).
+pub fn start(config: &ServerConfig, dir: &Path) -> Result<SpeechService> {
     let catalog = Catalog::load(&PluginSearch::from_env(&config.plugin_dirs));
-    let mut transcriber = load_transcriber(&catalog, &dir, config.backend.clone(), config.threads)?;
+    let mut transcriber = load_transcriber(&catalog, dir, config.backend.clone(), config.threads)?;
     let (tx, rx) = sync_channel::<Job>(QUEUE);
     std::thread::Builder::new().name("mlxcel-speech".into()).spawn(move || {
         for job in rx {
@@ -69,11 +60,11 @@ pub fn start_if_speech(config: &ServerConfig) -> Result<Option<SpeechService>> {
         }
     })?;
     tracing::info!("loaded speech model {} for /v1/audio/transcriptions and /v1/audio/translations", dir.display());
-    Ok(Some(SpeechService {
+    Ok(SpeechService {
         id: config.alias.clone().unwrap_or_else(|| config.model.clone()),
         path: dir.display().to_string(),
         jobs: tx,
-    }))
+    })
 }
 
 /// The audio routes with their own body limit (`--max-audio-bytes`; uploads are larger than chat JSON).

@@ -9,6 +9,7 @@ use tokio::sync::mpsc;
 
 use super::args::ServerConfig;
 use super::generator::{EngineStats, EventStream, Generator, ModelFacts, SlotStats};
+use super::state::LoadedModel;
 use crate::engine::{
     Engine, EngineError, EngineHandle, EngineOptions, GenerationEvent, GenerationRequest, ModelRunner, SlotState,
 };
@@ -18,30 +19,23 @@ pub struct BatchEngine {
     handle: EngineHandle,
 }
 
-/// Loads the model (on the calling thread) and starts the engine thread on it.
-pub fn start(config: &ServerConfig) -> Result<(BatchEngine, Arc<TextTokenizer>, ModelFacts)> {
-    let (runner, tokenizer, facts) = super::model::load(config, config.parallel.max(1))?;
-    start_loaded(config, runner, tokenizer, facts)
-}
-
-/// Starts the engine thread on a model [`super::model::load`] loaded.
-pub fn start_loaded(
+/// Starts the engine thread on a text model [`super::model::load`] loaded.
+pub fn start(
     config: &ServerConfig,
     runner: ModelRunner,
     tokenizer: TextTokenizer,
     facts: ModelFacts,
-) -> Result<(BatchEngine, Arc<TextTokenizer>, ModelFacts)> {
-    let parallel = config.parallel.max(1);
+) -> Result<LoadedModel> {
     let tokenizer = Arc::new(tokenizer);
     let options = EngineOptions {
-        parallel,
+        parallel: config.parallel.max(1),
         batch_size: config.batch_size,
         ubatch_size: config.ubatch_size,
         max_queue: config.queue_limit,
         prefix_cache: config.cache_prompt,
     };
     let handle = Engine::start(runner, tokenizer.clone(), options)?;
-    Ok((BatchEngine { handle }, tokenizer, facts))
+    Ok(LoadedModel { generator: Arc::new(BatchEngine { handle }), text: tokenizer, facts, encoder: None })
 }
 
 impl Drop for BatchEngine {

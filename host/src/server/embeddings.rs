@@ -25,11 +25,14 @@ use serde_json::{json, Value};
 
 use super::args::ServerConfig;
 use super::error::{parse_body, ApiError, Dialect};
-use super::generator::{EngineStats, EventStream, Generator, SlotStats};
+use super::generator::{EngineStats, EventStream, Generator, ModelFacts, SlotStats};
 use super::openai::PromptField;
 use super::state::{AppState, LoadedModel, RequestLog};
 use crate::engine::embed::{relevance_score, EncoderInfo};
-use crate::engine::{EncodedInput, Encoder, EncoderOptions, EncoderTokenizer, EngineError, GenerationRequest, Usage};
+use crate::engine::{
+    EncodedInput, Encoder, EncoderOptions, EncoderTokenizer, EngineError, GenerationRequest, ModelRunner, Usage,
+};
+use crate::text::TextTokenizer;
 use mlxcel_plugin_api::Task;
 
 /// An encoder model as the routes use it: the thread that runs it and its tokenizer.
@@ -44,15 +47,13 @@ impl EncoderModel {
     }
 }
 
-/// Loads MODEL and starts what runs it: the batching engine for a text-generation model, an
-/// [`Encoder`] for an embedding or reranking model.
-pub fn start_model(config: &ServerConfig) -> Result<LoadedModel> {
-    let parallel = config.parallel.max(1);
-    let (runner, text, facts) = super::model::load(config, parallel)?;
-    if runner.info.task == Task::Text {
-        let (engine, text, facts) = super::batch_engine::start_loaded(config, runner, text, facts)?;
-        return Ok(LoadedModel { generator: Arc::new(engine), text, facts, encoder: None });
-    }
+/// Starts an [`Encoder`] on an embedding or reranking model [`super::model::load`] loaded.
+pub fn start_encoder(
+    config: &ServerConfig,
+    runner: ModelRunner,
+    text: TextTokenizer,
+    facts: ModelFacts,
+) -> Result<LoadedModel> {
     let tokenizer = EncoderTokenizer::load(
         &runner.checkpoint.dir,
         &runner.checkpoint.config,

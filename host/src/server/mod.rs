@@ -248,38 +248,12 @@ async fn serve(config: ServerConfig) -> Result<()> {
     let state = AppState::new(config);
     let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<String>();
     let loader = state.clone();
-    // A speech model (Whisper) is served by the transcription engine; any other model by the
-    // encoder engine (embeddings, rerank) or the batching text engine, as its task says.
-    tokio::task::spawn_blocking(move || match audio::start_if_speech(&loader.config) {
-        Ok(Some(speech)) => {
-            eprintln!("mlxcel-server: speech model {} ready (/v1/audio/transcriptions)", speech.id);
-            let _ = loader.speech.set(speech);
-        }
+    // What serves the model depends on its task (see `model::start`).
+    tokio::task::spawn_blocking(move || match model::start(&loader) {
+        Ok(ready) => eprintln!("mlxcel-server: {ready}"),
         Err(e) => {
             let _ = failed_tx.send(crate::logging::one_line(&e));
         }
-        Ok(None) => match embeddings::start_model(&loader.config) {
-            Ok(model) => {
-                let f = &model.facts;
-                match &model.encoder {
-                    Some(e) => eprintln!(
-                        "mlxcel-server: {} model {} ready ({} tokens per input, {} outputs per input)",
-                        e.info().task.name(),
-                        f.id,
-                        e.info().max_tokens,
-                        e.info().output_dim
-                    ),
-                    None => eprintln!(
-                        "mlxcel-server: model {} ready (context {}, {} slot(s))",
-                        f.id, f.ctx_size, loader.config.parallel
-                    ),
-                }
-                let _ = loader.model.set(model);
-            }
-            Err(e) => {
-                let _ = failed_tx.send(crate::logging::one_line(&e));
-            }
-        },
     });
 
     let app = router(state.clone());

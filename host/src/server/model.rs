@@ -1,7 +1,12 @@
-//! Loading the served model from the server's flags: resolve MODEL (folder, HF cache, store or hub),
-//! load the runner sized for `--ctx-size` × `parallel`, check the memory estimate, load the tokenizer
-//! with the `--chat-template(-file)` override, and gather the [`ModelFacts`] the routes report.
-//! Whatever engine runs the model calls this on the thread that will own the runner.
+//! Loading the served model from the server's flags and starting what serves its task. [`start`] is
+//! the one place that dispatches on the task: resolve MODEL (folder, HF cache, store or hub), then a
+//! speech-recognition model goes to the transcription thread, a text model to the batching engine and
+//! an embedding or reranking model to an encoder. [`load`] loads the runner sized for `--ctx-size` ×
+//! `parallel`, checks the memory estimate, loads the tokenizer with the `--chat-template(-file)`
+//! override and gathers the [`ModelFacts`] the routes report. It runs on the thread that will own the
+//! runner.
+
+use std::path::Path;
 
 use anyhow::{bail, Result};
 use mlxcel_plugin_api::Task;
@@ -9,13 +14,53 @@ use mlxcel_plugins::{Catalog, PluginSearch};
 
 use super::args::ServerConfig;
 use super::generator::ModelFacts;
+use super::state::AppState;
+use super::{audio, batch_engine, embeddings};
 use crate::engine::memory::MemoryEstimate;
 use crate::engine::{ModelRunner, RunnerOptions};
+use crate::speech::is_speech_model;
 use crate::text::{ChatTemplate, TextTokenizer};
 
-/// Loads the model with KV room for `parallel` sequences of the context size.
-pub fn load(config: &ServerConfig, parallel: usize) -> Result<(ModelRunner, TextTokenizer, ModelFacts)> {
+/// Loads MODEL, starts what serves its task and hands it to the routes (`state.speech` for a speech
+/// model, `state.model` for the others); returns the line saying it is ready. A new task is one more
+/// arm here.
+pub fn start(state: &AppState) -> Result<String> {
+    let config = &state.config;
     let dir = crate::cli::run::resolve_model(&config.model, config.revision.as_deref())?;
+    // A speech model is known from its config alone; the others by the task their family describes.
+    if read_json(&dir.join("config.json")).as_ref().is_some_and(is_speech_model) {
+        let speech = audio::start(config, &dir)?;
+        let ready = format!("speech model {} ready (/v1/audio/transcriptions)", speech.id);
+        let _ = state.speech.set(speech);
+        return Ok(ready);
+    }
+    let parallel = config.parallel.max(1);
+    let (runner, text, facts) = load(config, &dir, parallel)?;
+    let (model, ready) = match runner.info.task {
+        Task::Text => {
+            let ready = format!("model {} ready (context {}, {} slot(s))", facts.id, facts.ctx_size, config.parallel);
+            (batch_engine::start(config, runner, text, facts)?, ready)
+        }
+        Task::Embed | Task::Rerank => {
+            let model = embeddings::start_encoder(config, runner, text, facts)?;
+            let e = model.encoder.as_ref().expect("an encoder model has its encoder").info();
+            let ready = format!(
+                "{} model {} ready ({} tokens per input, {} outputs per input)",
+                e.task.name(),
+                model.facts.id,
+                e.max_tokens,
+                e.output_dim
+            );
+            (model, ready)
+        }
+        task => bail!("the server cannot serve a {} model", task.name()),
+    };
+    let _ = state.model.set(model);
+    Ok(ready)
+}
+
+/// Loads the model in `dir` with KV room for `parallel` sequences of the context size.
+pub fn load(config: &ServerConfig, dir: &Path, parallel: usize) -> Result<(ModelRunner, TextTokenizer, ModelFacts)> {
     let catalog = Catalog::load(&PluginSearch::from_env(&config.plugin_dirs));
     let opts = RunnerOptions {
         backend: config.backend.clone(),
@@ -25,8 +70,7 @@ pub fn load(config: &ServerConfig, parallel: usize) -> Result<(ModelRunner, Text
         cache_types: config.cache_types,
         ..Default::default()
     };
-    // Text generation, or an encoder (embeddings, reranking) that `embeddings::start_model` runs.
-    let runner = ModelRunner::load_for(&catalog, &dir, &opts, &[Task::Text, Task::Embed, Task::Rerank])?;
+    let runner = ModelRunner::load_for(&catalog, dir, &opts, &[Task::Text, Task::Embed, Task::Rerank])?;
     let est = MemoryEstimate::new(
         &runner.info,
         runner.checkpoint.weight_bytes(),
@@ -39,8 +83,9 @@ pub fn load(config: &ServerConfig, parallel: usize) -> Result<(ModelRunner, Text
         bail!("{} does not fit in memory: {}; lower --ctx-size or pass --force", dir.display(), est.summary());
     }
     let mut tokenizer =
-        TextTokenizer::load(&dir, &runner.checkpoint.config, runner.checkpoint.generation_config.as_ref())?;
-    let mut template_source = ChatTemplate::source_in(&dir, tokenizer_config(&dir).as_ref());
+        TextTokenizer::load(dir, &runner.checkpoint.config, runner.checkpoint.generation_config.as_ref())?;
+    let tokenizer_config = read_json(&dir.join("tokenizer_config.json"));
+    let mut template_source = ChatTemplate::source_in(dir, tokenizer_config.as_ref());
     if let Some(src) = &config.chat_template {
         let t = ChatTemplate::new(
             src,
@@ -77,7 +122,7 @@ pub fn load(config: &ServerConfig, parallel: usize) -> Result<(ModelRunner, Text
     Ok((runner, tokenizer, facts))
 }
 
-fn tokenizer_config(dir: &std::path::Path) -> Option<serde_json::Value> {
-    let text = std::fs::read_to_string(dir.join("tokenizer_config.json")).ok()?;
+fn read_json(path: &Path) -> Option<serde_json::Value> {
+    let text = std::fs::read_to_string(path).ok()?;
     serde_json::from_str(&text).ok()
 }

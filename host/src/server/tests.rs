@@ -8,8 +8,9 @@ use std::time::Duration;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use super::args::{SamplingOverrides, ServerConfig};
+use super::args::ServerConfig;
 use super::*;
+use crate::engine::SamplingOverrides;
 use crate::engine::{
     EngineError, FinishReason, GenerationEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage,
 };
