@@ -137,6 +137,50 @@ int mlxb_from_host(const void* data, const int64_t* shape, int ndim, int dtype, 
   })
 }
 
+int mlxb_from_host_borrowed(const void* data, const int64_t* shape, int ndim, int dtype, int* borrowed,
+                            mlxb_array** out) {
+  MLXB_TRY({
+    *borrowed = 0;
+    auto s = to_shape(shape, ndim);
+    auto dt = to_dtype(dtype);
+    size_t n = 1;
+    for (auto d : s) n *= static_cast<size_t>(d);
+    size_t bytes = n * mx::size_of(dt);
+    void* p = const_cast<void*>(data);
+    if (bytes == 0) {
+      *out = wrap(mx::zeros(s, dt));
+      return 0;
+    }
+    if (reinterpret_cast<uintptr_t>(p) % mx::size_of(dt) == 0) {
+      if (!mx::is_available(mx::Device::gpu)) {
+        // A CPU-only libmlx (the mlx-cpu wheel) cannot wrap foreign memory through the public
+        // constructor (its allocator's make_buffer declines, so that copies), but its buffers are
+        // plain pointers whose data starts one size_t in (Buffer::raw_ptr). A buffer placed one
+        // size_t before the host's bytes therefore reads them in place; it is not owned, so MLX never
+        // frees it nor donates it to an op's output (never writes the read-only mapping). Checked
+        // below: a libmlx laid out otherwise falls back to the copy.
+        mx::allocator::Data d(mx::allocator::Buffer(static_cast<char*>(p) - sizeof(size_t)),
+                              [](mx::allocator::Buffer) {});
+        mx::array a(std::move(d), s, dt);
+        if (a.data<uint8_t>() == static_cast<uint8_t*>(p)) {
+          *borrowed = 1;
+          *out = wrap(std::move(a));
+          return 0;
+        }
+      } else {
+        // Metal/CUDA: the public no-copy constructor (it copies where the device cannot alias).
+        mx::array a(p, s, dt, [](void*) {});
+        *borrowed = a.data<uint8_t>() == static_cast<uint8_t*>(p) ? 1 : 0;
+        *out = wrap(std::move(a));
+        return 0;
+      }
+    }
+    auto buf = mx::allocator::malloc(bytes);
+    std::memcpy(buf.buffer().raw_ptr(), data, bytes);
+    *out = wrap(mx::array(std::move(buf), s, dt));
+  })
+}
+
 int mlxb_zeros(const int64_t* shape, int ndim, int dtype, mlxb_array** out) {
   MLXB_TRY({ *out = wrap(mx::zeros(to_shape(shape, ndim), to_dtype(dtype))); })
 }

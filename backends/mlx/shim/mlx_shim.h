@@ -27,6 +27,10 @@ const char* mlxb_default_device(void);
 void mlxb_free(mlxb_array* a);
 // A copy of host data as an array of `dtype` and `shape`.
 int mlxb_from_host(const void* data, const int64_t* shape, int ndim, int dtype, mlxb_array** out);
+// The host's bytes as an array of `dtype` and `shape` without a copy where libmlx can alias them
+// (`*borrowed` = 1; the host keeps them alive and unchanged while the array lives), else a copy.
+int mlxb_from_host_borrowed(const void* data, const int64_t* shape, int ndim, int dtype, int* borrowed,
+                            mlxb_array** out);
 int mlxb_zeros(const int64_t* shape, int ndim, int dtype, mlxb_array** out);
 int mlxb_clone(const mlxb_array* a, mlxb_array** out);
 // The same bytes seen as `dtype` and `shape` (a bit-cast and a reshape, lazy).

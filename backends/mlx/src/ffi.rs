@@ -30,6 +30,14 @@ extern "C" {
     pub fn mlxb_default_device() -> *const c_char;
     pub fn mlxb_free(a: *mut RawArray);
     pub fn mlxb_from_host(data: *const u8, shape: *const i64, ndim: c_int, dtype: c_int, out: Out) -> c_int;
+    pub fn mlxb_from_host_borrowed(
+        data: *const u8,
+        shape: *const i64,
+        ndim: c_int,
+        dtype: c_int,
+        borrowed: *mut c_int,
+        out: Out,
+    ) -> c_int;
     pub fn mlxb_zeros(shape: *const i64, ndim: c_int, dtype: c_int, out: Out) -> c_int;
     pub fn mlxb_clone(a: *const RawArray, out: Out) -> c_int;
     pub fn mlxb_view(a: *const RawArray, dtype: c_int, shape: *const i64, ndim: c_int, out: Out) -> c_int;
