@@ -172,10 +172,8 @@ pub unsafe fn compute(args: &ComputeArgs) -> Result<(), PluginError> {
 
     let mut vals: Vec<Option<Array>> = (0..nodes.len()).map(|_| None).collect();
     // Host copies of integer inputs and constants (token ids, rows, sequence indices) so indices are
-    // checked, and per-sequence work is planned, before MLX reads them; and of float inputs, so expert
-    // indices that come from the host are checked too.
+    // checked, and per-sequence work is planned, before MLX reads them.
     let mut host_ints: Vec<Option<Vec<i32>>> = vec![None; nodes.len()];
-    let mut host_floats: Vec<Option<Vec<f32>>> = vec![None; nodes.len()];
     let mut caches: HashMap<usize, LayerCache> = HashMap::new();
     let mut states: HashMap<usize, StateCache> = HashMap::new();
 
@@ -211,10 +209,8 @@ pub unsafe fn compute(args: &ComputeArgs) -> Result<(), PluginError> {
                 }
                 // SAFETY: the host's input is readable for `len` bytes during the call.
                 let bytes: &[u8] = if t.len == 0 { &[] } else { unsafe { std::slice::from_raw_parts(t.ptr, t.len) } };
-                match node.dtype() {
-                    DType::I32 => host_ints[i] = Some(words(bytes, i32::from_le_bytes)),
-                    DType::F32 => host_floats[i] = Some(words(bytes, f32::from_le_bytes)),
-                    _ => {}
+                if node.dtype() == DType::I32 {
+                    host_ints[i] = Some(words(bytes, i32::from_le_bytes));
                 }
                 Array::from_host(bytes, node.dtype(), &shape_of(node)).map_err(e)?
             }
@@ -882,7 +878,15 @@ pub unsafe fn compute(args: &ComputeArgs) -> Result<(), PluginError> {
                 };
                 // Expert ids the host gave are checked here; ids computed in this graph (a TopK) are
                 // in range by construction (MLX clamps the gather either way).
-                if let Some(ids) = host_floats[src[1] as usize].as_deref() {
+                let host_ids = match (sn(1).opcode(), inputs.get(sn(1).iparams[0] as usize)) {
+                    (Some(OpCode::Input), Some(h)) if h.len > 0 && sn(1).dtype() == DType::F32 => {
+                        // SAFETY: the host's input is readable for `len` bytes during the call (its size
+                        // was checked against the node when it was bound).
+                        Some(words(unsafe { std::slice::from_raw_parts(h.ptr, h.len) }, f32::from_le_bytes))
+                    }
+                    _ => None,
+                };
+                if let Some(ids) = host_ids {
                     if let Some((at, &id)) = ids
                         .iter()
                         .enumerate()
