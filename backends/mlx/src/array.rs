@@ -91,6 +91,26 @@ impl Array {
         make(|o| unsafe { ffi::mlxb_from_host(bytes.as_ptr(), shape.as_ptr(), shape.len() as c_int, code, o) })
     }
 
+    /// `bytes` as an array of `dtype` and `shape`, read in place where libmlx can alias host memory
+    /// (then `true`), else copied.
+    ///
+    /// # Safety
+    /// Where aliased, `bytes` must stay alive and unchanged until the array and every array that
+    /// shares its memory are dropped.
+    pub unsafe fn from_host_borrowed(bytes: &[u8], dtype: DType, shape: &[i64]) -> Result<(Array, bool), String> {
+        let code = dtype_code(dtype)?;
+        let n: i64 = shape.iter().product();
+        if n as usize * dtype.size() != bytes.len() {
+            return Err(format!("{} bytes cannot be a {} tensor of shape {shape:?}", bytes.len(), dtype.name()));
+        }
+        let mut borrowed: c_int = 0;
+        // SAFETY: `bytes` holds exactly the elements `shape` names; the caller keeps them alive.
+        let a = make(|o| unsafe {
+            ffi::mlxb_from_host_borrowed(bytes.as_ptr(), shape.as_ptr(), shape.len() as c_int, code, &mut borrowed, o)
+        })?;
+        Ok((a, borrowed != 0))
+    }
+
     pub fn from_i32(values: &[i32], shape: &[i64]) -> Result<Array, String> {
         // SAFETY: plain integers seen as their bytes.
         let bytes = unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, std::mem::size_of_val(values)) };

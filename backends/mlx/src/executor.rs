@@ -8,7 +8,8 @@ use std::ffi::c_int;
 
 use mlxcel_plugin_api::{
     read_versioned, read_versioned_array, slice_from, ComputeArgs, DType, HostTensor, KvBinding, KvGroupTables, Node,
-    OpCode, PluginError, StepBatch, NO_BLOCK,
+    OpCode, PluginError, StepBatch, CONV_CAUSAL_STATE, CONV_WEIGHT_MLX, CONV_WEIGHT_TORCH, CONV_WHOLE, CROSS_KV_HEADER,
+    NO_BLOCK, POOL_FIRST, POOL_LAST, POOL_MEAN, TOPK_INDICES,
 };
 
 use crate::array::{make, Array};
@@ -22,9 +23,17 @@ pub fn supports(node: &Node) -> bool {
         OpCode::Input | OpCode::Weight => {
             matches!(node.dtype(), DType::F32 | DType::F16 | DType::BF16 | DType::I32 | DType::U32)
         }
-        OpCode::Constant => node.dtype() == DType::F32,
-        OpCode::QuantMatMul | OpCode::QuantEmbedding => {
+        OpCode::Constant => matches!(node.dtype(), DType::F32 | DType::I32),
+        OpCode::QuantMatMul | OpCode::QuantEmbedding | OpCode::GatherQuantMatMul => {
             matches!(node.iparams[0], 2 | 3 | 4 | 5 | 6 | 8) && matches!(node.iparams[1], 32 | 64 | 128)
+        }
+        OpCode::SegmentPool => {
+            node.dtype() == DType::F32 && matches!(node.iparams[0], POOL_MEAN | POOL_FIRST | POOL_LAST)
+        }
+        OpCode::Conv1d => {
+            node.dtype() == DType::F32
+                && matches!(node.iparams[0], CONV_WHOLE | CONV_CAUSAL_STATE)
+                && matches!(node.iparams[5], CONV_WEIGHT_MLX | CONV_WEIGHT_TORCH)
         }
         // The ops `compute` implements, in f32.
         OpCode::Embedding
@@ -43,8 +52,17 @@ pub fn supports(node: &Node) -> bool {
         | OpCode::RmsNorm
         | OpCode::LayerNorm
         | OpCode::Rope
-        | OpCode::Attention => node.dtype() == DType::F32,
-        _ => false,
+        | OpCode::Attention
+        | OpCode::Slice
+        | OpCode::Softmax
+        | OpCode::L2Normalize
+        | OpCode::Sigmoid
+        | OpCode::StepAttention
+        | OpCode::StoreCrossKv
+        | OpCode::CrossAttention
+        | OpCode::TopK
+        | OpCode::GatherMatMul
+        | OpCode::WeightedSum => node.dtype() == DType::F32,
     }
 }
 
@@ -153,9 +171,11 @@ pub unsafe fn compute(args: &ComputeArgs) -> Result<(), PluginError> {
     }
 
     let mut vals: Vec<Option<Array>> = (0..nodes.len()).map(|_| None).collect();
-    // Host copies of integer inputs (token ids, rows) so indices are checked before MLX reads them.
-    let mut host_ints: Vec<Option<&[i32]>> = vec![None; nodes.len()];
+    // Host copies of integer inputs and constants (token ids, rows, sequence indices) so indices are
+    // checked, and per-sequence work is planned, before MLX reads them.
+    let mut host_ints: Vec<Option<Vec<i32>>> = vec![None; nodes.len()];
     let mut caches: HashMap<usize, LayerCache> = HashMap::new();
+    let mut states: HashMap<usize, StateCache> = HashMap::new();
 
     for (i, node) in nodes.iter().enumerate() {
         let op = node.opcode().unwrap();
@@ -174,7 +194,7 @@ pub unsafe fn compute(args: &ComputeArgs) -> Result<(), PluginError> {
         };
         let expect_bytes = node.numel() * node.dtype().size();
         let source = matches!(op, OpCode::Input | OpCode::Weight | OpCode::Constant);
-        if node.numel() == 0 && !source && op != OpCode::Attention {
+        if node.numel() == 0 && !source && !matches!(op, OpCode::Attention | OpCode::StoreCrossKv | OpCode::Conv1d) {
             // No rows (a prefill chunk that asks for no logits): nothing to compute, and MLX reshapes
             // of empty arrays cannot infer their dimensions.
             vals[i] = Some(Array::zeros(DType::F32, &shape_of(node)).map_err(e)?);
@@ -189,14 +209,8 @@ pub unsafe fn compute(args: &ComputeArgs) -> Result<(), PluginError> {
                 }
                 // SAFETY: the host's input is readable for `len` bytes during the call.
                 let bytes: &[u8] = if t.len == 0 { &[] } else { unsafe { std::slice::from_raw_parts(t.ptr, t.len) } };
-                if node.dtype() == DType::I32 && bytes.is_empty() {
-                    host_ints[i] = Some(&[]);
-                } else if node.dtype() == DType::I32 {
-                    if !(t.ptr as usize).is_multiple_of(4) {
-                        return Err(e("integer input is not 4-byte aligned".into()));
-                    }
-                    // SAFETY: aligned, `len / 4` integers.
-                    host_ints[i] = Some(unsafe { std::slice::from_raw_parts(t.ptr as *const i32, t.len / 4) });
+                if node.dtype() == DType::I32 {
+                    host_ints[i] = Some(words(bytes, i32::from_le_bytes));
                 }
                 Array::from_host(bytes, node.dtype(), &shape_of(node)).map_err(e)?
             }
@@ -235,7 +249,11 @@ pub unsafe fn compute(args: &ComputeArgs) -> Result<(), PluginError> {
                 if off.checked_add(len).is_none_or(|end| end > constants.len()) || len != expect_bytes {
                     return Err(e("constant out of the graph's constant blob".into()));
                 }
-                Array::from_host(&constants[off..off + len], DType::F32, &shape_of(node)).map_err(e)?
+                let bytes = &constants[off..off + len];
+                if node.dtype() == DType::I32 {
+                    host_ints[i] = Some(words(bytes, i32::from_le_bytes));
+                }
+                Array::from_host(bytes, node.dtype(), &shape_of(node)).map_err(e)?
             }
             OpCode::Embedding | OpCode::QuantEmbedding | OpCode::GetRows => {
                 need(if op == OpCode::QuantEmbedding { 4 } else { 2 })?;
@@ -263,6 +281,7 @@ pub unsafe fn compute(args: &ComputeArgs) -> Result<(), PluginError> {
                 }
                 // Indices are only trusted once seen: MLX does not bound-check gathers.
                 let ids = host_ints[src[ids_j] as usize]
+                    .as_deref()
                     .ok_or_else(|| e("indices must come from the step's inputs".into()))?;
                 if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as usize >= rows) {
                     return Err(e(format!("index {id} out of range for {rows} rows")));
@@ -339,7 +358,13 @@ pub unsafe fn compute(args: &ComputeArgs) -> Result<(), PluginError> {
                 // SAFETY: live handles.
                 make(|o| unsafe { ffi::mlxb_binary(kind, a2.raw(), b2.raw(), o) }).map_err(e)?
             }
-            OpCode::Scale | OpCode::Silu | OpCode::Gelu | OpCode::GeluTanh | OpCode::Relu | OpCode::Softcap => {
+            OpCode::Scale
+            | OpCode::Silu
+            | OpCode::Gelu
+            | OpCode::GeluTanh
+            | OpCode::Relu
+            | OpCode::Softcap
+            | OpCode::Sigmoid => {
                 need(1)?;
                 if sn(0).numel() != node.numel() || !is_float(sn(0).dtype()) {
                     return Err(e("output must have the input's shape".into()));
@@ -354,6 +379,7 @@ pub unsafe fn compute(args: &ComputeArgs) -> Result<(), PluginError> {
                     OpCode::Gelu => ffi::UN_GELU,
                     OpCode::GeluTanh => ffi::UN_GELU_TANH,
                     OpCode::Relu => ffi::UN_RELU,
+                    OpCode::Sigmoid => ffi::UN_SIGMOID,
                     _ => ffi::UN_SOFTCAP,
                 };
                 let x = v(0)?.f32().map_err(e)?;
@@ -413,8 +439,485 @@ pub unsafe fn compute(args: &ComputeArgs) -> Result<(), PluginError> {
                 let batch = batch.as_ref().ok_or_else(|| e("no step batch given".into()))?;
                 attention(i, node, nodes, &vals, batch, &groups, &kv, &mut caches)?
             }
-            // `supports` refuses these, so the host never sends them; a graph that does is an error.
-            other => return Err(bad(i, node, format!("{other:?} is not implemented by the mlx backend"))),
+            OpCode::Slice => {
+                need(1)?;
+                let (rows, c, c0, c1) = (sn(0).rows(), sn(0).cols(), node.iparams[0], node.iparams[1]);
+                if c0 < 0 || c1 <= c0 || c1 as usize > c {
+                    return Err(e(format!("column range {c0}..{c1} outside 0..{c}")));
+                }
+                if node.cols() != (c1 - c0) as usize || node.rows() != rows {
+                    return Err(e(format!("output must be [{rows}, {}]", c1 - c0)));
+                }
+                let x = v(0)?.view_f32_2d(sn(0).dtype(), rows as i64, c as i64).map_err(e)?;
+                // SAFETY: a live handle.
+                make(|o| unsafe { ffi::mlxb_slice_cols(x.raw(), c0, c1, o) }).map_err(e)?
+            }
+            OpCode::Softmax | OpCode::L2Normalize => {
+                need(1)?;
+                let (rows, c) = (sn(0).rows(), sn(0).cols());
+                if sn(0).numel() != node.numel() || node.cols() != c {
+                    return Err(e("output must have the input's shape".into()));
+                }
+                let x = v(0)?.view_f32_2d(sn(0).dtype(), rows as i64, c as i64).map_err(e)?;
+                if op == OpCode::Softmax {
+                    let d = if node.iparams[0] == 0 { c } else { node.iparams[0].max(0) as usize };
+                    if d == 0 || c % d != 0 {
+                        return Err(e(format!("group width {d} does not divide {c} columns")));
+                    }
+                    // SAFETY: a live handle.
+                    make(|o| unsafe { ffi::mlxb_softmax_groups(x.raw(), d as i64, o) }).map_err(e)?
+                } else {
+                    let eps = if node.fparams[0] > 0.0 { node.fparams[0] } else { 1e-12 };
+                    // SAFETY: a live handle.
+                    make(|o| unsafe { ffi::mlxb_l2_normalize(x.raw(), eps, o) }).map_err(e)?
+                }
+            }
+            OpCode::SegmentPool => {
+                need(2)?;
+                let (t, c, n) = (sn(0).rows(), sn(0).cols(), node.rows());
+                let seq = host_ints[src[1] as usize]
+                    .as_deref()
+                    .ok_or_else(|| e("sequence indices must come from the step's inputs or constants".into()))?;
+                if seq.len() != t || node.cols() != c {
+                    return Err(e(format!("x [{t}, {c}] with {} sequence indices", seq.len())));
+                }
+                if let Some(&s) = seq.iter().find(|&&s| s < 0 || s as usize >= n) {
+                    return Err(e(format!("sequence index {s} out of range for {n} output rows")));
+                }
+                let pool = node.iparams[0];
+                if !matches!(pool, POOL_MEAN | POOL_FIRST | POOL_LAST) {
+                    return Err(e(format!("unknown pooling {pool}")));
+                }
+                if t == 0 {
+                    Array::zeros(DType::F32, &[n as i64, c as i64]).map_err(e)?
+                } else {
+                    let x = v(0)?.view_f32_2d(sn(0).dtype(), t as i64, c as i64).map_err(e)?;
+                    if pool == POOL_MEAN {
+                        let mut count = vec![0usize; n];
+                        seq.iter().for_each(|&s| count[s as usize] += 1);
+                        let mut w = vec![0f32; n * t];
+                        for (r, &s) in seq.iter().enumerate() {
+                            w[s as usize * t + r] = 1.0 / count[s as usize] as f32;
+                        }
+                        let w = Array::from_f32(&w, &[n as i64, t as i64]).map_err(e)?;
+                        // SAFETY: live handles.
+                        make(|o| unsafe { ffi::mlxb_pool_mean(x.raw(), w.raw(), o) }).map_err(e)?
+                    } else {
+                        let mut pick = vec![-1i32; n];
+                        for (r, &s) in seq.iter().enumerate() {
+                            let p = &mut pick[s as usize];
+                            if pool == POOL_LAST || *p < 0 {
+                                *p = r as i32;
+                            }
+                        }
+                        let present: Vec<f32> = pick.iter().map(|&p| if p >= 0 { 1.0 } else { 0.0 }).collect();
+                        let rows: Vec<i32> = pick.iter().map(|&p| p.max(0)).collect();
+                        let rows = Array::from_i32(&rows, &[n as i64]).map_err(e)?;
+                        let present = Array::from_f32(&present, &[n as i64]).map_err(e)?;
+                        // SAFETY: live handles.
+                        make(|o| unsafe { ffi::mlxb_pool_pick(x.raw(), rows.raw(), present.raw(), o) }).map_err(e)?
+                    }
+                }
+            }
+            OpCode::StepAttention => {
+                need(4)?;
+                let (hq, hkv, dh) = (node.iparams[0] as usize, node.iparams[1] as usize, node.iparams[2] as usize);
+                if hq == 0 || hkv == 0 || dh == 0 || hq % hkv != 0 {
+                    return Err(e(format!("bad head counts {hq}/{hkv} x {dh}")));
+                }
+                let seq = host_ints[src[3] as usize]
+                    .as_deref()
+                    .ok_or_else(|| e("sequence indices must come from the step's inputs or constants".into()))?;
+                let t = seq.len();
+                let kv_row = hkv * dh;
+                if sn(0).numel() != t * hq * dh || sn(1).numel() != t * kv_row || sn(2).numel() != t * kv_row {
+                    return Err(e(format!("q/k/v shapes do not match {t} rows of {hq}/{hkv} heads x {dh}")));
+                }
+                if node.numel() != t * hq * dh {
+                    return Err(e("output must have q's shape".into()));
+                }
+                let segs = segments(seq, t).map_err(e)?;
+                let (causal, window) = (node.iparams[3] == 1, node.iparams[4].max(0) as usize);
+                let q = v(0)?.view_f32_2d(sn(0).dtype(), t as i64, (hq * dh) as i64).map_err(e)?;
+                let k = v(1)?.view_f32_2d(sn(1).dtype(), t as i64, kv_row as i64).map_err(e)?;
+                let vv = v(2)?.view_f32_2d(sn(2).dtype(), t as i64, kv_row as i64).map_err(e)?;
+                let mut parts = Vec::with_capacity(segs.len());
+                for seg in &segs {
+                    let rows = |a: &Array| {
+                        // SAFETY: a live handle.
+                        make(|o| unsafe { ffi::mlxb_slice_rows(a.raw(), seg.start as i64, seg.end as i64, o) })
+                    };
+                    let (qs, ks, vs) = (rows(&q).map_err(e)?, rows(&k).map_err(e)?, rows(&vv).map_err(e)?);
+                    let len = seg.end - seg.start;
+                    let mask = if causal || window > 0 {
+                        let mut m = vec![f32::NEG_INFINITY; len * len];
+                        for r in 0..len {
+                            let (lo, hi) = visible(causal, window, r, len);
+                            m[r * len + lo..r * len + hi].fill(0.0);
+                        }
+                        Some(Array::from_f32(&m, &[len as i64, len as i64]).map_err(e)?)
+                    } else {
+                        None
+                    };
+                    let m = mask.as_ref().map_or(std::ptr::null(), |m| m.raw());
+                    let (scale, softcap) = (node.fparams[0], node.fparams[1]);
+                    // SAFETY: live handles (the mask may be null).
+                    let part = make(|o| unsafe {
+                        ffi::mlxb_attend(
+                            qs.raw(),
+                            ks.raw(),
+                            vs.raw(),
+                            m,
+                            hq as c_int,
+                            hkv as c_int,
+                            dh as c_int,
+                            scale,
+                            softcap,
+                            o,
+                        )
+                    })
+                    .map_err(e)?;
+                    parts.push(part);
+                }
+                concat_rows(&parts).map_err(e)?
+            }
+            OpCode::StoreCrossKv => {
+                need(3)?;
+                let layer = node.iparams[0] as usize;
+                let (hkv, dh, max_len) =
+                    (node.iparams[1] as usize, node.iparams[2] as usize, node.iparams[3].max(0) as usize);
+                let kv_row = hkv * dh;
+                let seq = host_ints[src[2] as usize]
+                    .as_deref()
+                    .ok_or_else(|| e("sequence indices must come from the step's inputs or constants".into()))?;
+                let rows_in = seq.len();
+                if kv_row == 0 || sn(0).numel() != rows_in * kv_row || sn(1).numel() != rows_in * kv_row {
+                    return Err(e(format!("k/v must be [{rows_in}, {hkv} x {dh}]")));
+                }
+                let n_seqs = batch.as_ref().map_or(0, |b| b.n_seqs as usize);
+                let segs = segments(seq, n_seqs).map_err(e)?;
+                if let Some(s) = segs.iter().find(|s| s.end - s.start > max_len) {
+                    return Err(e(format!("sequence {} has {} rows, more than {max_len}", s.seq, s.end - s.start)));
+                }
+                let re = HEADER + max_len * 2 * kv_row;
+                let state_rows = state_rows(batch.as_ref(), &segs, re, &kv, layer, &mut states).map_err(e)?;
+                if !segs.is_empty() {
+                    let k = v(0)?.view_f32_2d(sn(0).dtype(), rows_in as i64, kv_row as i64).map_err(e)?;
+                    let vv = v(1)?.view_f32_2d(sn(1).dtype(), rows_in as i64, kv_row as i64).map_err(e)?;
+                    let st = states.get_mut(&layer).unwrap();
+                    for (seg, &row) in segs.iter().zip(&state_rows) {
+                        let header =
+                            Array::from_f32(&[f32::from_bits((seg.end - seg.start) as u32)], &[1]).map_err(e)?;
+                        let rows = |a: &Array| {
+                            // SAFETY: a live handle.
+                            make(|o| unsafe { ffi::mlxb_slice_rows(a.raw(), seg.start as i64, seg.end as i64, o) })
+                        };
+                        let (ks, vs) = (rows(&k).map_err(e)?, rows(&vv).map_err(e)?);
+                        // SAFETY: live handles.
+                        let kv_rows = make(|o| unsafe { ffi::mlxb_concat_cols(ks.raw(), vs.raw(), o) }).map_err(e)?;
+                        st.write((row * re) as i64, &header).map_err(e)?;
+                        st.write((row * re + HEADER) as i64, &kv_rows).map_err(e)?;
+                    }
+                }
+                Array::zeros(DType::F32, &shape_of(node)).map_err(e)?
+            }
+            OpCode::CrossAttention => {
+                need(2)?;
+                let layer = node.iparams[0] as usize;
+                let (hq, hkv, dh) = (node.iparams[1] as usize, node.iparams[2] as usize, node.iparams[3] as usize);
+                let max_len = node.iparams[4].max(0) as usize;
+                if hq == 0 || hkv == 0 || dh == 0 || hq % hkv != 0 {
+                    return Err(e(format!("bad head counts {hq}/{hkv} x {dh}")));
+                }
+                let seq = host_ints[src[1] as usize]
+                    .as_deref()
+                    .ok_or_else(|| e("sequence indices must come from the step's inputs or constants".into()))?;
+                let t = seq.len();
+                if sn(0).numel() != t * hq * dh || node.numel() != t * hq * dh {
+                    return Err(e(format!("q and the output must be [{t}, {hq} x {dh}]")));
+                }
+                let n_seqs = batch.as_ref().map_or(0, |b| b.n_seqs as usize);
+                let segs = segments(seq, n_seqs).map_err(e)?;
+                let kv_row = hkv * dh;
+                let re = HEADER + max_len * 2 * kv_row;
+                let state_rows = state_rows(batch.as_ref(), &segs, re, &kv, layer, &mut states).map_err(e)?;
+                let q = v(0)?.view_f32_2d(sn(0).dtype(), t as i64, (hq * dh) as i64).map_err(e)?;
+                let st = states.get(&layer);
+                let mut parts = Vec::with_capacity(segs.len());
+                for (seg, &row) in segs.iter().zip(&state_rows) {
+                    let st = st.unwrap();
+                    // SAFETY: a live handle.
+                    let qs = make(|o| unsafe { ffi::mlxb_slice_rows(q.raw(), seg.start as i64, seg.end as i64, o) })
+                        .map_err(e)?;
+                    let (scale, softcap) = (node.fparams[0], node.fparams[1]);
+                    // SAFETY: live handles.
+                    let part = make(|o| unsafe {
+                        ffi::mlxb_cross_attend(
+                            qs.raw(),
+                            st.array.raw(),
+                            (row * re) as i64,
+                            max_len as c_int,
+                            HEADER as c_int,
+                            hq as c_int,
+                            hkv as c_int,
+                            dh as c_int,
+                            scale,
+                            softcap,
+                            o,
+                        )
+                    })
+                    .map_err(e)?;
+                    parts.push(part);
+                }
+                concat_rows(&parts).map_err(e)?
+            }
+            OpCode::Conv1d => {
+                need(3)?;
+                let (t, c_in) = (sn(0).rows(), sn(0).cols());
+                let wd = sn(1).dims();
+                let groups = if node.iparams[3] == 0 { 1 } else { node.iparams[3].max(0) as usize };
+                let c_out = node.cols();
+                let stride = node.iparams[1].max(0) as usize;
+                let pad = node.iparams[2].max(0) as usize;
+                let causal = match node.iparams[0] {
+                    CONV_WHOLE => false,
+                    CONV_CAUSAL_STATE => true,
+                    m => return Err(e(format!("unknown convolution mode {m}"))),
+                };
+                if wd.len() != 3 || groups == 0 || c_in % groups != 0 || c_out % groups != 0 {
+                    return Err(e(format!(
+                        "w must be [C_out, K, C_in/groups] with groups dividing {c_in} and {c_out}"
+                    )));
+                }
+                let torch = match node.iparams[5] {
+                    CONV_WEIGHT_MLX => false,
+                    CONV_WEIGHT_TORCH => true,
+                    l => return Err(e(format!("unknown convolution weight layout {l}"))),
+                };
+                let (kernel, w_cin) = if torch { (wd[2], wd[1]) } else { (wd[1], wd[2]) };
+                let kernel = kernel as usize;
+                if wd[0] as usize != c_out || w_cin as usize != c_in / groups || kernel == 0 || !is_float(sn(1).dtype())
+                {
+                    return Err(e(format!(
+                        "w is {wd:?}, not a float kernel for C_out {c_out}, C_in/groups {}",
+                        c_in / groups
+                    )));
+                }
+                let seq = host_ints[src[2] as usize]
+                    .as_deref()
+                    .ok_or_else(|| e("sequence indices must come from the step's inputs or constants".into()))?;
+                if stride == 0 || seq.len() != t {
+                    return Err(e(format!("stride {stride}, {} sequence indices for {t} rows", seq.len())));
+                }
+                if causal && (stride != 1 || pad != 0) {
+                    return Err(e("a causal convolution with state has stride 1 and no padding".into()));
+                }
+                let bias = if src.len() > 3 {
+                    if sn(3).numel() != c_out || !is_float(sn(3).dtype()) {
+                        return Err(e(format!("bias has {} values, expected {c_out}", sn(3).numel())));
+                    }
+                    Some(v(3)?.view_f32_2d(sn(3).dtype(), 1, c_out as i64).map_err(e)?)
+                } else {
+                    None
+                };
+                let n_seqs = if causal { batch.as_ref().map_or(0, |b| b.n_seqs as usize) } else { t };
+                let segs = segments(seq, n_seqs).map_err(e)?;
+                let (before, after) = if causal { (kernel - 1, 0) } else { (pad, pad) };
+                let out_rows = |len: usize| {
+                    let padded = before + len + after;
+                    if padded < kernel {
+                        0
+                    } else {
+                        (padded - kernel) / stride + 1
+                    }
+                };
+                let n_out: usize = segs.iter().map(|s| out_rows(s.end - s.start)).sum();
+                if n_out != node.rows() {
+                    return Err(e(format!("output has {} rows, the sequences give {n_out}", node.rows())));
+                }
+                let carry = (kernel - 1) * c_in;
+                let state_rows = if causal && carry > 0 {
+                    state_rows(batch.as_ref(), &segs, carry, &kv, node.iparams[4] as usize, &mut states).map_err(e)?
+                } else {
+                    Vec::new()
+                };
+                let x = if t == 0 {
+                    None
+                } else {
+                    Some(v(0)?.view_f32_2d(sn(0).dtype(), t as i64, c_in as i64).map_err(e)?)
+                };
+                let w = v(1)?;
+                let b = bias.as_ref().map_or(std::ptr::null(), |b| b.raw());
+                let mut parts = Vec::with_capacity(segs.len());
+                for (si, seg) in segs.iter().enumerate() {
+                    let x = x.as_ref().unwrap();
+                    // SAFETY: a live handle.
+                    let mut xs =
+                        make(|o| unsafe { ffi::mlxb_slice_rows(x.raw(), seg.start as i64, seg.end as i64, o) })
+                            .map_err(e)?;
+                    if causal && carry > 0 {
+                        let st = states.get_mut(&(node.iparams[4] as usize)).unwrap();
+                        let off = (state_rows[si] * carry) as i64;
+                        let prev = st.read(off, carry as i64).map_err(e)?;
+                        let prev = prev.view(DType::F32, &[(kernel - 1) as i64, c_in as i64]).map_err(e)?;
+                        xs = concat_rows(&[prev, xs]).map_err(e)?;
+                        let n_in = (kernel - 1 + seg.end - seg.start) as i64;
+                        // SAFETY: a live handle.
+                        let last =
+                            make(|o| unsafe { ffi::mlxb_slice_rows(xs.raw(), n_in - (kernel - 1) as i64, n_in, o) })
+                                .map_err(e)?;
+                        st.write(off, &last).map_err(e)?;
+                    }
+                    if out_rows(seg.end - seg.start) == 0 {
+                        continue;
+                    }
+                    let p = if causal { 0 } else { pad as c_int };
+                    // SAFETY: live handles (the bias may be null).
+                    let part = make(|o| unsafe {
+                        ffi::mlxb_conv1d(xs.raw(), w.raw(), b, stride as c_int, p, groups as c_int, torch as c_int, o)
+                    })
+                    .map_err(e)?;
+                    parts.push(part);
+                }
+                if parts.is_empty() {
+                    Array::zeros(DType::F32, &[0, c_out as i64]).map_err(e)?
+                } else {
+                    concat_rows(&parts).map_err(e)?
+                }
+            }
+            OpCode::TopK => {
+                need(1)?;
+                let (rows, cols) = (sn(0).rows(), sn(0).cols());
+                let k = node.iparams[0];
+                if k < 1 || k as usize > cols {
+                    return Err(e(format!("k = {k} must be between 1 and the {cols} columns")));
+                }
+                if node.rows() != rows || node.cols() != k as usize {
+                    return Err(e(format!("output must be [{rows}, {k}]")));
+                }
+                let x = v(0)?.view_f32_2d(sn(0).dtype(), rows as i64, cols as i64).map_err(e)?;
+                let (idx, sm, renorm) = (
+                    (node.iparams[1] == TOPK_INDICES) as c_int,
+                    (node.iparams[2] == 1) as c_int,
+                    (node.iparams[3] == 1) as c_int,
+                );
+                // SAFETY: a live handle.
+                make(|o| unsafe { ffi::mlxb_topk(x.raw(), k as c_int, idx, sm, renorm, o) }).map_err(e)?
+            }
+            OpCode::GatherMatMul | OpCode::GatherQuantMatMul => {
+                need(if op == OpCode::GatherMatMul { 3 } else { 5 })?;
+                let (t, k) = (sn(1).rows(), sn(1).cols());
+                let kdim = sn(0).cols();
+                let n = node.cols();
+                let x_per_token = sn(0).rows() == t;
+                if !x_per_token && sn(0).rows() != t * k {
+                    return Err(e(format!("x has {} rows for {t} tokens of {k} experts", sn(0).rows())));
+                }
+                if node.rows() != t * k {
+                    return Err(e(format!("output has {} rows, expected {t}·{k}", node.rows())));
+                }
+                let x = v(0)?.view_f32_2d(sn(0).dtype(), sn(0).rows() as i64, kdim as i64).map_err(e)?;
+                let indices = v(1)?.view_f32_2d(sn(1).dtype(), t as i64, k as i64).map_err(e)?;
+                let (total, val) = if op == OpCode::GatherMatMul {
+                    let mut held = 0usize;
+                    for j in 2..src.len() {
+                        let d = sn(j).dims();
+                        let (count, rows, cols) = match *d {
+                            [count, rows, cols] => (count as usize, rows as usize, cols as usize),
+                            [rows, cols] => (1, rows as usize, cols as usize),
+                            _ => return Err(e(format!("expert weight {j} has shape {d:?}"))),
+                        };
+                        if rows != n || cols != kdim || !is_float(sn(j).dtype()) {
+                            return Err(e(format!("expert weight {j} is {d:?}, expected [·, {n}, {kdim}] float")));
+                        }
+                        held += count;
+                    }
+                    let first = node.iparams[0].max(0);
+                    let total = if node.iparams[1] > 0 { node.iparams[1] as usize } else { first as usize + held };
+                    let ws: Vec<*mut ffi::RawArray> =
+                        (2..src.len()).map(|j| v(j).map(|a| a.raw() as *mut _)).collect::<Result<_, _>>()?;
+                    // SAFETY: live handles.
+                    let val = make(|o| unsafe {
+                        ffi::mlxb_gather_mm(
+                            x.raw(),
+                            indices.raw(),
+                            ws.as_ptr(),
+                            ws.len(),
+                            first,
+                            x_per_token as c_int,
+                            o,
+                        )
+                    })
+                    .map_err(e)?;
+                    (total, val)
+                } else {
+                    let p = sn(2);
+                    check_quant(node, &[p, sn(3), sn(4)], kdim).map_err(e)?;
+                    let experts = p.dims().first().copied().unwrap_or(0) as usize;
+                    if p.dims().len() != 3 || p.rows() != experts * n {
+                        return Err(e(format!("packed experts are {:?}, expected [E, {n}, ·]", p.dims())));
+                    }
+                    let (bits, group) = (node.iparams[0] as c_int, node.iparams[1] as c_int);
+                    let (w, sc, b) = (v(2)?, v(3)?, v(4)?);
+                    // SAFETY: live handles.
+                    let val = make(|o| unsafe {
+                        ffi::mlxb_gather_qmm(
+                            x.raw(),
+                            indices.raw(),
+                            w.raw(),
+                            sc.raw(),
+                            b.raw(),
+                            bits,
+                            group,
+                            x_per_token as c_int,
+                            o,
+                        )
+                    })
+                    .map_err(e)?;
+                    (experts, val)
+                };
+                // Expert ids the host gave are checked here; ids computed in this graph (a TopK) are
+                // in range by construction (MLX clamps the gather either way).
+                let host_ids = match (sn(1).opcode(), inputs.get(sn(1).iparams[0] as usize)) {
+                    (Some(OpCode::Input), Some(h)) if h.len > 0 && sn(1).dtype() == DType::F32 => {
+                        // SAFETY: the host's input is readable for `len` bytes during the call (its size
+                        // was checked against the node when it was bound).
+                        Some(words(unsafe { std::slice::from_raw_parts(h.ptr, h.len) }, f32::from_le_bytes))
+                    }
+                    _ => None,
+                };
+                if let Some(ids) = host_ids {
+                    if let Some((at, &id)) = ids
+                        .iter()
+                        .enumerate()
+                        .find(|(_, &id)| !(id >= 0.0 && id.fract() == 0.0 && (id as usize) < total))
+                    {
+                        return Err(e(format!(
+                            "expert index {id} (token {}, slot {}) is not an expert id below {total}",
+                            at / k.max(1),
+                            at % k.max(1)
+                        )));
+                    }
+                }
+                val
+            }
+            OpCode::WeightedSum => {
+                need(2)?;
+                let (t, k) = (sn(1).rows(), sn(1).cols());
+                let n = node.cols();
+                if sn(0).rows() != t * k || sn(0).cols() != n || node.rows() != t {
+                    return Err(e(format!(
+                        "y [{}, {}] and weights [{t}, {k}] do not make [{}, {n}]",
+                        sn(0).rows(),
+                        sn(0).cols(),
+                        node.rows()
+                    )));
+                }
+                let y = v(0)?.view_f32_2d(sn(0).dtype(), (t * k) as i64, n as i64).map_err(e)?;
+                let w = v(1)?.view_f32_2d(sn(1).dtype(), t as i64, k as i64).map_err(e)?;
+                // SAFETY: live handles.
+                make(|o| unsafe { ffi::mlxb_weighted_sum(y.raw(), w.raw(), t as c_int, k as c_int, o) }).map_err(e)?
+            }
         };
         vals[i] = Some(val);
     }
@@ -448,6 +951,15 @@ pub unsafe fn compute(args: &ComputeArgs) -> Result<(), PluginError> {
         to_eval.push(&c.k);
         to_eval.push(&c.v);
     }
+    for st in states.values() {
+        // SAFETY: as above.
+        unsafe {
+            if let Some(MlxBuffer::Device { array, .. }) = st.buf.as_mut() {
+                *array = Array::placeholder();
+            }
+        }
+        to_eval.push(&st.array);
+    }
     drop(vals);
     let evaluated = Array::eval(&to_eval).map_err(PluginError::failed);
     for (_, c) in caches.drain() {
@@ -461,11 +973,127 @@ pub unsafe fn compute(args: &ComputeArgs) -> Result<(), PluginError> {
             }
         }
     }
+    for (_, st) in states.drain() {
+        // SAFETY: as above.
+        unsafe {
+            if let Some(MlxBuffer::Device { array, .. }) = st.buf.as_mut() {
+                *array = st.array;
+            }
+        }
+    }
     evaluated?;
     for (a, dst) in out_arrays.iter().zip(outs) {
         copy_out(a, dst)?;
     }
     Ok(())
+}
+
+/// f32 elements before a cross-attention state row's first key row.
+const HEADER: usize = CROSS_KV_HEADER as usize;
+
+/// Little-endian 4-byte values of `bytes` (a copy: host inputs need not be aligned).
+fn words<T>(bytes: &[u8], from: fn([u8; 4]) -> T) -> Vec<T> {
+    bytes.chunks_exact(4).map(|c| from([c[0], c[1], c[2], c[3]])).collect()
+}
+
+/// One sequence's rows `start..end` of a step.
+struct Segment {
+    seq: usize,
+    start: usize,
+    end: usize,
+}
+
+/// Each sequence's rows from a per-row sequence index: contiguous, every index below `n_seqs`.
+fn segments(seq: &[i32], n_seqs: usize) -> Result<Vec<Segment>, String> {
+    let mut out: Vec<Segment> = Vec::new();
+    let mut seen = vec![false; n_seqs];
+    for (t, &s) in seq.iter().enumerate() {
+        if s < 0 || s as usize >= n_seqs {
+            return Err(format!("row {t}: sequence index {s} out of range for {n_seqs} sequences"));
+        }
+        let s = s as usize;
+        match out.last_mut() {
+            Some(g) if g.seq == s => g.end = t + 1,
+            _ => {
+                if std::mem::replace(&mut seen[s], true) {
+                    return Err(format!("row {t}: the rows of sequence {s} are not contiguous"));
+                }
+                out.push(Segment { seq: s, start: t, end: t + 1 });
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Keys `lo..hi` that row `i` of a sequence of `len` rows sees (`StepAttention`'s mask).
+fn visible(causal: bool, window: usize, i: usize, len: usize) -> (usize, usize) {
+    match (causal, window) {
+        (true, 0) => (0, i + 1),
+        (true, w) => ((i + 1).saturating_sub(w), i + 1),
+        (false, 0) => (0, len),
+        (false, w) => (i.saturating_sub(w), (i + w + 1).min(len)),
+    }
+}
+
+fn concat_rows(parts: &[Array]) -> Result<Array, String> {
+    let raw: Vec<_> = parts.iter().map(|p| p.raw() as *mut ffi::RawArray).collect();
+    // SAFETY: live handles.
+    make(|o| unsafe { ffi::mlxb_concat_rows(raw.as_ptr(), raw.len(), o) })
+}
+
+/// One layer's recurrent state (flat f32) as this step leaves it, and the buffer it goes back to.
+struct StateCache {
+    array: Array,
+    buf: *mut MlxBuffer,
+}
+
+impl StateCache {
+    fn read(&self, offset: i64, len: i64) -> Result<Array, String> {
+        // SAFETY: a live handle.
+        make(|o| unsafe { ffi::mlxb_flat_read(self.array.raw(), offset, len, o) })
+    }
+
+    fn write(&mut self, offset: i64, data: &Array) -> Result<(), String> {
+        // SAFETY: live handles.
+        self.array = make(|o| unsafe { ffi::mlxb_flat_write(self.array.raw(), offset, data.raw(), o) })?;
+        Ok(())
+    }
+}
+
+/// The state row of each segment's sequence (`StepBatch::seq_state_slots`), checked to fit layer
+/// `layer`'s state buffer in rows of `row_elems` f32; binds that buffer into `states` first.
+fn state_rows(
+    batch: Option<&StepBatch>,
+    segs: &[Segment],
+    row_elems: usize,
+    kv: &[KvBinding],
+    layer: usize,
+    states: &mut HashMap<usize, StateCache>,
+) -> Result<Vec<usize>, String> {
+    if let std::collections::hash_map::Entry::Vacant(slot) = states.entry(layer) {
+        let b = kv.get(layer).ok_or_else(|| format!("state layer {layer} not bound"))?;
+        // SAFETY: a handle the host bound for this layer, used by this thread only for the call.
+        let buf =
+            unsafe { (b.state as *mut MlxBuffer).as_mut() }.ok_or_else(|| format!("layer {layer} has no state"))?;
+        if !matches!(buf, MlxBuffer::Device { .. }) || buf.byte_len() % 4 != 0 {
+            return Err("state must be an allocated buffer of f32".into());
+        }
+        let array = buf.typed(DType::F32, &[(buf.byte_len() / 4) as i64])?;
+        slot.insert(StateCache { array, buf });
+    }
+    let len = states[&layer].array.nbytes() / 4;
+    let b = batch.ok_or("no step batch given")?;
+    // SAFETY: the host guarantees the batch's arrays for the sizes it states.
+    let slots = unsafe { slice_from(b.seq_state_slots, b.n_seqs as usize) };
+    segs.iter()
+        .map(|s| {
+            let slot = *slots.get(s.seq).ok_or_else(|| format!("sequence {} has no state slot", s.seq))? as usize;
+            if (slot + 1) * row_elems > len {
+                return Err(format!("state row {slot} of {row_elems} values lies beyond the buffer ({len} values)"));
+            }
+            Ok(slot)
+        })
+        .collect()
 }
 
 fn copy_out(a: &Array, dst: &HostTensor) -> Result<(), PluginError> {

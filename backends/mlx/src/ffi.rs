@@ -15,6 +15,7 @@ pub const UN_GELU: c_int = 2;
 pub const UN_GELU_TANH: c_int = 3;
 pub const UN_RELU: c_int = 4;
 pub const UN_SOFTCAP: c_int = 5;
+pub const UN_SIGMOID: c_int = 6;
 
 pub const BIN_ADD: c_int = 0;
 pub const BIN_MUL: c_int = 1;
@@ -29,6 +30,14 @@ extern "C" {
     pub fn mlxb_default_device() -> *const c_char;
     pub fn mlxb_free(a: *mut RawArray);
     pub fn mlxb_from_host(data: *const u8, shape: *const i64, ndim: c_int, dtype: c_int, out: Out) -> c_int;
+    pub fn mlxb_from_host_borrowed(
+        data: *const u8,
+        shape: *const i64,
+        ndim: c_int,
+        dtype: c_int,
+        borrowed: *mut c_int,
+        out: Out,
+    ) -> c_int;
     pub fn mlxb_zeros(shape: *const i64, ndim: c_int, dtype: c_int, out: Out) -> c_int;
     pub fn mlxb_clone(a: *const RawArray, out: Out) -> c_int;
     pub fn mlxb_view(a: *const RawArray, dtype: c_int, shape: *const i64, ndim: c_int, out: Out) -> c_int;
@@ -97,4 +106,76 @@ extern "C" {
     ) -> c_int;
     pub fn mlxb_concat_rows(arrays: *const *mut RawArray, n: usize, out: Out) -> c_int;
     pub fn mlxb_copy_block(cache: *const RawArray, src: i64, dst: i64, block_size: i64, out: Out) -> c_int;
+    pub fn mlxb_slice_cols(x: *const RawArray, c0: i64, c1: i64, out: Out) -> c_int;
+    pub fn mlxb_softmax_groups(x: *const RawArray, d: i64, out: Out) -> c_int;
+    pub fn mlxb_l2_normalize(x: *const RawArray, eps: f32, out: Out) -> c_int;
+    pub fn mlxb_topk(
+        x: *const RawArray,
+        k: c_int,
+        indices: c_int,
+        softmax: c_int,
+        renormalize: c_int,
+        out: Out,
+    ) -> c_int;
+    pub fn mlxb_gather_mm(
+        x: *const RawArray,
+        indices: *const RawArray,
+        weights: *const *mut RawArray,
+        n_weights: usize,
+        first: i64,
+        x_per_token: c_int,
+        out: Out,
+    ) -> c_int;
+    pub fn mlxb_gather_qmm(
+        x: *const RawArray,
+        indices: *const RawArray,
+        w: *const RawArray,
+        scales: *const RawArray,
+        biases: *const RawArray,
+        bits: c_int,
+        group: c_int,
+        x_per_token: c_int,
+        out: Out,
+    ) -> c_int;
+    pub fn mlxb_weighted_sum(y: *const RawArray, w: *const RawArray, t: c_int, k: c_int, out: Out) -> c_int;
+    pub fn mlxb_pool_mean(x: *const RawArray, weights: *const RawArray, out: Out) -> c_int;
+    pub fn mlxb_pool_pick(x: *const RawArray, rows: *const RawArray, present: *const RawArray, out: Out) -> c_int;
+    pub fn mlxb_attend(
+        q: *const RawArray,
+        k: *const RawArray,
+        v: *const RawArray,
+        mask: *const RawArray,
+        hq: c_int,
+        hkv: c_int,
+        dh: c_int,
+        scale: f32,
+        softcap: f32,
+        out: Out,
+    ) -> c_int;
+    pub fn mlxb_conv1d(
+        x: *const RawArray,
+        w: *const RawArray,
+        bias: *const RawArray,
+        stride: c_int,
+        padding: c_int,
+        groups: c_int,
+        torch_layout: c_int,
+        out: Out,
+    ) -> c_int;
+    pub fn mlxb_flat_read(state: *const RawArray, offset: i64, len: i64, out: Out) -> c_int;
+    pub fn mlxb_flat_write(state: *const RawArray, offset: i64, data: *const RawArray, out: Out) -> c_int;
+    pub fn mlxb_concat_cols(a: *const RawArray, b: *const RawArray, out: Out) -> c_int;
+    pub fn mlxb_cross_attend(
+        q: *const RawArray,
+        state: *const RawArray,
+        row_offset: i64,
+        max_len: c_int,
+        header: c_int,
+        hq: c_int,
+        hkv: c_int,
+        dh: c_int,
+        scale: f32,
+        softcap: f32,
+        out: Out,
+    ) -> c_int;
 }

@@ -87,7 +87,9 @@ pub struct MlxContext {
 /// A buffer the MLX backend hands out as an opaque handle.
 pub enum MlxBuffer {
     /// Host memory the host keeps alive and unchanged (weights from the mmap). The MLX array is made at
-    /// first use, with the dtype and shape of the graph node that reads it, as the bytes are stored.
+    /// first use, with the dtype and shape of the graph node that reads it, as the bytes are stored:
+    /// over the mapped bytes themselves where libmlx can alias host memory (the mlx-cpu build, and
+    /// aligned tensors on Metal), so weights are not copied; else a copy.
     Host { ptr: *const u8, len: usize, array: Option<(DType, Vec<i64>, Array)> },
     /// An MLX array of `len` bytes (allocations, KV caches, uploads). Its dtype and shape are whatever
     /// its last writer left; readers view the bytes as they need.
@@ -120,7 +122,9 @@ impl MlxBuffer {
                     // SAFETY: the host keeps `ptr` readable for `len` bytes until the buffer is freed.
                     unsafe { std::slice::from_raw_parts(*ptr, *len) }
                 };
-                let a = Array::from_host(bytes, dtype, shape)?;
+                // SAFETY: the host keeps the bytes alive and unchanged until `buffer_free`, which drops
+                // this buffer and its array; arrays sharing its memory live only during one `compute`.
+                let (a, _borrowed) = unsafe { Array::from_host_borrowed(bytes, dtype, shape)? };
                 let shared = a.share()?;
                 *array = Some((dtype, shape.to_vec(), a));
                 Ok(shared)
@@ -248,5 +252,53 @@ impl BackendContext for MlxContext {
         let len = buf.byte_len();
         *buf = MlxBuffer::Device { array: cache, len };
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Weights bound from host memory are read in place where libmlx can alias it (the mlx-cpu build
+    /// does), and still read right where it cannot (a misaligned tensor is copied).
+    #[test]
+    fn host_weights_are_read_in_place_without_a_copy() {
+        let _g = mlx_lock();
+        let values: Vec<f32> = (0..12).map(|i| i as f32 * 0.5 - 1.0).collect();
+        // SAFETY: the floats seen as their (f32-aligned) bytes; `values` outlives every array below.
+        let bytes: &[u8] = unsafe { std::slice::from_raw_parts(values.as_ptr() as *const u8, values.len() * 4) };
+        // SAFETY: as above.
+        let (a, borrowed) = unsafe { Array::from_host_borrowed(bytes, DType::F32, &[3, 4]) }.unwrap();
+        if default_device() == "cpu" {
+            assert!(borrowed, "a CPU libmlx should alias aligned host memory");
+        }
+        let same = a.f32().unwrap();
+        let mut back = vec![0u8; bytes.len()];
+        same.read(0, &mut back).unwrap();
+        assert_eq!(back, bytes);
+
+        // Misaligned for f32: a copy, with the same values.
+        let mut shifted = vec![0u8; bytes.len() + 1];
+        shifted[1..].copy_from_slice(bytes);
+        // SAFETY: as above.
+        let (b, borrowed) = unsafe { Array::from_host_borrowed(&shifted[1..], DType::F32, &[3, 4]) }.unwrap();
+        assert!(!borrowed);
+        let mut back = vec![0u8; bytes.len()];
+        b.read(0, &mut back).unwrap();
+        assert_eq!(back, bytes);
+
+        // An op over an aliased weight leaves the host bytes as they were (MLX never donates memory it
+        // does not own to an op's output).
+        let mut buf = MlxBuffer::Host { ptr: bytes.as_ptr(), len: bytes.len(), array: None };
+        let w = buf.typed(DType::F32, &[3, 4]).unwrap();
+        // SAFETY: a live handle.
+        let doubled = crate::array::make(|o| unsafe { ffi::mlxb_unary(ffi::UN_SCALE, w.raw(), 2.0, o) }).unwrap();
+        drop(w);
+        drop(buf);
+        let mut out = vec![0u8; bytes.len()];
+        doubled.read(0, &mut out).unwrap();
+        let got: Vec<f32> = out.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect();
+        assert_eq!(got, values.iter().map(|v| v * 2.0).collect::<Vec<_>>());
+        assert_eq!(values, (0..12).map(|i| i as f32 * 0.5 - 1.0).collect::<Vec<_>>());
     }
 }

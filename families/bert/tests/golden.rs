@@ -30,6 +30,9 @@ fn load(dir: &Path, task: Task) -> (ModelRunner, EncoderTokenizer) {
     let runner =
         ModelRunner::load_for(&catalog, dir, &opts, &[task]).unwrap_or_else(|e| panic!("{}: {e:#}", dir.display()));
     assert_eq!(runner.family_name, "bert");
+    if let Some(b) = backend() {
+        assert_eq!(runner.backend_name, b, "MLXCEL_TEST_BACKEND asked for `{b}`");
+    }
     let tok = EncoderTokenizer::load(dir, &runner.checkpoint.config, runner.info.max_positions, runner.info.vocab_size)
         .unwrap();
     (runner, tok)

@@ -57,8 +57,14 @@ fn load(dir: &std::path::Path) -> ModelRunner {
     let t = cache_type();
     let cache_types = Some(KvCacheTypes { k: t, v: t });
     let opts = RunnerOptions { ctx_size: 64, threads: 2, backend, parallel: 2, cache_types, ..Default::default() };
+    let want = opts.backend.clone();
     let ck = Checkpoint::open(dir).unwrap();
-    ModelRunner::from_checkpoint_for(&catalog, ck, &opts, &[Task::Asr]).unwrap_or_else(|e| panic!("{e:#}"))
+    let runner =
+        ModelRunner::from_checkpoint_for(&catalog, ck, &opts, &[Task::Asr]).unwrap_or_else(|e| panic!("{e:#}"));
+    if let Some(b) = want {
+        assert_eq!(runner.backend_name, b, "MLXCEL_TEST_BACKEND asked for `{b}`");
+    }
+    runner
 }
 
 fn max_diff(what: &str, got: &[f32], want: &[f32]) -> f32 {
