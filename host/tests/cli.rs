@@ -106,13 +106,13 @@ fn installed_layout_finds_plugins_and_survives_a_removed_family() {
     copy_dir(&staged, &plugins);
     std::fs::copy(env!("CARGO_BIN_EXE_mlxcel"), bin.join("mlxcel")).unwrap();
     let arch = || {
-        let out = Command::new(bin.join("mlxcel"))
-            .args(["arch", "--json"])
-            .env_remove("MLXCEL_PLUGIN_PATH")
-            .env("HOME", prefix.path())
-            .env("XDG_DATA_HOME", prefix.path().join("data"))
-            .output()
-            .unwrap();
+        let out = output_of_copied_binary(
+            Command::new(bin.join("mlxcel"))
+                .args(["arch", "--json"])
+                .env_remove("MLXCEL_PLUGIN_PATH")
+                .env("HOME", prefix.path())
+                .env("XDG_DATA_HOME", prefix.path().join("data")),
+        );
         assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
         serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
     };
@@ -130,14 +130,29 @@ fn installed_layout_finds_plugins_and_survives_a_removed_family() {
     assert_eq!(left, all.iter().filter(|a| !llama_archs.contains(&a.as_str())).cloned().collect::<Vec<_>>(), "{v}");
     assert_eq!(v["backends"][0]["name"], "cpu");
     // --plugin-dir brings it back.
-    let out = Command::new(bin.join("mlxcel"))
-        .args(["arch", "--json", "--plugin-dir"])
-        .arg(prefix.path())
-        .env("HOME", prefix.path())
-        .output()
-        .unwrap();
+    let out = output_of_copied_binary(
+        Command::new(bin.join("mlxcel"))
+            .args(["arch", "--json", "--plugin-dir"])
+            .arg(prefix.path())
+            .env("HOME", prefix.path()),
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(llama_archs.iter().all(|a| names(&v).iter().any(|x| x == a)), "{v}");
+}
+
+/// Runs a binary this test just copied. A child that another test thread forked while the copy's file
+/// was open for writing holds it until that child execs, and exec of a file open for writing fails
+/// with ETXTBSY ("Text file busy"): retry for a while instead of failing.
+fn output_of_copied_binary(cmd: &mut Command) -> std::process::Output {
+    for _ in 0..100 {
+        match cmd.output() {
+            Err(e) if e.kind() == std::io::ErrorKind::ExecutableFileBusy => {
+                std::thread::sleep(std::time::Duration::from_millis(50))
+            }
+            r => return r.unwrap(),
+        }
+    }
+    panic!("{cmd:?}: the copied binary stayed busy (ETXTBSY) for 5 s");
 }
 
 #[test]
