@@ -312,7 +312,10 @@ fn mlx_4bit_checkpoint_matches_its_dequantized_weights() {
     };
     let (q, f) = (logits(Quant::Quantized), logits(Quant::Dequantized));
     let d = q.iter().zip(&f).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
-    assert!(d <= 1e-3, "4-bit vs dequantized: max |logit diff| {d}");
+    // Both sides keep self-attention's KV in the type under test; its rounding can amplify the int16
+    // differences, hence the same allowance as against the reference.
+    let bound = 1e-3 + cache_type_tolerance(cache_type());
+    assert!(d <= bound, "4-bit vs dequantized: max |logit diff| {d} > {bound}");
     // Quantization moved the logits away from the float fixture's: the packs were really used.
     let v = f.len() / g.ids.len();
     let moved = (0..g.ids.len())

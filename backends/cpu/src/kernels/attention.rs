@@ -118,8 +118,6 @@ pub struct AttentionScratch {
     tokens: Vec<usize>,
     /// Cache offsets of every context position of every token in `tokens`, back to back.
     bases: Vec<usize>,
-    /// Per token: its range in `bases`.
-    spans: Vec<std::ops::Range<usize>>,
     /// Per token: its first split in `splits`.
     first_split: Vec<usize>,
     /// Key ranges (into `bases`) of every token's splits, in token order.
@@ -170,9 +168,8 @@ fn attention_tokens<K: KvElem, V: KvElem>(
     let kv_row = n_kv_heads * dh;
     // Cache offsets of every context position of every token, shared by that token's heads, and the
     // splits of each token's context.
-    let AttentionScratch { tokens, bases, spans, first_split, splits, split_token, partials, merged, .. } = scratch;
+    let AttentionScratch { tokens, bases, first_split, splits, split_token, partials, merged, .. } = scratch;
     bases.clear();
-    spans.clear();
     first_split.clear();
     splits.clear();
     split_token.clear();
@@ -184,7 +181,6 @@ fn attention_tokens<K: KvElem, V: KvElem>(
         let b0 = bases.len();
         bases.extend((start..=pos).map(|p| layout.slot(seq, p) * kv_row));
         let b1 = bases.len();
-        spans.push(b0..b1);
         first_split.push(splits.len());
         splits.extend((b0..b1).step_by(SPLIT_KEYS).map(|s| s..(s + SPLIT_KEYS).min(b1)));
         split_token.resize(splits.len(), ti);
