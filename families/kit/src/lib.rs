@@ -10,6 +10,8 @@
 //!   the context-dependent ones ([`rope::step_inv_freq`]);
 //! - [`attention`]: the grouped-query self-attention block (q/k/v, q/k norm, RoPE, paged attention with
 //!   window, scale and soft-cap, o);
+//! - [`embedding`]: sentence-transformers pooling and normalisation ([`EmbeddingHead`]) and causal
+//!   attention among a step's own tokens, for models that output sentence vectors;
 //! - [`config`]: reading `model_type` (top level or `text_config`);
 //! - [`experts`]: mixture-of-experts projections (stacked, quantized or one tensor per expert) and the
 //!   router, expert matmul and combine nodes.
@@ -19,12 +21,14 @@
 
 pub mod attention;
 pub mod config;
+pub mod embedding;
 pub mod experts;
 pub mod quant;
 pub mod rope;
 pub mod weights;
 
 pub use attention::{AttentionShape, RopeInputs, SelfAttention};
+pub use embedding::{EmbeddingHead, Pooling};
 pub use experts::{ExpertWeights, Experts, Routes};
 pub use quant::{module_quant, QuantSpec};
 pub use rope::{rope_freqs, RopeFreqs};

@@ -3,14 +3,19 @@
 //! Per layer: `h += o_proj(attn(rope(q), rope(k), v))` over `rms_norm(h)`, then
 //! `h += down(act(gate(x)) * up(x))` over `rms_norm(h)`. Qwen2 adds q/k/v biases, Qwen3 adds a per-head
 //! RMS norm on q and k; both are flags on [`Variant`], not copies of this file.
+//!
+//! As an embedding model (Qwen3-Embedding: sentence-transformers metadata beside the weights), each
+//! sequence is whole in its step and attends causally among its own tokens without a KV cache; the
+//! final-norm rows are pooled (the last token's) and L2-normalised instead of projected to logits.
 
 use mlxcel_family_kit::rope::step_inv_freq;
 use mlxcel_family_kit::{
-    rope_freqs, AttentionShape, GraphWriter, Linear, RopeFreqs, RopeInputs, SelfAttention, WeightRef, WeightTable,
+    rope_freqs, AttentionShape, EmbeddingHead, GraphWriter, Linear, RopeFreqs, RopeInputs, SelfAttention, WeightRef,
+    WeightTable,
 };
 use mlxcel_plugin_api::{
     DType, FamilyModel, Graph, KvKind, KvLayerDesc, ModelDescription, OpCode, OutputKind, PluginError, StepDesc, Task,
-    Versioned, INPUT_OUTPUT_ROWS, INPUT_POSITIONS, INPUT_TOKENS,
+    Versioned, INPUT_OUTPUT_ROWS, INPUT_POSITIONS, INPUT_TOKENS, INPUT_TOKEN_SEQ,
 };
 
 use crate::config::{LlamaConfig, Variant};
@@ -33,8 +38,10 @@ pub struct LlamaModel {
     embed: Linear,
     layers: Vec<Layer>,
     norm: WeightRef,
-    /// `None` when tied to the embedding.
+    /// `None` when tied to the embedding, or for an embedding model.
     lm_head: Option<Linear>,
+    /// Set for an embedding model: its pooling replaces the vocabulary projection.
+    embedding: Option<EmbeddingHead>,
     rope: RopeFreqs,
     kv_layers: Vec<KvLayerDesc>,
     used_weights: Vec<u32>,
@@ -82,7 +89,8 @@ impl LlamaModel {
             });
         }
         let final_norm = norm("model.norm.weight".into(), d)?;
-        let lm_head = if cfg.tied_embeddings() {
+        let embedding = cfg.embedding()?;
+        let lm_head = if cfg.tied_embeddings() || embedding.is_some() {
             None
         } else {
             Some(Linear::load(table, q, "lm_head", d, cfg.vocab_size, false)?)
@@ -125,6 +133,7 @@ impl LlamaModel {
             layers,
             norm: final_norm,
             lm_head,
+            embedding,
             rope,
             kv_layers,
             used_weights: used,
@@ -148,6 +157,9 @@ impl LlamaModel {
         if t == 0 {
             return Err("a step needs at least one token".into());
         }
+        if self.embedding.is_some() {
+            mlxcel_family_kit::embedding::check_whole_sequences(step)?;
+        }
         let cfg = &self.cfg;
         let (d, hd) = (cfg.hidden_size as u64, cfg.head_dim() as u64);
         let eps = cfg.rms_norm_eps;
@@ -168,10 +180,15 @@ impl LlamaModel {
             mscale: self.rope.mscale,
         };
 
+        // An embedding model's sequences are whole in the step: attention among their own tokens.
+        let seq = self.embedding.map(|_| w.g.input(INPUT_TOKEN_SEQ, DType::I32, &[t]));
         let mut h = w.embedding(tokens, t, &self.embed);
         for (i, layer) in self.layers.iter().enumerate() {
             let x = w.rms_norm(h, &[t, d], &layer.input_norm, eps);
-            let o = layer.attn.forward(&mut w, x, t, i, &rope, eps);
+            let o = match seq {
+                Some(seq) => layer.attn.forward_in_step(&mut w, x, t, seq, &rope, eps),
+                None => layer.attn.forward(&mut w, x, t, i, &rope, eps),
+            };
             h = w.g.op(OpCode::Add, &[t, d], &[h, o]);
 
             let x = w.rms_norm(h, &[t, d], &layer.post_attention_norm, eps);
@@ -184,6 +201,13 @@ impl LlamaModel {
             h = w.g.op(OpCode::Add, &[t, d], &[h, down]);
         }
 
+        if let (Some(head), Some(seq)) = (&self.embedding, seq) {
+            let h = w.rms_norm(h, &[t, d], &self.norm, eps);
+            let out = head.forward(&mut w, h, seq, step.n_seqs as u64, d);
+            w.g.mark_output(out);
+            self.graph = graph;
+            return Ok(());
+        }
         // Only the rows that need logits go through the final norm and the vocabulary projection.
         let rows = w.g.input(INPUT_OUTPUT_ROWS, DType::I32, &[r]);
         let h = w.g.op(OpCode::GetRows, &[r, d], &[h, rows]);
@@ -198,19 +222,20 @@ impl LlamaModel {
 impl FamilyModel for LlamaModel {
     fn description(&self) -> ModelDescription {
         let c = &self.cfg;
+        let embeds = self.embedding.is_some();
         ModelDescription {
-            task: Task::Text,
+            task: if embeds { Task::Embed } else { Task::Text },
             architecture: c.model_type.clone(),
             vocab_size: c.vocab_size as u64,
             hidden_size: c.hidden_size as u64,
             n_layers: c.num_hidden_layers as u32,
             max_positions: c.max_position_embeddings.unwrap_or(4096) as u64,
-            kv_layers: self.kv_layers.clone(),
+            kv_layers: if embeds { Vec::new() } else { self.kv_layers.clone() },
             used_weights: self.used_weights.clone(),
             activation_bytes_per_token: self.activation_bytes_per_token(),
             quantization: self.quantization.clone(),
-            output_kind: OutputKind::Logits,
-            output_dim: c.vocab_size as u64,
+            output_kind: if embeds { OutputKind::Embeddings } else { OutputKind::Logits },
+            output_dim: if embeds { c.hidden_size } else { c.vocab_size } as u64,
         }
     }
 

@@ -13,6 +13,7 @@ use mlxcel_plugins::{BackendContext, BackendPlugin, Catalog, DeviceBuffer, Famil
 
 use super::kv_cache::{KvCache, SeqBlocks};
 use super::kv_plan::KvPlan;
+use crate::checkpoint::sentence_transformers::PoolingFlag;
 use crate::checkpoint::Checkpoint;
 
 /// How to load a model.
@@ -31,11 +32,28 @@ pub struct RunnerOptions {
     /// Most tokens one sequence brings to a step (the prefill chunk): a sliding-window group holds
     /// the window plus one such chunk per sequence.
     pub max_step_tokens: usize,
+    /// Serve the model as an embedding model whatever its files say (llama-server's `--embedding`),
+    /// pooled as given or as its sentence-transformers files (else its family) say.
+    pub embedding: Option<EmbeddingFlags>,
+}
+
+/// llama-server's `--embedding` and `--pooling`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EmbeddingFlags {
+    pub pooling: Option<PoolingFlag>,
 }
 
 impl Default for RunnerOptions {
     fn default() -> Self {
-        RunnerOptions { backend: None, threads: 0, ctx_size: 4096, parallel: 1, block_size: 16, max_step_tokens: 512 }
+        RunnerOptions {
+            backend: None,
+            threads: 0,
+            ctx_size: 4096,
+            parallel: 1,
+            block_size: 16,
+            max_step_tokens: 512,
+            embedding: None,
+        }
     }
 }
 
@@ -174,10 +192,13 @@ impl ModelRunner {
 
     pub fn from_checkpoint_for(
         catalog: &Catalog,
-        checkpoint: Checkpoint,
+        mut checkpoint: Checkpoint,
         opts: &RunnerOptions,
         tasks: &[Task],
     ) -> Result<ModelRunner> {
+        if let Some(e) = opts.embedding {
+            checkpoint.serve_as_embedding(e.pooling);
+        }
         let model_type = checkpoint
             .model_type()
             .with_context(|| format!("{}: config.json has no `model_type`", checkpoint.dir.display()))?

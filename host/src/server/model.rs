@@ -22,6 +22,7 @@ pub fn load(config: &ServerConfig, parallel: usize) -> Result<(ModelRunner, Text
         threads: config.threads,
         ctx_size: config.ctx_size.unwrap_or(4096),
         parallel: parallel.max(1),
+        embedding: config.embedding,
         ..Default::default()
     };
     // Text generation, or an encoder (embeddings, reranking) that `embeddings::start_model` runs.

@@ -142,6 +142,7 @@ fn config() -> ServerConfig {
         max_audio_bytes: 256 * 1024,
         queue_limit: 16,
         sampling: SamplingOverrides::default(),
+        embedding: None,
     }
 }
 
