@@ -175,6 +175,18 @@ mod embedding {
         (dir, v)
     }
 
+    /// The encoder ops (`StepAttention`, `SegmentPool`, `L2Normalize`) run on the cpu backend only so
+    /// far (the bert family's goldens are cpu-only for the same reason): false, with a note, elsewhere.
+    fn backend_runs_encoders() -> bool {
+        match std::env::var("MLXCEL_TEST_BACKEND") {
+            Ok(b) if !b.is_empty() && b != "cpu" => {
+                eprintln!("skipping: backend `{b}` does not run the encoder ops yet");
+                false
+            }
+            _ => true,
+        }
+    }
+
     fn load(dir: &Path, embedding: Option<EmbeddingFlags>) -> (ModelRunner, EncoderTokenizer) {
         let catalog = mlxcel::testing::staged_catalog();
         let backend = std::env::var("MLXCEL_TEST_BACKEND").ok().filter(|b| !b.is_empty());
@@ -233,6 +245,9 @@ mod embedding {
 
     #[test]
     fn qwen3_embedding_matches_sentence_transformers_last_token_pooled_and_normalised() {
+        if !backend_runs_encoders() {
+            return;
+        }
         let (dir, golden) = fixture();
         let (mut runner, tok) = load(&dir, None);
         assert_eq!((tok.max_tokens, tok.truncates), (golden["max_seq_length"].as_u64().unwrap() as usize, true));
@@ -258,6 +273,9 @@ mod embedding {
 
     #[test]
     fn a_plain_qwen3_checkpoint_embeds_when_asked_as_llama_servers_embedding_and_pooling_flags_say() {
+        if !backend_runs_encoders() {
+            return;
+        }
         let (_, golden) = fixture();
         let dir = bare_copy();
         // Without a flag it is a text model (the bare body's names are read with the `model.` prefix).
