@@ -420,6 +420,10 @@ fn a_decoder_embedding_model_is_served_without_flags_and_a_plain_decoder_with_em
     for (i, d) in v["data"].as_array().unwrap().iter().enumerate() {
         assert!(max_diff(&floats(&d["embedding"]), &want[i + 1]) <= 1e-4, "mlxcel embed --pooling last: input {i}");
     }
+    // A family that has no embedding mode says so rather than serving text.
+    let gemma = mlxcel::testing::workspace_root().join("families/gemma/tests/fixtures/gemma-f32");
+    let (ok, _, err) = mlxcel(&["embed", "-m", gemma.to_str().unwrap(), "--pooling", "last", "-p", "x"]);
+    assert!(!ok && err.contains("cannot run") && err.contains("as an embedding model"), "{err}");
     let server = start_with(bare.path(), &["--embedding"]);
     let (s, v) = server.post("/v1/embeddings", json!({"input": texts[2]}));
     assert_eq!(s, 200, "{v}");

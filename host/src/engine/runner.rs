@@ -211,6 +211,15 @@ impl ModelRunner {
             .create_model(&checkpoint.config_text, &infos)
             .map_err(|e| anyhow::anyhow!("{}: {}", checkpoint.dir.display(), e.message))?;
         let info = model.info().clone();
+        if opts.embedding.is_some() && info.task != Task::Embed {
+            bail!(
+                "{}: the `{}` family cannot run this {} model as an embedding model (--embedding / --pooling \
+                 work with the llama family's decoders and the bert family's encoders)",
+                checkpoint.dir.display(),
+                family.name(),
+                info.architecture
+            );
+        }
         if !tasks.contains(&info.task) {
             bail!("{}", task_refusal(&checkpoint.dir, info.task, tasks));
         }
