@@ -45,7 +45,13 @@ impl std::ops::Deref for Server {
 
 /// Starts the server on an ephemeral port (no flags beyond the model) and waits for `/health`.
 fn start(model: &Path) -> Server {
-    Server(TestServer::start(env!("CARGO_BIN_EXE_mlxcel-server"), model, &["-a", "test-model"]))
+    start_with(model, &[])
+}
+
+/// [`start`] with more flags.
+fn start_with(model: &Path, flags: &[&str]) -> Server {
+    let args: Vec<&str> = ["-a", "test-model"].into_iter().chain(flags.iter().copied()).collect();
+    Server(TestServer::start(env!("CARGO_BIN_EXE_mlxcel-server"), model, &args))
 }
 
 /// Blocking calls over reqwest's async client (the crate is built without its blocking API).
@@ -143,6 +149,15 @@ fn embedding_server_matches_transformers_on_every_route_and_refuses_bad_input() 
     }
     let (s, _) = server.post("/v1/embeddings", json!({"input": "hi", "dimensions": 64}));
     assert_eq!(s, 200, "the model's own width is accepted");
+    // Matryoshka `dimensions`: the first N values, normalised again (the fixture normalises).
+    let (s, v) = server.post("/v1/embeddings", json!({"input": texts, "dimensions": 16}));
+    assert_eq!(s, 200, "{v}");
+    for (i, d) in v["data"].as_array().unwrap().iter().enumerate() {
+        let got = floats(&d["embedding"]);
+        let norm = want[i][..16].iter().map(|x| x * x).sum::<f32>().sqrt();
+        let expected: Vec<f32> = want[i][..16].iter().map(|x| x / norm).collect();
+        assert!(max_diff(&got, &expected) <= 1e-4, "shortened input {i}: {got:?}");
+    }
 
     // llama-server's shape, under both names, with `content` or `input`.
     for path in ["/embedding", "/embeddings"] {
@@ -169,8 +184,13 @@ fn embedding_server_matches_transformers_on_every_route_and_refuses_bad_input() 
     let long = "the quick brown fox ".repeat(40);
     let m = server.refused("/v1/embeddings", json!({"input": long}), 400);
     assert!(m.contains("at most 64"), "{m}");
-    let m = server.refused("/v1/embeddings", json!({"input": "x", "dimensions": 32}), 400);
-    assert!(m.contains("64 dimensions"), "{m}");
+    let (s, v) = server.post("/v1/embeddings", json!({"input": "x", "dimensions": 65}));
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(v["error"]["param"], "dimensions", "OpenAI's error shape: {v}");
+    assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("only 64 dimensions"), "{v}");
+    let m = server.refused("/v1/embeddings", json!({"input": "x", "dimensions": 0}), 400);
+    assert!(m.contains("at least 1"), "{m}");
     let m = server.refused("/v1/embeddings", json!({"input": "x", "encoding_format": "int8"}), 400);
     assert!(m.contains("encoding_format"), "{m}");
     let m = server.refused("/embedding", json!({}), 400);
@@ -281,6 +301,15 @@ fn embed_and_rerank_commands_print_json_and_refuse_the_wrong_model() {
         assert_eq!(d["text"], texts[i]);
         assert!(max_diff(&floats(&d["embedding"]), &want[i]) <= 1e-4, "input {i}");
     }
+    let (ok, v, err) = mlxcel(&["embed", "-m", model.to_str().unwrap(), "--dimensions", "8", "-p", texts[0]]);
+    assert!(ok, "{err}");
+    assert_eq!(v["dimensions"], 8);
+    let got = floats(&v["data"][0]["embedding"]);
+    let norm = want[0][..8].iter().map(|x| x * x).sum::<f32>().sqrt();
+    let expected: Vec<f32> = want[0][..8].iter().map(|x| x / norm).collect();
+    assert!(max_diff(&got, &expected) <= 1e-4, "{got:?}");
+    let (ok, _, err) = mlxcel(&["embed", "-m", model.to_str().unwrap(), "--dimensions", "65", "-p", "x"]);
+    assert!(!ok && err.contains("--dimensions") && err.contains("only 64"), "{err}");
 
     let g = golden("bert-rerank");
     let pairs = g["inputs"].as_array().unwrap();
@@ -304,6 +333,58 @@ fn embed_and_rerank_commands_print_json_and_refuse_the_wrong_model() {
     assert!(!ok && err.contains("mlxcel embed"), "{err}");
     let (ok, _, err) = mlxcel(&["embed", "-m", model.to_str().unwrap(), "-p", ""]);
     assert!(!ok && err.contains("empty string") && !err.contains("panicked"), "{err}");
+}
+
+/// The llama family's Qwen3-Embedding-style fixture (families/llama/tests/fixtures/generate_embedding.py).
+fn qwen3_embedding() -> (PathBuf, Value) {
+    let dir = mlxcel::testing::workspace_root().join("families/llama/tests/fixtures/qwen3-embedding");
+    let g = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+    (dir, g)
+}
+
+#[test]
+fn a_decoder_embedding_model_is_served_without_flags_and_a_plain_decoder_with_embedding_or_pooling() {
+    let (dir, g) = qwen3_embedding();
+    let texts: Vec<&str> = g["inputs"].as_array().unwrap().iter().map(|i| i["text"].as_str().unwrap()).collect();
+    let want: Vec<Vec<f32>> = g["embedding"].as_array().unwrap().iter().map(floats).collect();
+    let want16: Vec<Vec<f32>> = g["embedding_16"].as_array().unwrap().iter().map(floats).collect();
+    let server = start(&dir);
+    let (s, v) = server.post("/v1/embeddings", json!({"input": texts}));
+    assert_eq!(s, 200, "{v}");
+    for (i, d) in v["data"].as_array().unwrap().iter().enumerate() {
+        assert!(max_diff(&floats(&d["embedding"]), &want[i]) <= 1e-4, "input {i}");
+    }
+    // Matryoshka against sentence-transformers' truncate_dim (then normalised).
+    let (s, v) = server.post("/v1/embeddings", json!({"input": texts, "dimensions": 16}));
+    assert_eq!(s, 200, "{v}");
+    for (i, d) in v["data"].as_array().unwrap().iter().enumerate() {
+        assert!(max_diff(&floats(&d["embedding"]), &want16[i]) <= 1e-4, "input {i} at 16 dimensions");
+    }
+    let m = server.refused("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}]}), 400);
+    assert!(m.contains("embedding model"), "{m}");
+    drop(server);
+
+    // The same weights without sentence-transformers files: a text model, unless asked.
+    let bare = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(dir.join(f), bare.path().join(f)).unwrap();
+    }
+    let m = bare.path().to_str().unwrap();
+    let (ok, _, err) = mlxcel(&["embed", "-m", m, "-p", texts[1]]);
+    assert!(!ok && err.contains("text-generation model"), "{err}");
+    let (ok, v, err) = mlxcel(&["embed", "-m", m, "--pooling", "last", "-p", texts[1], texts[2]]);
+    assert!(ok, "{err}");
+    for (i, d) in v["data"].as_array().unwrap().iter().enumerate() {
+        assert!(max_diff(&floats(&d["embedding"]), &want[i + 1]) <= 1e-4, "mlxcel embed --pooling last: input {i}");
+    }
+    // A family that has no embedding mode says so rather than serving text.
+    let gemma = mlxcel::testing::workspace_root().join("families/gemma/tests/fixtures/gemma-f32");
+    let (ok, _, err) = mlxcel(&["embed", "-m", gemma.to_str().unwrap(), "--pooling", "last", "-p", "x"]);
+    assert!(!ok && err.contains("cannot run") && err.contains("as an embedding model"), "{err}");
+    let server = start_with(bare.path(), &["--embedding"]);
+    let (s, v) = server.post("/v1/embeddings", json!({"input": texts[2]}));
+    assert_eq!(s, 200, "{v}");
+    assert!(max_diff(&floats(&v["data"][0]["embedding"]), &want[2]) <= 1e-4, "mlxcel-server --embedding");
 }
 
 fn minilm() -> Option<PathBuf> {

@@ -1,8 +1,11 @@
 //! The `config.json` fields this family reads, with transformers' defaults, and the
-//! sentence-transformers block the host adds beside them (see [`SentenceTransformers`]).
+//! sentence-transformers block the host adds beside them (read by the kit's [`EmbeddingHead`]).
 
+use mlxcel_family_kit::EmbeddingHead;
 use serde::Deserialize;
 use serde_json::Value;
+
+pub use mlxcel_family_kit::embedding::Pooling;
 
 /// Architectures (`model_type`) this family handles.
 pub const ARCHITECTURES: &[&str] = &["bert", "roberta", "xlm-roberta"];
@@ -37,7 +40,7 @@ pub struct BertConfig {
     pub quantization: Option<Value>,
     /// Added by the host from the sentence-transformers files of the folder, when it has them.
     #[serde(default)]
-    pub sentence_transformers: Option<SentenceTransformers>,
+    pub sentence_transformers: Option<Value>,
 }
 
 fn default_act() -> String {
@@ -51,24 +54,6 @@ fn default_type_vocab() -> usize {
 }
 fn default_eps() -> f32 {
     1e-12
-}
-
-/// What sentence-transformers puts after the transformer: `modules.json`'s module types (short names:
-/// `Transformer`, `Pooling`, `Normalize`, …) and `1_Pooling/config.json` as written.
-#[derive(Debug, Clone, Default, Deserialize)]
-pub struct SentenceTransformers {
-    #[serde(default)]
-    pub modules: Vec<String>,
-    #[serde(default)]
-    pub pooling: Option<serde_json::Map<String, Value>>,
-}
-
-/// How token rows become one sentence vector.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Pooling {
-    Mean,
-    Cls,
-    LastToken,
 }
 
 /// What the model computes.
@@ -169,65 +154,9 @@ impl BertConfig {
         let Some(st) = &self.sentence_transformers else {
             return Ok(Head::Embedding { pooling: Pooling::Mean, normalize: false });
         };
-        let mut normalize = false;
-        for m in &st.modules {
-            match m.as_str() {
-                "Transformer" | "Pooling" => {}
-                "Normalize" => normalize = true,
-                other => {
-                    return Err(format!(
-                        "sentence-transformers module `{other}` (modules.json) is not supported; mlxcel runs \
-                         Transformer, Pooling and Normalize"
-                    ))
-                }
-            }
-        }
-        let pooling = match &st.pooling {
-            None => Pooling::Mean,
-            Some(p) => {
-                let on = |k: &str| p.get(k).and_then(Value::as_bool).unwrap_or(false);
-                if let Some(mode) = p.get("pooling_mode").and_then(Value::as_str) {
-                    pooling_by_name(mode)?
-                } else {
-                    let modes: Vec<&str> = [
-                        "pooling_mode_cls_token",
-                        "pooling_mode_mean_tokens",
-                        "pooling_mode_lasttoken",
-                        "pooling_mode_max_tokens",
-                        "pooling_mode_mean_sqrt_len_tokens",
-                        "pooling_mode_weightedmean_tokens",
-                    ]
-                    .into_iter()
-                    .filter(|k| on(k))
-                    .collect();
-                    match modes.as_slice() {
-                        ["pooling_mode_cls_token"] => Pooling::Cls,
-                        ["pooling_mode_mean_tokens"] => Pooling::Mean,
-                        ["pooling_mode_lasttoken"] => Pooling::LastToken,
-                        [] => return Err("1_Pooling/config.json turns no pooling mode on".into()),
-                        [one] => return Err(format!("1_Pooling/config.json: `{one}` is not supported")),
-                        many => {
-                            return Err(format!(
-                                "1_Pooling/config.json turns on {} pooling modes ({}); mlxcel pools one way",
-                                many.len(),
-                                many.join(", ")
-                            ))
-                        }
-                    }
-                }
-            }
-        };
+        let EmbeddingHead { pooling, normalize } = EmbeddingHead::from_sentence_transformers(st, Pooling::Mean)?;
         Ok(Head::Embedding { pooling, normalize })
     }
-}
-
-fn pooling_by_name(mode: &str) -> Result<Pooling, String> {
-    Ok(match mode {
-        "mean" => Pooling::Mean,
-        "cls" => Pooling::Cls,
-        "lasttoken" => Pooling::LastToken,
-        other => return Err(format!("1_Pooling/config.json: pooling mode `{other}` is not supported")),
-    })
 }
 
 #[cfg(test)]

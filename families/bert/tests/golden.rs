@@ -1,6 +1,6 @@
 //! Golden tests: the bert family on the staged backend against transformers' outputs for tiny random
 //! checkpoints (see `fixtures/generate.py`): a `BertModel` with sentence-transformers mean pooling and
-//! normalisation, and two cross-encoders (`BertForSequenceClassification`,
+//! normalisation, a ModernBERT embedding model, and two cross-encoders (`BertForSequenceClassification`,
 //! `XLMRobertaForSequenceClassification` with its position offset and single token type).
 //!
 //! Both sides compute in f32; differences are summation order only (measured ≤ 1e-6), so 1e-4.
@@ -93,6 +93,18 @@ fn bert_sentence_embeddings_match_transformers_mean_pooled_and_normalised() {
     let inputs = inputs(&tok, &golden);
     let want: Vec<Vec<f32>> = golden["embedding"].as_array().unwrap().iter().map(floats).collect();
     check("bert-model", &mut runner, &inputs, &want);
+}
+
+/// ModernBERT: rotary positions with a global and a local base, a local layer whose window (4 either
+/// side) the 25-token input exceeds, GeGLU, bias-free LayerNorms; mean-pooled and normalised.
+#[test]
+fn modernbert_sentence_embeddings_match_transformers_through_global_and_local_layers() {
+    let (dir, golden) = fixture("modernbert-model");
+    let (mut runner, tok) = load(&dir, Task::Embed);
+    assert_eq!(runner.info.output_dim, 64);
+    let inputs = inputs(&tok, &golden);
+    let want: Vec<Vec<f32>> = golden["embedding"].as_array().unwrap().iter().map(floats).collect();
+    check("modernbert-model", &mut runner, &inputs, &want);
 }
 
 #[test]

@@ -13,7 +13,7 @@ use mlxcel_family_kit::{
     rope_freqs, AttentionShape, Decoder, GateActivation, GatedMlp, GraphWriter, Linear, RopeFreqs, RopeInputs,
     SelfAttention, StepInputs, TextDecoder, TextModelFacts, UsedWeights, WeightRef, WeightTable,
 };
-use mlxcel_plugin_api::{OpCode, StepDesc, TensorId};
+use mlxcel_plugin_api::{OpCode, StepDesc, Task, TensorId};
 use serde_json::Value;
 
 use crate::config::{GemmaConfig, Generation};
@@ -111,6 +111,7 @@ impl GemmaModel {
             used.add(&l.pre_ff_norm).add(&l.mlp).add(&l.post_ff_norm);
         }
         let facts = TextModelFacts {
+            task: Task::Text,
             architecture: cfg.model_type.clone(),
             vocab_size: cfg.vocab_size,
             hidden_size: d,

@@ -11,7 +11,7 @@ use mlxcel_family_kit::{
     rope_freqs, AttentionShape, Decoder, GateActivation, GatedMlp, GraphWriter, Linear, RopeFreqs, RopeInputs,
     SelfAttention, StepInputs, TextDecoder, TextModelFacts, UsedWeights, WeightRef, WeightTable,
 };
-use mlxcel_plugin_api::{OpCode, StepDesc, TensorId};
+use mlxcel_plugin_api::{OpCode, StepDesc, Task, TensorId};
 
 use crate::config::Glm4Config;
 
@@ -67,6 +67,7 @@ impl Glm4Model {
             used.add(&l.post_attention_norm).add(&l.mlp).add(&l.post_mlp_norm);
         }
         let facts = TextModelFacts {
+            task: Task::Text,
             architecture: cfg.model_type.clone(),
             vocab_size: cfg.vocab_size,
             hidden_size: d,

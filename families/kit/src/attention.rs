@@ -127,21 +127,7 @@ impl SelfAttention {
     ) -> TensorId {
         let s = self.shape;
         let (nh, nkv, hd) = (s.n_heads as u64, s.n_kv_heads as u64, s.head_dim as u64);
-        let mut q = w.linear(x, t, &self.q);
-        let mut k = w.linear(x, t, &self.k);
-        let v = w.linear(x, t, &self.v);
-        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
-            if s.norm_plus_one {
-                q = w.rms_norm_plus_one(q, &[t, nh * hd], qn, eps);
-                k = w.rms_norm_plus_one(k, &[t, nkv * hd], kn, eps);
-            } else {
-                q = w.rms_norm(q, &[t, nh * hd], qn, eps);
-                k = w.rms_norm(k, &[t, nkv * hd], kn, eps);
-            }
-        }
-        let src = |x| [x, rope.positions, rope.inv_freq];
-        let q = w.g.op_with(OpCode::Rope, &[t, nh * hd], &src(q), &rope.params, &[rope.mscale]);
-        let k = w.g.op_with(OpCode::Rope, &[t, nkv * hd], &src(k), &rope.params, &[rope.mscale]);
+        let (q, k, v) = self.project(w, x, t, rope, eps);
         let attn = w.g.op_with(
             OpCode::Attention,
             &[t, nh * hd],

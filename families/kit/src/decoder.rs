@@ -2,6 +2,10 @@
 //! the description, the step's graph reset, its token and position inputs), the rows that need logits,
 //! and the facts a description reports (quantization in words, activation bytes). A family writes its
 //! config, its blocks and [`TextDecoder::forward`]; the kit does the rest.
+//!
+//! A decoder loaded as an embedding model ([`Task::Embed`], Qwen3-Embedding) is the same `Decoder`: it
+//! reports no KV layers and vectors of the hidden size, and each step holds whole sequences whose
+//! pooled rows the family's `forward` returns (see [`crate::embedding`]).
 
 use mlxcel_plugin_api::{
     DType, FamilyModel, Graph, KvLayerDesc, ModelDescription, OpCode, OutputKind, PluginError, StepDesc, Task,
@@ -10,6 +14,7 @@ use mlxcel_plugin_api::{
 use serde_json::Value;
 
 use crate::attention::AttentionShape;
+use crate::embedding::check_whole_sequences;
 use crate::weights::{GraphWriter, Linear};
 
 /// The inputs every decoder step has.
@@ -20,7 +25,7 @@ pub struct StepInputs {
     /// Each token's position in its sequence, `[n_tokens]`.
     pub positions: TensorId,
     pub n_tokens: u64,
-    /// Rows that need logits.
+    /// Rows that need logits (an embedding model: one pooled row per sequence).
     pub n_rows: u64,
 }
 
@@ -35,18 +40,21 @@ impl StepInputs {
 
 /// A text decoder's forward pass, which [`Decoder`] serves to the host.
 pub trait TextDecoder: Send + 'static {
-    /// The nodes of one step (at least one token), from its inputs to the logits `[n_rows, vocab]`.
+    /// The nodes of one step (at least one token), from its inputs to the logits `[n_rows, vocab]`
+    /// (an embedding model: the sentence vectors `[n_seqs, hidden]`).
     fn forward(&self, w: &mut GraphWriter, step: &StepDesc, inputs: StepInputs) -> Result<TensorId, String>;
 }
 
-/// What a text decoder reports to the host besides its task (text) and output (logits over the
-/// vocabulary).
+/// What a text decoder reports to the host; its output follows from the task (logits over the
+/// vocabulary for [`Task::Text`], hidden-size vectors for [`Task::Embed`]).
 pub struct TextModelFacts {
+    /// [`Task::Text`], or [`Task::Embed`] for a decoder run as an embedding model.
+    pub task: Task,
     pub architecture: String,
     pub vocab_size: usize,
     pub hidden_size: usize,
     pub max_positions: usize,
-    /// One per layer.
+    /// One per layer (an embedding model keeps no KV, and reports none).
     pub kv_layers: Vec<KvLayerDesc>,
     pub used_weights: Vec<u32>,
     pub activation_bytes_per_token: u64,
@@ -63,19 +71,20 @@ pub struct Decoder<M> {
 
 impl<M: TextDecoder> Decoder<M> {
     pub fn new(model: M, facts: TextModelFacts) -> Decoder<M> {
+        let embeds = facts.task == Task::Embed;
         let description = ModelDescription {
-            task: Task::Text,
+            task: facts.task,
             architecture: facts.architecture,
             vocab_size: facts.vocab_size as u64,
             hidden_size: facts.hidden_size as u64,
             n_layers: facts.kv_layers.len() as u32,
             max_positions: facts.max_positions as u64,
-            kv_layers: facts.kv_layers,
+            kv_layers: if embeds { Vec::new() } else { facts.kv_layers },
             used_weights: facts.used_weights,
             activation_bytes_per_token: facts.activation_bytes_per_token,
             quantization: facts.quantization,
-            output_kind: OutputKind::Logits,
-            output_dim: facts.vocab_size as u64,
+            output_kind: if embeds { OutputKind::Embeddings } else { OutputKind::Logits },
+            output_dim: if embeds { facts.hidden_size } else { facts.vocab_size } as u64,
         };
         Decoder { model, description, graph: Graph::new() }
     }
@@ -90,6 +99,9 @@ impl<M: TextDecoder> FamilyModel for Decoder<M> {
         let (t, r) = (step.n_tokens as u64, step.n_output_rows as u64);
         if t == 0 {
             return Err(PluginError::invalid("a step needs at least one token"));
+        }
+        if self.description.task == Task::Embed {
+            check_whole_sequences(step).map_err(PluginError::invalid)?;
         }
         // The graph keeps its allocations from step to step.
         self.graph.nodes.clear();

@@ -12,7 +12,10 @@
 //!   window, scale and soft-cap, o) and the KV layer it needs;
 //! - [`mlp`]: the gated MLP, `down(act(gate(x)) · up(x))`, with separate or fused gate and up;
 //! - [`decoder`]: a text decoder's `FamilyModel` around the family's `forward` ([`Decoder`]), its
-//!   step inputs and logit rows, and the facts its description reports;
+//!   step inputs and logit rows, and the facts its description reports (a decoder run as an embedding
+//!   model among them);
+//! - [`embedding`]: sentence-transformers pooling and normalisation ([`EmbeddingHead`]) and causal
+//!   attention among a step's own tokens, for models that output sentence vectors;
 //! - [`config`]: reading `model_type` (top level or `text_config`);
 //! - [`experts`]: mixture-of-experts projections (stacked, quantized or one tensor per expert) and the
 //!   router, expert matmul and combine nodes.
@@ -23,6 +26,7 @@
 pub mod attention;
 pub mod config;
 pub mod decoder;
+pub mod embedding;
 pub mod experts;
 pub mod mlp;
 pub mod quant;
@@ -31,6 +35,7 @@ pub mod weights;
 
 pub use attention::{AttentionShape, RopeInputs, SelfAttention};
 pub use decoder::{Decoder, StepInputs, TextDecoder, TextModelFacts};
+pub use embedding::{EmbeddingHead, Pooling};
 pub use experts::{ExpertWeights, Experts, Routes};
 pub use mlp::{GateActivation, GatedMlp};
 pub use quant::{module_quant, QuantSpec};

@@ -21,7 +21,7 @@ use mlxcel_family_kit::{
     SelfAttention, StepInputs, TextDecoder, TextModelFacts, UsedWeights, WeightRef, WeightTable, Weights,
 };
 use mlxcel_plugin_api::{
-    conv_state_elems, DType, KvKind, KvLayerDesc, OpCode, StepDesc, TensorId, Versioned, CONV_CAUSAL_STATE,
+    conv_state_elems, DType, KvKind, KvLayerDesc, OpCode, StepDesc, Task, TensorId, Versioned, CONV_CAUSAL_STATE,
     INPUT_TOKEN_SEQ,
 };
 
@@ -177,6 +177,7 @@ impl Lfm2Model {
         // One layer's f32 values: the residual stream's, the operator's widest projection, the MLP's.
         let per_token = 5 * d + (3 * d).max(shape.qkv_width()) + 3 * ff;
         let facts = TextModelFacts {
+            task: Task::Text,
             architecture: cfg.model_type.clone(),
             vocab_size: cfg.vocab_size,
             hidden_size: d,

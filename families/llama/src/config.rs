@@ -1,6 +1,7 @@
 //! The `config.json` fields this family reads, with the defaults mlx-lm and transformers use.
 
 use mlxcel_family_kit::config::{check_head_dim, check_heads};
+use mlxcel_family_kit::embedding::{EmbeddingHead, Pooling};
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -45,6 +46,11 @@ pub struct LlamaConfig {
     pub sliding_window: Option<usize>,
     #[serde(default)]
     pub quantization: Option<Value>,
+    /// sentence-transformers' metadata, which the host adds when the folder has `modules.json` (or
+    /// when asked to serve the model as an embedding model): the model is then a sentence-embedding
+    /// model (Qwen3-Embedding style), see [`LlamaConfig::embedding`].
+    #[serde(default)]
+    pub sentence_transformers: Option<Value>,
 }
 
 fn default_eps() -> f32 {
@@ -147,6 +153,15 @@ impl LlamaConfig {
             "qwen3" => Variant { qkv_bias: attention_bias, o_bias: attention_bias, qk_norm: true },
             _ => Variant { qkv_bias: attention_bias, o_bias: attention_bias, qk_norm: false },
         }
+    }
+
+    /// The pooling of an embedding model (`None` for a text-generation model): the last token's row
+    /// unless sentence-transformers' pooling config names another.
+    pub fn embedding(&self) -> Result<Option<EmbeddingHead>, String> {
+        self.sentence_transformers
+            .as_ref()
+            .map(|st| EmbeddingHead::from_sentence_transformers(st, Pooling::LastToken))
+            .transpose()
     }
 
     /// Sliding window of layer `i` (0 = full attention), following `layer_types` as mlx-lm does.

@@ -3,14 +3,18 @@
 //! Per layer: `h += o_proj(attn(rope(q), rope(k), v))` over `rms_norm(h)`, then
 //! `h += down(act(gate(x)) * up(x))` over `rms_norm(h)`. Qwen2 adds q/k/v biases, Qwen3 adds a per-head
 //! RMS norm on q and k; both are flags on [`Variant`], not copies of this file.
+//!
+//! As an embedding model (Qwen3-Embedding: sentence-transformers metadata beside the weights), each
+//! sequence is whole in its step and attends causally among its own tokens without a KV cache; the
+//! final-norm rows are pooled (the last token's) and L2-normalised instead of projected to logits.
 
 use mlxcel_family_kit::decoder::{activation_bytes_per_token, quantization};
 use mlxcel_family_kit::rope::step_inv_freq;
 use mlxcel_family_kit::{
-    rope_freqs, AttentionShape, Decoder, GateActivation, GatedMlp, GraphWriter, Linear, RopeFreqs, RopeInputs,
-    SelfAttention, StepInputs, TextDecoder, TextModelFacts, UsedWeights, WeightRef, WeightTable,
+    rope_freqs, AttentionShape, Decoder, EmbeddingHead, GateActivation, GatedMlp, GraphWriter, Linear, RopeFreqs,
+    RopeInputs, SelfAttention, StepInputs, TextDecoder, TextModelFacts, UsedWeights, WeightRef, WeightTable,
 };
-use mlxcel_plugin_api::{OpCode, StepDesc, TensorId};
+use mlxcel_plugin_api::{DType, OpCode, StepDesc, Task, TensorId, INPUT_TOKEN_SEQ};
 
 use crate::config::{LlamaConfig, Variant};
 
@@ -26,8 +30,10 @@ pub struct LlamaModel {
     embed: Linear,
     layers: Vec<Layer>,
     norm: WeightRef,
-    /// `None` when tied to the embedding.
+    /// `None` when tied to the embedding, or for an embedding model.
     lm_head: Option<Linear>,
+    /// Set for an embedding model: its pooling replaces the vocabulary projection.
+    embedding: Option<EmbeddingHead>,
     rope: RopeFreqs,
 }
 
@@ -58,7 +64,8 @@ impl LlamaModel {
             });
         }
         let final_norm = norm("model.norm.weight".into())?;
-        let lm_head = if cfg.tied_embeddings() {
+        let embedding = cfg.embedding()?;
+        let lm_head = if cfg.tied_embeddings() || embedding.is_some() {
             None
         } else {
             Some(Linear::load(table, q, "lm_head", d, cfg.vocab_size, false)?)
@@ -72,6 +79,7 @@ impl LlamaModel {
             used.add(&l.input_norm).add(&l.attn).add(&l.post_attention_norm).add(&l.mlp);
         }
         let facts = TextModelFacts {
+            task: if embedding.is_some() { Task::Embed } else { Task::Text },
             architecture: cfg.model_type.clone(),
             vocab_size: cfg.vocab_size,
             hidden_size: d,
@@ -81,7 +89,8 @@ impl LlamaModel {
             activation_bytes_per_token: activation_bytes_per_token(4, &shape, inter),
             quantization: quantization(layers.first().map(|l| &l.mlp.down), &embed, q),
         };
-        Ok(Decoder::new(LlamaModel { cfg, embed, layers, norm: final_norm, lm_head, rope }, facts))
+        let model = LlamaModel { cfg, embed, layers, norm: final_norm, lm_head, embedding, rope };
+        Ok(Decoder::new(model, facts))
     }
 }
 
@@ -98,10 +107,15 @@ impl TextDecoder for LlamaModel {
             mscale: self.rope.mscale,
         };
 
+        // An embedding model's sequences are whole in the step: attention among their own tokens.
+        let seq = self.embedding.map(|_| w.g.input(INPUT_TOKEN_SEQ, DType::I32, &[t]));
         let mut h = w.embedding(tokens, t, &self.embed);
         for (i, layer) in self.layers.iter().enumerate() {
             let x = w.rms_norm(h, &[t, d], &layer.input_norm, eps);
-            let o = layer.attn.forward(w, x, t, i, &rope, eps);
+            let o = match seq {
+                Some(seq) => layer.attn.forward_in_step(w, x, t, seq, &rope, eps),
+                None => layer.attn.forward(w, x, t, i, &rope, eps),
+            };
             h = w.g.op(OpCode::Add, &[t, d], &[h, o]);
 
             let x = w.rms_norm(h, &[t, d], &layer.post_attention_norm, eps);
@@ -109,6 +123,10 @@ impl TextDecoder for LlamaModel {
             h = w.g.op(OpCode::Add, &[t, d], &[h, m]);
         }
 
+        if let (Some(head), Some(seq)) = (&self.embedding, seq) {
+            let h = w.rms_norm(h, &[t, d], &self.norm, eps);
+            return Ok(head.forward(w, h, seq, step.n_seqs as u64, d));
+        }
         let h = inputs.output_rows(w, h, d);
         let h = w.rms_norm(h, &[r, d], &self.norm, eps);
         Ok(w.linear(h, r, self.lm_head.as_ref().unwrap_or(&self.embed)))

@@ -2,7 +2,8 @@
 //! checkpoints (see `fixtures/generate.py`), through the shared harness (`mlxcel::testing::golden`:
 //! one-shot prefill, chunked prefill and decode, two sequences sharing steps, greedy tokens; f32 and
 //! 4-bit, on `MLXCEL_TEST_BACKEND` or the host's choice), plus batch invariance through a
-//! sliding-window layer and every usable backend in one process.
+//! sliding-window layer and every usable backend in one process; and a Qwen3 body run as an embedding
+//! model against sentence-transformers (`fixtures/generate_embedding.py`).
 
 use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
@@ -150,5 +151,141 @@ fn every_usable_backend_in_one_process_gives_the_same_greedy_tokens() {
             assert_eq!(out.tokens, g.greedy, "{case} on backend {name}: greedy tokens differ from mlx-lm");
             eprintln!("{case}: backend {name} gives mlx-lm's greedy tokens");
         }
+    }
+}
+
+/// The Qwen3-Embedding-style fixture (`fixtures/generate_embedding.py`): a Qwen3 body saved without the
+/// `model.` prefix, with sentence-transformers files (last-token pooling, Normalize, max_seq_length).
+mod embedding {
+    use std::path::{Path, PathBuf};
+
+    use mlxcel::engine::embed::{forward, shorten, EncodedInput, EncoderTokenizer};
+    use mlxcel::engine::{EmbeddingFlags, ModelRunner, RunnerOptions};
+    use mlxcel_plugin_api::Task;
+    use serde_json::Value;
+
+    use mlxcel::checkpoint::sentence_transformers::PoolingFlag;
+
+    /// Both sides compute in f32; the differences are summation order only.
+    const TOLERANCE: f32 = 1e-4;
+
+    fn fixture() -> (PathBuf, Value) {
+        let dir = super::fixtures().join("qwen3-embedding");
+        let v = serde_json::from_str(&std::fs::read_to_string(dir.join("golden.json")).unwrap()).unwrap();
+        (dir, v)
+    }
+
+    fn load(dir: &Path, embedding: Option<EmbeddingFlags>) -> (ModelRunner, EncoderTokenizer) {
+        let catalog = mlxcel::testing::staged_catalog();
+        let backend = std::env::var("MLXCEL_TEST_BACKEND").ok().filter(|b| !b.is_empty());
+        let opts = RunnerOptions { threads: 2, backend, embedding, ..Default::default() };
+        let runner = ModelRunner::load_for(&catalog, dir, &opts, &[Task::Embed])
+            .unwrap_or_else(|e| panic!("{}: {e:#}", dir.display()));
+        assert_eq!((runner.family_name.as_str(), runner.info.output_dim), ("llama", 64));
+        if let Some(b) = &opts.backend {
+            assert_eq!(&runner.backend_name, b, "MLXCEL_TEST_BACKEND asked for `{b}`");
+        }
+        assert!(runner.info.kv_layers.is_empty(), "an embedding model keeps no KV");
+        let tok =
+            EncoderTokenizer::load(dir, &runner.checkpoint.config, runner.info.max_positions, runner.info.vocab_size)
+                .unwrap();
+        (runner, tok)
+    }
+
+    fn rows(v: &Value) -> Vec<Vec<f32>> {
+        let row = |r: &Value| r.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect();
+        v.as_array().unwrap().iter().map(row).collect()
+    }
+
+    fn max_diff(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    }
+
+    /// The golden inputs as the tokenizer gives them, checked against the reference's ids (the long one
+    /// truncated to max_seq_length, keeping the post-processor's `<|endoftext|>`).
+    fn inputs(tok: &EncoderTokenizer, golden: &Value) -> Vec<EncodedInput> {
+        golden["inputs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| {
+                let enc = tok.encode(i["text"].as_str().unwrap()).unwrap();
+                let want: Vec<u32> =
+                    i["input_ids"].as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect();
+                assert_eq!(enc.ids, want, "token ids of {:?}", i["text"]);
+                enc
+            })
+            .collect()
+    }
+
+    /// Runs the inputs batched and each alone: both equal `want`, and each other bit for bit.
+    fn check(name: &str, runner: &mut ModelRunner, inputs: &[EncodedInput], want: &[Vec<f32>]) -> Vec<Vec<f32>> {
+        let all: Vec<&EncodedInput> = inputs.iter().collect();
+        let batched = forward(runner, &all).unwrap();
+        assert_eq!(batched.len(), want.len());
+        for (i, (got, want)) in batched.iter().zip(want).enumerate() {
+            let d = max_diff(got, want);
+            eprintln!("{name}: input {i} ({} tokens): max |diff| {d:.2e}", inputs[i].ids.len());
+            assert!(d <= TOLERANCE, "{name}: input {i}: max |diff| {d} > {TOLERANCE}");
+            let alone = forward(runner, &[&inputs[i]]).unwrap();
+            assert_eq!(&alone[0], got, "{name}: input {i} differs alone and batched");
+        }
+        batched
+    }
+
+    #[test]
+    fn qwen3_embedding_matches_sentence_transformers_last_token_pooled_and_normalised() {
+        let (dir, golden) = fixture();
+        let (mut runner, tok) = load(&dir, None);
+        assert_eq!((tok.max_tokens, tok.truncates), (golden["max_seq_length"].as_u64().unwrap() as usize, true));
+        let inputs = inputs(&tok, &golden);
+        let got = check("qwen3-embedding", &mut runner, &inputs, &rows(&golden["embedding"]));
+        // Matryoshka: the first 16 values normalised again equal sentence-transformers' truncate_dim.
+        for (i, (v, want)) in got.into_iter().zip(rows(&golden["embedding_16"])).enumerate() {
+            let mut v = v;
+            shorten(&mut v, 16, true);
+            assert!(max_diff(&v, &want) <= TOLERANCE, "input {i} shortened to 16");
+        }
+    }
+
+    /// A copy of the fixture without its sentence-transformers files: a plain Qwen3 checkpoint.
+    fn bare_copy() -> tempfile::TempDir {
+        let (src, _) = fixture();
+        let dir = tempfile::tempdir().unwrap();
+        for f in ["config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(src.join(f), dir.path().join(f)).unwrap();
+        }
+        dir
+    }
+
+    #[test]
+    fn a_plain_qwen3_checkpoint_embeds_when_asked_as_llama_servers_embedding_and_pooling_flags_say() {
+        let (_, golden) = fixture();
+        let dir = bare_copy();
+        // Without a flag it is a text model (the bare body's names are read with the `model.` prefix).
+        let catalog = mlxcel::testing::staged_catalog();
+        let opts = RunnerOptions { threads: 2, ..Default::default() };
+        let text = ModelRunner::load(&catalog, dir.path(), &opts).unwrap();
+        assert_eq!(text.info.task, Task::Text);
+        drop(text);
+
+        // `--embedding`: the last token, normalised. Nothing truncates without sentence_bert_config.json,
+        // so only the inputs the reference did not truncate are compared.
+        let (mut runner, tok) = load(dir.path(), Some(EmbeddingFlags::default()));
+        assert!(!tok.truncates);
+        let want = rows(&golden["embedding"]);
+        let short: Vec<usize> =
+            (0..want.len()).filter(|&i| golden["inputs"][i]["input_ids"].as_array().unwrap().len() < 96).collect();
+        let texts: Vec<EncodedInput> =
+            short.iter().map(|&i| tok.encode(golden["inputs"][i]["text"].as_str().unwrap()).unwrap()).collect();
+        let want_short: Vec<Vec<f32>> = short.iter().map(|&i| want[i].clone()).collect();
+        check("--embedding", &mut runner, &texts, &want_short);
+
+        // `--pooling mean`: the mean of the final-norm rows, normalised.
+        let (mut runner, _) = load(dir.path(), Some(EmbeddingFlags { pooling: Some(PoolingFlag::Mean) }));
+        let mean = rows(&golden["mean_pooled"]);
+        let want_mean: Vec<Vec<f32>> = short.iter().map(|&i| mean[i].clone()).collect();
+        check("--pooling mean", &mut runner, &texts, &want_mean);
     }
 }

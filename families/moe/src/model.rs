@@ -12,7 +12,7 @@ use mlxcel_family_kit::{
     rope_freqs, AttentionShape, Decoder, Experts, GateActivation, GatedMlp, GraphWriter, Linear, QuantSpec, RopeFreqs,
     RopeInputs, SelfAttention, StepInputs, TextDecoder, TextModelFacts, UsedWeights, WeightRef, WeightTable, Weights,
 };
-use mlxcel_plugin_api::{OpCode, StepDesc, TensorId};
+use mlxcel_plugin_api::{OpCode, StepDesc, Task, TensorId};
 
 use crate::config::MoeConfig;
 
@@ -174,6 +174,7 @@ impl MoeModel {
         let dense = 3 * c.intermediate_size.max(c.shared_expert_intermediate_size);
         let per_token = 4 * d + experts + dense + shape.qkv_width();
         let facts = TextModelFacts {
+            task: Task::Text,
             architecture: cfg.model_type.clone(),
             vocab_size: cfg.vocab_size,
             hidden_size: d,

@@ -12,7 +12,7 @@ use mlxcel_family_kit::{
     rope_freqs, AttentionShape, Decoder, GateActivation, GatedMlp, GraphWriter, Linear, RopeFreqs, RopeInputs,
     SelfAttention, StepInputs, TextDecoder, TextModelFacts, UsedWeights, WeightRef, WeightTable,
 };
-use mlxcel_plugin_api::{OpCode, StepDesc, TensorId};
+use mlxcel_plugin_api::{OpCode, StepDesc, Task, TensorId};
 
 use crate::config::{Phi3Config, RopeScaling};
 
@@ -86,6 +86,7 @@ impl Phi3Model {
             used.add(&l.input_norm).add(&l.attn).add(&l.post_attention_norm).add(&l.mlp);
         }
         let facts = TextModelFacts {
+            task: Task::Text,
             architecture: cfg.model_type.clone(),
             vocab_size: cfg.vocab_size,
             hidden_size: d,

@@ -90,6 +90,13 @@ impl Checkpoint {
         Ok(Checkpoint { dir: dir.to_path_buf(), config_text, config, generation_config, files, tensors })
     }
 
+    /// Serves the model as an embedding model whatever its files say (see
+    /// [`sentence_transformers::serve_as_embedding`]); the families read the changed config.
+    pub fn serve_as_embedding(&mut self, pooling: Option<sentence_transformers::PoolingFlag>) {
+        sentence_transformers::serve_as_embedding(&mut self.config, pooling);
+        self.config_text = self.config.to_string();
+    }
+
     /// `model_type`, looking inside `text_config` for wrapper configs.
     pub fn model_type(&self) -> Option<&str> {
         self.config

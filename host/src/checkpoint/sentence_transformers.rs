@@ -53,6 +53,62 @@ pub fn read(dir: &Path) -> Result<Option<Value>, CheckpointError> {
     Ok(Some(json!({"modules": types, "pooling": pooling, "max_seq_length": max_seq_length})))
 }
 
+/// A pooling mode asked for on the command line (llama-server's `--pooling`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PoolingFlag {
+    Mean,
+    Cls,
+    Last,
+}
+
+impl PoolingFlag {
+    /// llama-server's names; `none` and `rank` are refused with what to do instead.
+    pub fn parse(s: &str) -> Result<PoolingFlag, String> {
+        match s {
+            "mean" => Ok(PoolingFlag::Mean),
+            "cls" => Ok(PoolingFlag::Cls),
+            "last" => Ok(PoolingFlag::Last),
+            "none" => Err("per-token embeddings (pooling `none`) are not supported; use mean, cls or last".into()),
+            "rank" => Err("rerankers are recognised from their checkpoint (a *ForSequenceClassification head); \
+                           no pooling flag is needed"
+                .into()),
+            other => Err(format!("unknown pooling `{other}`: use mean, cls or last")),
+        }
+    }
+
+    /// The name sentence-transformers' `pooling_mode` gives it.
+    fn mode(self) -> &'static str {
+        match self {
+            PoolingFlag::Mean => "mean",
+            PoolingFlag::Cls => "cls",
+            PoolingFlag::Last => "lasttoken",
+        }
+    }
+}
+
+/// Makes `config` describe an embedding model (llama-server's `--embedding` and `--pooling`): without
+/// sentence-transformers metadata, a Transformer → Pooling → Normalize pipeline (llama-server
+/// normalises its embeddings too) pooled as the family's default (the last token for a decoder) or
+/// `pooling`; with metadata, `pooling` replaces the folder's pooling config.
+pub fn serve_as_embedding(config: &mut Value, pooling: Option<PoolingFlag>) {
+    let Some(obj) = config.as_object_mut() else { return };
+    let st = obj.entry(CONFIG_KEY).or_insert_with(
+        || json!({"modules": ["Transformer", "Pooling", "Normalize"], "pooling": null, "max_seq_length": null}),
+    );
+    if let Some(p) = pooling {
+        st["pooling"] = json!({"pooling_mode": p.mode()});
+    }
+}
+
+/// Whether the model's vectors are L2-normalised (a `Normalize` module in the metadata `config` holds).
+pub fn normalizes(config: &Value) -> bool {
+    config
+        .get(CONFIG_KEY)
+        .and_then(|st| st.get("modules"))
+        .and_then(Value::as_array)
+        .is_some_and(|m| m.iter().any(|t| t.as_str() == Some("Normalize")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -75,5 +131,26 @@ mod tests {
         assert_eq!(v["modules"], json!(["Transformer", "Pooling", "Normalize"]));
         assert_eq!(v["pooling"]["pooling_mode_cls_token"], json!(true));
         assert_eq!(v["max_seq_length"], json!(256));
+        assert!(normalizes(&json!({CONFIG_KEY: v})));
+        assert!(!normalizes(&json!({"model_type": "bert"})));
+    }
+
+    #[test]
+    fn a_model_served_as_embedding_gets_pooling_and_normalize() {
+        let mut c = json!({"model_type": "qwen3"});
+        serve_as_embedding(&mut c, None);
+        assert_eq!(c[CONFIG_KEY]["modules"], json!(["Transformer", "Pooling", "Normalize"]));
+        assert_eq!(c[CONFIG_KEY]["pooling"], Value::Null);
+        serve_as_embedding(&mut c, Some(PoolingFlag::Mean));
+        assert_eq!(c[CONFIG_KEY]["pooling"], json!({"pooling_mode": "mean"}));
+        // The folder's own modules are kept; only the pooling changes.
+        let mut c =
+            json!({CONFIG_KEY: {"modules": ["Transformer", "Pooling"], "pooling": {"pooling_mode_cls_token": true}}});
+        serve_as_embedding(&mut c, Some(PoolingFlag::Last));
+        assert_eq!(c[CONFIG_KEY]["modules"], json!(["Transformer", "Pooling"]));
+        assert_eq!(c[CONFIG_KEY]["pooling"], json!({"pooling_mode": "lasttoken"}));
+        assert_eq!(PoolingFlag::parse("last"), Ok(PoolingFlag::Last));
+        assert!(PoolingFlag::parse("none").unwrap_err().contains("not supported"));
+        assert!(PoolingFlag::parse("rank").unwrap_err().contains("no pooling flag"));
     }
 }

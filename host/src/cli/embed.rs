@@ -7,8 +7,9 @@ use mlxcel_plugin_api::Task;
 use serde_json::json;
 
 use super::GlobalArgs;
-use crate::engine::embed::{encode_all, relevance_score, EncoderOptions};
-use crate::engine::{EncodedInput, EncoderTokenizer, ModelRunner, RunnerOptions};
+use crate::checkpoint::sentence_transformers::PoolingFlag;
+use crate::engine::embed::{check_dimensions, encode_all, relevance_score, shorten, EncoderOptions};
+use crate::engine::{EmbeddingFlags, EncodedInput, EncoderTokenizer, ModelRunner, RunnerOptions};
 
 /// Where the encoder model comes from and what runs it.
 #[derive(Args, Debug, Clone)]
@@ -34,6 +35,14 @@ pub struct EmbedArgs {
     /// Texts to embed (`-p A B` or `-p A -p B`).
     #[arg(short = 'p', long = "prompt", num_args = 1.., required = true)]
     pub prompts: Vec<String>,
+    /// Keep the first N dimensions of each vector (Matryoshka), normalised again when the model
+    /// normalises (OpenAI's `dimensions`).
+    #[arg(long)]
+    pub dimensions: Option<u64>,
+    /// Embed with any decoder checkpoint (e.g. a Qwen3 one) pooled this way: mean, cls or last, then
+    /// L2-normalised (default: the model's sentence-transformers config).
+    #[arg(long, value_parser = PoolingFlag::parse)]
+    pub pooling: Option<PoolingFlag>,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -51,9 +60,19 @@ pub struct RerankArgs {
     pub top_n: Option<usize>,
 }
 
-fn load(global: &GlobalArgs, a: &EncoderModelArgs, task: Task) -> Result<(ModelRunner, EncoderTokenizer)> {
+fn load(
+    global: &GlobalArgs,
+    a: &EncoderModelArgs,
+    task: Task,
+    pooling: Option<PoolingFlag>,
+) -> Result<(ModelRunner, EncoderTokenizer)> {
     let dir = super::run::resolve_model(&a.model, a.revision.as_deref())?;
-    let opts = RunnerOptions { backend: a.backend.clone(), threads: a.threads.unwrap_or(0), ..Default::default() };
+    let opts = RunnerOptions {
+        backend: a.backend.clone(),
+        threads: a.threads.unwrap_or(0),
+        embedding: pooling.map(|p| EmbeddingFlags { pooling: Some(p) }),
+        ..Default::default()
+    };
     let runner = ModelRunner::load_for(&global.catalog(), &dir, &opts, &[task])?;
     let tok = EncoderTokenizer::load(
         &dir,
@@ -70,14 +89,24 @@ fn run_inputs(runner: &mut ModelRunner, tok: &EncoderTokenizer, inputs: &[Encode
 }
 
 pub fn embed(global: &GlobalArgs, a: &EmbedArgs) -> Result<()> {
-    let (mut runner, tok) = load(global, &a.model, Task::Embed)?;
+    let (mut runner, tok) = load(global, &a.model, Task::Embed, a.pooling)?;
+    let width = runner.info.output_dim;
+    let dims = a
+        .dimensions
+        .map(|d| check_dimensions(d, width))
+        .transpose()
+        .map_err(|m| anyhow::anyhow!("--dimensions {m}"))?;
     let inputs: Vec<EncodedInput> = a
         .prompts
         .iter()
         .enumerate()
         .map(|(i, p)| tok.encode(p).with_context(|| format!("prompt {}", i + 1)))
         .collect::<Result<_>>()?;
-    let vectors = run_inputs(&mut runner, &tok, &inputs)?;
+    let mut vectors = run_inputs(&mut runner, &tok, &inputs)?;
+    if let Some(dims) = dims {
+        let normalized = crate::checkpoint::sentence_transformers::normalizes(&runner.checkpoint.config);
+        vectors.iter_mut().for_each(|v| shorten(v, dims, normalized));
+    }
     let data: Vec<_> = a
         .prompts
         .iter()
@@ -86,7 +115,7 @@ pub fn embed(global: &GlobalArgs, a: &EmbedArgs) -> Result<()> {
         .map(|(i, (text, v))| json!({"index": i, "text": text, "embedding": v}))
         .collect();
     let tokens: usize = inputs.iter().map(|i| i.ids.len()).sum();
-    let out = json!({"model": a.model.model, "dimensions": runner.info.output_dim, "data": data,
+    let out = json!({"model": a.model.model, "dimensions": dims.unwrap_or(width), "data": data,
                      "usage": {"prompt_tokens": tokens}});
     print_json(&out)
 }
@@ -95,7 +124,7 @@ pub fn rerank(global: &GlobalArgs, a: &RerankArgs) -> Result<()> {
     if a.top_n == Some(0) {
         anyhow::bail!("--top-n must be at least 1");
     }
-    let (mut runner, tok) = load(global, &a.model, Task::Rerank)?;
+    let (mut runner, tok) = load(global, &a.model, Task::Rerank, None)?;
     let inputs: Vec<EncodedInput> = a
         .documents
         .iter()
@@ -144,7 +173,7 @@ pub fn bench(global: &GlobalArgs, a: &BenchEmbedArgs) -> Result<()> {
     let text = std::fs::read_to_string(&a.texts).with_context(|| format!("reading {}", a.texts.display()))?;
     let sets: serde_json::Map<String, serde_json::Value> = serde_json::from_str(&text)
         .with_context(|| format!("{}: expected an object of text lists", a.texts.display()))?;
-    let (mut runner, tok) = load(global, &a.model, Task::Embed)?;
+    let (mut runner, tok) = load(global, &a.model, Task::Embed, None)?;
     let mut out = serde_json::Map::new();
     for (name, texts) in &sets {
         let texts: Vec<&str> = texts

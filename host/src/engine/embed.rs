@@ -166,6 +166,30 @@ pub struct EncoderInfo {
     /// Floats per output row (the embedding width; 1 for a reranker).
     pub output_dim: usize,
     pub max_tokens: usize,
+    /// The model L2-normalises its vectors (sentence-transformers' `Normalize`), so shortened ones
+    /// are normalised again (see [`shorten`]).
+    pub normalized: bool,
+}
+
+/// Checks a requested embedding width against the model's (`1..=width`); the error completes a
+/// sentence that starts with the option's name.
+pub fn check_dimensions(dims: u64, width: usize) -> Result<usize, String> {
+    match dims {
+        0 => Err("must be at least 1".into()),
+        d if d > width as u64 => Err(format!("is {d}, but the model's vectors have only {width} dimensions")),
+        d => Ok(d as usize),
+    }
+}
+
+/// Matryoshka shortening, as OpenAI's `dimensions` does it: the first `dims` values, L2-normalised
+/// again when the model normalises its vectors (a model trained for it, e.g. Qwen3-Embedding, keeps
+/// most of its quality in the leading dimensions; for others the prefix is merely a projection).
+pub fn shorten(v: &mut Vec<f32>, dims: usize, normalize: bool) {
+    v.truncate(dims);
+    if normalize {
+        let norm = v.iter().map(|x| x * x).sum::<f32>().sqrt().max(1e-12);
+        v.iter_mut().for_each(|x| *x /= norm);
+    }
 }
 
 /// Counters since start.
@@ -204,7 +228,8 @@ impl Encoder {
         if !matches!(task, Task::Embed | Task::Rerank) {
             anyhow::bail!("{} is a {} model, not an encoder", runner.checkpoint.dir.display(), task.name());
         }
-        let info = EncoderInfo { task, output_dim: runner.info.output_dim, max_tokens };
+        let normalized = crate::checkpoint::sentence_transformers::normalizes(&runner.checkpoint.config);
+        let info = EncoderInfo { task, output_dim: runner.info.output_dim, max_tokens, normalized };
         let (tx, rx) = mpsc::sync_channel::<Job>(opts.max_queue.max(1));
         let counters = Arc::new(EncoderCounters::default());
         let c = counters.clone();
@@ -356,6 +381,22 @@ mod tests {
         let sizes: Vec<usize> = batches(&items, 6).iter().map(|b| b.len()).collect();
         assert_eq!(sizes, [2, 1, 1, 1]);
         assert_eq!(batches(&items, 100).len(), 1);
+    }
+
+    #[test]
+    fn shortened_vectors_keep_the_prefix_and_are_normalised_again_when_the_model_normalises() {
+        let mut v = vec![0.6, 0.0, 0.8, 0.0];
+        shorten(&mut v, 4, true);
+        assert_eq!(v, [0.6, 0.0, 0.8, 0.0]);
+        let mut a = v.clone();
+        shorten(&mut a, 2, true);
+        assert_eq!(a, [1.0, 0.0]);
+        shorten(&mut v, 1, false);
+        assert_eq!(v, [0.6]);
+        assert_eq!(check_dimensions(3, 4), Ok(3));
+        assert_eq!(check_dimensions(4, 4), Ok(4));
+        assert!(check_dimensions(0, 4).unwrap_err().contains("at least 1"));
+        assert!(check_dimensions(5, 4).unwrap_err().contains("only 4"));
     }
 
     #[test]

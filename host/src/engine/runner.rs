@@ -13,6 +13,7 @@ use mlxcel_plugins::{BackendContext, BackendPlugin, Catalog, DeviceBuffer, Famil
 
 use super::kv_cache::{KvCache, SeqBlocks};
 use super::kv_plan::{KvCacheType, KvCacheTypes, KvPlan};
+use crate::checkpoint::sentence_transformers::PoolingFlag;
 use crate::checkpoint::Checkpoint;
 
 /// How to load a model.
@@ -31,9 +32,18 @@ pub struct RunnerOptions {
     /// Most tokens one sequence brings to a step (the prefill chunk): a sliding-window group holds
     /// the window plus one such chunk per sequence.
     pub max_step_tokens: usize,
+    /// Serve the model as an embedding model whatever its files say (llama-server's `--embedding`),
+    /// pooled as given or as its sentence-transformers files (else its family) say.
+    pub embedding: Option<EmbeddingFlags>,
     /// What the K and V caches keep their values in; `None`: [`KvCacheTypes::DEFAULT`] where the
     /// backend keeps it, else f32.
     pub cache_types: Option<KvCacheTypes>,
+}
+
+/// llama-server's `--embedding` and `--pooling`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct EmbeddingFlags {
+    pub pooling: Option<PoolingFlag>,
 }
 
 impl Default for RunnerOptions {
@@ -45,6 +55,7 @@ impl Default for RunnerOptions {
             parallel: 1,
             block_size: 16,
             max_step_tokens: 512,
+            embedding: None,
             cache_types: None,
         }
     }
@@ -231,10 +242,13 @@ impl ModelRunner {
 
     pub fn from_checkpoint_for(
         catalog: &Catalog,
-        checkpoint: Checkpoint,
+        mut checkpoint: Checkpoint,
         opts: &RunnerOptions,
         tasks: &[Task],
     ) -> Result<ModelRunner> {
+        if let Some(e) = opts.embedding {
+            checkpoint.serve_as_embedding(e.pooling);
+        }
         let model_type = checkpoint
             .model_type()
             .with_context(|| format!("{}: config.json has no `model_type`", checkpoint.dir.display()))?
@@ -247,6 +261,15 @@ impl ModelRunner {
             .create_model(&checkpoint.config_text, &infos)
             .map_err(|e| anyhow::anyhow!("{}: {}", checkpoint.dir.display(), e.message))?;
         let info = model.info().clone();
+        if opts.embedding.is_some() && info.task != Task::Embed {
+            bail!(
+                "{}: the `{}` family cannot run this {} model as an embedding model (--embedding / --pooling \
+                 work with the llama family's decoders and the bert family's encoders)",
+                checkpoint.dir.display(),
+                family.name(),
+                info.architecture
+            );
+        }
         if !tasks.contains(&info.task) {
             bail!("{}", task_refusal(&checkpoint.dir, info.task, tasks));
         }

@@ -8,8 +8,9 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
+use crate::checkpoint::sentence_transformers::PoolingFlag;
 use crate::cli::cache_type::CacheTypeArgs;
-use crate::engine::{KvCacheTypes, SamplingOverrides};
+use crate::engine::{EmbeddingFlags, KvCacheTypes, SamplingOverrides};
 
 #[derive(Args, Debug, Clone)]
 pub struct ServerArgs {
@@ -123,6 +124,14 @@ pub struct ServerArgs {
     /// Default seed (-1: random).
     #[arg(short = 's', long = "seed", env = "LLAMA_ARG_SEED", allow_negative_numbers = true)]
     pub seed: Option<i64>,
+    /// Serve MODEL as an embedding model even without sentence-transformers files (a decoder such as
+    /// a Qwen3 checkpoint: last-token pooling, L2-normalised). Models with the files need no flag.
+    #[arg(long = "embedding", visible_alias = "embeddings", env = "LLAMA_ARG_EMBEDDINGS")]
+    pub embedding: bool,
+    /// How an embedding model pools its token rows: mean, cls or last (implies --embedding; default:
+    /// the model's sentence-transformers config, else last for decoders, mean for encoders).
+    #[arg(long = "pooling", env = "LLAMA_ARG_POOLING", value_parser = PoolingFlag::parse)]
+    pub pooling: Option<PoolingFlag>,
     /// `--cache-type-k/-v` (also `-ctk`/`-ctv`).
     #[command(flatten)]
     pub cache_types: CacheTypeArgs,
@@ -208,10 +217,10 @@ const REFUSED: &[(&[&str], &str, &str)] = &[
         "give the hub name to -m instead (mlxcel resolves owner/name itself)",
     ),
     (
-        &["--embedding", "--embeddings", "--reranking", "--rerank", "--pooling"],
-        "LLAMA_ARG_EMBEDDINGS",
-        "embedding and rerank routes need no flag: they are served when MODEL is an embedding or reranking \
-         model, pooled as its sentence-transformers files say",
+        &["--reranking", "--rerank"],
+        "LLAMA_ARG_RERANKING",
+        "rerank routes need no flag: they are served when MODEL is a cross-encoder (a \
+         *ForSequenceClassification checkpoint)",
     ),
     (&["-nocb", "--no-cont-batching"], "LLAMA_ARG_NO_CONT_BATCHING", "continuous batching is always on"),
     (&["-dt", "--defrag-thold"], "LLAMA_ARG_DEFRAG_THOLD", "the paged KV cache needs no defragmentation"),
@@ -327,6 +336,8 @@ pub struct ServerConfig {
     pub queue_limit: usize,
     /// Sampling flags applied over the model's generation_config.json.
     pub sampling: SamplingOverrides,
+    /// `--embedding` / `--pooling`: serve the model as an embedding model.
+    pub embedding: Option<EmbeddingFlags>,
 }
 
 impl ServerArgs {
@@ -407,6 +418,7 @@ impl ServerArgs {
             max_audio_bytes: self.max_audio_bytes,
             queue_limit: (self.parallel * 4).max(16),
             sampling,
+            embedding: (self.embedding || self.pooling.is_some()).then_some(EmbeddingFlags { pooling: self.pooling }),
         })
     }
 }
@@ -483,6 +495,21 @@ mod tests {
         }
         let e = parse(&["-m", "m", "--flash-attn=on"]).unwrap_err().to_string();
         assert!(e.contains("--flash-attn"), "{e}");
+    }
+
+    #[test]
+    fn embedding_and_pooling_flags_serve_a_model_as_an_embedding_model() {
+        assert_eq!(parse(&["-m", "m"]).unwrap().embedding, None);
+        assert_eq!(parse(&["-m", "m", "--embedding"]).unwrap().embedding, Some(EmbeddingFlags { pooling: None }));
+        let c = parse(&["-m", "m", "--embeddings", "--pooling", "mean"]).unwrap();
+        assert_eq!(c.embedding, Some(EmbeddingFlags { pooling: Some(PoolingFlag::Mean) }));
+        // --pooling alone implies --embedding, as serving embeddings is the only thing it changes.
+        let c = parse(&["-m", "m", "--pooling", "last"]).unwrap();
+        assert_eq!(c.embedding, Some(EmbeddingFlags { pooling: Some(PoolingFlag::Last) }));
+        let e = parse(&["-m", "m", "--pooling", "none"]).unwrap_err().to_string();
+        assert!(e.contains("per-token embeddings"), "{e}");
+        let e = parse(&["-m", "m", "--reranking"]).unwrap_err().to_string();
+        assert!(e.starts_with("--reranking is a llama-server flag"), "{e}");
     }
 
     #[test]

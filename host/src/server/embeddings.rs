@@ -1,7 +1,8 @@
 //! Embedding and reranking routes, and what the server does with an encoder model.
 //!
 //! - `POST /v1/embeddings` (OpenAI: `input` as a string, strings, token ids or lists of them;
-//!   `encoding_format` `float` or `base64`; `dimensions` only when it is the model's own width), and
+//!   `encoding_format` `float` or `base64`; `dimensions` shortens the vectors to their first N values,
+//!   normalised again when the model normalises, as OpenAI's Matryoshka models do), and
 //!   llama-server's `POST /embedding` and `/embeddings` (`content` or `input`; each result's
 //!   `embedding` is a list holding the pooled vector, as llama-server writes it for pooled models).
 //! - `POST /rerank` and `/v1/rerank` (Jina / Cohere: `query`, `documents`, `top_n`,
@@ -28,7 +29,7 @@ use super::error::{parse_body, ApiError, Dialect};
 use super::generator::{EngineStats, EventStream, Generator, ModelFacts, SlotStats};
 use super::openai::PromptField;
 use super::state::{AppState, LoadedModel, RequestLog};
-use crate::engine::embed::{relevance_score, EncoderInfo};
+use crate::engine::embed::{check_dimensions, relevance_score, shorten, EncoderInfo};
 use crate::engine::{
     EncodedInput, Encoder, EncoderOptions, EncoderTokenizer, EngineError, GenerationRequest, ModelRunner, Usage,
 };
@@ -220,21 +221,19 @@ async fn openai_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Res
             ))
         }
     };
-    let dim = enc.info().output_dim;
-    if let Some(d) = r.dimensions {
-        if d as usize != dim {
-            return Err(ApiError::field(
-                "dimensions",
-                format!(
-                    "model `{}` does not support shortened embeddings: its vectors have {dim} dimensions",
-                    model.facts.id
-                ),
-            ));
-        }
-    }
+    let dims = r
+        .dimensions
+        .map(|d| {
+            check_dimensions(d, enc.info().output_dim)
+                .map_err(|m| ApiError::field("dimensions", format!("`dimensions` {m}")))
+        })
+        .transpose()?;
     let inputs = encode_inputs(&enc.tokenizer, r.input, "input")?;
     let n_tokens = tokens(&inputs);
-    let vectors = enc.encoder.run(inputs).await?;
+    let mut vectors = enc.encoder.run(inputs).await?;
+    if let Some(dims) = dims {
+        vectors.iter_mut().for_each(|v| shorten(v, dims, enc.info().normalized));
+    }
     record(&state, &log, n_tokens, started);
     let data: Vec<Value> = vectors
         .iter()

@@ -67,6 +67,7 @@ pub fn load(config: &ServerConfig, dir: &Path, parallel: usize) -> Result<(Model
         threads: config.threads,
         ctx_size: config.ctx_size.unwrap_or(4096),
         parallel: parallel.max(1),
+        embedding: config.embedding,
         cache_types: config.cache_types,
         ..Default::default()
     };

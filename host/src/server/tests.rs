@@ -144,6 +144,7 @@ fn config() -> ServerConfig {
         cache_types: None,
         queue_limit: 16,
         sampling: SamplingOverrides::default(),
+        embedding: None,
     }
 }
 

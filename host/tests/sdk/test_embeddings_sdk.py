@@ -50,8 +50,17 @@ def embeddings_float_and_token_ids():
     close_to_reference([d.embedding for d in r.data])
 
 
+def dimensions_shorten_and_normalise_again():
+    r = oa.embeddings.create(model=MODEL, input=TEXTS[:2], dimensions=128, encoding_format="float")
+    for got, want in zip([d.embedding for d in r.data], REF["embeddings"]):
+        assert len(got) == 128, len(got)
+        norm = math.sqrt(sum(x * x for x in want[:128]))
+        d = max(abs(x - y / norm) for x, y in zip(got, want))
+        assert d <= 1e-4, f"max |diff| {d}"
+
+
 def bad_requests_raise_bad_request_error():
-    for kwargs in [dict(input=[]), dict(input=""), dict(input=TEXTS[0], dimensions=128),
+    for kwargs in [dict(input=[]), dict(input=""), dict(input=TEXTS[0], dimensions=385),
                    dict(input=[[1, 2, 10**7]])]:
         try:
             oa.embeddings.create(model=MODEL, **kwargs)
@@ -67,7 +76,8 @@ def bad_requests_raise_bad_request_error():
 
 
 passed = failed = 0
-for check in [embeddings_default_encoding, embeddings_float_and_token_ids, bad_requests_raise_bad_request_error]:
+for check in [embeddings_default_encoding, embeddings_float_and_token_ids, dimensions_shorten_and_normalise_again,
+              bad_requests_raise_bad_request_error]:
     try:
         check()
         passed += 1
