@@ -239,6 +239,16 @@ pub struct BackendVTable {
             err: *mut ErrorBuf,
         ) -> Status,
     >,
+
+    // ---- ABI 2.4 ----
+    /// Starts a graph and returns without waiting for it (an asynchronous device queues it). Every
+    /// pointer in `args` stays valid, and the host neither reads the outputs nor touches the context,
+    /// until `wait` returns; `args` itself is read before `submit` returns. One graph is in flight per
+    /// context. Absent: the host calls `compute`, and `wait` is a no-op (a synchronous device).
+    pub submit: Option<unsafe extern "C" fn(ctx: *mut c_void, args: *const ComputeArgs, err: *mut ErrorBuf) -> Status>,
+    /// Blocks until the graph `submit` started has finished: its outputs are written when it returns
+    /// `OK` (an error of the computation is reported here). With nothing in flight it returns `OK`.
+    pub wait: Option<unsafe extern "C" fn(ctx: *mut c_void, err: *mut ErrorBuf) -> Status>,
 }
 
 impl BackendVTable {

@@ -287,6 +287,20 @@ pub trait BackendContext: Send + 'static {
     /// # Safety
     /// Every pointer in `args` is valid for the sizes the graph implies (ABI contract).
     unsafe fn compute(&mut self, args: &ComputeArgs) -> Result<(), PluginError>;
+    /// Starts a graph without waiting for it (ABI 2.4). The default computes it at once: right for a
+    /// device that is synchronous anyway, such as the CPU.
+    ///
+    /// # Safety
+    /// As for [`BackendContext::compute`], and the pointers stay valid until [`BackendContext::wait`]
+    /// returns.
+    unsafe fn submit(&mut self, args: &ComputeArgs) -> Result<(), PluginError> {
+        // SAFETY: the caller's contract.
+        unsafe { self.compute(args) }
+    }
+    /// Finishes what [`BackendContext::submit`] started (its outputs written); nothing in flight: `Ok`.
+    fn wait(&mut self) -> Result<(), PluginError> {
+        Ok(())
+    }
     /// One layer's K or V cache in the backend's own layout, and its bytes.
     fn kv_alloc(&mut self, desc: &KvCacheDesc) -> Result<(Self::Buffer, u64), PluginError>;
     /// Copies whole blocks inside a cache made by [`BackendContext::kv_alloc`].
@@ -544,6 +558,26 @@ pub mod backend_entry {
     }
 
     /// # Safety
+    /// ABI contract of [`BackendVTable::submit`].
+    pub unsafe fn submit<B: Backend>(ctx: *mut c_void, args: *const ComputeArgs, err: *mut ErrorBuf) -> Status {
+        let body = || {
+            // SAFETY: ABI contract: valid arguments and a live context.
+            let args = unsafe { read_versioned(args) }.ok_or_else(|| PluginError::invalid("null arguments"))?;
+            // SAFETY: a live context; the arguments' pointers stay valid until `wait` (ABI contract).
+            unsafe { context::<B>(ctx)?.submit(&args) }
+        };
+        // SAFETY: the host passes a valid or null error buffer (ABI contract).
+        unsafe { guard(err, body) }
+    }
+
+    /// # Safety
+    /// ABI contract of [`BackendVTable::wait`].
+    pub unsafe fn wait<B: Backend>(ctx: *mut c_void, err: *mut ErrorBuf) -> Status {
+        // SAFETY: ABI contract: a live context; the host passes a valid or null error buffer.
+        unsafe { guard(err, || context::<B>(ctx)?.wait()) }
+    }
+
+    /// # Safety
     /// ABI contract of [`BackendVTable::kv_alloc`].
     pub unsafe fn kv_alloc<B: Backend>(
         ctx: *mut c_void,
@@ -695,6 +729,16 @@ macro_rules! export_backend {
             ) -> $crate::Status {
                 unsafe { e::copy_blocks::<B>(c, b, d, cp, n, err) }
             }
+            unsafe extern "C" fn submit(
+                c: *mut ::std::ffi::c_void,
+                a: *const $crate::ComputeArgs,
+                err: *mut $crate::ErrorBuf,
+            ) -> $crate::Status {
+                unsafe { e::submit::<B>(c, a, err) }
+            }
+            unsafe extern "C" fn wait(c: *mut ::std::ffi::c_void, err: *mut $crate::ErrorBuf) -> $crate::Status {
+                unsafe { e::wait::<B>(c, err) }
+            }
             static VTABLE: $crate::BackendVTable = $crate::BackendVTable {
                 size: $size,
                 describe,
@@ -709,6 +753,8 @@ macro_rules! export_backend {
                 compute,
                 kv_alloc: Some(kv_alloc),
                 copy_blocks: Some(copy_blocks),
+                submit: Some(submit),
+                wait: Some(wait),
             };
             static ROOT: $crate::PluginRoot = $crate::PluginRoot {
                 abi_major: $crate::ABI_MAJOR,

@@ -40,8 +40,9 @@ pub const ABI_MAJOR: u32 = 2;
 /// Minor version of the plugin ABI: fields appended since the last major. 2.1 added
 /// [`BackendVTable::kv_alloc`] and [`BackendVTable::copy_blocks`]; 2.2 the feature rows of a step
 /// ([`INPUT_FEATURES`], [`StepDesc::seq_n_features`]) and PyTorch-layout convolution weights
-/// ([`CONV_WEIGHT_TORCH`]); 2.3 a V-cache dtype of its own ([`KvBinding::v_dtype`]).
-pub const ABI_MINOR: u32 = 3;
+/// ([`CONV_WEIGHT_TORCH`]); 2.3 a V-cache dtype of its own ([`KvBinding::v_dtype`]); 2.4 asynchronous
+/// execution ([`BackendVTable::submit`], [`BackendVTable::wait`]).
+pub const ABI_MINOR: u32 = 4;
 
 /// The symbol every plugin exports: `extern "C" fn() -> *const PluginRoot`.
 pub const ROOT_SYMBOL: &[u8] = b"mlxcel_plugin_root\0";

@@ -106,7 +106,13 @@ impl BackendPlugin {
         let status = unsafe { (self.vt.create)(&opts, &mut ctx, err.as_ptr()) };
         check(&self.meta.name, status, &err)?;
         Ok(BackendContext {
-            raw: Arc::new(Mutex::new(RawContext { name: self.meta.name.clone(), vt: self.vt, ctx, poisoned: false })),
+            raw: Arc::new(Mutex::new(RawContext {
+                name: self.meta.name.clone(),
+                vt: self.vt,
+                ctx,
+                poisoned: false,
+                in_flight: false,
+            })),
             name: self.meta.name.clone(),
             owns_kv_layout: self.owns_kv_layout(),
             not_sync: PhantomData,
@@ -120,14 +126,22 @@ struct RawContext {
     ctx: *mut c_void,
     /// Set when a call panicked inside the plugin: its state may be half-written.
     poisoned: bool,
+    /// A graph was submitted and not yet waited for.
+    in_flight: bool,
 }
 
 // SAFETY: the plugin context may move between threads; calls are serialised by the mutex around it.
 unsafe impl Send for RawContext {}
 
 impl RawContext {
-    /// Runs a fallible call unless poisoned; a panic inside the plugin poisons the context.
+    /// Runs a fallible call unless poisoned, after whatever graph is still in flight has finished (its
+    /// error, if any, is this call's); a panic inside the plugin poisons the context.
     fn call(&mut self, f: impl FnOnce(&Self, *mut mlxcel_plugin_api::ErrorBuf) -> Status) -> Result<(), CallError> {
+        self.wait()?;
+        self.call_now(f)
+    }
+
+    fn call_now(&mut self, f: impl FnOnce(&Self, *mut mlxcel_plugin_api::ErrorBuf) -> Status) -> Result<(), CallError> {
         if self.poisoned {
             return Err(CallError {
                 plugin: self.name.clone(),
@@ -143,10 +157,31 @@ impl RawContext {
         }
         check(&self.name, status, &err)
     }
+
+    /// Waits for a submitted graph (ABI 2.4 `wait`); `Ok` at once with nothing in flight.
+    fn wait(&mut self) -> Result<(), CallError> {
+        if !std::mem::take(&mut self.in_flight) {
+            return Ok(());
+        }
+        match self.vt.wait {
+            // SAFETY: a live context with a graph in flight.
+            Some(wait) => self.call_now(|r, err| unsafe { wait(r.ctx, err) }),
+            None => Ok(()),
+        }
+    }
+
+    /// [`RawContext::wait`] where there is no caller to hand the error to.
+    fn settle(&mut self) {
+        if let Err(e) = self.wait() {
+            tracing::warn!("a graph in flight failed and nobody waited for it: {e}");
+        }
+    }
 }
 
 impl Drop for RawContext {
     fn drop(&mut self) {
+        // A graph still in flight may write into memory its submitter is about to free: finish it first.
+        self.settle();
         // SAFETY: the context came from `create`; no buffer outlives it (each holds the Arc).
         unsafe { (self.vt.destroy)(self.ctx) };
     }
@@ -191,7 +226,8 @@ impl DeviceBuffer {
 
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
-        let raw = lock(&self.raw);
+        let mut raw = lock(&self.raw);
+        raw.settle();
         // SAFETY: a live handle of this context, freed once.
         unsafe { (raw.vt.buffer_free)(raw.ctx, self.handle) };
     }
@@ -304,7 +340,8 @@ impl BackendContext {
 
     /// Whether the backend can run this node.
     pub fn supports(&mut self, node: &Node) -> bool {
-        let raw = lock(&self.raw);
+        let mut raw = lock(&self.raw);
+        raw.settle();
         // SAFETY: one node of our layout.
         !raw.poisoned && unsafe { (raw.vt.supports_op)(raw.ctx, node, std::mem::size_of::<Node>()) != 0 }
     }
@@ -317,5 +354,36 @@ impl BackendContext {
     pub unsafe fn compute(&mut self, args: &ComputeArgs) -> Result<(), CallError> {
         // SAFETY: caller's contract.
         lock(&self.raw).call(|r, err| unsafe { (r.vt.compute)(r.ctx, args, err) })
+    }
+
+    /// Starts a graph without waiting for it (ABI 2.4 `submit`; a backend without it computes here and
+    /// now). Finish it with [`BackendContext::wait`]; any other call on the context waits first.
+    ///
+    /// # Safety
+    /// As for [`BackendContext::compute`], and every pointer in `args` stays valid (and the outputs
+    /// unread) until `wait` returns — or until the context is dropped, which waits too.
+    pub unsafe fn submit(&mut self, args: &ComputeArgs) -> Result<(), CallError> {
+        let mut raw = lock(&self.raw);
+        match raw.vt.submit {
+            Some(submit) => {
+                // SAFETY: caller's contract.
+                raw.call(|r, err| unsafe { submit(r.ctx, args, err) })?;
+                raw.in_flight = true;
+                Ok(())
+            }
+            // SAFETY: caller's contract.
+            None => raw.call(|r, err| unsafe { (r.vt.compute)(r.ctx, args, err) }),
+        }
+    }
+
+    /// Waits for the graph [`BackendContext::submit`] started: its outputs are written when this
+    /// returns `Ok`, and its error, if it failed, is returned here.
+    pub fn wait(&mut self) -> Result<(), CallError> {
+        lock(&self.raw).wait()
+    }
+
+    /// Whether the backend runs graphs asynchronously (ABI 2.4 `submit` / `wait`).
+    pub fn is_async(&self) -> bool {
+        lock(&self.raw).vt.submit.is_some()
     }
 }

@@ -212,6 +212,15 @@ int mlxb_eval(mlxb_array* const* arrays, size_t n) {
   })
 }
 
+int mlxb_async_eval(mlxb_array* const* arrays, size_t n) {
+  MLXB_TRY({
+    std::vector<mx::array> v;
+    v.reserve(n);
+    for (size_t i = 0; i < n; ++i) v.push_back(arrays[i]->a);
+    mx::async_eval(v);
+  })
+}
+
 int mlxb_read(const mlxb_array* a, size_t offset, void* dst, size_t len) {
   MLXB_TRY({
     auto x = a->a;

@@ -38,6 +38,8 @@ int mlxb_view(const mlxb_array* a, int dtype, const int64_t* shape, int ndim, ml
 int64_t mlxb_nbytes(const mlxb_array* a);
 // Evaluates every array (one graph evaluation).
 int mlxb_eval(mlxb_array* const* arrays, size_t n);
+// Schedules every array's evaluation and returns at once (mlx's async_eval); a later eval or read waits.
+int mlxb_async_eval(mlxb_array* const* arrays, size_t n);
 // Evaluates `a` and copies `len` bytes from byte `offset` of its row-major contents.
 int mlxb_read(const mlxb_array* a, size_t offset, void* dst, size_t len);
 

@@ -159,4 +159,11 @@ impl Array {
         // SAFETY: live handles.
         status(unsafe { ffi::mlxb_eval(raw.as_ptr(), raw.len()) })
     }
+
+    /// Schedules the arrays' evaluation and returns without waiting ([`Array::eval`] or a read waits).
+    pub fn async_eval(arrays: &[&Array]) -> Result<(), String> {
+        let raw: Vec<*mut RawArray> = arrays.iter().map(|a| a.0).collect();
+        // SAFETY: live handles.
+        status(unsafe { ffi::mlxb_async_eval(raw.as_ptr(), raw.len()) })
+    }
 }

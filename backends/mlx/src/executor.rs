@@ -122,12 +122,44 @@ fn validate_layout(
     Ok(())
 }
 
-/// Executes `args.graph`.
+/// A graph whose evaluation was scheduled: its outputs and where they go.
+pub struct Launched {
+    outputs: Vec<(Array, HostTensor)>,
+}
+
+// SAFETY: the arrays are reference-counted MLX handles used under `mlx_lock`; the destinations are
+// host memory the host keeps valid until the step is waited for (ABI contract of `submit`).
+unsafe impl Send for Launched {}
+
+impl Launched {
+    /// Waits for the evaluation and copies the outputs to the host.
+    pub fn finish(self) -> Result<(), PluginError> {
+        let arrays: Vec<&Array> = self.outputs.iter().map(|(a, _)| a).collect();
+        Array::eval(&arrays).map_err(PluginError::failed)?;
+        for (a, dst) in &self.outputs {
+            copy_out(a, dst)?;
+        }
+        Ok(())
+    }
+}
+
+/// Executes `args.graph` and waits for it.
 ///
 /// # Safety
-/// Every pointer in `args` is valid for the sizes the graph implies (ABI contract); buffer handles are
-/// this plugin's `MlxBuffer`s, used by this thread only for the call.
+/// As for [`launch`].
 pub unsafe fn compute(args: &ComputeArgs) -> Result<(), PluginError> {
+    // SAFETY: the caller's contract.
+    unsafe { launch(args) }?.finish()
+}
+
+/// Builds `args.graph` as one lazy MLX graph and schedules its evaluation (outputs and the updated
+/// caches together) without waiting: [`Launched::finish`] waits and copies the outputs out. Later
+/// graphs may build on the caches at once, as mlx-lm's generation loop does.
+///
+/// # Safety
+/// Every pointer in `args` is valid for the sizes the graph implies until the launch is finished (ABI
+/// contract); buffer handles are this plugin's `MlxBuffer`s, used by this thread only for the call.
+pub unsafe fn launch(args: &ComputeArgs) -> Result<Launched, PluginError> {
     // SAFETY: the host guarantees every pointer of `args` for the sizes it states (ABI contract).
     let (nodes, constants, outputs, inputs, weights, kv, outs, batch) = unsafe {
         (
@@ -961,7 +993,7 @@ pub unsafe fn compute(args: &ComputeArgs) -> Result<(), PluginError> {
         to_eval.push(&st.array);
     }
     drop(vals);
-    let evaluated = Array::eval(&to_eval).map_err(PluginError::failed);
+    let evaluated = Array::async_eval(&to_eval).map_err(PluginError::failed);
     for (_, c) in caches.drain() {
         // SAFETY: as above.
         unsafe {
@@ -982,10 +1014,7 @@ pub unsafe fn compute(args: &ComputeArgs) -> Result<(), PluginError> {
         }
     }
     evaluated?;
-    for (a, dst) in out_arrays.iter().zip(outs) {
-        copy_out(a, dst)?;
-    }
-    Ok(())
+    Ok(Launched { outputs: out_arrays.into_iter().zip(outs.iter().copied()).collect() })
 }
 
 /// f32 elements before a cross-attention state row's first key row.

@@ -43,6 +43,7 @@ extern "C" {
     pub fn mlxb_view(a: *const RawArray, dtype: c_int, shape: *const i64, ndim: c_int, out: Out) -> c_int;
     pub fn mlxb_nbytes(a: *const RawArray) -> i64;
     pub fn mlxb_eval(arrays: *const *mut RawArray, n: usize) -> c_int;
+    pub fn mlxb_async_eval(arrays: *const *mut RawArray, n: usize) -> c_int;
     pub fn mlxb_read(a: *const RawArray, offset: usize, dst: *mut u8, len: usize) -> c_int;
     pub fn mlxb_astype_f32(a: *const RawArray, out: Out) -> c_int;
     pub fn mlxb_matmul(x: *const RawArray, w: *const RawArray, out: Out) -> c_int;

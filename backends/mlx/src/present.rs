@@ -75,13 +75,24 @@ impl Backend for MlxBackend {
         if device != 0 {
             return Err(PluginError::invalid(format!("the mlx backend has one device (0), not {device}")));
         }
-        Ok(MlxContext { _private: () })
+        Ok(MlxContext { in_flight: None })
     }
 }
 
 /// A context: MLX keeps its own threads and memory, so there is nothing per context yet.
 pub struct MlxContext {
-    _private: (),
+    /// The graph `submit` scheduled and `wait` has not finished.
+    in_flight: Option<crate::executor::Launched>,
+}
+
+impl Drop for MlxContext {
+    fn drop(&mut self) {
+        // The scheduled evaluation may read host memory the host frees after this context: finish it.
+        if let Some(l) = self.in_flight.take() {
+            let _g = mlx_lock();
+            let _ = l.finish();
+        }
+    }
 }
 
 /// A buffer the MLX backend hands out as an opaque handle.
@@ -205,9 +216,28 @@ impl BackendContext for MlxContext {
     }
 
     unsafe fn compute(&mut self, args: &ComputeArgs) -> Result<(), PluginError> {
+        self.wait()?;
         let _g = mlx_lock();
         // SAFETY: the caller's contract on `args`.
         unsafe { crate::executor::compute(args) }
+    }
+
+    unsafe fn submit(&mut self, args: &ComputeArgs) -> Result<(), PluginError> {
+        self.wait()?;
+        let _g = mlx_lock();
+        // SAFETY: the caller's contract on `args` (valid until `wait`).
+        self.in_flight = Some(unsafe { crate::executor::launch(args) }?);
+        Ok(())
+    }
+
+    fn wait(&mut self) -> Result<(), PluginError> {
+        match self.in_flight.take() {
+            Some(l) => {
+                let _g = mlx_lock();
+                l.finish()
+            }
+            None => Ok(()),
+        }
     }
 
     fn kv_alloc(&mut self, desc: &KvCacheDesc) -> Result<(MlxBuffer, u64), PluginError> {

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Result};
 
 use super::kv_cache::SeqBlocks;
-use super::runner::{Logits, ModelRunner, SeqChunk};
+use super::runner::{Logits, ModelRunner, RowsWanted, SeqChunk, StepRows};
 use super::sampler::{Sampler, SamplingParams};
 use super::streaming_text::StreamingText;
 use crate::text::TextTokenizer;
@@ -133,19 +133,17 @@ impl Session {
         stats.prompt_reused = common;
 
         let t0 = Instant::now();
-        let mut logits = Vec::new();
+        let mut sampler = Sampler::new(opts.sampling.clone());
+        // Greedy and top-k sampling need only a row's largest logits: the backend selects them.
+        let want = sampler.top_k_needed().map_or(RowsWanted::Full, RowsWanted::Top);
+        let mut rows = StepRows::Full(Vec::new());
         let chunk = opts.prefill_chunk.max(1);
         let mut pos = common;
         while pos < prompt.len() {
             let end = (pos + chunk).min(prompt.len());
             runner.pool.reserve(&mut self.blocks, end)?;
-            let want = if end == prompt.len() { Logits::Last } else { Logits::None };
-            logits = runner.forward(&[SeqChunk {
-                blocks: &self.blocks,
-                tokens: &prompt[pos..end],
-                start_pos: pos,
-                logits: want,
-            }])?;
+            let logits = if end == prompt.len() { Logits::Last } else { Logits::None };
+            rows = run_step(runner, &self.blocks, &prompt[pos..end], pos, logits, want)?;
             self.cached.extend_from_slice(&prompt[pos..end]);
             self.blocks.len = end;
             pos = end;
@@ -157,7 +155,6 @@ impl Session {
         stats.prompt_time = t0.elapsed();
 
         let t1 = Instant::now();
-        let mut sampler = Sampler::new(opts.sampling.clone());
         let mut history: Vec<u32> = prompt.to_vec();
         let mut generated = Vec::new();
         let mut text = String::new();
@@ -169,7 +166,11 @@ impl Session {
             if cancel.load(Ordering::Relaxed) {
                 break FinishReason::Cancelled;
             }
-            let next = sampler.sample(&mut logits[..vocab], &history);
+            let next = match &mut rows {
+                StepRows::Full(logits) if logits.len() >= vocab => sampler.sample(&mut logits[..vocab], &history),
+                StepRows::Top { ids, values, .. } if !ids.is_empty() => sampler.sample_top(ids, values),
+                _ => bail!("internal: the model returned no logits"),
+            };
             let step = out.push(tokenizer, next).map_err(|e| anyhow::anyhow!(e))?;
             if step.accepted {
                 generated.push(next);
@@ -185,12 +186,7 @@ impl Session {
                 break FinishReason::Length;
             }
             runner.pool.reserve(&mut self.blocks, p + 1)?;
-            logits = runner.forward(&[SeqChunk {
-                blocks: &self.blocks,
-                tokens: &[next],
-                start_pos: p,
-                logits: Logits::Last,
-            }])?;
+            rows = run_step(runner, &self.blocks, &[next], p, Logits::Last, want)?;
             self.cached.push(next);
             self.blocks.len = p + 1;
         };
@@ -203,4 +199,17 @@ impl Session {
         stats.generation_time = t1.elapsed();
         Ok(Generation { text, tokens: generated, finish, stats })
     }
+}
+
+/// One sequence's step through the runner.
+fn run_step(
+    runner: &mut ModelRunner,
+    blocks: &SeqBlocks,
+    tokens: &[u32],
+    start_pos: usize,
+    logits: Logits,
+    want: RowsWanted,
+) -> Result<StepRows> {
+    runner.submit(&[SeqChunk { blocks, tokens, start_pos, logits }], want)?;
+    runner.wait()
 }

@@ -21,7 +21,7 @@ pub use kv_cache::{KvBlock, KvBlockPool, KvCache, SeqBlocks};
 pub use kv_plan::{KvCacheType, KvCacheTypes, KvPlan};
 pub use prefix_cache::PrefixCache;
 pub use request::{EngineError, GenerationEvent, GenerationRequest, TokenLogprob, Usage};
-pub use runner::{EmbeddingFlags, Logits, ModelRunner, RunnerOptions, SeqChunk};
+pub use runner::{EmbeddingFlags, Logits, ModelRunner, RowsWanted, RunnerOptions, SeqChunk, StepRows};
 pub use sampler::{Sampler, SamplingOverrides, SamplingParams};
 pub use scheduler::{
     EngineCounters, EngineOptions, EngineStats, RequestLimits, Scheduler, SlotState, SlotStats, StepModel, Submission,

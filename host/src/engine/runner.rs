@@ -6,8 +6,8 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use mlxcel_plugin_api::{
-    BufferHandle, ComputeArgs, HostTensor, KvBinding, KvCacheDesc, KvGroupTables, KvKind, StepBatch, StepDesc, Task,
-    Versioned, NO_BLOCK,
+    BufferHandle, ComputeArgs, DType, HostTensor, KvBinding, KvCacheDesc, KvGroupTables, KvKind, Node, OpCode,
+    StepBatch, StepDesc, Task, Versioned, NO_BLOCK, TOPK_INDICES, TOPK_VALUES,
 };
 use mlxcel_plugins::{BackendContext, BackendPlugin, Catalog, DeviceBuffer, FamilyModel, FamilyPlugin, ModelInfo};
 
@@ -69,6 +69,58 @@ pub enum Logits {
     All,
 }
 
+/// What a step brings back of each wanted row.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RowsWanted {
+    /// The whole row (`output_dim` values: logits, an embedding, scores).
+    Full,
+    /// Only the `k` largest logits and their token ids, selected on the backend (a text model's logits
+    /// then never leave the device): what greedy decoding and top-k sampling need.
+    Top(usize),
+}
+
+/// The rows a step brought back, in chunk order.
+#[derive(Debug, Clone, PartialEq)]
+pub enum StepRows {
+    /// `[rows, output_dim]`.
+    Full(Vec<f32>),
+    /// `[rows, k]` each: per row the `k` largest logits, best first (equal values: the lower id first).
+    Top { k: usize, ids: Vec<u32>, values: Vec<f32> },
+}
+
+impl StepRows {
+    /// Number of rows.
+    pub fn rows(&self, output_dim: usize) -> usize {
+        match self {
+            StepRows::Full(v) => v.len() / output_dim.max(1),
+            StepRows::Top { k, ids, .. } => ids.len() / (*k).max(1),
+        }
+    }
+
+    /// The whole rows, or an error saying that only a top-k came back.
+    pub fn into_full(self) -> Result<Vec<f32>> {
+        match self {
+            StepRows::Full(v) => Ok(v),
+            StepRows::Top { .. } => bail!("internal: a step asked for whole rows brought back a top-k"),
+        }
+    }
+
+    /// `want` of whole rows computed on the host (what a backend's top-k gives, in the same order):
+    /// for models that have no backend, such as the scheduler's test model.
+    pub fn select(full: Vec<f32>, output_dim: usize, want: RowsWanted) -> StepRows {
+        let RowsWanted::Top(k) = want else { return StepRows::Full(full) };
+        let k = k.clamp(1, output_dim.max(1));
+        let (mut ids, mut values) = (Vec::new(), Vec::new());
+        for row in full.chunks_exact(output_dim) {
+            let mut order: Vec<u32> = (0..output_dim as u32).collect();
+            order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+            ids.extend_from_slice(&order[..k]);
+            values.extend(order[..k].iter().map(|&i| row[i as usize]));
+        }
+        StepRows::Top { k, ids, values }
+    }
+}
+
 /// One sequence's share of a step: `tokens` placed at positions `start_pos..`.
 pub struct SeqChunk<'a> {
     pub blocks: &'a SeqBlocks,
@@ -84,6 +136,39 @@ struct LayerState {
     state: Option<DeviceBuffer>,
     group: u32,
     state_elems: usize,
+}
+
+/// The host memory of one step, which the backend reads (inputs, block tables, the graph when the host
+/// extended it) and writes (outputs) until the step is waited for. Boxed, so the addresses handed to
+/// the backend stay put.
+#[derive(Default)]
+struct StepBuffers {
+    tokens: Vec<i32>,
+    positions: Vec<i32>,
+    rows: Vec<i32>,
+    token_seq: Vec<u32>,
+    token_seq_i32: Vec<i32>,
+    types: Vec<i32>,
+    feature_rows: Vec<f32>,
+    seq_n_features: Vec<u32>,
+    seq_n_tokens: Vec<u32>,
+    seq_context: Vec<u32>,
+    state_slots: Vec<u32>,
+    slots: Vec<Vec<i64>>,
+    tables: Vec<Vec<u32>>,
+    inputs: Vec<HostTensor>,
+    kv: Vec<KvBinding>,
+    groups: Vec<KvGroupTables>,
+    batch: Option<StepBatch>,
+    /// The family's graph with the top-k nodes appended (empty when it runs as the family built it).
+    nodes: Vec<Node>,
+    graph_outputs: Vec<u32>,
+    outputs: Vec<HostTensor>,
+    /// Whole rows, or the top-k values.
+    out: Vec<f32>,
+    /// The top-k ids (as exact f32 integers, what `TopK` writes).
+    top_ids: Vec<f32>,
+    top_k: Option<usize>,
 }
 
 /// Everything that lives on the backend: its context, the weights bound to it and the caches.
@@ -199,8 +284,12 @@ fn choose_cache_types(
 }
 
 pub struct ModelRunner {
-    // Field order is drop order: device buffers go before the mapped files they view.
+    // Field order is drop order: device buffers go before the mapped files they view, and the context
+    // (which waits for a graph in flight) before the host memory that graph reads and writes.
     device: DeviceState,
+    /// The step `submit` started and `wait` has not collected: the host memory its graph reads and
+    /// writes, kept here until it is done.
+    in_flight: Option<Box<StepBuffers>>,
     model: FamilyModel,
     family: FamilyPlugin,
     backend_plugin: BackendPlugin,
@@ -284,6 +373,7 @@ impl ModelRunner {
         Ok(ModelRunner {
             backend_name: device.backend.name().to_string(),
             device,
+            in_flight: None,
             model,
             family: family.clone(),
             backend_plugin: backend_plugin.clone(),
@@ -374,27 +464,54 @@ impl ModelRunner {
         features: &[&[f32]],
         feature_dim: usize,
     ) -> Result<Vec<f32>> {
-        let mut seq_n_features = vec![0u32; chunks.len()];
-        let mut feature_rows: Vec<f32> = Vec::new();
+        self.submit_with_inputs(chunks, token_types, features, feature_dim, RowsWanted::Full)?;
+        self.wait()?.into_full()
+    }
+
+    /// Starts one step over `chunks` on the backend and returns without waiting for it where the
+    /// backend runs asynchronously (ABI 2.4); [`ModelRunner::wait`] collects `want` of each wanted row.
+    /// The host may do work of its own in between that does not need the step's results.
+    pub fn submit(&mut self, chunks: &[SeqChunk], want: RowsWanted) -> Result<()> {
+        self.submit_with_inputs(chunks, &[], &[], 0, want)
+    }
+
+    /// The rows of the step [`ModelRunner::submit`] started, in chunk order.
+    pub fn wait(&mut self) -> Result<StepRows> {
+        let Some(step) = self.in_flight.take() else { bail!("internal: no step in flight") };
+        if let Err(e) = self.device.backend.wait() {
+            return Err(self.after_plugin_error(e));
+        }
+        let StepBuffers { out, top_ids, top_k, .. } = *step;
+        Ok(match top_k {
+            Some(k) => StepRows::Top { k, ids: top_ids.iter().map(|&i| i as u32).collect(), values: out },
+            None => StepRows::Full(out),
+        })
+    }
+
+    fn submit_with_inputs(
+        &mut self,
+        chunks: &[SeqChunk],
+        token_types: &[&[u32]],
+        features: &[&[f32]],
+        feature_dim: usize,
+        want: RowsWanted,
+    ) -> Result<()> {
+        if self.in_flight.is_some() {
+            bail!("internal: a step was submitted before the last one was waited for");
+        }
+        let mut b = Box::new(StepBuffers::default());
+        b.seq_n_features = vec![0u32; chunks.len()];
         for (i, f) in features.iter().enumerate().filter(|(_, f)| !f.is_empty()) {
             if i >= chunks.len() || feature_dim == 0 || f.len() % feature_dim != 0 {
                 bail!("internal: {} feature values for sequence {i} are not rows of {feature_dim}", f.len());
             }
-            seq_n_features[i] = (f.len() / feature_dim) as u32;
-            feature_rows.extend_from_slice(f);
+            b.seq_n_features[i] = (f.len() / feature_dim) as u32;
+            b.feature_rows.extend_from_slice(f);
         }
         let bs = self.pool.block_size;
         let n_groups = self.pool.groups().len();
-        let mut tokens: Vec<i32> = Vec::new();
-        let mut positions: Vec<i32> = Vec::new();
-        let mut token_seq: Vec<u32> = Vec::new();
         let mut slots: Vec<Vec<i64>> = vec![Vec::new(); n_groups];
-        let mut rows: Vec<i32> = Vec::new();
         let mut tables = vec![vec![NO_BLOCK; chunks.len() * self.max_blocks_per_seq]; n_groups];
-        let mut seq_n_tokens: Vec<u32> = Vec::with_capacity(chunks.len());
-        let mut seq_context: Vec<u32> = Vec::with_capacity(chunks.len());
-        let mut state_slots: Vec<u32> = Vec::with_capacity(chunks.len());
-        let mut types_i32: Vec<i32> = Vec::new();
         for (s, c) in chunks.iter().enumerate() {
             let end = c.start_pos + c.tokens.len();
             if end > self.ctx_size {
@@ -412,19 +529,19 @@ impl ModelRunner {
                 if c.start_pos == 0 {
                     self.clear_state_row(slot)?;
                 }
-                state_slots.push(slot);
+                b.state_slots.push(slot);
             } else {
-                state_slots.push(0);
+                b.state_slots.push(0);
             }
             match token_types.get(s) {
                 Some(types) if types.len() != c.tokens.len() => {
                     bail!("internal: {} token types for {} tokens", types.len(), c.tokens.len())
                 }
-                Some(types) => types_i32.extend(types.iter().map(|&t| t as i32)),
-                None => types_i32.resize(types_i32.len() + c.tokens.len(), 0),
+                Some(types) => b.types.extend(types.iter().map(|&t| t as i32)),
+                None => b.types.resize(b.types.len() + c.tokens.len(), 0),
             }
-            seq_n_tokens.push(c.tokens.len() as u32);
-            seq_context.push(end as u32);
+            b.seq_n_tokens.push(c.tokens.len() as u32);
+            b.seq_context.push(end as u32);
             for (j, &tok) in c.tokens.iter().enumerate() {
                 let pos = c.start_pos + j;
                 if tok as usize >= self.info.vocab_size {
@@ -436,11 +553,11 @@ impl ModelRunner {
                     Logits::None => false,
                 };
                 if wanted {
-                    rows.push(tokens.len() as i32);
+                    b.rows.push(b.tokens.len() as i32);
                 }
-                tokens.push(tok as i32);
-                positions.push(pos as i32);
-                token_seq.push(s as u32);
+                b.tokens.push(tok as i32);
+                b.positions.push(pos as i32);
+                b.token_seq.push(s as u32);
                 for (g, slot) in slots.iter_mut().enumerate() {
                     let block = self.pool.table(c.blocks, g)[pos / bs];
                     if block == NO_BLOCK {
@@ -450,39 +567,62 @@ impl ModelRunner {
                 }
             }
         }
-        if tokens.is_empty() {
-            return Ok(Vec::new());
+        b.slots = slots;
+        b.tables = tables;
+        if b.tokens.is_empty() {
+            // Nothing to compute: an empty step that `wait` hands back as it is.
+            b.top_k = match want {
+                RowsWanted::Top(k) => Some(k),
+                RowsWanted::Full => None,
+            };
+            self.in_flight = Some(b);
+            return Ok(());
         }
         let step = StepDesc {
-            n_tokens: tokens.len() as u32,
+            n_tokens: b.tokens.len() as u32,
             n_seqs: chunks.len() as u32,
-            n_output_rows: rows.len() as u32,
-            seq_n_tokens: seq_n_tokens.as_ptr(),
-            seq_context: seq_context.as_ptr(),
-            n_feature_rows: seq_n_features.iter().sum(),
-            seq_n_features: seq_n_features.as_ptr(),
+            n_output_rows: b.rows.len() as u32,
+            seq_n_tokens: b.seq_n_tokens.as_ptr(),
+            seq_context: b.seq_context.as_ptr(),
+            n_feature_rows: b.seq_n_features.iter().sum(),
+            seq_n_features: b.seq_n_features.as_ptr(),
             ..StepDesc::zeroed()
         };
-        let graph = match self.model.build_graph(&step) {
+        let family_graph = match self.model.build_graph(&step) {
             Ok(g) => g,
             Err(e) => return Err(self.after_plugin_error(e)),
         };
-        self.check_supported(&graph)?;
-        let mut out = vec![0f32; rows.len() * self.info.output_dim];
+        self.check_supported(&family_graph)?;
+        let n_rows = b.rows.len();
+        let graph = match want {
+            RowsWanted::Top(k) => self.with_top_k(&family_graph, n_rows, k, &mut b),
+            RowsWanted::Full => None,
+        };
+        let graph = match graph {
+            Some(g) => g,
+            None => {
+                b.out = vec![0f32; n_rows * self.info.output_dim];
+                family_graph
+            }
+        };
+        b.outputs = vec![HostTensor { ptr: b.out.as_mut_ptr() as *mut u8, len: b.out.len() * 4 }];
+        if b.top_k.is_some() {
+            b.outputs.push(HostTensor { ptr: b.top_ids.as_mut_ptr() as *mut u8, len: b.top_ids.len() * 4 });
+        }
 
         let host = |p: *const u8, len: usize| HostTensor { ptr: p as *mut u8, len };
-        let token_seq_i32: Vec<i32> = token_seq.iter().map(|&s| s as i32).collect();
-        let inputs = [
-            host(tokens.as_ptr() as *const u8, tokens.len() * 4),
-            host(positions.as_ptr() as *const u8, positions.len() * 4),
-            host(rows.as_ptr() as *const u8, rows.len() * 4),
-            host(token_seq_i32.as_ptr() as *const u8, token_seq_i32.len() * 4),
-            host(types_i32.as_ptr() as *const u8, types_i32.len() * 4),
-            host(feature_rows.as_ptr() as *const u8, feature_rows.len() * 4),
+        b.token_seq_i32 = b.token_seq.iter().map(|&s| s as i32).collect();
+        b.inputs = vec![
+            host(b.tokens.as_ptr() as *const u8, b.tokens.len() * 4),
+            host(b.positions.as_ptr() as *const u8, b.positions.len() * 4),
+            host(b.rows.as_ptr() as *const u8, b.rows.len() * 4),
+            host(b.token_seq_i32.as_ptr() as *const u8, b.token_seq_i32.len() * 4),
+            host(b.types.as_ptr() as *const u8, b.types.len() * 4),
+            host(b.feature_rows.as_ptr() as *const u8, b.feature_rows.len() * 4),
         ];
         let handle = |b: &Option<DeviceBuffer>| b.as_ref().map_or(std::ptr::null_mut(), |b| b.handle());
         let types = self.device.cache_types;
-        let kv: Vec<KvBinding> = self
+        b.kv = self
             .device
             .layers
             .iter()
@@ -496,51 +636,102 @@ impl ModelRunner {
                 ..KvBinding::zeroed()
             })
             .collect();
-        let groups: Vec<KvGroupTables> = self
+        b.groups = self
             .pool
             .groups()
             .iter()
             .enumerate()
             .map(|(g, grp)| KvGroupTables {
-                slot_mapping: slots[g].as_ptr(),
-                block_tables: tables[g].as_ptr(),
+                slot_mapping: b.slots[g].as_ptr(),
+                block_tables: b.tables[g].as_ptr(),
                 max_blocks_per_seq: self.max_blocks_per_seq as u32,
                 block_size: bs as u32,
                 num_blocks: grp.pool.num_blocks as u32,
                 ..KvGroupTables::zeroed()
             })
             .collect();
-        let batch = StepBatch {
-            n_tokens: tokens.len() as u32,
+        b.batch = Some(StepBatch {
+            n_tokens: b.tokens.len() as u32,
             n_seqs: chunks.len() as u32,
-            token_seq: token_seq.as_ptr(),
-            positions: positions.as_ptr(),
-            seq_state_slots: state_slots.as_ptr(),
-            groups: groups.as_ptr(),
-            n_groups: groups.len() as u32,
-            seq_n_tokens: seq_n_tokens.as_ptr(),
+            token_seq: b.token_seq.as_ptr(),
+            positions: b.positions.as_ptr(),
+            seq_state_slots: b.state_slots.as_ptr(),
+            groups: b.groups.as_ptr(),
+            n_groups: b.groups.len() as u32,
+            seq_n_tokens: b.seq_n_tokens.as_ptr(),
             ..StepBatch::zeroed()
-        };
-        let outputs = [HostTensor { ptr: out.as_mut_ptr() as *mut u8, len: out.len() * 4 }];
+        });
         let args = ComputeArgs {
             graph,
-            inputs: inputs.as_ptr(),
-            n_inputs: inputs.len(),
+            inputs: b.inputs.as_ptr(),
+            n_inputs: b.inputs.len(),
             weights: self.device.weight_handles.as_ptr(),
             n_weights: self.device.weight_handles.len(),
-            kv: kv.as_ptr(),
-            n_kv: kv.len(),
-            batch: &batch,
-            outputs: outputs.as_ptr(),
-            n_outputs: outputs.len(),
+            kv: b.kv.as_ptr(),
+            n_kv: b.kv.len(),
+            batch: b.batch.as_ref().map_or(std::ptr::null(), |batch| batch as *const StepBatch),
+            outputs: b.outputs.as_ptr(),
+            n_outputs: b.outputs.len(),
             ..ComputeArgs::zeroed()
         };
-        // SAFETY: every pointer above lives until compute returns; sizes match the step; every buffer
+        // SAFETY: every pointer above is into `b` (boxed: the batch keeps its address) or this runner's
+        // device state and family model, all of which stay put until `wait` (or the context's drop,
+        // which waits) — `b` is kept in `in_flight` meanwhile; sizes match the step; every buffer
         // belongs to this runner's context.
-        if let Err(e) = unsafe { self.device.backend.compute(&args) } {
+        if let Err(e) = unsafe { self.device.backend.submit(&args) } {
             return Err(self.after_plugin_error(e));
         }
-        Ok(out)
+        self.in_flight = Some(b);
+        Ok(())
+    }
+
+    /// `graph` with its logits output replaced by their top `k` (values and ids, two outputs), selected
+    /// on the backend; `None` (whole rows, then) when the graph's output is not a logits row or the
+    /// backend cannot select. Sizes `b`'s outputs for the top-k.
+    fn with_top_k(
+        &mut self,
+        graph: &mlxcel_plugin_api::GraphRef,
+        n_rows: usize,
+        k: usize,
+        b: &mut StepBuffers,
+    ) -> Option<mlxcel_plugin_api::GraphRef> {
+        if self.info.task != Task::Text || graph.n_outputs != 1 {
+            return None;
+        }
+        // SAFETY: the graph lives until the next `build_graph` on this model.
+        let (nodes, outputs) = unsafe { (graph.nodes().into_owned(), graph.outputs().to_vec()) };
+        let logits = outputs[0];
+        let vocab = nodes.get(logits as usize)?.cols();
+        if vocab != self.info.output_dim {
+            return None;
+        }
+        let k = k.clamp(1, vocab);
+        let top = |which: i64| {
+            let mut n = Node::new(OpCode::TopK, DType::F32, &[n_rows as u64, k as u64], &[logits]);
+            n.iparams[0] = k as i64;
+            n.iparams[1] = which;
+            n
+        };
+        let (values, ids) = (top(TOPK_VALUES), top(TOPK_INDICES));
+        if !self.device.backend.supports(&values) || !self.device.backend.supports(&ids) {
+            return None;
+        }
+        b.nodes = nodes;
+        b.nodes.push(values);
+        b.nodes.push(ids);
+        let n = b.nodes.len() as u32;
+        b.graph_outputs = vec![n - 2, n - 1];
+        b.out = vec![0f32; n_rows * k];
+        b.top_ids = vec![0f32; n_rows * k];
+        b.top_k = Some(k);
+        Some(mlxcel_plugin_api::GraphRef {
+            nodes: b.nodes.as_ptr(),
+            n_nodes: b.nodes.len(),
+            node_size: std::mem::size_of::<Node>(),
+            outputs: b.graph_outputs.as_ptr(),
+            n_outputs: b.graph_outputs.len(),
+            ..*graph
+        })
     }
 
     /// A plugin call failed: after a panic, rebuild what it may have left half-written (the error is

@@ -126,6 +126,10 @@ impl SamplingOverrides {
     }
 }
 
+/// The largest `top_k` the engine has the backend select (llama.cpp's default is 40); a larger one
+/// samples from whole rows.
+pub const MAX_TOP_K_ON_BACKEND: usize = 128;
+
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
@@ -144,18 +148,55 @@ impl Sampler {
         &self.params
     }
 
+    /// How many of a row's largest logits this sampler needs, when that is all it needs: greedy
+    /// decoding needs 1, top-k sampling `top_k`; penalties (which can lift any token) need the whole
+    /// row (`None`), as does sampling without a top-k. The engine then has the backend select them.
+    pub fn top_k_needed(&self) -> Option<usize> {
+        let p = &self.params;
+        let penalties = p.repeat_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
+        if penalties && p.penalty_last_n > 0 {
+            return None;
+        }
+        if p.temperature <= 0.0 {
+            return Some(1);
+        }
+        (1..=MAX_TOP_K_ON_BACKEND).contains(&p.top_k).then_some(p.top_k)
+    }
+
     /// Picks the next token from `logits` given the tokens so far (`history`, for penalties).
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
-        let p = &self.params;
         self.apply_penalties(logits, history);
-        if p.temperature <= 0.0 {
+        if self.params.temperature <= 0.0 {
             return argmax(logits);
         }
         let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
-        cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
-        if p.top_k > 0 && p.top_k < cand.len() {
-            cand.truncate(p.top_k);
+        // Equal logits: the lower id first, the order a backend's top-k returns.
+        let by_rank = |a: &(u32, f32), b: &(u32, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+        let k = self.params.top_k;
+        if k > 0 && k < cand.len() {
+            cand.select_nth_unstable_by(k - 1, by_rank);
+            cand.truncate(k);
         }
+        cand.sort_unstable_by(by_rank);
+        self.pick(cand)
+    }
+
+    /// [`Sampler::sample`] from a row's largest logits alone, best first (`ids[i]` has `values[i]`; at
+    /// least [`Sampler::top_k_needed`] of them): the same token the whole row would give.
+    pub fn sample_top(&mut self, ids: &[u32], values: &[f32]) -> u32 {
+        if self.params.temperature <= 0.0 {
+            return ids.first().copied().unwrap_or(0);
+        }
+        let k = match self.params.top_k {
+            0 => ids.len(),
+            k => k.min(ids.len()),
+        };
+        self.pick(ids[..k].iter().copied().zip(values[..k].iter().copied()).collect())
+    }
+
+    /// Top-p, min-p and temperature over candidates sorted best first (after top-k).
+    fn pick(&mut self, mut cand: Vec<(u32, f32)>) -> u32 {
+        let p = &self.params;
         // Probabilities at temperature 1 for the top-p / min-p cut, as llama.cpp does.
         let probs = softmax(&cand.iter().map(|c| c.1).collect::<Vec<_>>(), 1.0);
         if p.top_p < 1.0 {
@@ -268,6 +309,33 @@ mod tests {
             let t = s.sample(&mut [10.0, 9.9, 0.0, -5.0], &[]);
             assert!(t == 0 || t == 1);
         }
+    }
+
+    /// The token from a row's top-k is the token from the whole row, for greedy and sampled draws.
+    #[test]
+    fn sampling_from_the_top_k_matches_the_whole_row() {
+        let logits: Vec<f32> = (0..500).map(|i| ((i * 37 % 101) as f32 * 0.13).sin() * 4.0).collect();
+        let mut order: Vec<u32> = (0..500).collect();
+        order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+        for params in [
+            SamplingParams::greedy(),
+            SamplingParams { seed: Some(5), ..Default::default() },
+            SamplingParams { temperature: 1.3, top_k: 7, top_p: 1.0, min_p: 0.0, seed: Some(9), ..Default::default() },
+        ] {
+            let k = Sampler::new(params.clone()).top_k_needed().expect("needs only a top-k");
+            // A backend may bring back more than asked (the largest any sequence of the step needs).
+            let kk = (k + 3).min(order.len());
+            let ids = &order[..kk];
+            let values: Vec<f32> = ids.iter().map(|&i| logits[i as usize]).collect();
+            let (mut whole, mut top) = (Sampler::new(params.clone()), Sampler::new(params.clone()));
+            for _ in 0..30 {
+                assert_eq!(whole.sample(&mut logits.clone(), &[]), top.sample_top(ids, &values), "{params:?}");
+            }
+        }
+        let penalised = SamplingParams { repeat_penalty: 1.1, ..SamplingParams::greedy() };
+        assert_eq!(Sampler::new(penalised).top_k_needed(), None);
+        let no_top_k = SamplingParams { top_k: 0, ..Default::default() };
+        assert_eq!(Sampler::new(no_top_k).top_k_needed(), None);
     }
 
     #[test]

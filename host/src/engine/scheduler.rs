@@ -22,7 +22,7 @@ use super::generate::FinishReason;
 use super::kv_cache::{KvCache, SeqBlocks};
 use super::prefix_cache::{PrefixCache, ROOT};
 use super::request::{EngineError, GenerationEvent, GenerationRequest, TokenLogprob, Usage};
-use super::runner::{Logits, ModelRunner, SeqChunk};
+use super::runner::{Logits, ModelRunner, RowsWanted, SeqChunk, StepRows};
 use super::sampler::Sampler;
 use super::streaming_text::StreamingText;
 use crate::text::TextTokenizer;
@@ -30,8 +30,11 @@ use crate::text::TextTokenizer;
 /// What the scheduler needs of a model: one batched forward pass and the KV pages it reads.
 /// [`ModelRunner`] is the real one; tests use a model that checks what each page holds.
 pub trait StepModel {
-    /// Runs one step over `chunks`; returns the requested logits rows, `[rows, vocab]`, in chunk order.
-    fn forward(&mut self, chunks: &[SeqChunk]) -> anyhow::Result<Vec<f32>>;
+    /// Starts one step over `chunks` (the device may run it while the host goes on); `want` says what
+    /// [`StepModel::wait`] brings back of each requested logits row.
+    fn submit(&mut self, chunks: &[SeqChunk], want: RowsWanted) -> anyhow::Result<()>;
+    /// The requested logits rows of the step [`StepModel::submit`] started, in chunk order.
+    fn wait(&mut self) -> anyhow::Result<StepRows>;
     fn vocab_size(&self) -> usize;
     /// Longest context one sequence may reach.
     fn ctx_size(&self) -> usize;
@@ -50,8 +53,11 @@ pub trait StepModel {
 }
 
 impl StepModel for ModelRunner {
-    fn forward(&mut self, chunks: &[SeqChunk]) -> anyhow::Result<Vec<f32>> {
-        ModelRunner::forward(self, chunks)
+    fn submit(&mut self, chunks: &[SeqChunk], want: RowsWanted) -> anyhow::Result<()> {
+        ModelRunner::submit(self, chunks, want)
+    }
+    fn wait(&mut self) -> anyhow::Result<StepRows> {
+        ModelRunner::wait(self)
     }
     fn vocab_size(&self) -> usize {
         self.info.vocab_size
@@ -650,21 +656,36 @@ impl<M: StepModel> Scheduler<M> {
 
     /// Runs the planned chunks as one forward pass, then samples and streams for every sequence that
     /// asked for logits. Returns the sequences that ended, `(index in running, how)`, in order.
+    ///
+    /// When every sampling sequence of the step needs only a row's largest logits (greedy, top-k, no
+    /// penalties, no log-probabilities), the backend selects them and the rows never come back whole.
     fn run(&mut self, plan: &[(usize, usize)]) -> Vec<(usize, Outcome)> {
+        let mut top_k = Some(0);
         let chunks: Vec<SeqChunk> = plan
             .iter()
             .map(|&(i, n)| {
                 let s = &self.running[i];
+                let samples = s.kv.len + n == s.tokens.len();
+                if samples {
+                    let needed = if s.logprobs.is_some() { None } else { s.sampler.top_k_needed() };
+                    top_k = top_k.zip(needed).map(|(a, b)| a.max(b));
+                }
                 SeqChunk {
                     blocks: &s.kv,
                     tokens: &s.tokens[s.kv.len..s.kv.len + n],
                     start_pos: s.kv.len,
-                    logits: if s.kv.len + n == s.tokens.len() { Logits::Last } else { Logits::None },
+                    logits: if samples { Logits::Last } else { Logits::None },
                 }
             })
             .collect();
-        let mut logits = match self.model.forward(&chunks) {
-            Ok(l) => l,
+        let want = match top_k {
+            Some(k) if k > 0 => RowsWanted::Top(k),
+            _ => RowsWanted::Full,
+        };
+        let submitted = self.model.submit(&chunks, want);
+        drop(chunks);
+        let rows = match submitted.and_then(|()| self.model.wait()) {
+            Ok(rows) => rows,
             Err(e) => {
                 tracing::error!("forward pass failed: {e:#}");
                 if self.model.state_epoch() != self.epoch {
@@ -680,27 +701,34 @@ impl<M: StepModel> Scheduler<M> {
                 return plan.iter().map(|&(i, _)| (i, Outcome::Failed(err.clone()))).collect();
             }
         };
-        drop(chunks);
 
         let vocab = self.model.vocab_size();
         let ctx_size = self.model.ctx_size();
         let page_size = self.model.kv_cache().block_size;
-        let mut rows = logits.chunks_exact_mut(vocab);
+        let mut row_index = 0;
         let mut ended = Vec::new();
+        let mut rows = rows;
         for &(i, n) in plan {
             let seq = &mut self.running[i];
-            let was_prompt = seq.first_token.is_none();
-            seq.kv.len += n;
-            if was_prompt {
+            if seq.first_token.is_none() {
                 self.counters.prompt_tokens += n as u64;
             }
+            seq.kv.len += n;
             if self.reuse_prefixes && seq.cache_prompt {
                 offer_full_pages(&mut self.cache, seq, page_size);
             }
             if seq.kv.len < seq.tokens.len() {
                 continue;
             }
-            let Some(row) = rows.next() else {
+            let row = match &mut rows {
+                StepRows::Full(v) => v.chunks_exact_mut(vocab).nth(row_index).map(Row::Full),
+                StepRows::Top { k, ids, values } => {
+                    let r = row_index * *k..(row_index + 1) * *k;
+                    ids.get(r.clone()).zip(values.get(r)).map(|(ids, values)| Row::Top(ids, values))
+                }
+            };
+            row_index += 1;
+            let Some(row) = row else {
                 ended.push((i, Outcome::Failed(EngineError::Internal("the model returned too few logits".into()))));
                 continue;
             };
@@ -759,12 +787,18 @@ fn offer_full_pages(cache: &mut PrefixCache, seq: &mut Sequence, page_size: usiz
     }
 }
 
+/// One sequence's logits from a step: the whole row, or its largest logits (ids and values, best first).
+enum Row<'a> {
+    Full(&'a mut [f32]),
+    Top(&'a [u32], &'a [f32]),
+}
+
 /// Samples the sequence's next token from its logits row and streams it; returns how it ended, if
 /// it did.
 fn sample_next(
     seq: &mut Sequence,
     tokenizer: &TextTokenizer,
-    row: &mut [f32],
+    row: Row,
     ctx_size: usize,
 ) -> Result<Option<FinishReason>, String> {
     let now = Instant::now();
@@ -775,9 +809,15 @@ fn sample_next(
         // `max_tokens` 0: the prompt is computed (and cached), nothing generated.
         return Ok(Some(FinishReason::Length));
     }
-    // Log-probabilities are the model's, before penalties change the row.
-    let model_row = seq.logprobs.map(|_| row.to_vec());
-    let token = seq.sampler.sample(row, &seq.tokens);
+    // Log-probabilities are the model's, before penalties change the row (a sequence that wants them
+    // always gets whole rows).
+    let (token, model_row) = match row {
+        Row::Full(row) => {
+            let model_row = seq.logprobs.map(|_| row.to_vec());
+            (seq.sampler.sample(row, &seq.tokens), model_row)
+        }
+        Row::Top(ids, values) => (seq.sampler.sample_top(ids, values), None),
+    };
     let step = seq.text.push(tokenizer, token)?;
     let mut logprobs = Vec::new();
     let mut tokens = Vec::new();

@@ -12,6 +12,7 @@ use rand::{Rng, SeedableRng};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::*;
+use crate::engine::runner::{RowsWanted, StepRows};
 use crate::engine::sampler::SamplingParams;
 
 const VOCAB: usize = 320;
@@ -32,6 +33,9 @@ struct CheckingModel {
     /// Per forward pass: (sequences, tokens).
     steps: Vec<(usize, usize)>,
     fail_next: bool,
+    /// What each step asked to bring back.
+    wants: Vec<RowsWanted>,
+    in_flight: Option<StepRows>,
 }
 
 impl CheckingModel {
@@ -42,6 +46,8 @@ impl CheckingModel {
             slots: vec![None; pages * page_size],
             steps: Vec::new(),
             fail_next: false,
+            wants: Vec::new(),
+            in_flight: None,
         }
     }
 
@@ -51,7 +57,8 @@ impl CheckingModel {
     }
 }
 
-impl StepModel for CheckingModel {
+impl CheckingModel {
+    /// The logits rows of one step (and the KV it writes).
     fn forward(&mut self, chunks: &[SeqChunk]) -> anyhow::Result<Vec<f32>> {
         if std::mem::take(&mut self.fail_next) {
             anyhow::bail!("injected failure");
@@ -81,6 +88,18 @@ impl StepModel for CheckingModel {
             }
         }
         Ok(out)
+    }
+}
+
+impl StepModel for CheckingModel {
+    fn submit(&mut self, chunks: &[SeqChunk], want: RowsWanted) -> anyhow::Result<()> {
+        let rows = self.forward(chunks)?;
+        self.wants.push(want);
+        self.in_flight = Some(StepRows::select(rows, VOCAB, want));
+        Ok(())
+    }
+    fn wait(&mut self) -> anyhow::Result<StepRows> {
+        self.in_flight.take().ok_or_else(|| anyhow::anyhow!("wait without a step in flight"))
     }
     fn vocab_size(&self) -> usize {
         VOCAB
@@ -580,4 +599,45 @@ fn slots_report_what_each_sequence_is_doing() {
     assert!(busy.generated_tokens >= 1);
     assert_eq!(st.kv_page_tokens, 16);
     assert_eq!(st.kv_pages_total, 64);
+}
+
+/// Greedy and top-k sequences have the backend select their candidates (the largest top-k of the
+/// step), and get what whole rows would give; a sequence with penalties or log-probabilities brings
+/// the whole rows back for the step.
+#[test]
+fn steps_bring_back_only_the_top_k_their_samplers_need() {
+    let sampled = |top_k: usize, seed: u64| {
+        let mut r = request(prompt(seed, 20), 12);
+        r.sampling = SamplingParams { temperature: 0.9, top_k, top_p: 0.9, seed: Some(seed), ..Default::default() };
+        r
+    };
+    // What each request gives when every step brings whole rows back (a penalty-free logprobs
+    // request rides along in the same steps and forces them).
+    let mut whole = scheduler(CheckingModel::new(256, 16, 2048), opts(4));
+    let reqs = [request(prompt(1, 9), 12), sampled(40, 2), sampled(7, 3)];
+    let mut forcing = request(prompt(4, 30), 40);
+    forcing.logprobs = Some(2);
+    let mut clients: Vec<Client> =
+        reqs.iter().enumerate().map(|(i, r)| submit(&mut whole, i as u64, r.clone()).unwrap()).collect();
+    clients.push(submit(&mut whole, 9, forcing).unwrap());
+    drain(&mut whole, &mut clients);
+    assert!(whole.model().wants.iter().all(|w| *w == RowsWanted::Full), "{:?}", whole.model().wants);
+
+    let mut top = scheduler(CheckingModel::new(256, 16, 2048), opts(4));
+    let mut top_clients: Vec<Client> =
+        reqs.iter().enumerate().map(|(i, r)| submit(&mut top, i as u64, r.clone()).unwrap()).collect();
+    drain(&mut top, &mut top_clients);
+    let wants = &top.model().wants;
+    assert!(wants.contains(&RowsWanted::Top(40)), "{wants:?}");
+    assert!(wants.iter().all(|w| matches!(w, RowsWanted::Top(_))), "{wants:?}");
+    for (a, b) in top_clients.iter().zip(&clients) {
+        same_answer(&a.got, &b.got);
+    }
+
+    let mut penalised = request(prompt(5, 9), 4);
+    penalised.sampling.repeat_penalty = 1.3;
+    let mut s = scheduler(CheckingModel::new(256, 16, 2048), opts(1));
+    let mut c = vec![submit(&mut s, 1, penalised).unwrap()];
+    drain(&mut s, &mut c);
+    assert!(s.model().wants.iter().all(|w| *w == RowsWanted::Full));
 }

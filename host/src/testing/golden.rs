@@ -25,8 +25,8 @@ use std::sync::atomic::AtomicBool;
 use serde_json::Value;
 
 use crate::engine::{
-    GenerateOptions, KvCacheType, KvCacheTypes, Logits, ModelRunner, RunnerOptions, SamplingParams, SeqBlocks,
-    SeqChunk, Session,
+    GenerateOptions, KvCacheType, KvCacheTypes, Logits, ModelRunner, RowsWanted, RunnerOptions, SamplingParams,
+    SeqBlocks, SeqChunk, Session, StepRows,
 };
 use crate::text::TextTokenizer;
 
@@ -237,6 +237,32 @@ pub fn check_two_sequences_share_steps(runner: &mut ModelRunner, g: &Golden) {
     runner.pool.release(&mut sb);
 }
 
+/// The backend's top-k of every row (what greedy and top-k sampling bring back instead of whole rows)
+/// is the whole rows' top-k: the same ids in the same order, the same values.
+pub fn check_top_k_on_backend(runner: &mut ModelRunner, g: &Golden) {
+    let full = forward_alone(runner, &g.tokens, Logits::All);
+    let vocab = runner.info.output_dim;
+    for k in [1, 5] {
+        let mut s = SeqBlocks::default();
+        runner.pool.reserve(&mut s, g.tokens.len()).unwrap();
+        let chunk = SeqChunk { blocks: &s, tokens: &g.tokens, start_pos: 0, logits: Logits::All };
+        runner.submit(&[chunk], RowsWanted::Top(k)).unwrap();
+        let got = runner.wait().unwrap();
+        runner.pool.release(&mut s);
+        let StepRows::Top { ids, values, .. } = &got else {
+            panic!("{}: backend `{}` brought whole rows back for a top-{k}", g.name, runner.backend_name)
+        };
+        let StepRows::Top { ids: want_ids, values: want_values, .. } =
+            StepRows::select(full.clone(), vocab, RowsWanted::Top(k))
+        else {
+            unreachable!()
+        };
+        assert_eq!(ids, &want_ids, "{}: top-{k} ids on the backend differ from the whole rows'", g.name);
+        let worst = values.iter().zip(&want_values).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);
+        assert!(worst <= 1e-5, "{}: top-{k} values differ by {worst} from the whole rows'", g.name);
+    }
+}
+
 /// Greedy generation through the engine gives the reference's tokens, with the prompt in one step and
 /// in chunks of 5 (every chunk but the last asks for no logits).
 pub fn check_greedy(runner: &mut ModelRunner, g: &Golden) {
@@ -269,6 +295,7 @@ pub fn run_case_within(fixtures: &Path, case: &str, int16_tolerance: f32) {
         check_one_shot(&mut runner, &g);
         check_chunked_and_decode(&mut runner, &g);
         check_two_sequences_share_steps(&mut runner, &g);
+        check_top_k_on_backend(&mut runner, &g);
         check_greedy(&mut runner, &g);
         eprintln!("{}: max |logit diff| vs the reference {:.2e} (bound {:.1e})", g.name, g.worst.get(), g.tolerance());
     }

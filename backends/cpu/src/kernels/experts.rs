@@ -39,20 +39,27 @@ pub fn top_k(x: &[f32], cols: usize, p: TopK, out: &mut [f32]) {
     out.par_chunks_mut(k).zip(x.par_chunks(cols)).for_each_init(
         || (Vec::<f32>::new(), Vec::<u32>::new()),
         |(v, order), (o, row)| {
-            v.clear();
-            v.extend_from_slice(row);
-            if p.softmax {
+            let v: &[f32] = if p.softmax {
+                v.clear();
+                v.extend_from_slice(row);
                 softmax_in_place(v);
+                v
+            } else {
+                row
+            };
+            if k <= SCAN_MAX_K && cols >= 8 * k {
+                scan_top(v, k, order);
+            } else {
+                // A total order (values by `total_cmp`, then column), so the selection is unique and
+                // both outputs of a router agree.
+                let by_rank = |a: &u32, b: &u32| v[*b as usize].total_cmp(&v[*a as usize]).then(a.cmp(b));
+                order.clear();
+                order.extend(0..cols as u32);
+                if k < cols {
+                    order.select_nth_unstable_by(k - 1, by_rank);
+                }
+                order[..k].sort_unstable_by(by_rank);
             }
-            order.clear();
-            order.extend(0..cols as u32);
-            // A total order (values by `total_cmp`, then column), so the selection is unique and both
-            // outputs of a router agree.
-            let by_rank = |a: &u32, b: &u32| v[*b as usize].total_cmp(&v[*a as usize]).then(a.cmp(b));
-            if k < cols {
-                order.select_nth_unstable_by(k - 1, by_rank);
-            }
-            order[..k].sort_unstable_by(by_rank);
             let chosen = &order[..k];
             if p.indices {
                 for (d, &c) in o.iter_mut().zip(chosen) {
@@ -69,6 +76,27 @@ pub fn top_k(x: &[f32], cols: usize, p: TopK, out: &mut [f32]) {
             }
         },
     );
+}
+
+/// Largest `k` for which [`scan_top`] is used (a vocabulary's top-k for sampling; routers are smaller).
+const SCAN_MAX_K: usize = 128;
+
+/// The `k` best columns of `v` in one pass, best first, in [`top_k`]'s order: a sorted list of `k`
+/// that most values fail to enter at the first comparison, so a vocabulary row costs about one read
+/// (rather than an index array of the whole row and a selection over it).
+fn scan_top(v: &[f32], k: usize, best: &mut Vec<u32>) {
+    best.clear();
+    for (c, &x) in v.iter().enumerate() {
+        // Columns come in ascending order, so an equal value ranks below every one already kept.
+        if best.len() == k && x.total_cmp(&v[best[k - 1] as usize]).is_le() {
+            continue;
+        }
+        let at = best.partition_point(|&b| v[b as usize].total_cmp(&x).is_ge());
+        if best.len() == k {
+            best.pop();
+        }
+        best.insert(at, c as u32);
+    }
 }
 
 /// `v = softmax(v)`, in f32 with the maximum subtracted first.
@@ -274,4 +302,30 @@ pub fn gather_qmatmul(
     });
     acts.key = None;
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The one-pass selection agrees with a full sort under the same total order (ties included).
+    #[test]
+    fn scanned_top_k_matches_a_full_sort() {
+        let cols = 3000;
+        // Few distinct values, so many ties; a NaN and infinities for the total order's edges.
+        let mut row: Vec<f32> = (0..cols).map(|i| ((i * 7919) % 97) as f32 * 0.25 - 12.0).collect();
+        row[17] = f32::INFINITY;
+        row[2999] = f32::NEG_INFINITY;
+        row[1234] = -0.0;
+        for k in [1, 2, 40, 100, 128] {
+            let mut want: Vec<u32> = (0..cols as u32).collect();
+            want.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
+            let mut got = Vec::new();
+            scan_top(&row, k, &mut got);
+            assert_eq!(got, want[..k], "k = {k}");
+            let mut idx = vec![0f32; k];
+            top_k(&row, cols, TopK { k, indices: true, softmax: false, renormalize: false }, &mut idx);
+            assert_eq!(idx, want[..k].iter().map(|&c| c as f32).collect::<Vec<_>>());
+        }
+    }
 }
