@@ -592,6 +592,19 @@ impl ModelRunner {
         }
         Ok(())
     }
+
+    /// State row `slot` of KV layer `layer` (a [`KvKind::Recurrent`] layer: recurrent state, or the
+    /// cross-attention keys and values an encoder stored for a sequence), read back from the device as
+    /// f32 values. For tests and inspection; decoding never reads state on the host.
+    pub fn read_state_row(&mut self, layer: usize, slot: u32) -> Result<Vec<f32>> {
+        let DeviceState { layers, backend, .. } = &mut self.device;
+        let l = layers.get(layer).with_context(|| format!("the model has no KV layer {layer}"))?;
+        let state = l.state.as_ref().with_context(|| format!("KV layer {layer} keeps no state rows"))?;
+        let row = l.state_elems * 4;
+        let mut bytes = vec![0u8; row];
+        backend.read(state, slot as usize * row, &mut bytes)?;
+        Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
 }
 
 /// Why a model of `task` cannot be loaded where `wanted` tasks are, and what to do instead.
