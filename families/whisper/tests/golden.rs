@@ -237,6 +237,39 @@ fn encoder_output_matches_transformers() {
     }
 }
 
+/// Candidates of one window share its encoder pass: a sequence whose state rows were copied from an
+/// encoded one (`copy_state_rows`) decodes from position 0 without features, beside the encoded one
+/// in the same step, with the reference's logits; a later sequence in that row starts clean again.
+#[test]
+fn a_sequence_seeded_with_copied_cross_keys_matches_transformers() {
+    let (dir, g) = fixture();
+    let mut runner = load(&dir);
+    let v = runner.info.vocab_size;
+    let n = g.ids.len();
+    let (mut a, mut b) = (SeqBlocks::default(), SeqBlocks::default());
+    runner.pool.reserve(&mut a, n).unwrap();
+    runner.pool.reserve(&mut b, n).unwrap();
+    let chunk = SeqChunk { blocks: &a, tokens: &g.ids[..1], start_pos: 0, logits: Logits::Last };
+    runner.forward_with_features(&[chunk], &[&g.features], N_MELS).unwrap();
+    runner.copy_state_rows(&a, &b).unwrap();
+    let chunks = [
+        SeqChunk { blocks: &a, tokens: &g.ids[1..], start_pos: 1, logits: Logits::Last },
+        SeqChunk { blocks: &b, tokens: &g.ids, start_pos: 0, logits: Logits::All },
+    ];
+    let out = runner.forward(&chunks).unwrap();
+    max_diff("encoded sequence", &out[..v], &g.logits[n - 1]);
+    for i in 0..n {
+        max_diff(&format!("seeded sequence, position {i}"), &out[(1 + i) * v..(2 + i) * v], &g.logits[i]);
+    }
+    // The seeding held for that step only: B's row restarted at position 0 is cleared, so without
+    // features its cross-attention sees nothing and the logits are no longer the reference's.
+    let out = runner.forward(&[SeqChunk { blocks: &b, tokens: &g.ids, start_pos: 0, logits: Logits::Last }]).unwrap();
+    let d = out.iter().zip(&g.logits[n - 1]).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+    assert!(d > 1e-2, "a restarted sequence kept the copied keys (max |diff| {d})");
+    runner.pool.release(&mut a);
+    runner.pool.release(&mut b);
+}
+
 #[test]
 fn a_text_runner_refuses_whisper_and_names_transcribe() {
     let (dir, _) = fixture();
