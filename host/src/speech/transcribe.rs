@@ -32,7 +32,8 @@ const TEMPERATURE_STEP: f32 = 0.2;
 /// Candidates sampled per window at temperatures above 0 unless asked otherwise (openai-whisper's and
 /// whisper.cpp's `best_of`).
 pub const DEFAULT_BEST_OF: usize = 5;
-/// The most `best_of` takes (as whisper.cpp's server caps it too; each candidate is a sequence).
+/// The most `best_of` takes (each candidate is a decoding sequence; the runner's rows take them in
+/// groups).
 pub const MAX_BEST_OF: usize = 20;
 
 /// What [`Transcriber::transcribe`] fails with when its `stop` check ended it.
