@@ -3,7 +3,8 @@
 //! (../shared/models/README.md), and the same audio as FLAC and MP3 (written by `soundfile` in the SDK
 //! venv) gives the same words; bad files are one clear error line, never a panic; `mlxcel-server` on the
 //! model serves `/v1/audio/*` to the official `openai` SDK (tests/sdk/test_audio.py) and answers chat
-//! routes and bad uploads with 400s; `mlxcel arch` lists the family (no model needed).
+//! routes and bad uploads with 400s, takes and checks `best_of`, and stops a transcription whose client
+//! went away; `mlxcel arch` lists the family (no model needed).
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -74,15 +75,36 @@ fn subtitle_formats_time_their_segments() {
     assert!(ok && vtt.starts_with("WEBVTT\n\n00:00:00.000 --> ") && vtt.contains(STABLE), "{vtt}{err}");
 }
 
-/// The speech file at 0 s and again at 32 s, in a 40 s 16-bit WAV: two 30 s windows.
-fn two_windows_wav(path: &Path) {
+/// The speech file's 16-bit PCM samples.
+fn speech_pcm() -> Vec<u8> {
     let wav = std::fs::read(speech_wav()).unwrap();
     let at = wav.windows(4).position(|w| w == b"data").unwrap();
-    let pcm = &wav[at + 8..];
-    let mut data = pcm.to_vec();
+    wav[at + 8..].to_vec()
+}
+
+/// The speech file at 0 s and again at 32 s, in a 40 s 16-bit WAV: two 30 s windows.
+fn two_windows_wav(path: &Path) {
+    let pcm = speech_pcm();
+    let mut data = pcm.clone();
     data.resize(32 * 16000 * 2, 0);
-    data.extend_from_slice(pcm);
+    data.extend_from_slice(&pcm);
     data.resize(40 * 16000 * 2, 0);
+    std::fs::write(path, wav_bytes(data)).unwrap();
+}
+
+/// The speech file at the start of each of `n` 30 s windows, as one 16 kHz 16-bit WAV.
+fn repeated_windows_wav(n: usize) -> Vec<u8> {
+    let pcm = speech_pcm();
+    let mut data = Vec::new();
+    for i in 0..n {
+        data.extend_from_slice(&pcm);
+        data.resize((i + 1) * 30 * 16000 * 2, 0);
+    }
+    wav_bytes(data)
+}
+
+/// Mono 16 kHz 16-bit PCM as a WAV file.
+fn wav_bytes(data: Vec<u8>) -> Vec<u8> {
     let mut v = Vec::new();
     v.extend(b"RIFF");
     v.extend(((36 + data.len()) as u32).to_le_bytes());
@@ -93,7 +115,7 @@ fn two_windows_wav(path: &Path) {
     v.extend(b"data");
     v.extend((data.len() as u32).to_le_bytes());
     v.extend(data);
-    std::fs::write(path, v).unwrap();
+    v
 }
 
 #[test]
@@ -226,10 +248,32 @@ fn openai_sdk_transcribes_through_the_server() {
         assert_eq!(r.status(), 400);
         let v: serde_json::Value = r.json().await.unwrap();
         assert_eq!(v["error"]["param"], "file", "{v}");
-        let r = post(vec![("model", "whisper-1".into()), ("best_of", "5".into())]).await.unwrap();
-        assert_eq!(r.status(), 400);
-        let v: serde_json::Value = r.json().await.unwrap();
-        assert!(v["error"]["message"].as_str().unwrap().contains("best_of"), "{v}");
+        // best_of is 1..20, checked before the audio is read.
+        for bad in ["0", "21", "five"] {
+            let r = post(vec![("model", "whisper-1".into()), ("best_of", bad.into())]).await.unwrap();
+            assert_eq!(r.status(), 400);
+            let v: serde_json::Value = r.json().await.unwrap();
+            assert_eq!(v["error"]["param"], "best_of", "{v}");
+            assert!(v["error"]["message"].as_str().unwrap().contains(bad), "{v}");
+        }
+        let audio = std::fs::read(speech_wav()).unwrap();
+        let with_file = |fields: &[(&str, &str)]| {
+            client
+                .post(format!("{}/v1/audio/transcriptions", server.base))
+                .bearer_auth(KEY)
+                .header("content-type", "multipart/form-data; boundary=XyZ")
+                .body(multipart(fields, &audio))
+                .send()
+        };
+        // Greedy (temperature 0) decodes one candidate whatever best_of says.
+        let r = with_file(&[("best_of", "3"), ("response_format", "text")]).await.unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.text().await.unwrap().trim(), REFERENCE);
+        // Sampled: two candidates, the likelier kept; the words are the model's, mostly the reference's.
+        let r = with_file(&[("best_of", "2"), ("temperature", "0.4"), ("response_format", "text")]).await.unwrap();
+        assert_eq!(r.status(), 200);
+        let text = r.text().await.unwrap();
+        assert!(words(&text).contains("recognition test"), "{text}");
         let r = post(vec![("response_format", "xml".into())]).await.unwrap();
         assert_eq!(r.status(), 400);
         // The llama-server dialect's chat route answers in its own shape.
@@ -247,6 +291,90 @@ fn openai_sdk_transcribes_through_the_server() {
         // connection, so a pooled client must not send another request on it.
         let r = post(vec![("big", "x".repeat(400_000))]).await.unwrap();
         assert_eq!(r.status(), 413);
+    });
+}
+
+/// A multipart form with text `fields` and `file` as `speech.wav`, boundary `XyZ`.
+fn multipart(fields: &[(&str, &str)], file: &[u8]) -> Vec<u8> {
+    let mut body = Vec::new();
+    for (k, v) in fields {
+        body.extend(format!("--XyZ\r\nContent-Disposition: form-data; name=\"{k}\"\r\n\r\n{v}\r\n").as_bytes());
+    }
+    body.extend(b"--XyZ\r\nContent-Disposition: form-data; name=\"file\"; filename=\"speech.wav\"\r\n");
+    body.extend(b"Content-Type: audio/wav\r\n\r\n");
+    body.extend(file);
+    body.extend(b"\r\n--XyZ--\r\n");
+    body
+}
+
+/// A value of the server's `/metrics`.
+async fn metric(client: &reqwest::Client, base: &str, name: &str) -> f64 {
+    let text = client.get(format!("{base}/metrics")).bearer_auth(KEY).send().await.unwrap().text().await.unwrap();
+    let line = text.lines().find(|l| l.split(' ').next() == Some(name)).unwrap_or_else(|| panic!("no {name}: {text}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
+}
+
+/// A client that leaves mid-transcription stops it: a recording of many windows is posted, and once
+/// the first window is done the request is dropped. The transcription thread stops before its next
+/// model step (counted as cancelled, fewer windows than the recording has, no step after), and the
+/// server then transcribes the next request.
+#[test]
+fn a_client_that_leaves_cancels_its_transcription() {
+    let Some(model) = whisper() else { return };
+    const WINDOWS: usize = 12;
+    let server = TestServer::start(env!("CARGO_BIN_EXE_mlxcel-server"), &model, &["--api-key", KEY, "--metrics"]);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let client = reqwest::Client::new();
+        let base = server.base.clone();
+        let long = multipart(&[("response_format", "text")], &repeated_windows_wav(WINDOWS));
+        let leaving = reqwest::Client::new();
+        let request = leaving
+            .post(format!("{base}/v1/audio/transcriptions"))
+            .bearer_auth(KEY)
+            .header("content-type", "multipart/form-data; boundary=XyZ")
+            .body(long)
+            .send();
+        let pending = tokio::spawn(request);
+        // Bounded waits for events (a hung server fails here rather than hanging the suite).
+        let wait_for = |name: &'static str, want: f64| {
+            let (client, base) = (client.clone(), base.clone());
+            async move {
+                for _ in 0..6000 {
+                    if metric(&client, &base, name).await >= want {
+                        return;
+                    }
+                    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                }
+                panic!("{name} never reached {want}");
+            }
+        };
+        wait_for("mlxcel_transcription_windows_total", 1.0).await;
+        pending.abort();
+        let _ = pending.await;
+        drop(leaving);
+        wait_for("mlxcel_requests_cancelled_total", 1.0).await;
+        let windows = metric(&client, &base, "mlxcel_transcription_windows_total").await;
+        assert!(windows < WINDOWS as f64, "all {windows} windows were transcribed: nothing was cancelled");
+        eprintln!("cancelled after {windows} of {WINDOWS} windows");
+        assert_eq!(metric(&client, &base, "llamacpp:requests_processing").await, 0.0);
+        assert_eq!(metric(&client, &base, "mlxcel_requests_total").await, 0.0);
+        let steps = metric(&client, &base, "mlxcel_transcription_steps_total").await;
+
+        // The server goes on: the next request is transcribed whole.
+        let r = client
+            .post(format!("{base}/v1/audio/transcriptions"))
+            .bearer_auth(KEY)
+            .header("content-type", "multipart/form-data; boundary=XyZ")
+            .body(multipart(&[("response_format", "text")], &std::fs::read(speech_wav()).unwrap()))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(r.text().await.unwrap().trim(), REFERENCE);
+        assert_eq!(metric(&client, &base, "mlxcel_requests_total").await, 1.0);
+        assert_eq!(metric(&client, &base, "mlxcel_requests_cancelled_total").await, 1.0);
+        assert!(metric(&client, &base, "mlxcel_transcription_steps_total").await > steps);
     });
 }
 
@@ -274,6 +402,14 @@ fn the_tiny_fixture_runs_end_to_end_and_refuses_what_it_cannot_do() {
     assert!(!ok && err.contains("no timestamp tokens"), "{err}");
     let (ok, _, err) = transcribe(&fixture, &wav, &["--task", "translate"]);
     assert!(!ok && err.contains("English-only"), "{err}");
+    // Sampling with best_of candidates decoded together, and best_of's bounds.
+    let (ok, out, err) = transcribe(&fixture, &wav, &["--temperature", "0.8", "--best-of", "3", "--format", "json"]);
+    assert!(ok, "{err}");
+    assert!(serde_json::from_str::<serde_json::Value>(&out).unwrap()["text"].is_string(), "{out}");
+    for bad in ["0", "21"] {
+        let (ok, _, err) = transcribe(&fixture, &wav, &["--best-of", bad]);
+        assert!(!ok && err.contains("--best-of"), "{err}");
+    }
 
     let dir = tempfile::tempdir().unwrap();
     for f in std::fs::read_dir(&fixture).unwrap() {

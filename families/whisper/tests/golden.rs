@@ -3,7 +3,8 @@
 //! (encoder and decoder in the same step), the prompt with the encoder and then greedy decoding one
 //! token at a time over the stored cross-attention keys, and two sequences encoded in one step.
 //!
-//! The encoder output is checked through the logits: every decoder position attends to all of it.
+//! The encoder output is also checked directly, row by row, as the state it leaves for the decoder
+//! (`encoder_output_matches_transformers`).
 //! Tolerance 1e-4 absolute, as for the other families (f32 on both sides; summation order differs),
 //! plus the shared allowance for `MLXCEL_TEST_CACHE_TYPE=f16|bf16` (self-attention's KV cache in that
 //! type; the cache is f32 otherwise, like the reference's).
@@ -21,6 +22,8 @@ const TOLERANCE: f32 = 1e-4;
 struct Golden {
     /// `[frames, n_mels]`, the layout the encoder reads.
     features: Vec<f32>,
+    /// `[positions][d_model]`, transformers' encoder `last_hidden_state`.
+    encoder: Vec<Vec<f32>>,
     ids: Vec<u32>,
     logits: Vec<Vec<f32>>,
     prefix: Vec<u32>,
@@ -43,6 +46,7 @@ fn fixture() -> (PathBuf, Golden) {
     let features = (0..frames).flat_map(|t| (0..n_mels).map(|m| mel[m][t]).collect::<Vec<_>>()).collect();
     let g = Golden {
         features,
+        encoder: rows("encoder_output"),
         ids: ids("decoder_input_ids"),
         logits: rows("logits"),
         prefix: ids("greedy_prefix"),
@@ -135,6 +139,135 @@ fn two_sequences_encoded_in_one_step_match_each_alone() {
     let out =
         runner.forward(&[SeqChunk { blocks: &b, tokens: &g.ids[6..7], start_pos: 6, logits: Logits::Last }]).unwrap();
     max_diff("sequence B, later step", &out, &g.logits[6]);
+}
+
+/// A copy of the fixture whose every decoder layer projects the encoder output to cross-attention
+/// keys and values through the identity (no value bias), so the rows each layer stores are the encoder
+/// output itself.
+fn identity_cross_kv_copy(dir: &std::path::Path) -> tempfile::TempDir {
+    use safetensors::tensor::TensorView;
+    let bytes = std::fs::read(dir.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let f32_bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let mut owned: Vec<(String, Vec<usize>, Vec<u8>)> = Vec::new();
+    let mut replaced = 0;
+    for (name, t) in st.tensors() {
+        let shape = t.shape().to_vec();
+        let data = if name.contains(".encoder_attn.k_proj.weight") || name.contains(".encoder_attn.v_proj.weight") {
+            replaced += 1;
+            let d = shape[0];
+            f32_bytes(&(0..d * d).map(|i| if i / d == i % d { 1.0 } else { 0.0 }).collect::<Vec<_>>())
+        } else if name.contains(".encoder_attn.v_proj.bias") {
+            replaced += 1;
+            f32_bytes(&vec![0.0; shape[0]])
+        } else {
+            t.data().to_vec()
+        };
+        assert_eq!(t.dtype(), safetensors::Dtype::F32, "{name}");
+        owned.push((name, shape, data));
+    }
+    assert_eq!(replaced, 6, "two decoder layers' cross-attention k/v weights and v bias");
+    let views: Vec<(String, TensorView)> = owned
+        .iter()
+        .map(|(n, s, d)| (n.clone(), TensorView::new(safetensors::Dtype::F32, s.clone(), d).unwrap()))
+        .collect();
+    let tmp = tempfile::tempdir().unwrap();
+    safetensors::serialize_to_file(views, &None, &tmp.path().join("model.safetensors")).unwrap();
+    for f in std::fs::read_dir(dir).unwrap() {
+        let f = f.unwrap().path();
+        if f.file_name().unwrap() != "model.safetensors" {
+            std::fs::copy(&f, tmp.path().join(f.file_name().unwrap())).unwrap();
+        }
+    }
+    tmp
+}
+
+/// Runs the encoder on the fixture's features (with the prompt prefix) and returns, per decoder layer,
+/// the rows the step stored for it: `(stored length, [rows][K then V])`.
+fn stored_cross_rows(runner: &mut ModelRunner, g: &Golden) -> Vec<(usize, Vec<Vec<f32>>)> {
+    let mut seq = SeqBlocks::default();
+    runner.pool.reserve(&mut seq, g.prefix.len()).unwrap();
+    let chunk = SeqChunk { blocks: &seq, tokens: &g.prefix, start_pos: 0, logits: Logits::Last };
+    runner.forward_with_features(&[chunk], &[&g.features], N_MELS).unwrap();
+    let slot = seq.state_slot().expect("a state row for the cross-attention keys");
+    let cross: Vec<(usize, usize)> = (runner.info.kv_layers.iter().enumerate())
+        .filter(|(_, l)| l.kind == mlxcel_plugin_api::KvKind::Recurrent)
+        .map(|(i, l)| (i, l.n_kv_heads * l.head_dim))
+        .collect();
+    let out = cross
+        .iter()
+        .map(|&(layer, kv_row)| {
+            let row = runner.read_state_row(layer, slot).unwrap();
+            let n = row[0].to_bits() as usize;
+            let body = &row[mlxcel_plugin_api::CROSS_KV_HEADER as usize..];
+            (n, body.chunks_exact(2 * kv_row).take(n).map(|r| r.to_vec()).collect())
+        })
+        .collect();
+    runner.pool.release(&mut seq);
+    out
+}
+
+/// The encoder's output against transformers' `last_hidden_state`, position by position. It is no step
+/// output: the encoder leaves it in the sequence's state as each decoder layer's cross-attention keys
+/// and values, which on the identity-projection copy are the output itself (keys and values both).
+/// The same through the MLX layout, whose encoder positions are computed sinusoids.
+#[test]
+fn encoder_output_matches_transformers() {
+    let (dir, g) = fixture();
+    let copy = identity_cross_kv_copy(&dir);
+    let mlx = mlx_layout_copy(copy.path(), Quant::None);
+    for (what, path) in [("Hugging Face layout", copy.path()), ("MLX layout", mlx.path())] {
+        let mut runner = load(path);
+        let layers = stored_cross_rows(&mut runner, &g);
+        assert_eq!(layers.len(), 2, "{what}: one cross-attention state layer per decoder layer");
+        let mut worst = 0f32;
+        for (layer, (n, rows)) in layers.iter().enumerate() {
+            assert_eq!(*n, g.encoder.len(), "{what}, layer {layer}: stored length");
+            for (p, (row, want)) in rows.iter().zip(&g.encoder).enumerate() {
+                let d = want.len();
+                assert_eq!(row.len(), 2 * d);
+                for (half, got) in [("keys", &row[..d]), ("values", &row[d..])] {
+                    let diff = got.iter().zip(want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+                    assert!(diff <= TOLERANCE, "{what}, layer {layer} {half}, position {p}: max |diff| {diff}");
+                    worst = worst.max(diff);
+                }
+            }
+        }
+        eprintln!("whisper-tiny-random ({what}): max |encoder output diff| vs transformers {worst:.2e}");
+    }
+}
+
+/// Candidates of one window share its encoder pass: a sequence whose state rows were copied from an
+/// encoded one (`copy_state_rows`) decodes from position 0 without features, beside the encoded one
+/// in the same step, with the reference's logits; a later sequence in that row starts clean again.
+#[test]
+fn a_sequence_seeded_with_copied_cross_keys_matches_transformers() {
+    let (dir, g) = fixture();
+    let mut runner = load(&dir);
+    let v = runner.info.vocab_size;
+    let n = g.ids.len();
+    let (mut a, mut b) = (SeqBlocks::default(), SeqBlocks::default());
+    runner.pool.reserve(&mut a, n).unwrap();
+    runner.pool.reserve(&mut b, n).unwrap();
+    let chunk = SeqChunk { blocks: &a, tokens: &g.ids[..1], start_pos: 0, logits: Logits::Last };
+    runner.forward_with_features(&[chunk], &[&g.features], N_MELS).unwrap();
+    runner.copy_state_rows(&a, &b).unwrap();
+    let chunks = [
+        SeqChunk { blocks: &a, tokens: &g.ids[1..], start_pos: 1, logits: Logits::Last },
+        SeqChunk { blocks: &b, tokens: &g.ids, start_pos: 0, logits: Logits::All },
+    ];
+    let out = runner.forward(&chunks).unwrap();
+    max_diff("encoded sequence", &out[..v], &g.logits[n - 1]);
+    for i in 0..n {
+        max_diff(&format!("seeded sequence, position {i}"), &out[(1 + i) * v..(2 + i) * v], &g.logits[i]);
+    }
+    // The seeding held for that step only: B's row restarted at position 0 is cleared, so without
+    // features its cross-attention sees nothing and the logits are no longer the reference's.
+    let out = runner.forward(&[SeqChunk { blocks: &b, tokens: &g.ids, start_pos: 0, logits: Logits::Last }]).unwrap();
+    let d = out.iter().zip(&g.logits[n - 1]).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max);
+    assert!(d > 1e-2, "a restarted sequence kept the copied keys (max |diff| {d})");
+    runner.pool.release(&mut a);
+    runner.pool.release(&mut b);
 }
 
 #[test]

@@ -3,10 +3,11 @@
 use std::io::{IsTerminal, Write};
 use std::path::PathBuf;
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use super::GlobalArgs;
+use crate::speech::transcribe::MAX_BEST_OF;
 use crate::speech::{load_transcriber, render, ResponseFormat, SpeechTask, TranscribeOptions};
 
 #[derive(Args, Debug, Clone)]
@@ -32,6 +33,9 @@ pub struct TranscribeArgs {
     /// Starting temperature; decoding falls back to higher ones when the result looks wrong.
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
+    /// Candidates sampled per window at temperatures above 0 (fallback included); the likeliest is kept.
+    #[arg(long = "best-of", default_value_t = crate::speech::transcribe::DEFAULT_BEST_OF)]
+    pub best_of: usize,
     /// Text to condition the first window on (names, spelling, style).
     #[arg(long)]
     pub prompt: Option<String>,
@@ -51,13 +55,18 @@ pub fn run(global: &GlobalArgs, args: &TranscribeArgs) -> Result<()> {
     let task = SpeechTask::parse(&args.task)?;
     let dir = super::run::resolve_model(&args.model, args.revision.as_deref())?;
     let catalog = global.catalog();
-    let mut transcriber = load_transcriber(&catalog, &dir, args.backend.clone(), args.threads.unwrap_or(0))
-        .with_context(|| format!("loading {}", dir.display()))?;
+    if !(1..=MAX_BEST_OF).contains(&args.best_of) {
+        bail!("--best-of {} is outside 1..{MAX_BEST_OF}", args.best_of);
+    }
+    let mut transcriber =
+        load_transcriber(&catalog, &dir, args.backend.clone(), args.threads.unwrap_or(0), args.best_of)
+            .with_context(|| format!("loading {}", dir.display()))?;
     let opts = TranscribeOptions {
         language: args.language.clone(),
         task,
         timestamps: args.timestamps || format.needs_timestamps(),
         temperature: args.temperature,
+        best_of: args.best_of,
         prompt: args.prompt.clone(),
         seed: 0,
     };
@@ -69,11 +78,16 @@ pub fn run(global: &GlobalArgs, args: &TranscribeArgs) -> Result<()> {
         let bar = progress_bar(audio_seconds, file);
         let start = std::time::Instant::now();
         let t = transcriber
-            .transcribe(&samples, &opts, &mut |done, _| {
-                if let Some(b) = &bar {
-                    b.set_position((done * 10.0) as u64);
-                }
-            })
+            .transcribe(
+                &samples,
+                &opts,
+                &mut |done, _| {
+                    if let Some(b) = &bar {
+                        b.set_position((done * 10.0) as u64);
+                    }
+                },
+                &|| false,
+            )
             .with_context(|| format!("transcribing {}", file.display()))?;
         if let Some(b) = bar {
             b.finish_and_clear();

@@ -311,6 +311,9 @@ pub struct ModelRunner {
     pub backend_features: String,
     /// Free memory of the device when the model was loaded (the backend's report; 0 = unknown).
     pub device_free_memory: u64,
+    /// State rows [`ModelRunner::copy_state_rows`] filled for the next step: not cleared when their
+    /// sequence starts at position 0 in it.
+    seeded_state: Vec<u32>,
 }
 
 impl ModelRunner {
@@ -383,6 +386,7 @@ impl ModelRunner {
             state_epoch: 0,
             family_name: family.name().to_string(),
             device_free_memory: described.devices.first().map_or(0, |d| d.free_memory_bytes),
+            seeded_state: Vec::new(),
             backend_features: described.features,
             checkpoint,
             info,
@@ -499,6 +503,8 @@ impl ModelRunner {
         if self.in_flight.is_some() {
             bail!("internal: a step was submitted before the last one was waited for");
         }
+        // Seeded rows hold for this step only, whatever becomes of it.
+        let seeded = std::mem::take(&mut self.seeded_state);
         let mut b = Box::new(StepBuffers::default());
         b.seq_n_features = vec![0u32; chunks.len()];
         for (i, f) in features.iter().enumerate().filter(|(_, f)| !f.is_empty()) {
@@ -526,7 +532,7 @@ impl ModelRunner {
             }
             if self.pool.state_slots > 0 {
                 let slot = c.blocks.state_slot().context("internal: sequence has no recurrent state row")?;
-                if c.start_pos == 0 {
+                if c.start_pos == 0 && !seeded.contains(&slot) {
                     self.clear_state_row(slot)?;
                 }
                 b.state_slots.push(slot);
@@ -781,6 +787,40 @@ impl ModelRunner {
                 dev.backend.write(state, slot as usize * row, &vec![0u8; row])?;
             }
         }
+        Ok(())
+    }
+
+    /// State row `slot` of KV layer `layer` (a [`KvKind::Recurrent`] layer: recurrent state, or the
+    /// cross-attention keys and values an encoder stored for a sequence), read back from the device as
+    /// f32 values. For tests and inspection; decoding never reads state on the host.
+    pub fn read_state_row(&mut self, layer: usize, slot: u32) -> Result<Vec<f32>> {
+        let DeviceState { layers, backend, .. } = &mut self.device;
+        let l = layers.get(layer).with_context(|| format!("the model has no KV layer {layer}"))?;
+        let state = l.state.as_ref().with_context(|| format!("KV layer {layer} keeps no state rows"))?;
+        let row = l.state_elems * 4;
+        let mut bytes = vec![0u8; row];
+        backend.read(state, slot as usize * row, &mut bytes)?;
+        Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+
+    /// Copies `from`'s state row into `to`'s in every layer that keeps state (both sequences hold a
+    /// row, see [`KvCache::reserve`]): `to` starts where `from` is, e.g. several decoder sequences over
+    /// the cross-attention keys and values one encoder pass stored. The copy is kept when `to` starts
+    /// at position 0 in the next [`ModelRunner::forward`] (which otherwise clears its row), so that
+    /// step must be the next one; after it, position 0 clears again.
+    pub fn copy_state_rows(&mut self, from: &SeqBlocks, to: &SeqBlocks) -> Result<()> {
+        let a = from.state_slot().context("internal: the source sequence has no state row")? as usize;
+        let b = to.state_slot().context("internal: the target sequence has no state row")?;
+        let DeviceState { layers, backend, .. } = &mut self.device;
+        for l in layers.iter_mut() {
+            if let Some(state) = &mut l.state {
+                let row = l.state_elems * 4;
+                let mut bytes = vec![0u8; row];
+                backend.read(state, a * row, &mut bytes)?;
+                backend.write(state, b as usize * row, &bytes)?;
+            }
+        }
+        self.seeded_state.push(b);
         Ok(())
     }
 }

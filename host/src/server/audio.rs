@@ -1,12 +1,15 @@
 //! OpenAI's audio routes, `POST /v1/audio/transcriptions` and `/v1/audio/translations`, served when the
 //! model is a speech-recognition (Whisper) one: a multipart upload (`file`, `model`, `language`,
-//! `prompt`, `response_format`, `temperature`, `timestamp_granularities[]`) decoded to 16 kHz samples,
-//! queued to one thread that owns the [`Transcriber`], answered in the requested format.
+//! `prompt`, `response_format`, `temperature`, `best_of`, `timestamp_granularities[]`) decoded to
+//! 16 kHz samples, queued to one thread that owns the [`Transcriber`], answered in the requested format.
 //!
 //! Upload problems (no file, an empty or undecodable one, a field this server does not know or a value
-//! it cannot honour) are 400s naming the field; a full queue is a 503.
+//! it cannot honour) are 400s naming the field; a full queue is a 503. A client that goes away cancels
+//! its transcription: a queued one is dropped, a running one stops before its next model step and
+//! frees its sequences. `/metrics` (with `--metrics`) counts transcriptions, windows and steps.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;
 
@@ -22,6 +25,7 @@ use tower_http::limit::RequestBodyLimitLayer;
 use super::args::ServerConfig;
 use super::error::{ApiError, Dialect, ErrorKind};
 use super::state::AppState;
+use crate::speech::transcribe::{Cancelled, DEFAULT_BEST_OF, MAX_BEST_OF};
 use crate::speech::{load_transcriber, render, ResponseFormat, SpeechTask, TranscribeOptions, Transcript};
 
 /// Transcriptions waiting beyond the one running before new ones get 503.
@@ -38,24 +42,106 @@ pub struct SpeechService {
     pub id: String,
     pub path: String,
     jobs: SyncSender<Job>,
+    stats: Arc<SpeechStats>,
+}
+
+/// What the transcription thread did, for `/metrics`.
+#[derive(Default)]
+struct SpeechStats {
+    answered: AtomicU64,
+    failed: AtomicU64,
+    cancelled: AtomicU64,
+    windows: AtomicU64,
+    steps: AtomicU64,
+    processing: AtomicU64,
+}
+
+impl SpeechService {
+    /// `/metrics` rows of a speech server: `(name, type, help, value)`.
+    pub fn metrics_rows(&self, uptime_seconds: f64) -> Vec<(&'static str, &'static str, &'static str, f64)> {
+        let s = &self.stats;
+        let get = |c: &AtomicU64| c.load(Ordering::Relaxed) as f64;
+        vec![
+            ("mlxcel_requests_total", "counter", "Transcriptions that finished with an answer.", get(&s.answered)),
+            ("mlxcel_requests_failed_total", "counter", "Transcriptions that failed.", get(&s.failed)),
+            (
+                "mlxcel_requests_cancelled_total",
+                "counter",
+                "Transcriptions stopped because their client went away.",
+                get(&s.cancelled),
+            ),
+            ("llamacpp:requests_processing", "gauge", "Number of requests processing.", get(&s.processing)),
+            (
+                "mlxcel_transcription_windows_total",
+                "counter",
+                "30 s audio windows transcribed (each a whole decoding).",
+                get(&s.windows),
+            ),
+            (
+                "mlxcel_transcription_steps_total",
+                "counter",
+                "Model steps run for transcriptions (encoder with prompt, and decoding).",
+                get(&s.steps),
+            ),
+            ("mlxcel_uptime_seconds", "gauge", "Seconds since the server started.", uptime_seconds),
+        ]
+    }
 }
 
 /// Starts the transcription thread on the speech model in `dir` (see [`super::model::start`]).
 pub fn start(config: &ServerConfig, dir: &Path) -> Result<SpeechService> {
     let catalog = Catalog::load(&PluginSearch::from_env(&config.plugin_dirs));
-    let mut transcriber = load_transcriber(&catalog, dir, config.backend.clone(), config.threads)?;
+    // Sequence rows for the default best_of's candidates to decode together; more run in groups.
+    let mut transcriber = load_transcriber(&catalog, dir, config.backend.clone(), config.threads, DEFAULT_BEST_OF)?;
     let (tx, rx) = sync_channel::<Job>(QUEUE);
+    let stats = Arc::new(SpeechStats::default());
+    let st = stats.clone();
     std::thread::Builder::new().name("mlxcel-speech".into()).spawn(move || {
+        let count = |c: &AtomicU64| c.fetch_add(1, Ordering::Relaxed);
         for job in rx {
             if job.reply.is_closed() {
-                continue; // the client went away while the job waited
+                count(&st.cancelled);
+                tracing::info!("dropped a queued transcription: its client went away");
+                continue;
             }
-            let result = transcriber.check_options(&job.opts).map_err(|e| ApiError::invalid(format!("{e:#}")));
-            let result = result.and_then(|()| {
-                transcriber
-                    .transcribe(&job.samples, &job.opts, &mut |_, _| {})
-                    .map_err(|e| ApiError::internal(format!("transcription failed: {e:#}")))
-            });
+            if let Err(e) = transcriber.check_options(&job.opts) {
+                count(&st.failed);
+                let _ = job.reply.send(Err(ApiError::invalid(format!("{e:#}"))));
+                continue;
+            }
+            st.processing.store(1, Ordering::Relaxed);
+            // Asked before every model step: a closed reply channel means the client left.
+            let stop = || {
+                let gone = job.reply.is_closed();
+                if !gone {
+                    count(&st.steps);
+                }
+                gone
+            };
+            let result = transcriber.transcribe(
+                &job.samples,
+                &job.opts,
+                &mut |_, _| {
+                    count(&st.windows);
+                },
+                &stop,
+            );
+            st.processing.store(0, Ordering::Relaxed);
+            let result = match result {
+                Err(e) if e.is::<Cancelled>() => {
+                    count(&st.cancelled);
+                    tracing::info!("stopped a transcription: its client went away");
+                    continue;
+                }
+                Err(e) => {
+                    count(&st.failed);
+                    Err(ApiError::internal(format!("transcription failed: {e:#}")))
+                }
+                Ok(t) => {
+                    count(&st.answered);
+                    Ok(t)
+                }
+            };
             let _ = job.reply.send(result);
         }
     })?;
@@ -64,6 +150,7 @@ pub fn start(config: &ServerConfig, dir: &Path) -> Result<SpeechService> {
         id: config.alias.clone().unwrap_or_else(|| config.model.clone()),
         path: dir.display().to_string(),
         jobs: tx,
+        stats,
     })
 }
 
@@ -91,10 +178,18 @@ struct Upload {
     prompt: Option<String>,
     format: ResponseFormat,
     temperature: f32,
+    best_of: usize,
 }
 
 async fn read_upload(mut form: Multipart, task: SpeechTask) -> Result<Upload, ApiError> {
-    let mut up = Upload { file: None, language: None, prompt: None, format: ResponseFormat::Json, temperature: 0.0 };
+    let mut up = Upload {
+        file: None,
+        language: None,
+        prompt: None,
+        format: ResponseFormat::Json,
+        temperature: 0.0,
+        best_of: DEFAULT_BEST_OF,
+    };
     let bad_form = |e: axum::extract::multipart::MultipartError| {
         let status = e.status();
         let kind = if status.as_u16() == 413 { ErrorKind::TooLarge } else { ErrorKind::InvalidRequest };
@@ -127,6 +222,15 @@ async fn read_upload(mut form: Multipart, task: SpeechTask) -> Result<Upload, Ap
                 up.temperature =
                     value.trim().parse::<f32>().ok().filter(|t| (0.0..=1.0).contains(t)).ok_or_else(|| {
                         ApiError::field("temperature", format!("temperature `{value}` is not a number in 0..1"))
+                    })?
+            }
+            "best_of" => {
+                up.best_of =
+                    value.trim().parse::<usize>().ok().filter(|n| (1..=MAX_BEST_OF).contains(n)).ok_or_else(|| {
+                        ApiError::field(
+                            "best_of",
+                            format!("best_of `{value}` is not a whole number in 1..{MAX_BEST_OF}"),
+                        )
                     })?
             }
             "timestamp_granularities[]" | "timestamp_granularities" => {
@@ -173,6 +277,7 @@ async fn handle(state: Arc<AppState>, form: Multipart, task: SpeechTask) -> Resu
         task,
         timestamps: up.format.needs_timestamps(),
         temperature: up.temperature,
+        best_of: up.best_of,
         prompt: up.prompt,
         seed: 0,
     };

@@ -429,6 +429,9 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
             "This server does not support metrics endpoint. Start it with --metrics",
         ));
     }
+    if let Some(speech) = state.speech.get() {
+        return prometheus(speech.metrics_rows(state.started.elapsed().as_secs_f64()));
+    }
     let model = match state.ready() {
         Ok(m) => m,
         Err(e) => return llama_err(e),
@@ -483,6 +486,11 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         ("mlxcel_kv_blocks_total", "gauge", "KV blocks in the pool.", s.kv_blocks_total as f64),
         ("mlxcel_uptime_seconds", "gauge", "Seconds since the server started.", state.started.elapsed().as_secs_f64()),
     ];
+    prometheus(rows)
+}
+
+/// `(name, type, help, value)` rows in Prometheus' text format.
+fn prometheus(rows: Vec<(&str, &str, &str, f64)>) -> Response {
     let mut text = String::new();
     for (name, kind, help, value) in rows {
         let _ = writeln!(text, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");

@@ -18,10 +18,18 @@ pub use transcribe::{Segment, SpeechTask, TranscribeOptions, Transcriber, Transc
 use crate::checkpoint::Checkpoint;
 use crate::engine::{ModelRunner, RunnerOptions};
 
-/// Loads a Whisper model folder for transcription (one sequence at a time, the full text context).
-pub fn load_transcriber(catalog: &Catalog, dir: &Path, backend: Option<String>, threads: u32) -> Result<Transcriber> {
+/// Loads a Whisper model folder for transcription: the full text context, and `candidates` sequence
+/// rows (at least one) for the `best_of` candidates of a window to decode together (each row holds
+/// its own copy of the window's cross-attention keys and values; more candidates decode in groups).
+pub fn load_transcriber(
+    catalog: &Catalog,
+    dir: &Path,
+    backend: Option<String>,
+    threads: u32,
+    candidates: usize,
+) -> Result<Transcriber> {
     let checkpoint = Checkpoint::open(dir)?;
-    let opts = RunnerOptions { backend, threads, ctx_size: 0, parallel: 1, ..Default::default() };
+    let opts = RunnerOptions { backend, threads, ctx_size: 0, parallel: candidates.max(1), ..Default::default() };
     let runner = ModelRunner::from_checkpoint_for(catalog, checkpoint, &opts, &[Task::Asr])?;
     let tokenizer = vocab::load_tokenizer(dir)?;
     Transcriber::new(runner, tokenizer)

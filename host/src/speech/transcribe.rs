@@ -3,7 +3,14 @@
 //! `<|startofprev|>`, then `<|startoftranscript|>`, language, task and `<|notimestamps|>` unless
 //! timestamps are wanted), the encoder once, then tokens one at a time through the KV cache with the
 //! logit rules (suppressed tokens, blank start, timestamp pairing); greedy first, and if the result
-//! looks wrong (compression ratio above 2.4, mean log-probability below −1) again at rising temperatures.
+//! looks wrong (compression ratio above 2.4, mean log-probability below −1) again at rising temperatures,
+//! where `best_of` candidates are sampled and the likeliest (sum log-probability over length) is kept.
+//! The candidates of a window decode as sequences of one step, over one encoder pass whose stored
+//! cross-attention keys are copied to each ([`ModelRunner::copy_state_rows`]); more candidates than
+//! the runner has sequence rows decode in consecutive groups.
+//!
+//! A `stop` check runs before every step: when it says so, decoding ends with [`Cancelled`] and the
+//! sequences are released.
 
 use anyhow::{bail, Context, Result};
 use mlxcel_audio::{MelSpectrogram, HOP_LENGTH, SAMPLE_RATE};
@@ -22,6 +29,24 @@ const NO_SPEECH_THRESHOLD: f32 = 0.6;
 /// The first timestamp may not be later than this (openai-whisper's `max_initial_timestamp`).
 const MAX_INITIAL_TIMESTAMP: f32 = 1.0;
 const TEMPERATURE_STEP: f32 = 0.2;
+/// Candidates sampled per window at temperatures above 0 unless asked otherwise (openai-whisper's and
+/// whisper.cpp's `best_of`).
+pub const DEFAULT_BEST_OF: usize = 5;
+/// The most `best_of` takes (each candidate is a decoding sequence; the runner's rows take them in
+/// groups).
+pub const MAX_BEST_OF: usize = 20;
+
+/// What [`Transcriber::transcribe`] fails with when its `stop` check ended it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Cancelled;
+
+impl std::fmt::Display for Cancelled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the transcription was cancelled")
+    }
+}
+
+impl std::error::Error for Cancelled {}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -49,6 +74,9 @@ pub struct TranscribeOptions {
     pub timestamps: bool,
     /// First temperature; on failure decoding retries up to 1.0 in steps of 0.2.
     pub temperature: f32,
+    /// Candidates sampled per window at temperatures above 0 (1..=[`MAX_BEST_OF`]); the likeliest is
+    /// kept. Greedy decoding (temperature 0) has one.
+    pub best_of: usize,
     /// Text that conditions the first window (spelling, names, style).
     pub prompt: Option<String>,
     /// Seed for sampling at temperatures above 0.
@@ -62,6 +90,7 @@ impl Default for TranscribeOptions {
             task: SpeechTask::Transcribe,
             timestamps: false,
             temperature: 0.0,
+            best_of: DEFAULT_BEST_OF,
             prompt: None,
             seed: 0,
         }
@@ -89,6 +118,38 @@ pub struct Transcript {
     /// Seconds of audio.
     pub duration: f32,
     pub segments: Vec<Segment>,
+}
+
+/// One candidate's tokens (end-of-text excluded) and the sum of their log-probabilities (end-of-text
+/// included when it was sampled).
+struct Candidate {
+    tokens: Vec<u32>,
+    sum_logprob: f64,
+    done: bool,
+}
+
+/// openai-whisper's `MaximumLikelihoodRanker` as `transcribe` uses it (no `length_penalty`): the
+/// candidate of `(token count, sum log-probability)` whose sum divided by its count is highest, the
+/// first on ties. An empty candidate scores −∞ (numpy's negative / 0) unless its sum is 0.
+fn best_candidate(candidates: &[(usize, f64)]) -> usize {
+    let score = |&(len, sum): &(usize, f64)| {
+        if len == 0 {
+            if sum < 0.0 {
+                f64::NEG_INFINITY
+            } else {
+                0.0
+            }
+        } else {
+            sum / len as f64
+        }
+    };
+    let mut best = 0;
+    for (i, c) in candidates.iter().enumerate().skip(1) {
+        if score(c) > score(&candidates[best]) {
+            best = i;
+        }
+    }
+    best
 }
 
 /// One window's decoding.
@@ -162,15 +223,20 @@ impl Transcriber {
         if !(0.0..=1.0).contains(&opts.temperature) {
             bail!("temperature {} is outside 0..1", opts.temperature);
         }
+        if !(1..=MAX_BEST_OF).contains(&opts.best_of) {
+            bail!("best_of {} is outside 1..{MAX_BEST_OF}", opts.best_of);
+        }
         Ok(())
     }
 
-    /// Transcribes 16 kHz mono samples; `progress(done, total)` in seconds after every window.
+    /// Transcribes 16 kHz mono samples; `progress(done, total)` in seconds after every window. `stop`
+    /// is asked before every step; when it answers true the result is the error [`Cancelled`].
     pub fn transcribe(
         &mut self,
         samples: &[f32],
         opts: &TranscribeOptions,
         progress: &mut dyn FnMut(f32, f32),
+        stop: &dyn Fn() -> bool,
     ) -> Result<Transcript> {
         self.check_options(opts)?;
         let v = self.vocab.clone();
@@ -185,7 +251,7 @@ impl Transcriber {
         let mut language = opts.language.clone();
         if v.multilingual && language.is_none() {
             let window = self.window(&mel, frames, 0);
-            language = Some(self.detect_language(&window)?);
+            language = Some(self.detect_language(&window, stop)?);
         }
         let language = language.unwrap_or_else(|| "en".into());
 
@@ -226,7 +292,7 @@ impl Transcriber {
             }
             prompt.extend_from_slice(&sot_sequence);
 
-            let d = self.decode_with_fallback(&window, &prompt, opts, &mut rng)?;
+            let d = self.decode_with_fallback(&window, &prompt, opts, &mut rng, stop)?;
             let skip = d.no_speech_prob > NO_SPEECH_THRESHOLD && d.avg_logprob < LOGPROB_THRESHOLD;
             let segment_duration = segment_size as f32 * HOP_LENGTH as f32 / SAMPLE_RATE as f32;
             if skip {
@@ -272,7 +338,10 @@ impl Transcriber {
     }
 
     /// The most likely language token after `<|startoftranscript|>`.
-    fn detect_language(&mut self, window: &[f32]) -> Result<String> {
+    fn detect_language(&mut self, window: &[f32], stop: &dyn Fn() -> bool) -> Result<String> {
+        if stop() {
+            return Err(Cancelled.into());
+        }
         let mut seq = SeqBlocks::default();
         let logits = self.step(&mut seq, &[self.vocab.sot], 0, Some(window));
         self.runner.pool.release(&mut seq);
@@ -308,12 +377,16 @@ impl Transcriber {
         prompt: &[u32],
         opts: &TranscribeOptions,
         rng: &mut rand::rngs::StdRng,
+        stop: &dyn Fn() -> bool,
     ) -> Result<Decoded> {
         let mut temperature = opts.temperature;
         loop {
-            let d = self.decode_window(window, prompt, temperature, opts.timestamps, rng)?;
+            // As openai-whisper: greedy is one candidate, sampling `best_of`.
+            let n = if temperature > 0.0 { opts.best_of.max(1) } else { 1 };
+            let d = self.decode_window(window, prompt, temperature, n, opts.timestamps, rng, stop)?;
             tracing::debug!(
                 temperature,
+                candidates = n,
                 tokens = d.tokens.len(),
                 avg_logprob = d.avg_logprob,
                 compression_ratio = d.compression_ratio,
@@ -330,66 +403,138 @@ impl Transcriber {
         }
     }
 
+    /// `n` candidates for one window at `temperature`, in groups of as many sequences as the runner
+    /// has state rows; the likeliest is returned ([`best_candidate`]).
+    #[allow(clippy::too_many_arguments)]
     fn decode_window(
         &mut self,
         window: &[f32],
         prompt: &[u32],
         temperature: f32,
+        n: usize,
         timestamps: bool,
         rng: &mut rand::rngs::StdRng,
+        stop: &dyn Fn() -> bool,
     ) -> Result<Decoded> {
-        let mut seq = SeqBlocks::default();
-        let r = self.decode_window_in(&mut seq, window, prompt, temperature, timestamps, rng);
-        self.runner.pool.release(&mut seq);
-        r
+        let group = self.runner.pool.state_slots.max(1);
+        let mut candidates: Vec<Candidate> = Vec::with_capacity(n);
+        let mut no_speech_prob = 0.0;
+        while candidates.len() < n {
+            let m = group.min(n - candidates.len());
+            let mut seqs: Vec<SeqBlocks> = (0..m).map(|_| SeqBlocks::default()).collect();
+            let r = self.decode_group(&mut seqs, window, prompt, temperature, timestamps, rng, stop);
+            for s in &mut seqs {
+                self.runner.pool.release(s);
+            }
+            let (p, c) = r?;
+            no_speech_prob = p;
+            candidates.extend(c);
+        }
+        let scores: Vec<(usize, f64)> = candidates.iter().map(|c| (c.tokens.len(), c.sum_logprob)).collect();
+        let best = candidates.swap_remove(best_candidate(&scores));
+        let text = self.decode_text(&best.tokens)?;
+        Ok(Decoded {
+            avg_logprob: (best.sum_logprob / (best.tokens.len() + 1) as f64) as f32,
+            compression_ratio: compression_ratio(&text),
+            tokens: best.tokens,
+            no_speech_prob,
+            temperature,
+        })
     }
 
-    fn decode_window_in(
+    /// One candidate per sequence of `seqs`, decoded together: the encoder once (with the first
+    /// sequence's prompt up to `<|startoftranscript|>`, whose logits give P(no speech)), its stored
+    /// keys copied to the others, then every prompt's rest and every sampled token in shared steps.
+    #[allow(clippy::too_many_arguments)]
+    fn decode_group(
         &mut self,
-        seq: &mut SeqBlocks,
+        seqs: &mut [SeqBlocks],
         window: &[f32],
         prompt: &[u32],
         temperature: f32,
         timestamps: bool,
         rng: &mut rand::rngs::StdRng,
-    ) -> Result<Decoded> {
+        stop: &dyn Fn() -> bool,
+    ) -> Result<(f32, Vec<Candidate>)> {
         let v = self.vocab.clone();
-        // Up to and including <|startoftranscript|> with the encoder: its logits give P(no speech).
+        let out_dim = self.runner.info.output_dim;
         let sot_at = prompt.iter().position(|&t| t == v.sot).context("prompt without <|startoftranscript|>")?;
-        let first = self.step(seq, &prompt[..=sot_at], 0, Some(window))?;
+        if stop() {
+            return Err(Cancelled.into());
+        }
+        let first = self.step(&mut seqs[0], &prompt[..=sot_at], 0, Some(window))?;
         let no_speech_prob = match v.no_speech {
             Some(ns) => softmax_at(&first, ns as usize),
             None => 0.0,
         };
-        let mut logits =
-            if sot_at + 1 < prompt.len() { self.step(seq, &prompt[sot_at + 1..], sot_at + 1, None)? } else { first };
+        for s in seqs.iter_mut() {
+            self.runner.pool.reserve(s, prompt.len())?;
+        }
+        for k in 1..seqs.len() {
+            self.runner.copy_state_rows(&seqs[0], &seqs[k])?;
+        }
+        // The first sequence's rest of the prompt; the others' whole prompt over the copied keys.
+        let rest = &prompt[sot_at + 1..];
+        let mut chunks = Vec::with_capacity(seqs.len());
+        if !rest.is_empty() {
+            chunks.push(SeqChunk { blocks: &seqs[0], tokens: rest, start_pos: sot_at + 1, logits: Logits::Last });
+        }
+        for s in &seqs[1..] {
+            chunks.push(SeqChunk { blocks: s, tokens: prompt, start_pos: 0, logits: Logits::Last });
+        }
+        let out = if chunks.is_empty() { Vec::new() } else { self.runner.forward(&chunks)? };
+        let mut rows = out.chunks_exact(out_dim).map(<[f32]>::to_vec);
+        let mut logits: Vec<Vec<f32>> = Vec::with_capacity(seqs.len());
+        logits.push(if rest.is_empty() { first } else { rows.next().context("internal: missing logits")? });
+        logits.extend(rows);
+        if logits.len() != seqs.len() {
+            bail!("internal: {} logit rows for {} candidates", logits.len(), seqs.len());
+        }
+
         let sample_begin = prompt.len();
         let sample_len = (self.n_text_ctx / 2).min(self.n_text_ctx.saturating_sub(sample_begin));
-        let mut tokens: Vec<u32> = Vec::new();
-        let mut sum_logprob = 0f64;
+        let mut cands: Vec<Candidate> =
+            (0..seqs.len()).map(|_| Candidate { tokens: Vec::new(), sum_logprob: 0.0, done: false }).collect();
         for _ in 0..sample_len {
-            self.apply_rules(&mut logits, &tokens, timestamps);
-            let logprobs = log_softmax(&logits);
-            let next = if temperature == 0.0 { argmax(&logits) } else { sample(&logits, temperature, rng) };
-            sum_logprob += logprobs[next as usize] as f64;
-            if next == v.eot {
+            let mut stepping: Vec<(usize, u32, usize)> = Vec::new(); // candidate, token, position
+            for (k, c) in cands.iter_mut().enumerate().filter(|(_, c)| !c.done) {
+                self.apply_rules(&mut logits[k], &c.tokens, timestamps);
+                let logprobs = log_softmax(&logits[k]);
+                let next = if temperature == 0.0 { argmax(&logits[k]) } else { sample(&logits[k], temperature, rng) };
+                c.sum_logprob += logprobs[next as usize] as f64;
+                if next == v.eot {
+                    c.done = true;
+                    continue;
+                }
+                c.tokens.push(next);
+                let pos = sample_begin + c.tokens.len() - 1;
+                if pos + 1 >= self.n_text_ctx {
+                    c.done = true;
+                    continue;
+                }
+                stepping.push((k, next, pos));
+            }
+            if stepping.is_empty() {
                 break;
             }
-            tokens.push(next);
-            let pos = sample_begin + tokens.len() - 1;
-            if pos + 1 >= self.n_text_ctx {
-                break;
+            if stop() {
+                return Err(Cancelled.into());
             }
-            logits = self.step(seq, &[next], pos, None)?;
+            for &(k, _, pos) in &stepping {
+                self.runner.pool.reserve(&mut seqs[k], pos + 1)?;
+            }
+            let next: Vec<[u32; 1]> = stepping.iter().map(|&(_, t, _)| [t]).collect();
+            let chunks: Vec<SeqChunk> = stepping
+                .iter()
+                .zip(&next)
+                .map(|(&(k, _, pos), t)| SeqChunk { blocks: &seqs[k], tokens: t, start_pos: pos, logits: Logits::Last })
+                .collect();
+            let out = self.runner.forward(&chunks)?;
+            for (&(k, _, _), row) in stepping.iter().zip(out.chunks_exact(out_dim)) {
+                logits[k] = row.to_vec();
+            }
         }
-        let text = self.decode_text(&tokens)?;
-        Ok(Decoded {
-            avg_logprob: (sum_logprob / (tokens.len() + 1) as f64) as f32,
-            compression_ratio: compression_ratio(&text),
-            tokens,
-            no_speech_prob,
-            temperature,
-        })
+        Ok((no_speech_prob, cands))
     }
 
     /// openai-whisper's logit filters: suppress blank and end-of-text first, suppressed tokens, and
@@ -569,6 +714,18 @@ mod tests {
         assert!(compression_ratio(&looping) > COMPRESSION_RATIO_THRESHOLD);
         assert!(compression_ratio("This is a speech recognition test.") < COMPRESSION_RATIO_THRESHOLD);
         assert_eq!(compression_ratio(""), 0.0);
+    }
+
+    #[test]
+    fn the_likeliest_candidate_per_token_wins() {
+        // Sum log-probability over token count: -3/6 = -0.5 beats -2/2 = -1 though its sum is lower.
+        assert_eq!(best_candidate(&[(2, -2.0), (6, -3.0), (4, -4.0)]), 1);
+        // Ties keep the first; a lone candidate is chosen.
+        assert_eq!(best_candidate(&[(2, -1.0), (4, -2.0)]), 0);
+        assert_eq!(best_candidate(&[(3, -9.0)]), 0);
+        // An empty candidate (end-of-text first) loses to any scored one, and wins when all are empty.
+        assert_eq!(best_candidate(&[(0, -0.1), (10, -50.0)]), 1);
+        assert_eq!(best_candidate(&[(0, -0.1), (0, -0.2)]), 0);
     }
 
     #[test]
