@@ -45,6 +45,7 @@ fn collect(mut s: RequestStream) -> Answer {
                 a.text.push_str(&text);
                 a.tokens.extend(tokens);
             }
+            GenerationEvent::Started { .. } => {}
             GenerationEvent::Done { finish, usage } => {
                 a.finish = Some(finish);
                 a.usage = usage;

@@ -73,6 +73,9 @@ pub struct Usage {
 /// (or one `Error`).
 #[derive(Debug, Clone)]
 pub enum GenerationEvent {
+    /// The request was admitted (sent once, before any text): how many prompt tokens come from the
+    /// prefix cache, which Anthropic's `message_start` reports.
+    Started { cached_tokens: usize },
     /// New text (already through the streaming detokenizer and the stop-string matcher; may be empty
     /// when a token only completes a multi-byte character later) and the token ids behind it.
     Text { text: String, tokens: Vec<u32>, logprobs: Vec<TokenLogprob> },

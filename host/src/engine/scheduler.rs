@@ -569,6 +569,7 @@ impl<M: StepModel> Scheduler<M> {
                 seq.admitted = Some(Instant::now());
                 seq.cached_tokens = reused;
                 self.counts.leave();
+                seq.send(GenerationEvent::Started { cached_tokens: reused });
             }
             seq.slot = self.free_slots.pop();
             let at = self.running.partition_point(|s| s.id < seq.id);

@@ -188,7 +188,7 @@ struct MessageStream {
 }
 
 impl StreamDialect for MessageStream {
-    fn start(&mut self) -> Vec<Event> {
+    fn start(&mut self, cached_tokens: usize) -> Vec<Event> {
         vec![
             event(json!({"type": "message_start", "message": {
                 "id": self.id,
@@ -198,8 +198,8 @@ impl StreamDialect for MessageStream {
                 "content": [],
                 "stop_reason": null,
                 "stop_sequence": null,
-                "usage": {"input_tokens": self.prompt_tokens, "output_tokens": 0,
-                          "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0},
+                "usage": {"input_tokens": self.prompt_tokens.saturating_sub(cached_tokens), "output_tokens": 0,
+                          "cache_read_input_tokens": cached_tokens, "cache_creation_input_tokens": 0},
             }})),
             event(json!({"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}})),
             event(json!({"type": "ping"})),

@@ -154,6 +154,7 @@ pub async fn collect(
     let mut got = Received::default();
     while let Some(ev) = events.recv().await {
         match ev {
+            GenerationEvent::Started { .. } => {}
             GenerationEvent::Text { text, tokens, logprobs } => got.push(&text, &tokens, &logprobs),
             GenerationEvent::Done { finish, usage } => {
                 let ending = got.ending(finish, stops, tok);
@@ -193,8 +194,9 @@ pub fn timings(u: &Usage) -> serde_json::Value {
 
 /// A dialect's streaming format: which server-sent events each stage of a request becomes.
 pub trait StreamDialect: Send + 'static {
-    /// Before any text.
-    fn start(&mut self) -> Vec<Event>;
+    /// Before any text, once the engine has admitted the request: `cached_tokens` of the prompt come
+    /// from the prefix cache.
+    fn start(&mut self, cached_tokens: usize) -> Vec<Event>;
     fn text(&mut self, text: &str, tokens: &[u32], logprobs: &[TokenLogprob]) -> Vec<Event>;
     fn done(&mut self, ending: &Ending, usage: &Usage) -> Vec<Event>;
     /// The request failed after the stream began.
@@ -228,16 +230,27 @@ pub fn stream_response(
                 Ok::<(), ()>(())
             }
         };
-        if send_all(dialect.start()).await.is_err() {
-            return;
-        }
         let mut got = Received::default();
+        let mut started = false;
         loop {
             let ev = tokio::select! {
                 ev = events.recv() => ev,
                 _ = tx.closed() => return,
             };
+            // The stream opens when the engine admits the request (so the opening event can say what the
+            // prefix cache served), or with whatever comes first from an engine that does not say.
+            if !started {
+                started = true;
+                let cached = match ev {
+                    Some(GenerationEvent::Started { cached_tokens }) => cached_tokens,
+                    _ => 0,
+                };
+                if send_all(dialect.start(cached)).await.is_err() {
+                    return;
+                }
+            }
             let out = match ev {
+                Some(GenerationEvent::Started { .. }) => continue,
                 Some(GenerationEvent::Text { text, tokens, logprobs }) => {
                     got.push(&text, &tokens, &logprobs);
                     if text.is_empty() && logprobs.is_empty() {

@@ -216,7 +216,7 @@ struct CompletionStream {
 }
 
 impl StreamDialect for CompletionStream {
-    fn start(&mut self) -> Vec<Event> {
+    fn start(&mut self, _cached_tokens: usize) -> Vec<Event> {
         vec![]
     }
 

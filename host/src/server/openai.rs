@@ -424,7 +424,7 @@ impl ChatStream {
 }
 
 impl StreamDialect for ChatStream {
-    fn start(&mut self) -> Vec<Event> {
+    fn start(&mut self, _cached_tokens: usize) -> Vec<Event> {
         vec![data(&self.chunk(json!({"role": "assistant", "content": ""}), None, Value::Null))]
     }
 
@@ -646,7 +646,7 @@ impl CompletionStream {
 }
 
 impl StreamDialect for CompletionStream {
-    fn start(&mut self) -> Vec<Event> {
+    fn start(&mut self, _cached_tokens: usize) -> Vec<Event> {
         match self.echo.take() {
             Some(p) => vec![data(&self.chunk(&p, None, Value::Null))],
             None => vec![],

@@ -44,6 +44,7 @@ impl Generator for Fake {
         active.fetch_add(1, Ordering::SeqCst);
         tokio::spawn(async move {
             let _guard = Decrement(active);
+            let _ = tx.send(GenerationEvent::Started { cached_tokens: 2 }).await;
             let usage = |n| Usage {
                 prompt_tokens: req.prompt.len(),
                 cached_tokens: 2,
@@ -443,6 +444,12 @@ async fn anthropic_stream_follows_the_event_sequence() {
     let delta: Value = serde_json::from_str(&events[events.len() - 2].1).unwrap();
     assert_eq!(delta["delta"]["stop_reason"], "end_turn");
     assert_eq!(delta["usage"]["output_tokens"], 4);
+    // message_start already splits the prompt as the final usage does (the prefix cache served two).
+    let start: Value = serde_json::from_str(&events[0].1).unwrap();
+    let (opening, last) = (&start["message"]["usage"], &delta["usage"]);
+    assert_eq!(opening["cache_read_input_tokens"], 2);
+    assert_eq!(opening["input_tokens"], last["input_tokens"]);
+    assert_eq!(opening["cache_read_input_tokens"], last["cache_read_input_tokens"]);
 }
 
 #[tokio::test]
