@@ -25,6 +25,7 @@ pub mod export;
 pub mod family;
 pub mod ffi;
 pub mod graph;
+pub mod op_spec;
 
 #[cfg(test)]
 mod tests;

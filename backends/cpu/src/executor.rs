@@ -5,10 +5,13 @@
 use std::borrow::Cow;
 
 use half::{bf16, f16};
+use mlxcel_plugin_api::op_spec::{
+    AttentionSpec, Conv1dSpec, CrossAttentionSpec, GatherSpec, Heads, StepAttentionSpec, TopKSpec, WeightedSumSpec,
+};
 use mlxcel_plugin_api::{
     read_versioned, read_versioned_array, slice_from, BufferHandle, ComputeArgs, DType, HostTensor, KvBinding,
     KvGroupTables, Node, OpCode, PluginError, StepBatch, CONV_CAUSAL_STATE, CONV_WEIGHT_MLX, CONV_WEIGHT_TORCH,
-    CONV_WHOLE, NO_BLOCK, POOL_FIRST, POOL_LAST, POOL_MEAN, TOPK_INDICES,
+    CONV_WHOLE, MAX_SRC, NO_BLOCK, POOL_FIRST, POOL_LAST, POOL_MEAN,
 };
 use rayon::prelude::*;
 
@@ -669,6 +672,10 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                 let mut out = ctx.take(node.numel());
                 let v = |j: usize| &vals[src[j] as usize];
                 let sn = |j: usize| &nodes[src[j] as usize];
+                // The sources' nodes, for the shared op specs.
+                let src_nodes: [&Node; MAX_SRC] =
+                    std::array::from_fn(|j| &nodes[src.get(j).map_or(0, |&s| s as usize)]);
+                let srcs = &src_nodes[..src.len()];
                 let need = |n: usize| -> Result<(), PluginError> {
                     if src.len() < n {
                         Err(bad(i, node, format!("needs {n} sources, has {}", src.len())))
@@ -889,20 +896,13 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                     OpCode::Attention => {
                         need(3)?;
                         let batch = batch.as_ref().ok_or_else(|| e("no step batch given".into()))?;
-                        let layer = node.iparams[0] as usize;
-                        let (hq, hkv, dh) =
-                            (node.iparams[1] as usize, node.iparams[2] as usize, node.iparams[3] as usize);
-                        if hq == 0 || hkv == 0 || dh == 0 || hq % hkv != 0 {
-                            return Err(e(format!("bad head counts {hq}/{hkv} x {dh}")));
-                        }
-                        let window = node.iparams[4].max(0) as usize;
                         let t = batch.n_tokens as usize;
+                        let spec = AttentionSpec::decode(node, srcs, t).map_err(e)?;
+                        let (layer, window) = (spec.layer, spec.window);
+                        let Heads { hq, hkv, dh } = spec.heads;
                         let q = f32s(v(0), "q").map_err(e)?;
                         let kx = f32s(v(1), "k").map_err(e)?;
                         let vx = f32s(v(2), "v").map_err(e)?;
-                        if q.len() != t * hq * dh || kx.len() != t * hkv * dh || vx.len() != t * hkv * dh {
-                            return Err(e(format!("q/k/v shapes do not match {t} tokens of {hq}/{hkv} heads x {dh}")));
-                        }
                         let binding = kv.get(layer).ok_or_else(|| e(format!("KV cache layer {layer} not bound")))?;
                         let (k_type, v_type) = (binding.key_dtype(), binding.value_dtype());
                         let (Some(k_bytes), Some(v_bytes)) = (elem_bytes(k_type), elem_bytes(v_type)) else {
@@ -1022,22 +1022,12 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                     }
                     OpCode::StepAttention => {
                         need(4)?;
-                        let (hq, hkv, dh) =
-                            (node.iparams[0] as usize, node.iparams[1] as usize, node.iparams[2] as usize);
-                        if hq == 0 || hkv == 0 || dh == 0 || hq % hkv != 0 {
-                            return Err(e(format!("bad head counts {hq}/{hkv} x {dh}")));
-                        }
+                        let spec = StepAttentionSpec::decode(node, srcs).map_err(e)?;
+                        let (Heads { hq, hkv, dh }, t) = (spec.heads, spec.t);
                         let q = f32s(v(0), "q").map_err(e)?;
                         let kx = f32s(v(1), "k").map_err(e)?;
                         let vx = f32s(v(2), "v").map_err(e)?;
                         let seq = ints(v(3), "seq").map_err(e)?;
-                        let t = seq.len();
-                        if q.len() != t * hq * dh || kx.len() != t * hkv * dh || vx.len() != t * hkv * dh {
-                            return Err(e(format!("q/k/v shapes do not match {t} rows of {hq}/{hkv} heads x {dh}")));
-                        }
-                        if node.numel() != q.len() {
-                            return Err(e("output must have q's shape".into()));
-                        }
                         let segs = segments(seq, t).map_err(e)?;
                         let mask = Mask { causal: node.iparams[3] == 1, window: node.iparams[4].max(0) as usize };
                         let shape = attention_shape(hq, hkv, dh, node);
@@ -1067,18 +1057,11 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                     }
                     OpCode::CrossAttention => {
                         need(2)?;
-                        let layer = node.iparams[0] as usize;
-                        let (hq, hkv, dh) =
-                            (node.iparams[1] as usize, node.iparams[2] as usize, node.iparams[3] as usize);
-                        let max_len = node.iparams[4].max(0) as usize;
-                        if hq == 0 || hkv == 0 || dh == 0 || hq % hkv != 0 {
-                            return Err(e(format!("bad head counts {hq}/{hkv} x {dh}")));
-                        }
+                        let spec = CrossAttentionSpec::decode(node, srcs).map_err(e)?;
+                        let (layer, max_len) = (spec.layer, spec.max_len);
+                        let Heads { hq, hkv, dh } = spec.heads;
                         let q = f32s(v(0), "q").map_err(e)?;
                         let seq = ints(v(1), "seq").map_err(e)?;
-                        if q.len() != seq.len() * hq * dh || node.numel() != q.len() {
-                            return Err(e(format!("q and the output must be [{}, {hq} x {dh}]", seq.len())));
-                        }
                         let n_seqs = batch.as_ref().map_or(0, |b| b.n_seqs as usize);
                         let segs = segments(seq, n_seqs).map_err(e)?;
                         let kv_row = hkv * dh;
@@ -1097,61 +1080,27 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                     }
                     OpCode::Conv1d => {
                         need(3)?;
+                        let spec = Conv1dSpec::decode(node, srcs).map_err(e)?;
+                        let Conv1dSpec { t, c_in, c_out, kernel, stride, pad, groups, causal, .. } = spec;
                         let x = f32s(v(0), "x").map_err(e)?;
                         let mut w = f32s(v(1), "w").map_err(e)?;
                         let seq = ints(v(2), "seq").map_err(e)?;
-                        let (t, c_in) = (sn(0).rows(), sn(0).cols());
-                        let wd = sn(1).dims();
-                        let groups = if node.iparams[3] == 0 { 1 } else { node.iparams[3].max(0) as usize };
-                        let c_out = node.cols();
-                        let stride = node.iparams[1].max(0) as usize;
-                        let pad = node.iparams[2].max(0) as usize;
-                        let causal = match node.iparams[0] {
-                            CONV_WHOLE => false,
-                            CONV_CAUSAL_STATE => true,
-                            m => return Err(e(format!("unknown convolution mode {m}"))),
-                        };
-                        if wd.len() != 3 || groups == 0 || c_in % groups != 0 || c_out % groups != 0 {
-                            return Err(e(format!(
-                                "w must be [C_out, K, C_in/groups] with groups dividing {c_in} and {c_out}"
-                            )));
-                        }
-                        let torch = match node.iparams[5] {
-                            CONV_WEIGHT_MLX => false,
-                            CONV_WEIGHT_TORCH => true,
-                            l => return Err(e(format!("unknown convolution weight layout {l}"))),
-                        };
-                        let (kernel, w_cin) = if torch { (wd[2], wd[1]) } else { (wd[1], wd[2]) };
-                        let kernel = kernel as usize;
-                        if wd[0] as usize != c_out || w_cin as usize != c_in / groups || kernel == 0 {
-                            let want = if torch { "[C_out, C_in/groups, K]" } else { "[C_out, K, C_in/groups]" };
-                            return Err(e(format!(
-                                "w is {wd:?}, expected {want} with C_out {c_out}, C_in/groups {}",
-                                c_in / groups
-                            )));
-                        }
-                        if torch {
+                        if spec.torch_layout {
                             // PyTorch's [C_out, C_in/g, K] to the kernel's [C_out, K, C_in/g]: a copy of the
                             // (small) weight per run, so checkpoint weights still bind without one.
                             w = Cow::Owned(conv1d::torch_to_mlx_layout(&w, c_out, c_in / groups, kernel));
                         }
-                        if stride == 0 || seq.len() != t {
-                            return Err(e(format!("stride {stride}, {} sequence indices for {t} rows", seq.len())));
-                        }
-                        if causal && (stride != 1 || pad != 0) {
-                            return Err(e("a causal convolution with state has stride 1 and no padding".into()));
-                        }
-                        let bias = if src.len() > 3 { f32s(v(3), "bias").map_err(e)? } else { Cow::Borrowed(&[][..]) };
-                        if !bias.is_empty() && bias.len() != c_out {
-                            return Err(e(format!("bias has {} values, expected {c_out}", bias.len())));
+                        let bias = if spec.has_bias { f32s(v(3), "bias").map_err(e)? } else { Cow::Borrowed(&[][..]) };
+                        if seq.len() != t || (spec.has_bias && bias.len() != c_out) {
+                            return Err(e(format!("{} sequence indices, {} bias values", seq.len(), bias.len())));
                         }
                         let sh = ConvShape { c_in, c_out, kernel, stride, groups };
                         let n_seqs = if causal { batch.as_ref().map_or(0, |b| b.n_seqs as usize) } else { t };
                         let segs = segments(seq, n_seqs).map_err(e)?;
                         let rows;
                         let padding = if causal {
-                            let state = state_buffer(&kv, node.iparams[4] as usize).map_err(e)?;
-                            rows = state_rows(batch.as_ref(), &segs, (kernel - 1) * c_in, state.len()).map_err(e)?;
+                            let state = state_buffer(&kv, spec.state_layer).map_err(e)?;
+                            rows = state_rows(batch.as_ref(), &segs, spec.carried(), state.len()).map_err(e)?;
                             Padding::Carried { state, rows: &rows }
                         } else {
                             Padding::Zeros(pad)
@@ -1166,38 +1115,23 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                     }
                     OpCode::TopK => {
                         need(1)?;
+                        let spec = TopKSpec::decode(node, sn(0)).map_err(e)?;
                         let x = f32s(v(0), "x").map_err(e)?;
-                        let (rows, cols) = (sn(0).rows(), sn(0).cols());
-                        let k = node.iparams[0];
-                        if k < 1 || k as usize > cols {
-                            return Err(e(format!("k = {k} must be between 1 and the {cols} columns")));
-                        }
-                        let k = k as usize;
-                        if node.rows() != rows || node.cols() != k {
-                            return Err(e(format!("output must be [{rows}, {k}]")));
-                        }
                         let p = experts::TopK {
-                            k,
-                            indices: node.iparams[1] == TOPK_INDICES,
-                            softmax: node.iparams[2] == 1,
-                            renormalize: node.iparams[3] == 1,
+                            k: spec.k,
+                            indices: spec.indices,
+                            softmax: spec.softmax,
+                            renormalize: spec.renormalize,
                         };
+                        let cols = spec.cols;
                         experts::top_k(&x, cols, p, &mut out);
                     }
                     OpCode::GatherMatMul | OpCode::GatherQuantMatMul => {
                         need(if op == OpCode::GatherMatMul { 3 } else { 5 })?;
+                        let GatherSpec { t, k, kdim, n, x_per_token } =
+                            GatherSpec::decode(node, sn(0), sn(1)).map_err(e)?;
                         let x = f32s(v(0), "x").map_err(e)?;
                         let indices = f32s(v(1), "indices").map_err(e)?;
-                        let (t, k) = (sn(1).rows(), sn(1).cols());
-                        let kdim = sn(0).cols();
-                        let n = node.cols();
-                        let x_per_token = sn(0).rows() == t;
-                        if !x_per_token && sn(0).rows() != t * k {
-                            return Err(e(format!("x has {} rows for {t} tokens of {k} experts", sn(0).rows())));
-                        }
-                        if node.rows() != t * k {
-                            return Err(e(format!("output has {} rows, expected {t}·{k}", node.rows())));
-                        }
                         if op == OpCode::GatherMatMul {
                             // Consecutive experts from iparams[0]: stacks [E_i, N, K] or single [N, K].
                             let mut experts_w: Vec<Floats> = Vec::new();
@@ -1256,18 +1190,9 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                     }
                     OpCode::WeightedSum => {
                         need(2)?;
+                        let WeightedSumSpec { k, n, .. } = WeightedSumSpec::decode(node, sn(0), sn(1)).map_err(e)?;
                         let y = f32s(v(0), "y").map_err(e)?;
                         let w = f32s(v(1), "weights").map_err(e)?;
-                        let (t, k) = (sn(1).rows(), sn(1).cols());
-                        let n = node.cols();
-                        if sn(0).rows() != t * k || sn(0).cols() != n || node.rows() != t {
-                            return Err(e(format!(
-                                "y [{}, {}] and weights [{t}, {k}] do not make [{}, {n}]",
-                                sn(0).rows(),
-                                sn(0).cols(),
-                                node.rows()
-                            )));
-                        }
                         experts::weighted_sum(&y, &w, k, n, &mut out);
                     }
                     OpCode::Input | OpCode::Weight | OpCode::Constant => unreachable!(),

@@ -6,10 +6,13 @@
 use std::collections::HashMap;
 use std::ffi::c_int;
 
+use mlxcel_plugin_api::op_spec::{
+    AttentionSpec, Conv1dSpec, CrossAttentionSpec, GatherSpec, Heads, StepAttentionSpec, TopKSpec, WeightedSumSpec,
+};
 use mlxcel_plugin_api::{
     read_versioned, read_versioned_array, slice_from, ComputeArgs, DType, HostTensor, KvBinding, KvGroupTables, Node,
     OpCode, PluginError, StepBatch, CONV_CAUSAL_STATE, CONV_WEIGHT_MLX, CONV_WEIGHT_TORCH, CONV_WHOLE, CROSS_KV_HEADER,
-    NO_BLOCK, POOL_FIRST, POOL_LAST, POOL_MEAN, TOPK_INDICES,
+    MAX_SRC, NO_BLOCK, POOL_FIRST, POOL_LAST, POOL_MEAN,
 };
 
 use crate::array::{make, Array};
@@ -221,6 +224,9 @@ pub unsafe fn launch(args: &ComputeArgs) -> Result<Launched, PluginError> {
             }
         };
         let sn = |j: usize| &nodes[src[j] as usize];
+        // The sources' nodes, for the shared op specs.
+        let src_nodes: [&Node; MAX_SRC] = std::array::from_fn(|j| &nodes[src.get(j).map_or(0, |&s| s as usize)]);
+        let srcs = &src_nodes[..src.len()];
         let v = |j: usize| -> Result<&Array, PluginError> {
             vals[src[j] as usize].as_ref().ok_or_else(|| bad(i, node, format!("source {} has no value", src[j])))
         };
@@ -553,21 +559,12 @@ pub unsafe fn launch(args: &ComputeArgs) -> Result<Launched, PluginError> {
             }
             OpCode::StepAttention => {
                 need(4)?;
-                let (hq, hkv, dh) = (node.iparams[0] as usize, node.iparams[1] as usize, node.iparams[2] as usize);
-                if hq == 0 || hkv == 0 || dh == 0 || hq % hkv != 0 {
-                    return Err(e(format!("bad head counts {hq}/{hkv} x {dh}")));
-                }
+                let spec = StepAttentionSpec::decode(node, srcs).map_err(e)?;
+                let (Heads { hq, hkv, dh }, t) = (spec.heads, spec.t);
+                let kv_row = hkv * dh;
                 let seq = host_ints[src[3] as usize]
                     .as_deref()
                     .ok_or_else(|| e("sequence indices must come from the step's inputs or constants".into()))?;
-                let t = seq.len();
-                let kv_row = hkv * dh;
-                if sn(0).numel() != t * hq * dh || sn(1).numel() != t * kv_row || sn(2).numel() != t * kv_row {
-                    return Err(e(format!("q/k/v shapes do not match {t} rows of {hq}/{hkv} heads x {dh}")));
-                }
-                if node.numel() != t * hq * dh {
-                    return Err(e("output must have q's shape".into()));
-                }
                 let segs = segments(seq, t).map_err(e)?;
                 let (causal, window) = (node.iparams[3] == 1, node.iparams[4].max(0) as usize);
                 let q = v(0)?.view_f32_2d(sn(0).dtype(), t as i64, (hq * dh) as i64).map_err(e)?;
@@ -655,19 +652,12 @@ pub unsafe fn launch(args: &ComputeArgs) -> Result<Launched, PluginError> {
             }
             OpCode::CrossAttention => {
                 need(2)?;
-                let layer = node.iparams[0] as usize;
-                let (hq, hkv, dh) = (node.iparams[1] as usize, node.iparams[2] as usize, node.iparams[3] as usize);
-                let max_len = node.iparams[4].max(0) as usize;
-                if hq == 0 || hkv == 0 || dh == 0 || hq % hkv != 0 {
-                    return Err(e(format!("bad head counts {hq}/{hkv} x {dh}")));
-                }
+                let spec = CrossAttentionSpec::decode(node, srcs).map_err(e)?;
+                let (layer, max_len, t) = (spec.layer, spec.max_len, spec.t);
+                let Heads { hq, hkv, dh } = spec.heads;
                 let seq = host_ints[src[1] as usize]
                     .as_deref()
                     .ok_or_else(|| e("sequence indices must come from the step's inputs or constants".into()))?;
-                let t = seq.len();
-                if sn(0).numel() != t * hq * dh || node.numel() != t * hq * dh {
-                    return Err(e(format!("q and the output must be [{t}, {hq} x {dh}]")));
-                }
                 let n_seqs = batch.as_ref().map_or(0, |b| b.n_seqs as usize);
                 let segs = segments(seq, n_seqs).map_err(e)?;
                 let kv_row = hkv * dh;
@@ -705,71 +695,28 @@ pub unsafe fn launch(args: &ComputeArgs) -> Result<Launched, PluginError> {
             }
             OpCode::Conv1d => {
                 need(3)?;
-                let (t, c_in) = (sn(0).rows(), sn(0).cols());
-                let wd = sn(1).dims();
-                let groups = if node.iparams[3] == 0 { 1 } else { node.iparams[3].max(0) as usize };
-                let c_out = node.cols();
-                let stride = node.iparams[1].max(0) as usize;
-                let pad = node.iparams[2].max(0) as usize;
-                let causal = match node.iparams[0] {
-                    CONV_WHOLE => false,
-                    CONV_CAUSAL_STATE => true,
-                    m => return Err(e(format!("unknown convolution mode {m}"))),
-                };
-                if wd.len() != 3 || groups == 0 || c_in % groups != 0 || c_out % groups != 0 {
-                    return Err(e(format!(
-                        "w must be [C_out, K, C_in/groups] with groups dividing {c_in} and {c_out}"
-                    )));
-                }
-                let torch = match node.iparams[5] {
-                    CONV_WEIGHT_MLX => false,
-                    CONV_WEIGHT_TORCH => true,
-                    l => return Err(e(format!("unknown convolution weight layout {l}"))),
-                };
-                let (kernel, w_cin) = if torch { (wd[2], wd[1]) } else { (wd[1], wd[2]) };
-                let kernel = kernel as usize;
-                if wd[0] as usize != c_out || w_cin as usize != c_in / groups || kernel == 0 || !is_float(sn(1).dtype())
-                {
-                    return Err(e(format!(
-                        "w is {wd:?}, not a float kernel for C_out {c_out}, C_in/groups {}",
-                        c_in / groups
-                    )));
+                let spec = Conv1dSpec::decode(node, srcs).map_err(e)?;
+                let Conv1dSpec { t, c_in, c_out, kernel, stride, pad, groups, causal, torch_layout: torch, .. } = spec;
+                if !is_float(sn(1).dtype()) || (spec.has_bias && !is_float(sn(3).dtype())) {
+                    return Err(e("the kernel and bias must be floats".into()));
                 }
                 let seq = host_ints[src[2] as usize]
                     .as_deref()
                     .ok_or_else(|| e("sequence indices must come from the step's inputs or constants".into()))?;
-                if stride == 0 || seq.len() != t {
-                    return Err(e(format!("stride {stride}, {} sequence indices for {t} rows", seq.len())));
-                }
-                if causal && (stride != 1 || pad != 0) {
-                    return Err(e("a causal convolution with state has stride 1 and no padding".into()));
-                }
-                let bias = if src.len() > 3 {
-                    if sn(3).numel() != c_out || !is_float(sn(3).dtype()) {
-                        return Err(e(format!("bias has {} values, expected {c_out}", sn(3).numel())));
-                    }
+                let bias = if spec.has_bias {
                     Some(v(3)?.view_f32_2d(sn(3).dtype(), 1, c_out as i64).map_err(e)?)
                 } else {
                     None
                 };
                 let n_seqs = if causal { batch.as_ref().map_or(0, |b| b.n_seqs as usize) } else { t };
                 let segs = segments(seq, n_seqs).map_err(e)?;
-                let (before, after) = if causal { (kernel - 1, 0) } else { (pad, pad) };
-                let out_rows = |len: usize| {
-                    let padded = before + len + after;
-                    if padded < kernel {
-                        0
-                    } else {
-                        (padded - kernel) / stride + 1
-                    }
-                };
-                let n_out: usize = segs.iter().map(|s| out_rows(s.end - s.start)).sum();
+                let n_out: usize = segs.iter().map(|s| spec.out_rows(s.end - s.start)).sum();
                 if n_out != node.rows() {
                     return Err(e(format!("output has {} rows, the sequences give {n_out}", node.rows())));
                 }
-                let carry = (kernel - 1) * c_in;
+                let carry = spec.carried();
                 let state_rows = if causal && carry > 0 {
-                    state_rows(batch.as_ref(), &segs, carry, &kv, node.iparams[4] as usize, &mut states).map_err(e)?
+                    state_rows(batch.as_ref(), &segs, carry, &kv, spec.state_layer, &mut states).map_err(e)?
                 } else {
                     Vec::new()
                 };
@@ -788,7 +735,7 @@ pub unsafe fn launch(args: &ComputeArgs) -> Result<Launched, PluginError> {
                         make(|o| unsafe { ffi::mlxb_slice_rows(x.raw(), seg.start as i64, seg.end as i64, o) })
                             .map_err(e)?;
                     if causal && carry > 0 {
-                        let st = states.get_mut(&(node.iparams[4] as usize)).unwrap();
+                        let st = states.get_mut(&spec.state_layer).unwrap();
                         let off = (state_rows[si] * carry) as i64;
                         let prev = st.read(off, carry as i64).map_err(e)?;
                         let prev = prev.view(DType::F32, &[(kernel - 1) as i64, c_in as i64]).map_err(e)?;
@@ -800,7 +747,7 @@ pub unsafe fn launch(args: &ComputeArgs) -> Result<Launched, PluginError> {
                                 .map_err(e)?;
                         st.write(off, &last).map_err(e)?;
                     }
-                    if out_rows(seg.end - seg.start) == 0 {
+                    if spec.out_rows(seg.end - seg.start) == 0 {
                         continue;
                     }
                     let p = if causal { 0 } else { pad as c_int };
@@ -819,35 +766,16 @@ pub unsafe fn launch(args: &ComputeArgs) -> Result<Launched, PluginError> {
             }
             OpCode::TopK => {
                 need(1)?;
-                let (rows, cols) = (sn(0).rows(), sn(0).cols());
-                let k = node.iparams[0];
-                if k < 1 || k as usize > cols {
-                    return Err(e(format!("k = {k} must be between 1 and the {cols} columns")));
-                }
-                if node.rows() != rows || node.cols() != k as usize {
-                    return Err(e(format!("output must be [{rows}, {k}]")));
-                }
+                let spec = TopKSpec::decode(node, sn(0)).map_err(e)?;
+                let (rows, cols, k) = (spec.rows, spec.cols, spec.k);
                 let x = v(0)?.view_f32_2d(sn(0).dtype(), rows as i64, cols as i64).map_err(e)?;
-                let (idx, sm, renorm) = (
-                    (node.iparams[1] == TOPK_INDICES) as c_int,
-                    (node.iparams[2] == 1) as c_int,
-                    (node.iparams[3] == 1) as c_int,
-                );
+                let (idx, sm, renorm) = (spec.indices as c_int, spec.softmax as c_int, spec.renormalize as c_int);
                 // SAFETY: a live handle.
                 make(|o| unsafe { ffi::mlxb_topk(x.raw(), k as c_int, idx, sm, renorm, o) }).map_err(e)?
             }
             OpCode::GatherMatMul | OpCode::GatherQuantMatMul => {
                 need(if op == OpCode::GatherMatMul { 3 } else { 5 })?;
-                let (t, k) = (sn(1).rows(), sn(1).cols());
-                let kdim = sn(0).cols();
-                let n = node.cols();
-                let x_per_token = sn(0).rows() == t;
-                if !x_per_token && sn(0).rows() != t * k {
-                    return Err(e(format!("x has {} rows for {t} tokens of {k} experts", sn(0).rows())));
-                }
-                if node.rows() != t * k {
-                    return Err(e(format!("output has {} rows, expected {t}·{k}", node.rows())));
-                }
+                let GatherSpec { t, k, kdim, n, x_per_token } = GatherSpec::decode(node, sn(0), sn(1)).map_err(e)?;
                 let x = v(0)?.view_f32_2d(sn(0).dtype(), sn(0).rows() as i64, kdim as i64).map_err(e)?;
                 let indices = v(1)?.view_f32_2d(sn(1).dtype(), t as i64, k as i64).map_err(e)?;
                 let (total, val) = if op == OpCode::GatherMatMul {
@@ -935,16 +863,7 @@ pub unsafe fn launch(args: &ComputeArgs) -> Result<Launched, PluginError> {
             }
             OpCode::WeightedSum => {
                 need(2)?;
-                let (t, k) = (sn(1).rows(), sn(1).cols());
-                let n = node.cols();
-                if sn(0).rows() != t * k || sn(0).cols() != n || node.rows() != t {
-                    return Err(e(format!(
-                        "y [{}, {}] and weights [{t}, {k}] do not make [{}, {n}]",
-                        sn(0).rows(),
-                        sn(0).cols(),
-                        node.rows()
-                    )));
-                }
+                let WeightedSumSpec { t, k, n } = WeightedSumSpec::decode(node, sn(0), sn(1)).map_err(e)?;
                 let y = v(0)?.view_f32_2d(sn(0).dtype(), (t * k) as i64, n as i64).map_err(e)?;
                 let w = v(1)?.view_f32_2d(sn(1).dtype(), t as i64, k as i64).map_err(e)?;
                 // SAFETY: live handles.
@@ -1174,20 +1093,13 @@ fn attention(
 ) -> Result<Array, PluginError> {
     let e = |m: String| bad(i, node, m);
     let src = node.sources();
-    let layer = node.iparams[0] as usize;
-    let (hq, hkv, dh) = (node.iparams[1] as usize, node.iparams[2] as usize, node.iparams[3] as usize);
-    if hq == 0 || hkv == 0 || dh == 0 || hq % hkv != 0 {
-        return Err(e(format!("bad head counts {hq}/{hkv} x {dh}")));
-    }
-    let window = node.iparams[4].max(0) as usize;
     let t = batch.n_tokens as usize;
     let n_seqs = batch.n_seqs as usize;
-    let kv_row = hkv * dh;
     let (qn, kn, vn) = (&nodes[src[0] as usize], &nodes[src[1] as usize], &nodes[src[2] as usize]);
-    if qn.numel() != t * hq * dh || kn.numel() != t * kv_row || vn.numel() != t * kv_row || node.numel() != t * hq * dh
-    {
-        return Err(e(format!("q/k/v shapes do not match {t} tokens of {hq}/{hkv} heads x {dh}")));
-    }
+    let spec = AttentionSpec::decode(node, &[qn, kn, vn], t).map_err(e)?;
+    let (layer, window) = (spec.layer, spec.window);
+    let Heads { hq, hkv, dh } = spec.heads;
+    let kv_row = hkv * dh;
     let binding = kv.get(layer).ok_or_else(|| e(format!("KV cache layer {layer} not bound")))?;
     let group = groups
         .get(binding.group as usize)
