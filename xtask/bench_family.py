@@ -145,7 +145,6 @@ def main():
               f"{active / 1e6:.1f} M per token)", file=sys.stderr)
         rows.append(dict(name=name, model_type=cfg["model_type"], dir=str(folder), params=total, active_params=active))
     (out / "families.json").write_text(json.dumps(rows, indent=1))
-    print(json.dumps(rows))
 
 
 if __name__ == "__main__":
