@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::int_dot::{dot_rows, dot_tile, quantize_acts, ActRow, ActsKey, IntActs, QuantRow};
+use super::int_dot::{dot_rows, dot_tile, quantize_acts, ActOrder, ActRow, ActsKey, IntActs, QuantRow};
 use super::matmul::{gemm_tile, tile_rows};
 use super::{Floats, SharedMut};
 use crate::isa::Isa;
@@ -279,9 +279,10 @@ pub fn qmatmul_shared_input<'a, 'o>(
         return;
     }
     debug_assert!(dims.iter().flatten().all(|(w, _, _)| w.k == k && w.bits == w0.bits && w.group == w0.group));
-    let key = ActsKey { source, t, k, group: w0.group, nibble_order: w0.bits == 4 };
+    let order = ActOrder::for_weights(isa, w0.bits, w0.group);
+    let key = ActsKey { source, t, k, group: w0.group, order };
     if acts.key != Some(key) {
-        quantize_acts(isa, x, t, k, w0.group, w0.bits == 4, acts);
+        quantize_acts(isa, x, t, k, w0.group, order, acts);
         acts.key = Some(key);
     }
     let acts = &*acts;
@@ -290,6 +291,7 @@ pub fn qmatmul_shared_input<'a, 'o>(
         q: &acts.q[ti * k..(ti + 1) * k],
         d: &acts.d[ti * k / 32..(ti + 1) * k / 32],
         group_sums: &acts.group_sums[ti * gpr..(ti + 1) * gpr],
+        order,
     };
     debug_assert!(segments.is_empty() || (segments.last() == Some(&t) && segments.windows(2).all(|p| p[0] <= p[1])));
     let whole = [t];
