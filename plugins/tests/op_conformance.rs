@@ -346,6 +346,19 @@ fn backends() -> Vec<BackendContext> {
     usable
 }
 
+/// The CPU backend runs the kernel path under test: `MLXCEL_CPU_ISA` when set (`cargo xtask test`
+/// runs this suite once per path the CPU has, and says which it skipped), else the best one.
+#[test]
+fn cpu_backend_runs_the_kernel_path_asked_for() {
+    let cat = Catalog::load(&PluginSearch { dirs: vec![common::staged_dir()] });
+    let cpu = cat.backends.iter().find(|b| b.name() == "cpu").expect("the cpu backend is staged");
+    let path = cpu.describe().features;
+    eprintln!("cpu backend kernel path under test: {path}");
+    if let Some(want) = std::env::var("MLXCEL_CPU_ISA").ok().filter(|v| !v.trim().is_empty()) {
+        assert_eq!(path, want.trim().to_ascii_lowercase());
+    }
+}
+
 /// A backend other than the CPU reference lacks an op the test needs: the rest of that test is
 /// skipped for it, and says so.
 struct Unsupported(String);

@@ -288,27 +288,33 @@ fn sdk_venv() -> Result<PathBuf> {
 }
 
 /// The CPU kernel paths this machine can run (see `backends/cpu/src/isa.rs`).
-fn supported_isas() -> Vec<&'static str> {
-    #[allow(unused_mut)]
-    let mut v = vec!["scalar"];
+/// Every CPU kernel path (`MLXCEL_CPU_ISA`) of this architecture, each with whether this CPU has it
+/// (the same checks as the CPU backend's `isa.rs`).
+fn cpu_isas() -> Vec<(&'static str, bool)> {
     #[cfg(target_arch = "x86_64")]
     {
         let avx2 =
             is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
-        if avx2 {
-            v.push("avx2");
-        }
-        if avx2
+        let avx512 = avx2
             && is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
-            && is_x86_feature_detected!("avx512vl")
-        {
-            v.push("avx512");
-        }
+            && is_x86_feature_detected!("avx512vl");
+        vec![
+            ("scalar", true),
+            ("avx2", avx2),
+            ("avxvnni", avx2 && is_x86_feature_detected!("avxvnni")),
+            ("avx512", avx512),
+            ("avx512vnni", avx512 && is_x86_feature_detected!("avx512vnni")),
+        ]
     }
     #[cfg(target_arch = "aarch64")]
-    v.push("neon");
-    v
+    {
+        vec![("scalar", true), ("neon", std::arch::is_aarch64_feature_detected!("neon"))]
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
+    {
+        vec![("scalar", true)]
+    }
 }
 
 fn main() -> Result<()> {
@@ -400,7 +406,11 @@ fn main() -> Result<()> {
             // Every CPU kernel path this machine supports goes through the op conformance suite and
             // the golden tests (the run above used the best one).
             let golden = family_golden_tests()?;
-            for isa in supported_isas() {
+            for (isa, supported) in cpu_isas() {
+                if !supported {
+                    println!("== op conformance and golden tests with MLXCEL_CPU_ISA={isa}: SKIPPED (not on this CPU)");
+                    continue;
+                }
                 println!("== op conformance and golden tests with MLXCEL_CPU_ISA={isa}");
                 let suites = [("mlxcel-plugins", "op_conformance"), ("mlxcel-plugins", "quant_mlx")];
                 for (package, test) in suites.into_iter().chain(golden.iter().map(|p| (p.as_str(), "golden"))) {

@@ -1,6 +1,6 @@
 //! Which SIMD path the kernels take, chosen at run time from what this CPU supports.
-//! `MLXCEL_CPU_ISA=scalar|avx2|avx512|neon` forces one (for tests and comparisons); forcing a path the
-//! CPU lacks is an error, never a silent fallback.
+//! `MLXCEL_CPU_ISA=scalar|avx2|avxvnni|avx512|avx512vnni|neon` forces one (for tests and comparisons);
+//! forcing a path the CPU lacks is an error, never a silent fallback.
 
 /// A SIMD instruction set a kernel can be compiled for (a name; it proves nothing about this CPU).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -9,18 +9,30 @@ pub enum IsaPath {
     Scalar,
     /// x86-64 AVX2 + FMA + F16C.
     Avx2,
+    /// AVX2 plus AVX-VNNI (Alder Lake and later, Zen 5): the 256-bit integer kernels multiply and
+    /// accumulate int16 pairs with VEX `vpdpwssd`.
+    AvxVnni,
     /// x86-64 AVX-512 (F, BW, VL) on top of AVX2.
     Avx512,
+    /// AVX-512 plus AVX-512 VNNI: the integer kernels use `vpdpwssd` (512-bit, and the EVEX 256-bit
+    /// form where they stay 256-bit).
+    Avx512Vnni,
     /// AArch64 Advanced SIMD.
     Neon,
 }
 
 impl IsaPath {
+    /// Every path, in order of preference within an architecture (worst first).
+    pub const ALL: [IsaPath; 6] =
+        [IsaPath::Scalar, IsaPath::Avx2, IsaPath::AvxVnni, IsaPath::Avx512, IsaPath::Avx512Vnni, IsaPath::Neon];
+
     pub fn name(self) -> &'static str {
         match self {
             IsaPath::Scalar => "scalar",
             IsaPath::Avx2 => "avx2",
+            IsaPath::AvxVnni => "avxvnni",
             IsaPath::Avx512 => "avx512",
+            IsaPath::Avx512Vnni => "avx512vnni",
             IsaPath::Neon => "neon",
         }
     }
@@ -29,7 +41,9 @@ impl IsaPath {
         match s.trim().to_ascii_lowercase().as_str() {
             "scalar" => Some(IsaPath::Scalar),
             "avx2" => Some(IsaPath::Avx2),
+            "avxvnni" => Some(IsaPath::AvxVnni),
             "avx512" => Some(IsaPath::Avx512),
+            "avx512vnni" => Some(IsaPath::Avx512Vnni),
             "neon" => Some(IsaPath::Neon),
             _ => None,
         }
@@ -44,12 +58,16 @@ impl IsaPath {
                 is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
             }
             #[cfg(target_arch = "x86_64")]
+            IsaPath::AvxVnni => IsaPath::Avx2.supported() && is_x86_feature_detected!("avxvnni"),
+            #[cfg(target_arch = "x86_64")]
             IsaPath::Avx512 => {
                 IsaPath::Avx2.supported()
                     && is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512bw")
                     && is_x86_feature_detected!("avx512vl")
             }
+            #[cfg(target_arch = "x86_64")]
+            IsaPath::Avx512Vnni => IsaPath::Avx512.supported() && is_x86_feature_detected!("avx512vnni"),
             #[cfg(target_arch = "aarch64")]
             IsaPath::Neon => std::arch::is_aarch64_feature_detected!("neon"),
             #[allow(unreachable_patterns)]
@@ -80,9 +98,14 @@ impl Isa {
         self.0.name()
     }
 
-    /// AVX2, FMA and F16C are there (the AVX2 and AVX-512 paths).
+    /// AVX2, FMA and F16C are there (every x86 path but scalar).
     pub fn has_avx2(self) -> bool {
-        matches!(self.0, IsaPath::Avx2 | IsaPath::Avx512)
+        matches!(self.0, IsaPath::Avx2 | IsaPath::AvxVnni | IsaPath::Avx512 | IsaPath::Avx512Vnni)
+    }
+
+    /// AVX-512 F, BW and VL are there (the two AVX-512 paths).
+    pub fn has_avx512(self) -> bool {
+        matches!(self.0, IsaPath::Avx512 | IsaPath::Avx512Vnni)
     }
 
     pub fn is_neon(self) -> bool {
@@ -91,20 +114,21 @@ impl Isa {
 
     /// The best path this CPU supports.
     pub fn best() -> Isa {
-        [IsaPath::Avx512, IsaPath::Avx2, IsaPath::Neon].into_iter().find_map(Isa::detect).unwrap_or(Isa::SCALAR)
+        IsaPath::ALL.into_iter().rev().find_map(Isa::detect).unwrap_or(Isa::SCALAR)
     }
 
     /// Every path this CPU supports.
     pub fn all_supported() -> Vec<Isa> {
-        [IsaPath::Scalar, IsaPath::Avx2, IsaPath::Avx512, IsaPath::Neon].into_iter().filter_map(Isa::detect).collect()
+        IsaPath::ALL.into_iter().filter_map(Isa::detect).collect()
     }
 
     /// The path to use: `MLXCEL_CPU_ISA` if set, else the best.
     pub fn from_env() -> Result<Isa, String> {
         match std::env::var("MLXCEL_CPU_ISA") {
             Ok(v) if !v.trim().is_empty() => {
-                let path = IsaPath::parse(&v)
-                    .ok_or_else(|| format!("MLXCEL_CPU_ISA=`{v}` is not one of scalar, avx2, avx512, neon"))?;
+                let path = IsaPath::parse(&v).ok_or_else(|| {
+                    format!("MLXCEL_CPU_ISA=`{v}` is not one of scalar, avx2, avxvnni, avx512, avx512vnni, neon")
+                })?;
                 Isa::detect(path).ok_or_else(|| {
                     format!(
                         "MLXCEL_CPU_ISA={} is not supported by this CPU (supported: {})",
@@ -119,7 +143,8 @@ impl Isa {
 }
 
 /// Defines a kernel once and compiles it per SIMD path: `$name::scalar`, `$name::avx2`,
-/// `$name::avx512` (x86-64) and `$name::neon` (AArch64), plus `$name::run(isa, ..)` to dispatch.
+/// `$name::avx512` (x86-64) and `$name::neon` (AArch64), plus `$name::run(isa, ..)` to dispatch (the
+/// VNNI paths run the AVX2 and AVX-512 builds: VNNI only matters to the integer kernels).
 /// The body is written so the compiler vectorises it (independent accumulators, no early exits).
 #[macro_export]
 macro_rules! simd_kernel {
@@ -152,9 +177,9 @@ macro_rules! simd_kernel {
             pub fn run(isa: $crate::isa::Isa, $($p: $t),*) $(-> $ret)? {
                 match isa.path() {
                     #[cfg(target_arch = "x86_64")]
-                    $crate::isa::IsaPath::Avx2 => unsafe { avx2($($p),*) },
+                    $crate::isa::IsaPath::Avx2 | $crate::isa::IsaPath::AvxVnni => unsafe { avx2($($p),*) },
                     #[cfg(target_arch = "x86_64")]
-                    $crate::isa::IsaPath::Avx512 => unsafe { avx512($($p),*) },
+                    $crate::isa::IsaPath::Avx512 | $crate::isa::IsaPath::Avx512Vnni => unsafe { avx512($($p),*) },
                     #[cfg(target_arch = "aarch64")]
                     $crate::isa::IsaPath::Neon => unsafe { neon($($p),*) },
                     _ => scalar($($p),*),

@@ -1,6 +1,7 @@
 //! Integer kernels for MLX affine weights (2/3/4/5/6/8 bits): the activation rows are quantized once per step to
 //! int16 in blocks of 32 (one f32 scale per block, plus the exact f32 block sum for the affine bias
-//! term), then every weight row is an integer dot product per block (`vpmaddwd`):
+//! term), then every weight row is an integer dot product per block (`vpmaddwd`, or `vpdpwssd` on the
+//! VNNI paths):
 //!
 //! `Σ x·(s·q + b) ≈ s · Σ_blocks d_x · Σ q·x16  +  b · Σ x`
 //!
@@ -8,16 +9,65 @@
 //! block's largest value: well below the f16 rounding mlx-lm itself applies). llama.cpp uses int8
 //! activations here; with SmolLM2's outlier channels that moved the first-step logits by up to 1.2,
 //! while int16 stays within 0.01 of the f32 reference at almost the same speed.
+//!
+//! Two families of x86 kernels: 256-bit (AVX2, every width) and 512-bit (the AVX-512 paths, 2/4/8-bit
+//! weights, whose values tile a 16-bit word). Each is written once, generic over the step that
+//! multiplies int16 pairs and accumulates them to int32 (`vpmaddwd` + `vpaddd`, or one `vpdpwssd`):
+//! the integer sums are exact either way, so the VNNI builds give the same results bit for bit, and
+//! the AVX-VNNI build (which this project's CI hosts may lack) differs from the tested ones only in
+//! that step's encoding.
 
 use super::quantized::QuantMatrix;
 use super::Floats;
 use crate::isa::Isa;
 
-/// An activation row set quantized for [`dot_row`]: `[t, k]` as int16 blocks of 32.
-///
-/// For 4-bit weights each block is stored even elements first, then odd ones, matching how the packed
-/// nibbles split into low (even) and high (odd) halves; other widths use natural order.
-/// `d` and `group_sums` carry [`PAD`] zeros past their end, so kernels may read whole vectors.
+/// How an activation row's int16 values are ordered: the order in which the kernel for its weights
+/// unpacks packed values, so that each vector of weights meets a contiguous run of activations.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub enum ActOrder {
+    /// Element order (3/5/6/8-bit weights on the 256-bit kernels; every width on the portable path
+    /// but 4 bits).
+    Natural,
+    /// Per block of 32: even elements, then odd ones (4-bit weights on the 256-bit kernels: the low
+    /// and high nibbles of each byte).
+    Nibbles,
+    /// `bits`-bit weights (2, 4, 8) on the 512-bit kernels. Blocks go in sets of `16 / bits` (one
+    /// 64-byte vector of packed weights; the row's last set may be shorter); within a set, value 0 of
+    /// every 16-bit weight word of all its blocks (block by block), then value 1, and so on: the
+    /// kernel splits the vector into its `16 / bits` fields with a shift and a mask each.
+    Fields(usize),
+}
+
+impl ActOrder {
+    /// The order the kernels of `isa` take for `bits`-bit weights in groups of `group`.
+    pub fn for_weights(isa: Isa, bits: usize, group: usize) -> ActOrder {
+        match bits {
+            2 | 4 | 8 if isa.has_avx512() && matches!(group, 32 | 64 | 128) => ActOrder::Fields(bits),
+            4 => ActOrder::Nibbles,
+            _ => ActOrder::Natural,
+        }
+    }
+
+    /// Where element `e` of a row of `nb` blocks is stored.
+    pub fn position(self, nb: usize, e: usize) -> usize {
+        let (blk, u) = (e / 32, e % 32);
+        match self {
+            ActOrder::Natural => e,
+            ActOrder::Nibbles => blk * 32 + u % 2 * 16 + u / 2,
+            ActOrder::Fields(bits) => {
+                let per_word = 16 / bits; // values per 16-bit word, and blocks per set
+                let words = 2 * bits; // 16-bit words per block
+                let set0 = blk / per_word * per_word;
+                let m = per_word.min(nb - set0);
+                set0 * 32 + (u % per_word) * words * m + (blk - set0) * words + u / per_word
+            }
+        }
+    }
+}
+
+/// An activation row set quantized for [`dot_row`]: `[t, k]` as int16 blocks of 32, each row in the
+/// [`ActOrder`] its weights' kernel takes. `d` and `group_sums` carry [`PAD`] zeros past their end,
+/// so kernels may read whole vectors.
 #[derive(Default)]
 pub struct IntActs {
     /// What the buffers hold now: matmuls that read the same activations (q/k/v, gate/up) quantize
@@ -38,24 +88,44 @@ pub struct ActsKey {
     pub t: usize,
     pub k: usize,
     pub group: usize,
-    pub nibble_order: bool,
+    pub order: ActOrder,
 }
 
 /// Zeros kept past the end of [`IntActs::d`] and [`IntActs::group_sums`].
 pub const PAD: usize = 8;
 
-/// Quantizes `x [t, k]` (k a multiple of `group`, itself a multiple of 32) to int16 blocks;
-/// `nibble_order` for 4-bit weights.
-pub fn quantize_acts(isa: Isa, x: &[f32], t: usize, k: usize, group: usize, nibble_order: bool, out: &mut IntActs) {
+/// Quantizes `x [t, k]` (k a multiple of `group`, itself a multiple of 32) to int16 blocks, each row
+/// in `order`.
+pub fn quantize_acts(isa: Isa, x: &[f32], t: usize, k: usize, group: usize, order: ActOrder, out: &mut IntActs) {
     let blocks = t * k / 32;
     let group_blocks = group / 32;
+    let nb = k / 32;
     out.q.resize(t * k, 0);
     out.d.clear();
     out.d.resize(blocks + PAD, 0.0);
     out.group_sums.clear();
     out.group_sums.resize(blocks / group_blocks + PAD, 0.0);
     for b in 0..blocks {
-        let (d, sum) = quantize_block(isa, &x[b * 32..(b + 1) * 32], &mut out.q[b * 32..(b + 1) * 32], nibble_order);
+        let xs = &x[b * 32..(b + 1) * 32];
+        let (d, sum) = match order {
+            ActOrder::Fields(bits) => {
+                // Natural order, then each field's values to their run within the block's set.
+                let mut tmp = [0i16; 32];
+                let r = quantize_block(isa, xs, &mut tmp, false);
+                let (per_word, words) = (16 / bits, 2 * bits);
+                let (row, blk) = (b / nb, b % nb);
+                let set0 = blk / per_word * per_word;
+                let m = per_word.min(nb - set0);
+                let base = row * k + set0 * 32 + (blk - set0) * words;
+                for f in 0..per_word {
+                    for i in 0..words {
+                        out.q[base + f * words * m + i] = tmp[i * per_word + f];
+                    }
+                }
+                r
+            }
+            _ => quantize_block(isa, xs, &mut out.q[b * 32..(b + 1) * 32], order == ActOrder::Nibbles),
+        };
         out.d[b] = d;
         out.group_sums[b / group_blocks] += sum;
     }
@@ -111,62 +181,36 @@ pub struct QuantRow<'a> {
     pub group_blocks: usize,
 }
 
-/// The activation side of [`dot_row`] for one token: int16 blocks, their scales, and Σx per group.
+/// The activation side of [`dot_row`] for one token: int16 blocks (in `order`), their scales, and Σx
+/// per group.
 #[derive(Clone, Copy)]
 pub struct ActRow<'a> {
     pub q: &'a [i16],
     pub d: &'a [f32],
     pub group_sums: &'a [f32],
+    pub order: ActOrder,
 }
 
 /// `Σ x · (s·q + b)` for one packed row and one int16 activation row: per block `d_x · s_g · Σ q·x16`,
-/// plus the exact `b_g · Σx` per group. AVX2 for 4 and 8 bits, the portable loop otherwise.
+/// plus the exact `b_g · Σx` per group. On x86 the 512-bit kernel for activations in
+/// [`ActOrder::Fields`], the 256-bit one for 4 and 8 bits otherwise; the portable loop for the rest.
 #[inline]
 pub fn dot_row(isa: Isa, w: QuantRow, x: ActRow) -> f32 {
     #[cfg(target_arch = "x86_64")]
-    if isa.has_avx2() && matches!(w.bits, 4 | 8) {
-        // SAFETY: the context only selects these paths when the CPU has AVX2, FMA and F16C.
-        return unsafe {
-            match (w.scales, w.biases) {
-                (Floats::F16(s), Floats::F16(b)) => x86::dot_row_avx2::<x86::Half>(w, s.as_ptr(), b.as_ptr(), x),
-                (Floats::BF16(s), Floats::BF16(b)) => x86::dot_row_avx2::<x86::Brain>(w, s.as_ptr(), b.as_ptr(), x),
-                (Floats::F32(s), Floats::F32(b)) => {
-                    x86::dot_row_avx2::<x86::Single>(w, s.as_ptr() as *const u16, b.as_ptr() as *const u16, x)
-                }
-                _ => dot_row_scalar(w, x),
-            }
-        };
+    if let Some(v) = x86::dot_row(isa, w, x) {
+        return v;
     }
     let _ = isa;
     dot_row_scalar(w, x)
 }
 
-/// [`dot_row`] for `NT` activation rows at once (4-bit weights share their unpacking).
+/// [`dot_row`] for `NT` activation rows at once (4-bit weights, and all on the 512-bit kernels,
+/// share their unpacking).
 #[inline]
 pub fn dot_rows<const NT: usize>(isa: Isa, w: QuantRow, x: &[ActRow; NT], out: &mut [f32; NT]) {
     #[cfg(target_arch = "x86_64")]
-    if w.bits == 4 && isa.has_avx2() {
-        // SAFETY: as for `dot_row`.
-        unsafe {
-            match (w.scales, w.biases) {
-                (Floats::F16(s), Floats::F16(b)) => {
-                    return x86::dot_rows_q4_avx2::<x86::Half, NT>(w, s.as_ptr(), b.as_ptr(), x, out)
-                }
-                (Floats::BF16(s), Floats::BF16(b)) => {
-                    return x86::dot_rows_q4_avx2::<x86::Brain, NT>(w, s.as_ptr(), b.as_ptr(), x, out)
-                }
-                (Floats::F32(s), Floats::F32(b)) => {
-                    return x86::dot_rows_q4_avx2::<x86::Single, NT>(
-                        w,
-                        s.as_ptr() as *const u16,
-                        b.as_ptr() as *const u16,
-                        x,
-                        out,
-                    )
-                }
-                _ => {}
-            }
-        }
+    if x86::dot_rows(isa, w, x, out) {
+        return;
     }
     for t in 0..NT {
         out[t] = dot_row(isa, w, x[t]);
@@ -190,51 +234,14 @@ impl<'a> QuantMatrix<'a> {
 
 /// `out[i] = row(rows.start + i) · x` for a tile of rows against one activation row (the decode
 /// path). Unlike a loop of [`dot_row`], the per-row setup is whole vectors (block factors and the bias
-/// term eight lanes at a time, reading up to seven scales past the row: the matrix's last rows,
-/// where that would leave the buffer, take [`dot_row`]) and four rows share one reduction.
+/// term eight or sixteen lanes at a time) and four rows share one reduction. The 256-bit kernel reads
+/// up to seven scales past a row (and, for 2/3/5/6 bits, up to six bytes past its weights): the
+/// matrix's last rows, where that would leave the buffers, take [`dot_row`]. The 512-bit kernel
+/// masks its loads instead.
 pub fn dot_tile(isa: Isa, w: QuantMatrix, rows: std::ops::Range<usize>, x: ActRow, out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
-    if isa.has_avx2() && matches!(w.group, 32 | 64 | 128) {
-        let gpr = w.groups_per_row();
-        // Rows whose scale/bias vectors stay inside the buffers.
-        // (and, for 2/3/5/6 bits, whose blocks are read eight bytes at a time, inside the weights).
-        let row_bytes = w.words_per_row() * 4;
-        let by_scales = w.scales.len().min(w.biases.len()).saturating_sub(PAD) / gpr;
-        let by_words = (w.packed.len() * 4).saturating_sub(8) / row_bytes;
-        let safe_end = by_scales.min(by_words).min(rows.end).max(rows.start);
-        let fast = rows.start..safe_end;
-        // SAFETY: AVX2/FMA/F16C are present on these paths; `fast` rows read inside the buffers and
-        // `x` comes from an `IntActs` (padded).
-        let done = unsafe {
-            match (w.scales, w.biases) {
-                (Floats::F16(s), Floats::F16(b)) => {
-                    x86::dot_tile_avx2::<x86::Half>(w, s.as_ptr(), b.as_ptr(), fast.clone(), x, out);
-                    true
-                }
-                (Floats::BF16(s), Floats::BF16(b)) => {
-                    x86::dot_tile_avx2::<x86::Brain>(w, s.as_ptr(), b.as_ptr(), fast.clone(), x, out);
-                    true
-                }
-                (Floats::F32(s), Floats::F32(b)) => {
-                    x86::dot_tile_avx2::<x86::Single>(
-                        w,
-                        s.as_ptr() as *const u16,
-                        b.as_ptr() as *const u16,
-                        fast.clone(),
-                        x,
-                        out,
-                    );
-                    true
-                }
-                _ => false,
-            }
-        };
-        if done {
-            for r in fast.end..rows.end {
-                out[r - rows.start] = dot_row(isa, w.row(r), x);
-            }
-            return;
-        }
+    if x86::dot_tile(isa, w, rows.clone(), x, out) {
+        return;
     }
     for r in rows.clone() {
         out[r - rows.start] = dot_row(isa, w.row(r), x);
@@ -243,11 +250,12 @@ pub fn dot_tile(isa: Isa, w: QuantMatrix, rows: std::ops::Range<usize>, x: ActRo
 
 fn dot_row_scalar(w: QuantRow, x: ActRow) -> f32 {
     let per_block = 32 * w.bits / 32; // words per block of 32
+    let nb = x.d.len();
     let mut acc = 0f32;
     for (blk, bw) in w.words.chunks_exact(per_block).enumerate() {
-        let xb = &x.q[blk * 32..(blk + 1) * 32];
         let mut isum = 0i32;
-        if w.bits == 4 {
+        if w.bits == 4 && x.order == ActOrder::Nibbles {
+            let xb = &x.q[blk * 32..(blk + 1) * 32];
             for (j, word) in bw.iter().enumerate() {
                 for k in 0..4 {
                     let byte = (word >> (8 * k)) & 0xff;
@@ -256,12 +264,14 @@ fn dot_row_scalar(w: QuantRow, x: ActRow) -> f32 {
                 }
             }
         } else {
-            // Natural order: value i is bits i·b .. i·b + b of the block's little-endian stream.
+            // Value i is bits i·b .. i·b + b of the block's little-endian stream; its activation is
+            // where `x.order` put element i.
             let mask = (1u64 << w.bits) - 1;
-            for (i, &xv) in xb.iter().enumerate() {
+            for i in 0..32 {
                 let bit = i * w.bits;
                 let lo = bw[bit / 32] as u64;
                 let hi = bw.get(bit / 32 + 1).map_or(0, |&v| v as u64);
+                let xv = x.q[x.order.position(nb, blk * 32 + i)];
                 isum += (((lo | (hi << 32)) >> (bit % 32)) & mask) as i32 * xv as i32;
             }
         }
@@ -276,6 +286,217 @@ fn dot_row_scalar(w: QuantRow, x: ActRow) -> f32 {
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
+    use std::marker::PhantomData;
+
+    use super::{ActOrder, ActRow, Floats, QuantMatrix, QuantRow};
+    use crate::isa::{Isa, IsaPath};
+
+    /// The step that multiplies int16 pairs and adds them to int32 lanes, `acc + a₀·b₀ + a₁·b₁`: the
+    /// only place the VNNI kernels differ from the others. Weights are at most 255 and activations
+    /// at most 32767 in magnitude, so no form overflows and all give the same integers.
+    pub trait Dot256 {
+        unsafe fn dot(acc: __m256i, a: __m256i, b: __m256i) -> __m256i;
+    }
+    /// 512-bit [`Dot256`].
+    pub trait Dot512 {
+        unsafe fn dot(acc: __m512i, a: __m512i, b: __m512i) -> __m512i;
+    }
+    /// `vpmaddwd` then `vpaddd` (AVX2, AVX-512 BW).
+    pub struct Madd;
+    /// `vpdpwssd`, VEX-encoded (AVX-VNNI).
+    pub struct VnniVex;
+    /// `vpdpwssd`, EVEX-encoded (AVX-512 VNNI; VL for 256 bits).
+    pub struct VnniEvex;
+    impl Dot256 for Madd {
+        #[inline(always)]
+        unsafe fn dot(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+            _mm256_add_epi32(acc, _mm256_madd_epi16(a, b))
+        }
+    }
+    impl Dot256 for VnniVex {
+        #[inline(always)]
+        unsafe fn dot(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+            _mm256_dpwssd_avx_epi32(acc, a, b)
+        }
+    }
+    impl Dot256 for VnniEvex {
+        #[inline(always)]
+        unsafe fn dot(acc: __m256i, a: __m256i, b: __m256i) -> __m256i {
+            _mm256_dpwssd_epi32(acc, a, b)
+        }
+    }
+    impl Dot512 for Madd {
+        #[inline(always)]
+        unsafe fn dot(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+            _mm512_add_epi32(acc, _mm512_madd_epi16(a, b))
+        }
+    }
+    impl Dot512 for VnniEvex {
+        #[inline(always)]
+        unsafe fn dot(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
+            _mm512_dpwssd_epi32(acc, a, b)
+        }
+    }
+
+    /// Entry points of a kernel body generic over its [`Dot256`]/[`Dot512`] step, one per step, each
+    /// compiled with the features that step (and its path) needs: a `#[target_feature]` function
+    /// cannot depend on a type parameter.
+    macro_rules! entries {
+        ($body:ident [$($decl:tt)*] [$($arg:tt)*] ($($p:ident: $t:ty),*) $(-> $ret:ty)?;) => {};
+        ($body:ident [$($decl:tt)*] [$($arg:tt)*] ($($p:ident: $t:ty),*) $(-> $ret:ty)?;
+         $entry:ident: $dot:ty, $features:literal; $($rest:tt)*) => {
+            /// # Safety
+            /// The CPU must have the features this entry enables; the pointers and activation rows
+            /// as the kernel body reads them.
+            #[target_feature(enable = $features)]
+            pub unsafe fn $entry<$($decl)*>($($p: $t),*) $(-> $ret)? {
+                $body::<$dot, $($arg)*>($($p),*)
+            }
+            entries!($body [$($decl)*] [$($arg)*] ($($p: $t),*) $(-> $ret)?; $($rest)*);
+        };
+    }
+
+    /// Runs `$body` with `$S` the scale type of `$scales`/`$biases` and `$sp`/`$bp` their pointers:
+    /// `Some` of its value, `None` for mixed storage (the portable path's).
+    macro_rules! with_scales {
+        ($scales:expr, $biases:expr, $S:ident, $sp:ident, $bp:ident => $body:expr) => {
+            match ($scales, $biases) {
+                (Floats::F16(s), Floats::F16(b)) => {
+                    type $S = Half;
+                    let ($sp, $bp) = (s.as_ptr(), b.as_ptr());
+                    Some($body)
+                }
+                (Floats::BF16(s), Floats::BF16(b)) => {
+                    type $S = Brain;
+                    let ($sp, $bp) = (s.as_ptr(), b.as_ptr());
+                    Some($body)
+                }
+                (Floats::F32(s), Floats::F32(b)) => {
+                    type $S = Single;
+                    let ($sp, $bp) = (s.as_ptr() as *const u16, b.as_ptr() as *const u16);
+                    Some($body)
+                }
+                _ => None,
+            }
+        };
+    }
+
+    /// The 256-bit entry `$avx2`/`$avxvnni`/`$evex` for `$isa`'s path.
+    macro_rules! call_256 {
+        ($isa:expr, $avx2:ident, $avxvnni:ident, $evex:ident, <$($g:tt),*> ($($a:expr),*)) => {
+            match $isa.path() {
+                IsaPath::AvxVnni => $avxvnni::<$($g),*>($($a),*),
+                IsaPath::Avx512Vnni => $evex::<$($g),*>($($a),*),
+                _ => $avx2::<$($g),*>($($a),*),
+            }
+        };
+    }
+
+    /// The 512-bit entry `$plain`/`$vnni` for `$isa`'s path and `$bits`-bit weights (2, 4 or 8).
+    macro_rules! call_512 {
+        ($isa:expr, $bits:expr, $plain:ident, $vnni:ident, <$S:ty $(, $g:tt)*> ($($a:expr),*)) => {
+            match ($isa.path() == IsaPath::Avx512Vnni, $bits) {
+                (false, 2) => $plain::<$S, 2 $(, $g)*>($($a),*),
+                (false, 4) => $plain::<$S, 4 $(, $g)*>($($a),*),
+                (false, _) => $plain::<$S, 8 $(, $g)*>($($a),*),
+                (true, 2) => $vnni::<$S, 2 $(, $g)*>($($a),*),
+                (true, 4) => $vnni::<$S, 4 $(, $g)*>($($a),*),
+                (true, _) => $vnni::<$S, 8 $(, $g)*>($($a),*),
+            }
+        };
+    }
+
+    /// The order the 256-bit kernels take for `bits`-bit weights.
+    fn order_256(bits: usize) -> ActOrder {
+        if bits == 4 {
+            ActOrder::Nibbles
+        } else {
+            ActOrder::Natural
+        }
+    }
+
+    /// Whether the 512-bit kernels apply: activations in their order for these weights, on an
+    /// AVX-512 path.
+    fn wide(isa: Isa, bits: usize, group: usize, order: ActOrder) -> bool {
+        isa.has_avx512() && matches!(group, 32 | 64 | 128) && order == ActOrder::Fields(bits)
+    }
+
+    /// [`super::dot_row`] on x86; `None` where the portable loop runs.
+    pub fn dot_row(isa: Isa, w: QuantRow, x: ActRow) -> Option<f32> {
+        if wide(isa, w.bits, w.group_blocks * 32, x.order) {
+            let mut out = [0f32];
+            // SAFETY: AVX-512 F/BW/VL (and VNNI on its path) are present: an `Isa` exists only for a
+            // path this CPU supports. The kernel's loads are masked to the row and `x`.
+            with_scales!(w.scales, w.biases, S, sp, bp => unsafe {
+                call_512!(isa, w.bits, dot_rows_wide_avx512, dot_rows_wide_avx512vnni, <S, 1>(w, sp, bp, &[x], &mut out))
+            })?;
+            return Some(out[0]);
+        }
+        if !isa.has_avx2() || !matches!(w.bits, 4 | 8) || x.order != order_256(w.bits) {
+            return None;
+        }
+        // SAFETY: AVX2/FMA/F16C (and the VNNI of a VNNI path) are present, as above.
+        with_scales!(w.scales, w.biases, S, sp, bp => unsafe {
+            call_256!(isa, dot_row_avx2, dot_row_avxvnni, dot_row_avx512vnni, <S>(w, sp, bp, x))
+        })
+    }
+
+    /// [`super::dot_rows`] on x86; false where it falls back to one row at a time.
+    pub fn dot_rows<const NT: usize>(isa: Isa, w: QuantRow, x: &[ActRow; NT], out: &mut [f32; NT]) -> bool {
+        let order = x[0].order;
+        if x.iter().any(|r| r.order != order) {
+            return false;
+        }
+        if wide(isa, w.bits, w.group_blocks * 32, order) {
+            // SAFETY: as in `dot_row`.
+            return with_scales!(w.scales, w.biases, S, sp, bp => unsafe {
+                call_512!(isa, w.bits, dot_rows_wide_avx512, dot_rows_wide_avx512vnni, <S, NT>(w, sp, bp, x, out))
+            })
+            .is_some();
+        }
+        if !isa.has_avx2() || w.bits != 4 || order != ActOrder::Nibbles {
+            return false;
+        }
+        // SAFETY: as in `dot_row`.
+        with_scales!(w.scales, w.biases, S, sp, bp => unsafe {
+            call_256!(isa, dot_rows_q4_avx2, dot_rows_q4_avxvnni, dot_rows_q4_avx512vnni, <S, NT>(w, sp, bp, x, out))
+        })
+        .is_some()
+    }
+
+    /// [`super::dot_tile`] on x86; false where it runs [`super::dot_row`] per row.
+    pub fn dot_tile(isa: Isa, w: QuantMatrix, rows: std::ops::Range<usize>, x: ActRow, out: &mut [f32]) -> bool {
+        if wide(isa, w.bits, w.group, x.order) {
+            // SAFETY: as in `dot_row`; the loads are masked to each row's weights, scales and biases.
+            return with_scales!(w.scales, w.biases, S, sp, bp => unsafe {
+                call_512!(isa, w.bits, dot_tile_wide_avx512, dot_tile_wide_avx512vnni, <S>(w, sp, bp, rows.clone(), x, out))
+            })
+            .is_some();
+        }
+        if !isa.has_avx2() || !matches!(w.group, 32 | 64 | 128) || x.order != order_256(w.bits) {
+            return false;
+        }
+        let gpr = w.groups_per_row();
+        // Rows whose scale/bias vectors stay inside the buffers.
+        // (and, for 2/3/5/6 bits, whose blocks are read eight bytes at a time, inside the weights).
+        let row_bytes = w.words_per_row() * 4;
+        let by_scales = w.scales.len().min(w.biases.len()).saturating_sub(super::PAD) / gpr;
+        let by_words = (w.packed.len() * 4).saturating_sub(8) / row_bytes;
+        let safe_end = by_scales.min(by_words).min(rows.end).max(rows.start);
+        let fast = rows.start..safe_end;
+        // SAFETY: AVX2/FMA/F16C (and the VNNI of a VNNI path) are present, as in `dot_row`; `fast`
+        // rows read inside the buffers and `x` comes from an `IntActs` (padded).
+        let done = with_scales!(w.scales, w.biases, S, sp, bp => unsafe {
+            call_256!(isa, dot_tile_avx2, dot_tile_avxvnni, dot_tile_avx512vnni, <S>(w, sp, bp, fast.clone(), x, out))
+        })
+        .is_some();
+        if done {
+            for r in fast.end..rows.end {
+                out[r - rows.start] = super::dot_row(isa, w.row(r), x);
+            }
+        }
+        done
+    }
 
     #[inline(always)]
     unsafe fn hsum(v: __m256) -> f32 {
@@ -365,11 +586,11 @@ mod x86 {
     /// multiplied with the block's 32 int16 activations (stored even elements first) by `vpmaddwd`.
     /// Products fit easily: 15 · 32767 · 2 per lane pair.
     #[inline(always)]
-    unsafe fn q4_block(wp: *const u8, xp: *const i16, blk: usize) -> __m256i {
+    unsafe fn q4_block<D: Dot256>(wp: *const u8, xp: *const i16, blk: usize) -> __m256i {
         let (lo, hi) = q4_nibbles(wp, blk);
         let x_even = _mm256_loadu_si256(xp.add(blk * 32) as *const __m256i);
         let x_odd = _mm256_loadu_si256(xp.add(blk * 32 + 16) as *const __m256i);
-        _mm256_add_epi32(_mm256_madd_epi16(lo, x_even), _mm256_madd_epi16(hi, x_odd))
+        D::dot(D::dot(_mm256_setzero_si256(), lo, x_even), hi, x_odd)
     }
 
     /// Block `blk`'s 16 bytes as 16 words: low nibbles (even elements) and high nibbles (odd ones).
@@ -478,35 +699,38 @@ mod x86 {
     trait BlockDot {
         unsafe fn block(&self, blk: usize) -> __m256i;
     }
-    struct Q4 {
+    struct Q4<D> {
         wp: *const u8,
         xp: *const i16,
+        dot: PhantomData<D>,
     }
-    struct Q8 {
+    struct Q8<D> {
         wp: *const u8,
         xp: *const i16,
+        dot: PhantomData<D>,
     }
-    struct QN<'u> {
+    struct QN<'u, D> {
         wp: *const u8,
         xp: *const i16,
         unpack: &'u Unpack,
+        dot: PhantomData<D>,
     }
-    impl BlockDot for Q4 {
+    impl<D: Dot256> BlockDot for Q4<D> {
         #[inline(always)]
         unsafe fn block(&self, blk: usize) -> __m256i {
-            q4_block(self.wp, self.xp, blk)
+            q4_block::<D>(self.wp, self.xp, blk)
         }
     }
-    impl BlockDot for Q8 {
+    impl<D: Dot256> BlockDot for Q8<D> {
         #[inline(always)]
         unsafe fn block(&self, blk: usize) -> __m256i {
-            q8_block(self.wp, self.xp, blk)
+            q8_block::<D>(self.wp, self.xp, blk)
         }
     }
-    impl BlockDot for QN<'_> {
+    impl<D: Dot256> BlockDot for QN<'_, D> {
         #[inline(always)]
         unsafe fn block(&self, blk: usize) -> __m256i {
-            qn_block(self.wp, self.xp, blk, self.unpack)
+            qn_block::<D>(self.wp, self.xp, blk, self.unpack)
         }
     }
 
@@ -554,7 +778,7 @@ mod x86 {
     /// gathered per 32-bit lane by an in-lane shuffle, shifted per lane and masked, then packed to
     /// int16 for `vpmaddwd`.
     #[inline(always)]
-    unsafe fn qn_block(wp: *const u8, xp: *const i16, blk: usize, u: &Unpack) -> __m256i {
+    unsafe fn qn_block<D: Dot256>(wp: *const u8, xp: *const i16, blk: usize, u: &Unpack) -> __m256i {
         let base = wp.add(blk * 4 * u.bits);
         // packs_epi32 interleaves 128-bit lanes; the 64-bit permute restores value order.
         let w_lo =
@@ -563,28 +787,28 @@ mod x86 {
             _mm256_permute4x64_epi64(_mm256_packs_epi32(eight_values(base, 2, u), eight_values(base, 3, u)), 0xD8);
         let x_lo = _mm256_loadu_si256(xp.add(blk * 32) as *const __m256i);
         let x_hi = _mm256_loadu_si256(xp.add(blk * 32 + 16) as *const __m256i);
-        _mm256_add_epi32(_mm256_madd_epi16(w_lo, x_lo), _mm256_madd_epi16(w_hi, x_hi))
+        D::dot(D::dot(_mm256_setzero_si256(), w_lo, x_lo), w_hi, x_hi)
     }
 
     /// One 8-bit block: bytes widened to i16 (`vpmaddubsw` could saturate at 2·255·32767), each half
     /// of 16 by a broadcast load and the in-lane shuffle of [`q4_nibbles`], times the block's int16
     /// activations in natural order.
     #[inline(always)]
-    unsafe fn q8_block(wp: *const u8, xp: *const i16, blk: usize) -> __m256i {
+    unsafe fn q8_block<D: Dot256>(wp: *const u8, xp: *const i16, blk: usize) -> __m256i {
         let half = |h: usize| {
             let bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128(wp.add(blk * 32 + h * 16) as *const __m128i));
             _mm256_shuffle_epi8(bytes, widen_bytes())
         };
         let x_lo = _mm256_loadu_si256(xp.add(blk * 32) as *const __m256i);
         let x_hi = _mm256_loadu_si256(xp.add(blk * 32 + 16) as *const __m256i);
-        _mm256_add_epi32(_mm256_madd_epi16(half(0), x_lo), _mm256_madd_epi16(half(1), x_hi))
+        D::dot(D::dot(_mm256_setzero_si256(), half(0), x_lo), half(1), x_hi)
     }
 
     /// 4-bit: 32 nibbles per block widened to i16 and multiplied with int16 activations by `vpmaddwd`
     /// (see [`q4_block`]); 8-bit: bytes widened to i16 the same way. One FMA per block.
     /// Per-block factors `d_x · s_g` are formed 8 at a time up front; the bias term is a vector dot.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_row_avx2<S: ScaleKind>(
+    #[inline(always)]
+    unsafe fn dot_row_256<D: Dot256, S: ScaleKind>(
         w: super::QuantRow,
         sp: *const u16,
         bp: *const u16,
@@ -623,9 +847,9 @@ mod x86 {
                 }
             }
             let part = if w.bits == 4 {
-                accumulate_blocks(&comb[..n], b0, n, |blk| _mm256_cvtepi32_ps(q4_block(wp, xp, blk)))
+                accumulate_blocks(&comb[..n], b0, n, |blk| _mm256_cvtepi32_ps(q4_block::<D>(wp, xp, blk)))
             } else {
-                accumulate_blocks(&comb[..n], b0, n, |blk| _mm256_cvtepi32_ps(q8_block(wp, xp, blk)))
+                accumulate_blocks(&comb[..n], b0, n, |blk| _mm256_cvtepi32_ps(q8_block::<D>(wp, xp, blk)))
             };
             acc = _mm256_add_ps(acc, part);
             b0 += n;
@@ -635,9 +859,9 @@ mod x86 {
 
     /// `NT` activation rows against one 4-bit weight row: each block's nibbles are unpacked once and
     /// used for all of them (the prefill path, where many tokens share every weight row).
-    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline(always)]
     #[allow(clippy::needless_range_loop)] // `t` walks `x` and the matching `comb` stripe together
-    pub unsafe fn dot_rows_q4_avx2<S: ScaleKind, const NT: usize>(
+    unsafe fn dot_rows_q4_256<D: Dot256, S: ScaleKind, const NT: usize>(
         w: super::QuantRow,
         sp: *const u16,
         bp: *const u16,
@@ -699,7 +923,7 @@ mod x86 {
                     let xp = x[t].q.as_ptr().add(blk * 32);
                     let x_even = _mm256_loadu_si256(xp as *const __m256i);
                     let x_odd = _mm256_loadu_si256(xp.add(16) as *const __m256i);
-                    let p = _mm256_add_epi32(_mm256_madd_epi16(lo, x_even), _mm256_madd_epi16(hi, x_odd));
+                    let p = D::dot(D::dot(_mm256_setzero_si256(), lo, x_even), hi, x_odd);
                     acc[t] =
                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&*comb.add(t * CHUNK + i)), acc[t]);
                 }
@@ -747,7 +971,7 @@ mod x86 {
     /// together). Block factors `d_x · s` are formed eight at a time per chunk of blocks, the bias
     /// term `Σ b_g · Σx_g` eight groups at a time with the row's tail masked off.
     #[inline(always)]
-    unsafe fn row_partials<S: ScaleKind>(
+    unsafe fn row_partials<D: Dot256, S: ScaleKind>(
         w: &super::QuantMatrix,
         sp: *const u16,
         bp: *const u16,
@@ -777,9 +1001,9 @@ mod x86 {
                 i += 8;
             }
             let part = match w.bits {
-                4 => accumulate_blocks_reduced(&comb[..n], b0, n, &Q4 { wp, xp }),
-                8 => accumulate_blocks_reduced(&comb[..n], b0, n, &Q8 { wp, xp }),
-                _ => accumulate_blocks_reduced(&comb[..n], b0, n, &QN { wp, xp, unpack }),
+                4 => accumulate_blocks_reduced(&comb[..n], b0, n, &Q4::<D> { wp, xp, dot: PhantomData }),
+                8 => accumulate_blocks_reduced(&comb[..n], b0, n, &Q8::<D> { wp, xp, dot: PhantomData }),
+                _ => accumulate_blocks_reduced(&comb[..n], b0, n, &QN::<D> { wp, xp, unpack, dot: PhantomData }),
             };
             acc = _mm256_add_ps(acc, part);
             b0 += n;
@@ -807,8 +1031,8 @@ mod x86 {
     }
 
     /// See [`super::dot_tile`]: rows four at a time, then one at a time.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn dot_tile_avx2<S: ScaleKind>(
+    #[inline(always)]
+    unsafe fn dot_tile_256<D: Dot256, S: ScaleKind>(
         w: super::QuantMatrix,
         sp: *const u16,
         bp: *const u16,
@@ -824,16 +1048,458 @@ mod x86 {
         let o = out.as_mut_ptr().sub(rows.start);
         let mut r = rows.start;
         while r + 4 <= rows.end {
-            let a = row_partials::<S>(&w, sp, bp, r, &x, tail, &unpack);
-            let b = row_partials::<S>(&w, sp, bp, r + 1, &x, tail, &unpack);
-            let c = row_partials::<S>(&w, sp, bp, r + 2, &x, tail, &unpack);
-            let d = row_partials::<S>(&w, sp, bp, r + 3, &x, tail, &unpack);
+            let a = row_partials::<D, S>(&w, sp, bp, r, &x, tail, &unpack);
+            let b = row_partials::<D, S>(&w, sp, bp, r + 1, &x, tail, &unpack);
+            let c = row_partials::<D, S>(&w, sp, bp, r + 2, &x, tail, &unpack);
+            let d = row_partials::<D, S>(&w, sp, bp, r + 3, &x, tail, &unpack);
             _mm_storeu_ps(o.add(r), reduce4(a, b, c, d));
             r += 4;
         }
         while r < rows.end {
-            *o.add(r) = hsum(row_partials::<S>(&w, sp, bp, r, &x, tail, &unpack));
+            *o.add(r) = hsum(row_partials::<D, S>(&w, sp, bp, r, &x, tail, &unpack));
             r += 1;
         }
+    }
+
+    entries!(dot_row_256 [S: ScaleKind] [S] (w: QuantRow, sp: *const u16, bp: *const u16, x: ActRow) -> f32;
+        dot_row_avx2: Madd, "avx2,fma,f16c";
+        dot_row_avxvnni: VnniVex, "avx2,fma,f16c,avxvnni";
+        dot_row_avx512vnni: VnniEvex, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni";
+    );
+    entries!(dot_rows_q4_256 [S: ScaleKind, const NT: usize] [S, NT]
+        (w: QuantRow, sp: *const u16, bp: *const u16, x: &[ActRow; NT], out: &mut [f32; NT]);
+        dot_rows_q4_avx2: Madd, "avx2,fma,f16c";
+        dot_rows_q4_avxvnni: VnniVex, "avx2,fma,f16c,avxvnni";
+        dot_rows_q4_avx512vnni: VnniEvex, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni";
+    );
+    entries!(dot_tile_256 [S: ScaleKind] [S]
+        (w: QuantMatrix, sp: *const u16, bp: *const u16, rows: std::ops::Range<usize>, x: ActRow, out: &mut [f32]);
+        dot_tile_avx2: Madd, "avx2,fma,f16c";
+        dot_tile_avxvnni: VnniVex, "avx2,fma,f16c,avxvnni";
+        dot_tile_avx512vnni: VnniEvex, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni";
+    );
+
+    // ---- 512-bit kernels: 2/4/8-bit weights, activations in `ActOrder::Fields` order. ----
+
+    /// Lanes `0..n` of sixteen.
+    #[inline(always)]
+    fn lanes(n: usize) -> __mmask16 {
+        if n >= 16 {
+            !0
+        } else {
+            ((1u32 << n) - 1) as __mmask16
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn iota() -> __m512i {
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+    }
+
+    /// `n ≤ 16` consecutive scales from `p + i` as f32; the lanes past `n` are zero and nothing past
+    /// them is read.
+    #[inline(always)]
+    unsafe fn load16<S: ScaleKind>(p: *const u16, i: usize, n: usize) -> __m512 {
+        if S::IS_HALF {
+            _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(lanes(n), p.add(i) as *const i16))
+        } else if S::IS_BRAIN {
+            let h = _mm256_maskz_loadu_epi16(lanes(n), p.add(i) as *const i16);
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        } else {
+            _mm512_maskz_loadu_ps(lanes(n), (p as *const f32).add(i))
+        }
+    }
+
+    /// The scales of blocks `b0..b0 + n` (`b0` a multiple of 16, `n ≤ 16`) for groups of `gb` ∈
+    /// {1, 2, 4} blocks: each group's scale repeated over its blocks.
+    #[inline(always)]
+    unsafe fn block_scales16<S: ScaleKind>(p: *const u16, b0: usize, gb: usize, n: usize) -> __m512 {
+        if gb == 1 {
+            return load16::<S>(p, b0, n);
+        }
+        let v = load16::<S>(p, b0 / gb, n.div_ceil(gb));
+        _mm512_permutexvar_ps(_mm512_srlv_epi32(iota(), _mm512_set1_epi32(gb.trailing_zeros() as i32)), v)
+    }
+
+    /// A set's 64 bytes, or for a row's shorter last set only its `lanes` (the rest zero).
+    #[inline(always)]
+    unsafe fn load_set<const FULL: bool>(p: *const u8, lanes: __mmask16) -> __m512i {
+        if FULL {
+            _mm512_loadu_si512(p as *const _)
+        } else {
+            _mm512_maskz_loadu_epi32(lanes, p as *const i32)
+        }
+    }
+
+    /// Sixteen lanes summed to eight.
+    #[inline(always)]
+    unsafe fn fold(v: __m512) -> __m256 {
+        _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v))))
+    }
+
+    /// One set of `m` blocks from block `blk` (`16 / BITS` blocks, or fewer for a row's last set):
+    /// a single load of packed weights split into its `16 / BITS` fields (a mask, and a shift for
+    /// the next), each field times its contiguous run of activations, per token; then the set's
+    /// integer sums (lane `l` belongs to the set's block `l / BITS`) converted and multiplied by
+    /// their blocks' factors (`comb` spread over the lanes by `idx`). Four 4-bit blocks take
+    /// three shifts, three masks and four dot steps; the 256-bit kernel spends six instructions
+    /// and a share of a reduction tree on each block.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
+    unsafe fn set_wide<D: Dot512, const BITS: u32, const NT: usize, const FULL: bool>(
+        wp: *const u8,
+        x: &[ActRow; NT],
+        blk: usize,
+        m: usize,
+        comb: &[__m512; NT],
+        idx: __m512i,
+        acc: &mut [__m512; NT],
+    ) {
+        let bits = BITS as usize;
+        let per_word = 16 / bits;
+        let lanes = lanes(m * bits); // a block is `bits` 32-bit lanes of weights, and of each field's run
+        let mask = _mm512_set1_epi16((1i16 << BITS) - 1);
+        let mut field = [_mm512_setzero_si512(); 8];
+        let mut rest = load_set::<FULL>(wp.add(blk * 4 * bits), lanes);
+        for f in 0..per_word {
+            if f + 1 < per_word {
+                field[f] = _mm512_and_si512(rest, mask);
+                rest = _mm512_srli_epi16::<BITS>(rest);
+            } else {
+                field[f] = rest; // the top field is alone in its bits after the shifts
+            }
+        }
+        let run = 2 * bits * m; // int16 activations per field
+        for t in 0..NT {
+            let xp = x[t].q.as_ptr().add(blk * 32);
+            let mut sum = _mm512_setzero_si512();
+            for f in 0..per_word {
+                sum = D::dot(sum, field[f], load_set::<FULL>(xp.add(f * run) as *const u8, lanes));
+            }
+            acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_permutexvar_ps(idx, comb[t]), acc[t]);
+        }
+    }
+
+    /// `NT` activation rows against one row of `nb` blocks of `BITS`-bit weights (`wp`, and its
+    /// first scale and bias at `sp`, `bp`): per token sixteen partial sums of the bias term and the
+    /// block terms. Block factors `d_x · s` and the bias term go sixteen lanes at a time; every load
+    /// past the row's end is masked off.
+    #[inline(always)]
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn rows_wide<D: Dot512, S: ScaleKind, const BITS: u32, const NT: usize>(
+        wp: *const u8,
+        sp: *const u16,
+        bp: *const u16,
+        nb: usize,
+        gb: usize,
+        x: &[ActRow; NT],
+    ) -> [__m512; NT] {
+        let per_set = 16 / BITS as usize;
+        let groups = nb / gb;
+        let mut acc = [_mm512_setzero_ps(); NT];
+        let mut g = 0;
+        while g < groups {
+            let n = 16.min(groups - g);
+            let b = load16::<S>(bp, g, n);
+            for t in 0..NT {
+                let gs = _mm512_maskz_loadu_ps(lanes(n), x[t].group_sums.as_ptr().add(g));
+                acc[t] = _mm512_fmadd_ps(b, gs, acc[t]);
+            }
+            g += 16;
+        }
+        let lane_block = _mm512_srlv_epi32(iota(), _mm512_set1_epi32(BITS.trailing_zeros() as i32));
+        let mut b0 = 0;
+        while b0 < nb {
+            let n = 16.min(nb - b0);
+            let s = block_scales16::<S>(sp, b0, gb, n);
+            let mut comb = [_mm512_setzero_ps(); NT];
+            for t in 0..NT {
+                comb[t] = _mm512_mul_ps(s, _mm512_maskz_loadu_ps(lanes(n), x[t].d.as_ptr().add(b0)));
+            }
+            let mut j = 0;
+            while j + per_set <= n {
+                let idx = _mm512_add_epi32(lane_block, _mm512_set1_epi32(j as i32));
+                set_wide::<D, BITS, NT, true>(wp, x, b0 + j, per_set, &comb, idx, &mut acc);
+                j += per_set;
+            }
+            if j < n {
+                let idx = _mm512_add_epi32(lane_block, _mm512_set1_epi32(j as i32));
+                set_wide::<D, BITS, NT, false>(wp, x, b0 + j, n - j, &comb, idx, &mut acc);
+            }
+            b0 += 16;
+        }
+        acc
+    }
+
+    /// [`super::dot_rows`] (and, with one row, [`super::dot_row`]) on the 512-bit kernel.
+    #[inline(always)]
+    unsafe fn dot_rows_wide<D: Dot512, S: ScaleKind, const BITS: u32, const NT: usize>(
+        w: QuantRow,
+        sp: *const u16,
+        bp: *const u16,
+        x: &[ActRow; NT],
+        out: &mut [f32; NT],
+    ) {
+        let nb = w.words.len() / BITS as usize; // a block is `BITS` words
+        let (sp, bp) = (S::advance(sp, w.group0), S::advance(bp, w.group0));
+        let acc = rows_wide::<D, S, BITS, NT>(w.words.as_ptr() as *const u8, sp, bp, nb, w.group_blocks, x);
+        for (o, a) in out.iter_mut().zip(acc) {
+            *o = hsum(fold(a));
+        }
+    }
+
+    /// [`super::dot_tile`] on the 512-bit kernel: rows four at a time, then one at a time.
+    #[inline(always)]
+    unsafe fn dot_tile_wide<D: Dot512, S: ScaleKind, const BITS: u32>(
+        w: QuantMatrix,
+        sp: *const u16,
+        bp: *const u16,
+        rows: std::ops::Range<usize>,
+        x: ActRow,
+        out: &mut [f32],
+    ) {
+        let xs = [x];
+        let mut r = rows.start;
+        while r + 4 <= rows.end {
+            let a = fold(tile_row::<D, S, BITS>(&w, sp, bp, r, &xs));
+            let b = fold(tile_row::<D, S, BITS>(&w, sp, bp, r + 1, &xs));
+            let c = fold(tile_row::<D, S, BITS>(&w, sp, bp, r + 2, &xs));
+            let d = fold(tile_row::<D, S, BITS>(&w, sp, bp, r + 3, &xs));
+            let sums = reduce4(a, b, c, d);
+            _mm_storeu_ps(out.as_mut_ptr().add(r - rows.start), sums);
+            r += 4;
+        }
+        while r < rows.end {
+            out[r - rows.start] = hsum(fold(tile_row::<D, S, BITS>(&w, sp, bp, r, &xs)));
+            r += 1;
+        }
+    }
+
+    /// Row `r` of `w` against one activation row: sixteen partial sums.
+    #[inline(always)]
+    unsafe fn tile_row<D: Dot512, S: ScaleKind, const BITS: u32>(
+        w: &QuantMatrix,
+        sp: *const u16,
+        bp: *const u16,
+        r: usize,
+        x: &[ActRow; 1],
+    ) -> __m512 {
+        let (nb, gb, groups) = (w.k / 32, w.group / 32, w.groups_per_row());
+        let wp = (w.packed.as_ptr() as *const u8).add(r * nb * 4 * BITS as usize);
+        let (sp, bp) = (S::advance(sp, r * groups), S::advance(bp, r * groups));
+        rows_wide::<D, S, BITS, 1>(wp, sp, bp, nb, gb, x)[0]
+    }
+
+    entries!(dot_rows_wide [S: ScaleKind, const BITS: u32, const NT: usize] [S, BITS, NT]
+        (w: QuantRow, sp: *const u16, bp: *const u16, x: &[ActRow; NT], out: &mut [f32; NT]);
+        dot_rows_wide_avx512: Madd, "avx2,fma,f16c,avx512f,avx512bw,avx512vl";
+        dot_rows_wide_avx512vnni: VnniEvex, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni";
+    );
+    entries!(dot_tile_wide [S: ScaleKind, const BITS: u32] [S, BITS]
+        (w: QuantMatrix, sp: *const u16, bp: *const u16, rows: std::ops::Range<usize>, x: ActRow, out: &mut [f32]);
+        dot_tile_wide_avx512: Madd, "avx2,fma,f16c,avx512f,avx512bw,avx512vl";
+        dot_tile_wide_avx512vnni: VnniEvex, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni";
+    );
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::isa::IsaPath;
+
+    /// Deterministic random numbers (xorshift64*).
+    struct Rng(u64);
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 >> 12;
+            self.0 ^= self.0 << 25;
+            self.0 ^= self.0 >> 27;
+            self.0.wrapping_mul(0x2545F4914F6CDD1D)
+        }
+        fn uniform(&mut self) -> f32 {
+            ((self.next() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+        }
+    }
+
+    enum Store {
+        F32(Vec<f32>),
+        F16(Vec<u16>),
+        BF16(Vec<u16>),
+    }
+    impl Store {
+        fn new(kind: usize, v: &[f32]) -> Store {
+            match kind {
+                0 => Store::F32(v.to_vec()),
+                1 => Store::F16(v.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect()),
+                _ => Store::BF16(v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect()),
+            }
+        }
+        fn floats(&self) -> Floats<'_> {
+            match self {
+                Store::F32(v) => Floats::F32(v),
+                Store::F16(v) => Floats::F16(v),
+                Store::BF16(v) => Floats::BF16(v),
+            }
+        }
+    }
+
+    /// `Σ x·(s·q + b)` in f64 from the same int16 activations, and the sum of its terms' magnitudes
+    /// (what f32 rounding of the kernels' sums is relative to).
+    fn reference(w: QuantRow, x: ActRow) -> (f64, f64) {
+        let nb = x.d.len();
+        let (mut sum, mut mag) = (0f64, 0f64);
+        for blk in 0..nb {
+            let mut isum = 0i64;
+            for i in 0..32 {
+                let bit = (blk * 32 + i) * w.bits;
+                let wd = |j: usize| w.words.get(j).map_or(0u64, |&v| v as u64);
+                let q = ((wd(bit / 32) | (wd(bit / 32 + 1) << 32)) >> (bit % 32)) & ((1 << w.bits) - 1);
+                isum += q as i64 * x.q[x.order.position(nb, blk * 32 + i)] as i64;
+            }
+            let term = x.d[blk] as f64 * w.scales.get(w.group0 + blk / w.group_blocks) as f64 * isum as f64;
+            sum += term;
+            mag += term.abs();
+        }
+        for (g, &gs) in x.group_sums.iter().enumerate() {
+            let term = w.biases.get(w.group0 + g) as f64 * gs as f64;
+            sum += term;
+            mag += term.abs();
+        }
+        (sum, mag)
+    }
+
+    #[test]
+    fn act_orders_place_every_element_once() {
+        for order in
+            [ActOrder::Natural, ActOrder::Nibbles, ActOrder::Fields(2), ActOrder::Fields(4), ActOrder::Fields(8)]
+        {
+            for nb in [1, 2, 3, 5, 8, 9, 17, 18] {
+                let mut seen = vec![false; nb * 32];
+                for e in 0..nb * 32 {
+                    let p = order.position(nb, e);
+                    assert!(p < nb * 32 && !seen[p], "{order:?} nb {nb}: element {e} at {p}");
+                    seen[p] = true;
+                }
+            }
+        }
+    }
+
+    /// Every kernel path this CPU has against the portable one (and the exact f64 value of the same
+    /// integer formula) on random weights: every width, groups of 32/64/128, f32/f16/bf16 scales,
+    /// odd row counts and rows of 1 to 76 blocks (sets of the 512-bit kernels cut short). Paths that
+    /// share a kernel family and activation order (the VNNI builds and their twins) must agree bit
+    /// for bit. Prints which paths ran and which were skipped for lack of hardware.
+    #[test]
+    fn every_isa_path_matches_the_scalar_path() {
+        let mut rng = Rng(0x9E3779B97F4A7C15);
+        let isas: Vec<Isa> = IsaPath::ALL.into_iter().filter_map(Isa::detect).collect();
+        let (n, t) = (37, 8);
+        let mut checked = 0;
+        for bits in [2, 3, 4, 5, 6, 8] {
+            for group in [32, 64, 128] {
+                for blocks in [1, 3, 9, 19] {
+                    let k = group * blocks;
+                    let kind = checked % 3;
+                    checked += 1;
+                    let packed: Vec<u32> = (0..n * k * bits / 32).map(|_| rng.next() as u32).collect();
+                    let gcount = n * k / group;
+                    let sv: Vec<f32> = (0..gcount).map(|_| 0.01 + 0.02 * rng.uniform().abs()).collect();
+                    let bv: Vec<f32> = (0..gcount).map(|_| 0.05 * rng.uniform()).collect();
+                    let (scales, biases) = (Store::new(kind, &sv), Store::new(kind, &bv));
+                    let w = QuantMatrix {
+                        packed: &packed,
+                        scales: scales.floats(),
+                        biases: biases.floats(),
+                        bits,
+                        group,
+                        k,
+                    };
+                    // Activations with an outlier channel, as real models have.
+                    let x: Vec<f32> = (0..t * k).map(|i| rng.uniform() * if i % k == 7 { 30.0 } else { 1.0 }).collect();
+                    // Per activation order: the first x86 path's results, which the others must equal.
+                    let mut seen: Vec<(ActOrder, Vec<f32>)> = Vec::new();
+                    let what = format!("bits {bits} group {group} k {k} scales {kind}");
+                    let mut want = None;
+                    for &isa in std::iter::once(&Isa::SCALAR).chain(&isas) {
+                        // Each path's own order, and on AVX-512 paths also the 256-bit kernels' order.
+                        let mut orders = vec![ActOrder::for_weights(isa, bits, group)];
+                        if isa.has_avx512() {
+                            orders.push(ActOrder::for_weights(Isa::SCALAR, bits, group));
+                        }
+                        for order in orders {
+                            let mut acts = IntActs::default();
+                            quantize_acts(isa, &x, t, k, group, order, &mut acts);
+                            let gpr = k / group;
+                            let act = |ti: usize| ActRow {
+                                q: &acts.q[ti * k..(ti + 1) * k],
+                                d: &acts.d[ti * k / 32..(ti + 1) * k / 32],
+                                group_sums: &acts.group_sums[ti * gpr..(ti + 1) * gpr],
+                                order,
+                            };
+                            // Results, and the (token, row) each is for.
+                            let (mut got, mut at) = (Vec::new(), Vec::new());
+                            for ti in 0..t {
+                                let mut tile = vec![0f32; n];
+                                dot_tile(isa, w, 0..n, act(ti), &mut tile);
+                                let mut part = vec![0f32; n - 7];
+                                dot_tile(isa, w, 5..n - 2, act(ti), &mut part);
+                                got.extend(tile.iter().chain(&part));
+                                got.extend((0..n).map(|r| dot_row(isa, w.row(r), act(ti))));
+                                at.extend((0..n).chain(5..n - 2).chain(0..n).map(|r| (ti, r)));
+                            }
+                            for r in 0..n {
+                                let mut four = [0f32; 4];
+                                dot_rows(isa, w.row(r), &std::array::from_fn(act), &mut four);
+                                let mut eight = [0f32; 8];
+                                dot_rows(isa, w.row(r), &std::array::from_fn(act), &mut eight);
+                                got.extend(four.iter().chain(&eight));
+                                at.extend((0..4).chain(0..8).map(|ti| (ti, r)));
+                            }
+                            // The x86 kernels ran (not the portable loop behind them).
+                            #[cfg(target_arch = "x86_64")]
+                            if isa.has_avx2() {
+                                let wide = matches!(order, ActOrder::Fields(_));
+                                let mut tile = vec![0f32; n];
+                                assert!(x86::dot_tile(isa, w, 0..n, act(0), &mut tile), "{what} {}", isa.name());
+                                let row = x86::dot_row(isa, w.row(0), act(0));
+                                assert_eq!(row.is_some(), wide || matches!(bits, 4 | 8), "{what} {}", isa.name());
+                                let rows = x86::dot_rows(isa, w.row(0), &std::array::from_fn(act), &mut [0f32; 4]);
+                                assert_eq!(rows, wide || bits == 4, "{what} {}", isa.name());
+                            }
+                            // Against the exact value of the formula, and the portable path's result.
+                            let exact: Vec<(f64, f64)> =
+                                at.iter().map(|&(ti, r)| reference(w.row(r), act(ti))).collect();
+                            let scalar = want.get_or_insert_with(|| got.clone());
+                            for (i, (&g, &(e, mag))) in got.iter().zip(&exact).enumerate() {
+                                let bound = 1e-5 * mag + 1e-30;
+                                assert!(
+                                    (g as f64 - e).abs() <= bound && (g - scalar[i]).abs() as f64 <= 2.0 * bound,
+                                    "{what} {} {order:?}: result {i}: got {g}, exact {e}, scalar {} (bound {bound:e})",
+                                    isa.name(),
+                                    scalar[i]
+                                );
+                            }
+                            if isa.has_avx2() {
+                                match seen.iter().find(|(o, _)| *o == order) {
+                                    Some((_, first)) => assert!(
+                                        first == &got,
+                                        "{what} {} {order:?}: differs from another build of the same kernel",
+                                        isa.name()
+                                    ),
+                                    None => seen.push((order, got)),
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let ran: Vec<_> = isas.iter().map(|i| i.name()).collect();
+        let skipped: Vec<_> = IsaPath::ALL.into_iter().filter(|p| !p.supported()).map(|p| p.name()).collect();
+        eprintln!(
+            "int_dot kernels vs scalar: ran {}; skipped (not on this CPU): {}",
+            ran.join(", "),
+            skipped.join(", ")
+        );
     }
 }

@@ -5,7 +5,7 @@
 
 use rayon::prelude::*;
 
-use super::int_dot::{dot_rows, dot_tile, quantize_acts, ActRow, ActsKey, IntActs, QuantRow};
+use super::int_dot::{dot_rows, dot_tile, quantize_acts, ActOrder, ActRow, ActsKey, IntActs, QuantRow};
 use super::matmul::{gemm_tile, tile_rows};
 use super::{Floats, SharedMut};
 use crate::isa::Isa;
@@ -209,7 +209,7 @@ pub struct QuantPart<'a, 'o> {
 
 /// Whether [`qmatmul`] takes the int16 path for `bits`-bit weights and a `t`-token step (so matmuls
 /// sharing an input can go through [`qmatmul_shared_input`] together). The integer kernels are
-/// hand-written for x86 (AVX2, also run on the AVX-512 path); `scalar` runs the portable version of
+/// hand-written for x86 (256-bit for AVX2, 512-bit for AVX-512, each with a VNNI build); `scalar` runs the portable version of
 /// the same arithmetic (so CI checks it). On NEON, which has no integer kernel yet, the int path
 /// would be that scalar code, so the float paths (auto-vectorised for NEON) are used instead — a
 /// choice by reasoning, not yet measured on ARM hardware.
@@ -248,7 +248,8 @@ impl QuantPath {
 /// [`int_path_applies`] and share `bits`, `group` and `k`.
 ///
 /// `segments` are the ends of runs of rows (the rows of one sequence), ascending, the last `t`; empty
-/// for one run. 4-bit rows are dotted several tokens at a time (`dot_rows`), which rounds differently
+/// for one run. 4-bit rows (2/4/8-bit on the 512-bit kernels) are dotted several tokens at a time
+/// (`dot_rows`), which rounds differently
 /// from one at a time (`dot_tile`), so such passes never cross a run's end: a sequence's rows take the
 /// same passes whatever runs beside them (batch invariance).
 pub fn qmatmul_shared_input<'a, 'o>(
@@ -279,9 +280,10 @@ pub fn qmatmul_shared_input<'a, 'o>(
         return;
     }
     debug_assert!(dims.iter().flatten().all(|(w, _, _)| w.k == k && w.bits == w0.bits && w.group == w0.group));
-    let key = ActsKey { source, t, k, group: w0.group, nibble_order: w0.bits == 4 };
+    let order = ActOrder::for_weights(isa, w0.bits, w0.group);
+    let key = ActsKey { source, t, k, group: w0.group, order };
     if acts.key != Some(key) {
-        quantize_acts(isa, x, t, k, w0.group, w0.bits == 4, acts);
+        quantize_acts(isa, x, t, k, w0.group, order, acts);
         acts.key = Some(key);
     }
     let acts = &*acts;
@@ -290,8 +292,10 @@ pub fn qmatmul_shared_input<'a, 'o>(
         q: &acts.q[ti * k..(ti + 1) * k],
         d: &acts.d[ti * k / 32..(ti + 1) * k / 32],
         group_sums: &acts.group_sums[ti * gpr..(ti + 1) * gpr],
+        order,
     };
     debug_assert!(segments.is_empty() || (segments.last() == Some(&t) && segments.windows(2).all(|p| p[0] <= p[1])));
+    let multi = w0.bits == 4 || matches!(order, ActOrder::Fields(_));
     let whole = [t];
     // A task is a tile of rows of one part; its weights stay in L1/L2 while all tokens stream past.
     let rows_per_task = if t <= ROW_DOT_MAX_TOKENS { 32 } else { 16 };
@@ -304,16 +308,17 @@ pub fn qmatmul_shared_input<'a, 'o>(
         let Some((w, n, out_ptr)) = dims[p] else { return };
         let chunk = task - first_task[p];
         let tile = chunk * rows_per_task..((chunk + 1) * rows_per_task).min(n);
-        // 4-bit: eight tokens per pass while they last, then four (each block unpacked once for
-        // all of them); then, and for other widths, one token at a time over the cached tile.
+        // Widths with a multi-token kernel: eight tokens per pass while they last, then four (each
+        // block unpacked once for all of them); then, and for other widths, one token at a time
+        // over the cached tile.
         let mut start = 0;
         for &end in if segments.is_empty() { &whole[..] } else { segments } {
             let mut ti = start;
-            while w.bits == 4 && ti + 8 <= end {
+            while multi && ti + 8 <= end {
                 tokens_pass::<8>(isa, tile.clone(), &|r| w.row(r), &act, ti, out_ptr, n);
                 ti += 8;
             }
-            while w.bits == 4 && ti + 4 <= end {
+            while multi && ti + 4 <= end {
                 tokens_pass::<4>(isa, tile.clone(), &|r| w.row(r), &act, ti, out_ptr, n);
                 ti += 4;
             }
