@@ -44,8 +44,10 @@ pub fn silu(x: f32) -> f32 {
 
 #[inline(always)]
 pub fn gelu_tanh(x: f32) -> f32 {
-    const C: f32 = 0.797_884_6; // sqrt(2/pi)
-    0.5 * x * (1.0 + (C * (x + 0.044715 * x * x * x)).tanh())
+    // 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): one `exp` instead of
+    // libm's `tanhf`, several times slower (GeGLU prefill spent a quarter of its time there).
+    const C2: f32 = 2.0 * 0.797_884_6; // 2 sqrt(2/pi)
+    x / (1.0 + (-C2 * (x + 0.044715 * x * x * x)).exp())
 }
 
 #[inline(always)]
