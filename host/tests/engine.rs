@@ -146,6 +146,7 @@ fn fixture_small_kv_budget_evicts_and_preempts_without_changing_answers() {
 fn fixture_dropping_the_stream_frees_the_pages() {
     let (engine, _) = start(&fixture(), 512, 1, opts(2));
     let mut s = engine.submit(greedy(random_prompt(70, 50), 400)).unwrap();
+    assert!(matches!(s.blocking_next(), Some(GenerationEvent::Started { cached_tokens: 0 })));
     for _ in 0..5 {
         assert!(matches!(s.blocking_next(), Some(GenerationEvent::Text { .. })));
     }

@@ -217,6 +217,23 @@ pub fn dot_rows<const NT: usize>(isa: Isa, w: QuantRow, x: &[ActRow; NT], out: &
     }
 }
 
+/// Whether [`dot_rows`] gives every token exactly the bits [`dot_tile`] gives it alone, for weights
+/// of `bits` and `group` and activations in `order`: then several sequences' tokens may share a
+/// pass (each block unpacked once for all of them) without a sequence's result depending on its
+/// batch-mates. True of the 512-bit kernels, whose per-token arithmetic does not depend on how many
+/// tokens a pass takes and whose reductions share one order ([`x86`]'s `hsum_pairs`).
+pub fn passes_match_tile(isa: Isa, bits: usize, group: usize, order: ActOrder) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        x86::wide(isa, bits, group, order)
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (isa, bits, group, order);
+        false
+    }
+}
+
 impl<'a> QuantMatrix<'a> {
     /// Row `r` as [`dot_row`] takes it.
     pub fn row(&self, r: usize) -> QuantRow<'a> {
@@ -417,7 +434,7 @@ mod x86 {
 
     /// Whether the 512-bit kernels apply: activations in their order for these weights, on an
     /// AVX-512 path.
-    fn wide(isa: Isa, bits: usize, group: usize, order: ActOrder) -> bool {
+    pub fn wide(isa: Isa, bits: usize, group: usize, order: ActOrder) -> bool {
         isa.has_avx512() && matches!(group, 32 | 64 | 128) && order == ActOrder::Fields(bits)
     }
 
@@ -496,6 +513,16 @@ mod x86 {
             }
         }
         done
+    }
+
+    /// The sum of eight lanes in [`reduce4`]'s order, `((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))`:
+    /// a row reduced alone equals the same row reduced four at a time, bit for bit, so kernels that
+    /// take tokens several at a time can match the one-token tile (batch invariance).
+    #[inline(always)]
+    unsafe fn hsum_pairs(v: __m256) -> f32 {
+        let h = _mm256_hadd_ps(v, v);
+        let h = _mm256_hadd_ps(h, h);
+        _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)))
     }
 
     #[inline(always)]
@@ -1244,7 +1271,7 @@ mod x86 {
         let (sp, bp) = (S::advance(sp, w.group0), S::advance(bp, w.group0));
         let acc = rows_wide::<D, S, BITS, NT>(w.words.as_ptr() as *const u8, sp, bp, nb, w.group_blocks, x);
         for (o, a) in out.iter_mut().zip(acc) {
-            *o = hsum(fold(a));
+            *o = hsum_pairs(fold(a));
         }
     }
 
@@ -1270,7 +1297,7 @@ mod x86 {
             r += 4;
         }
         while r < rows.end {
-            out[r - rows.start] = hsum(fold(tile_row::<D, S, BITS>(&w, sp, bp, r, &xs)));
+            out[r - rows.start] = hsum_pairs(fold(tile_row::<D, S, BITS>(&w, sp, bp, r, &xs)));
             r += 1;
         }
     }
@@ -1454,6 +1481,43 @@ mod tests {
                                 dot_rows(isa, w.row(r), &std::array::from_fn(act), &mut eight);
                                 got.extend(four.iter().chain(&eight));
                                 at.extend((0..4).chain(0..8).map(|ti| (ti, r)));
+                            }
+                            // Where passes may cross sequences, a token's result is the same bits
+                            // in a pass of eight, of four, alone, and at any place in a tile.
+                            if passes_match_tile(isa, bits, group, order) {
+                                let tiles: Vec<(Vec<f32>, Vec<f32>)> = (0..t)
+                                    .map(|ti| {
+                                        let (mut whole, mut part) = (vec![0f32; n], vec![0f32; n - 7]);
+                                        dot_tile(isa, w, 0..n, act(ti), &mut whole);
+                                        dot_tile(isa, w, 5..n - 2, act(ti), &mut part);
+                                        (whole, part)
+                                    })
+                                    .collect();
+                                for r in 0..n {
+                                    let mut eight = [0f32; 8];
+                                    dot_rows(isa, w.row(r), &std::array::from_fn(act), &mut eight);
+                                    let mut four = [0f32; 4];
+                                    dot_rows(isa, w.row(r), &std::array::from_fn(|j| act(4 + j)), &mut four);
+                                    for ti in 0..t {
+                                        let (whole, part) = &tiles[ti];
+                                        let bits_of = |v: f32| v.to_bits();
+                                        let alone = bits_of(dot_row(isa, w.row(r), act(ti)));
+                                        let want = bits_of(whole[r]);
+                                        assert_eq!(
+                                            bits_of(eight[ti]),
+                                            want,
+                                            "{what} {} row {r} token {ti}",
+                                            isa.name()
+                                        );
+                                        assert_eq!(alone, want, "{what} {} row {r} token {ti} alone", isa.name());
+                                        if ti >= 4 {
+                                            assert_eq!(bits_of(four[ti - 4]), want, "{what} {} row {r}", isa.name());
+                                        }
+                                        if (5..n - 2).contains(&r) {
+                                            assert_eq!(bits_of(part[r - 5]), want, "{what} {} row {r}", isa.name());
+                                        }
+                                    }
+                                }
                             }
                             // The x86 kernels ran (not the portable loop behind them).
                             #[cfg(target_arch = "x86_64")]

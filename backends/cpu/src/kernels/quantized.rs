@@ -5,7 +5,9 @@
 
 use rayon::prelude::*;
 
-use super::int_dot::{dot_rows, dot_tile, quantize_acts, ActOrder, ActRow, ActsKey, IntActs, QuantRow};
+use super::int_dot::{
+    dot_rows, dot_tile, passes_match_tile, quantize_acts, ActOrder, ActRow, ActsKey, IntActs, QuantRow,
+};
 use super::matmul::{gemm_tile, tile_rows};
 use super::{Floats, SharedMut};
 use crate::isa::Isa;
@@ -249,9 +251,11 @@ impl QuantPath {
 ///
 /// `segments` are the ends of runs of rows (the rows of one sequence), ascending, the last `t`; empty
 /// for one run. 4-bit rows (2/4/8-bit on the 512-bit kernels) are dotted several tokens at a time
-/// (`dot_rows`), which rounds differently
-/// from one at a time (`dot_tile`), so such passes never cross a run's end: a sequence's rows take the
-/// same passes whatever runs beside them (batch invariance).
+/// (`dot_rows`, each block unpacked once for all of them). Where that rounds differently from one
+/// token at a time (`dot_tile`; the 256-bit kernels), passes never cross a run's end, so a
+/// sequence's rows take the same passes whatever runs beside them (batch invariance); where it
+/// gives the same bits ([`passes_match_tile`]: the 512-bit kernels), passes run over the whole step,
+/// so eight sequences decoding one token each share one pass.
 pub fn qmatmul_shared_input<'a, 'o>(
     isa: Isa,
     x: &[f32],
@@ -297,6 +301,7 @@ pub fn qmatmul_shared_input<'a, 'o>(
     debug_assert!(segments.is_empty() || (segments.last() == Some(&t) && segments.windows(2).all(|p| p[0] <= p[1])));
     let multi = w0.bits == 4 || matches!(order, ActOrder::Fields(_));
     let whole = [t];
+    let segments = if passes_match_tile(isa, w0.bits, w0.group, order) { &[][..] } else { segments };
     // A task is a tile of rows of one part; its weights stay in L1/L2 while all tokens stream past.
     let rows_per_task = if t <= ROW_DOT_MAX_TOKENS { 32 } else { 16 };
     let mut first_task = [0usize; MAX_PARTS + 1];
