@@ -40,7 +40,7 @@ fn time(name: &str, flops: f64, mut f: impl FnMut()) {
 fn main() {
     let threads: usize = std::env::args().nth(1).map_or(1, |a| a.parse().expect("threads"));
     let isa = Isa::from_env().unwrap();
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+    let pool = mlxcel_backend_cpu::pool::ThreadPool::new(threads).unwrap();
     let mut seed = 0x9e3779b97f4a7c15u64;
     let (mels, d, frames) = (80usize, 384usize, 3000usize);
     pool.install(|| {

@@ -57,7 +57,7 @@ fn main() {
     let (ne, k) = (args.get(2).copied().unwrap_or(8), args.get(3).copied().unwrap_or(2));
     let (d, inter) = (1024usize, 1024usize);
     let isa = Isa::from_env().unwrap();
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+    let pool = mlxcel_backend_cpu::pool::ThreadPool::new(threads).unwrap();
     let mut seed = 0x9e3779b97f4a7c15u64;
     // Stacks [E, inter, d] (gate, up) and [E, d, inter] (down); the dense layer multiplies by all of them.
     let (gate, up, down) =

@@ -42,7 +42,7 @@ fn main() {
     let t = args.first().copied().unwrap_or(1);
     let threads = args.get(1).copied().unwrap_or(1);
     let isa = Isa::from_env().unwrap();
-    let pool = rayon::ThreadPoolBuilder::new().num_threads(threads).build().unwrap();
+    let pool = mlxcel_backend_cpu::pool::ThreadPool::new(threads).unwrap();
     let mut seed = 0x9e3779b97f4a7c15u64;
     let (h, f, kv, vocab, layers) = (576, 1536, 192, 49152, 30);
     let mut mats = Vec::new();

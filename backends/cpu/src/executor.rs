@@ -4,6 +4,7 @@
 
 use std::borrow::Cow;
 
+use crate::pool::{self, ThreadPool};
 use half::{bf16, f16};
 use mlxcel_plugin_api::op_spec::{
     AttentionSpec, Conv1dSpec, CrossAttentionSpec, GatherSpec, Heads, StepAttentionSpec, TopKSpec, WeightedSumSpec,
@@ -13,7 +14,6 @@ use mlxcel_plugin_api::{
     KvGroupTables, Node, OpCode, PluginError, StepBatch, CONV_CAUSAL_STATE, CONV_WEIGHT_MLX, CONV_WEIGHT_TORCH,
     CONV_WHOLE, MAX_SRC, NO_BLOCK, POOL_FIRST, POOL_LAST, POOL_MEAN,
 };
-use rayon::prelude::*;
 
 use crate::buffer::{as_f32, as_i32, as_u16, Buffer};
 use crate::isa::Isa;
@@ -30,7 +30,7 @@ use crate::kernels::{experts, matmul, norm, rope, segments, softmax, Floats, Seg
 
 /// A backend context: worker pool, kernel path, and recycled scratch.
 pub struct CpuContext {
-    pub pool: rayon::ThreadPool,
+    pub pool: ThreadPool,
     state: ExecState,
 }
 
@@ -47,11 +47,7 @@ pub struct ExecState {
 
 impl CpuContext {
     pub fn new(threads: usize, isa: Isa) -> Result<CpuContext, String> {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("mlxcel-cpu-{i}"))
-            .build()
-            .map_err(|e| format!("cannot start {threads} worker threads: {e}"))?;
+        let pool = ThreadPool::new(threads)?;
         let int_activations = std::env::var("MLXCEL_CPU_INT16").map_or(true, |v| v != "0");
         let int_scratch = IntActs::default();
         Ok(CpuContext {
@@ -72,11 +68,6 @@ impl CpuContext {
     }
 }
 
-struct SendArgs<'a>(&'a ComputeArgs);
-// SAFETY: the arguments are only read, by the pool's threads, while `compute` waits for them.
-unsafe impl Send for SendArgs<'_> {}
-unsafe impl Sync for SendArgs<'_> {}
-
 /// Which sequence each row of a node belongs to, when known: the step's tokens, or the rows a
 /// `GetRows` node selected from them. Kernel paths are chosen per sequence from this.
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -92,15 +83,11 @@ struct Sequences<'a> {
     seq_n_tokens: &'a [u32],
 }
 
-/// Executes `args.graph`. The whole graph runs inside the worker pool, so kernels fan out to the
-/// workers without a cross-thread hand-off (and its wake-up latency) per op.
+/// Executes `args.graph` on this thread, with the pool's workers spinning for the kernels' fan-outs
+/// until it is done (no sleep and wake-up between ops; see `pool.rs`).
 pub fn compute(ctx: &mut CpuContext, args: &ComputeArgs) -> Result<(), PluginError> {
     let state = &mut ctx.state;
-    let a = SendArgs(args);
-    ctx.pool.install(move || {
-        let a = a;
-        compute_in_pool(state, a.0)
-    })
+    ctx.pool.install(|| compute_in_pool(state, args))
 }
 
 impl ExecState {
@@ -979,9 +966,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                         if node.cols() != w || node.rows() != sn(0).rows() {
                             return Err(e(format!("output must be [{}, {w}]", sn(0).rows())));
                         }
-                        out.par_chunks_mut(w)
-                            .zip(x.par_chunks(c))
-                            .for_each(|(o, xr)| o.copy_from_slice(&xr[c0..c0 + w]));
+                        pool::zip_chunks(&mut out, w, &x, c, |_, o, xr| o.copy_from_slice(&xr[c0..c0 + w]));
                     }
                     OpCode::Softmax | OpCode::L2Normalize => {
                         need(1)?;

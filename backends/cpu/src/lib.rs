@@ -8,6 +8,7 @@ pub mod buffer;
 pub mod executor;
 pub mod isa;
 pub mod kernels;
+pub mod pool;
 
 use std::sync::OnceLock;
 

@@ -1,7 +1,7 @@
 //! Causal attention over the paged KV cache with an online softmax: one pass over the keys per query
 //! head, never a full score matrix.
 
-use rayon::prelude::*;
+use crate::pool;
 
 use super::attention_prefill::{attention_runs, runs, Run};
 use super::kv_elem::{cast_mut, KvElem};
@@ -196,7 +196,7 @@ fn attention_tokens<K: KvElem, V: KvElem>(
     let (tokens, bases, splits, first_split, split_token) = (&*tokens, &*bases, &*splits, &*first_split, &*split_token);
     let whole = |ti: usize| first_split[ti + 1] - first_split[ti] == 1;
 
-    (0..splits.len() * n_kv_heads).into_par_iter().for_each(|i| {
+    pool::for_each(splits.len() * n_kv_heads, |i| {
         let (si, kvh) = (i / n_kv_heads, i % n_kv_heads);
         let ti = split_token[si];
         let t = tokens[ti];
@@ -242,7 +242,7 @@ fn attention_tokens<K: KvElem, V: KvElem>(
 
     // Tokens whose keys were split: rescale each split's sums to the largest maximum and add them up.
     let partials = &*partials;
-    (0..merged.len() * n_kv_heads).into_par_iter().for_each(|i| {
+    pool::for_each(merged.len() * n_kv_heads, |i| {
         let (ti, kvh) = (merged[i / n_kv_heads], i % n_kv_heads);
         let q0 = tokens[ti] * n_heads * dh + kvh * group * dh;
         // SAFETY: each task writes only its token's heads of this KV head.

@@ -3,7 +3,7 @@
 //! values are matrix products (`gemm`), the softmax is online (a running max and sum per query row),
 //! so every key and value row is read once per tile instead of once per query head and token.
 
-use rayon::prelude::*;
+use crate::pool;
 
 use super::attention::{exp_approx, AttentionShape, PagedLayout};
 use super::kv_elem::KvElem;
@@ -95,7 +95,8 @@ pub fn attention_runs<K: KvElem, V: KvElem>(
     }
     tasks.sort_by_key(|(tile, _)| std::cmp::Reverse(layout.positions[tile.end - 1]));
     let out = SharedMut(out.as_mut_ptr());
-    tasks.par_iter().for_each(|&(tile, kvh)| {
+    pool::for_each(tasks.len(), |task| {
+        let (tile, kvh) = tasks[task];
         SCRATCH.with_borrow_mut(|scratch| {
             // SAFETY: each task writes only its tokens' rows for its KV head's query heads.
             unsafe { tile_task(isa, layout, shape, tile, kvh, q, k_cache, v_cache, scratch, out) }

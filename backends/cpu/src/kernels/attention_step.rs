@@ -3,7 +3,7 @@
 //! kernel with keys read straight from the step's K/V rows. No padding: sequences of any lengths
 //! share one step.
 
-use rayon::prelude::*;
+use crate::pool;
 
 use super::attention::AttentionShape;
 use super::attention_prefill::{attend_tile_scratch, tile_tokens, Run, TileKeys};
@@ -61,7 +61,8 @@ pub fn step_attention(
     }
     tasks.sort_by_key(|t| std::cmp::Reverse(t.3));
     let out = SharedMut(out.as_mut_ptr());
-    tasks.par_iter().for_each(|&(seg, tile, kvh, _)| {
+    pool::for_each(tasks.len(), |task| {
+        let (seg, tile, kvh, _) = tasks[task];
         let len = seg.len();
         let keys = TileKeys {
             k: &k[seg.start * kv_row..seg.end * kv_row],

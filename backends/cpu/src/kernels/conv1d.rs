@@ -6,7 +6,7 @@
 //! Depthwise convolutions (LFM2's short conv) multiply and add per channel; other group counts copy
 //! each group's windows (im2col) and `gemm` them.
 
-use rayon::prelude::*;
+use crate::pool;
 
 use super::matmul::{gemm_strided, tile_rows};
 use super::{Segment, SharedMut};
@@ -113,7 +113,7 @@ pub fn conv1d(isa: Isa, threads: usize, sh: ConvShape, p: &[f32], w: &[f32], bia
                 wt[k * c_in + c] = w[c * kernel + k];
             }
         }
-        out.par_chunks_mut(ROWS_PER_TASK * c_out).enumerate().for_each(|(chunk, o)| {
+        pool::chunks_mut(out, ROWS_PER_TASK * c_out, |chunk, o| {
             for (i, row) in o.chunks_exact_mut(c_out).enumerate() {
                 let t = chunk * ROWS_PER_TASK + i;
                 let win = &p[t * stride * c_in..(t * stride + kernel) * c_in];
@@ -128,7 +128,7 @@ pub fn conv1d(isa: Isa, threads: usize, sh: ConvShape, p: &[f32], w: &[f32], bia
     let nc = if groups == 1 { tile_rows(c_out, threads) } else { cout_g };
     let tiles_per_group = cout_g.div_ceil(nc);
     let n_tasks = t_out.div_ceil(ROWS_PER_TASK) * groups * tiles_per_group;
-    (0..n_tasks).into_par_iter().for_each_init(Vec::<f32>::new, |cols, task| {
+    pool::for_each_init(n_tasks, Vec::<f32>::new, |cols, task| {
         let (chunk, rest) = (task / (groups * tiles_per_group), task % (groups * tiles_per_group));
         let (g, tile) = (rest / tiles_per_group, rest % tiles_per_group);
         let r0 = chunk * ROWS_PER_TASK;

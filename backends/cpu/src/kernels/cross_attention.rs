@@ -5,8 +5,8 @@
 //! State row (f32): [`CROSS_KV_HEADER`] elements (element 0 = stored length as `u32` bits), then
 //! `max_len` rows of K `[Hkv*Dh]` followed by V `[Hkv*Dh]`.
 
+use crate::pool;
 use mlxcel_plugin_api::CROSS_KV_HEADER;
-use rayon::prelude::*;
 
 use super::attention::AttentionShape;
 use super::attention_prefill::{attend_tile_scratch, tile_tokens, Run, TileKeys};
@@ -76,7 +76,8 @@ pub fn cross_attention(
     }
     tasks.sort_by_key(|t| std::cmp::Reverse(t.3));
     let out = SharedMut(out.as_mut_ptr());
-    tasks.par_iter().for_each(|&(tile, kvh, row, len)| {
+    pool::for_each(tasks.len(), |task| {
+        let (tile, kvh, row, len) = tasks[task];
         let base = row * re + HEADER;
         let keys = TileKeys {
             k: &state[base..row * re + re],

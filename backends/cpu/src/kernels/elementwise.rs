@@ -1,6 +1,6 @@
 //! Elementwise ops and activations.
 
-use rayon::prelude::*;
+use crate::pool;
 
 const CHUNK: usize = 16 * 1024;
 
@@ -8,14 +8,14 @@ const CHUNK: usize = 16 * 1024;
 pub fn binary(a: &[f32], b: &[f32], out: &mut [f32], f: impl Fn(f32, f32) -> f32 + Sync) {
     let bl = b.len();
     if bl == a.len() {
-        out.par_chunks_mut(CHUNK).enumerate().for_each(|(c, o)| {
+        pool::chunks_mut(out, CHUNK, |c, o| {
             let base = c * CHUNK;
             for (i, v) in o.iter_mut().enumerate() {
                 *v = f(a[base + i], b[base + i]);
             }
         });
     } else {
-        out.par_chunks_mut(bl).zip(a.par_chunks(bl)).for_each(|(o, ar)| {
+        pool::zip_chunks(out, bl, a, bl, |_, o, ar| {
             for i in 0..bl {
                 o[i] = f(ar[i], b[i]);
             }
@@ -25,7 +25,7 @@ pub fn binary(a: &[f32], b: &[f32], out: &mut [f32], f: impl Fn(f32, f32) -> f32
 
 /// `out[i] = f(x[i])`.
 pub fn unary(x: &[f32], out: &mut [f32], f: impl Fn(f32) -> f32 + Sync) {
-    out.par_chunks_mut(CHUNK).zip(x.par_chunks(CHUNK)).for_each(|(o, xs)| {
+    pool::zip_chunks(out, CHUNK, x, CHUNK, |_, o, xs| {
         for (v, &xv) in o.iter_mut().zip(xs) {
             *v = f(xv);
         }

@@ -9,7 +9,7 @@
 //! it depends on that sequence alone; kernels that group rows never group across sequences, so a
 //! token's output does not change with the tokens of other sequences that share its expert.
 
-use rayon::prelude::*;
+use crate::pool;
 
 use super::int_dot::IntActs;
 use super::matmul;
@@ -36,9 +36,13 @@ pub fn top_k(x: &[f32], cols: usize, p: TopK, out: &mut [f32]) {
     if k == 0 || cols == 0 {
         return;
     }
-    out.par_chunks_mut(k).zip(x.par_chunks(cols)).for_each_init(
+    pool::zip_chunks_init(
+        out,
+        k,
+        x,
+        cols,
         || (Vec::<f32>::new(), Vec::<u32>::new()),
-        |(v, order), (o, row)| {
+        |(v, order), o, row| {
             let v: &[f32] = if p.softmax {
                 v.clear();
                 v.extend_from_slice(row);
@@ -115,7 +119,7 @@ pub fn weighted_sum(y: &[f32], w: &[f32], k: usize, n: usize, out: &mut [f32]) {
     if n == 0 {
         return;
     }
-    out.par_chunks_mut(n).enumerate().for_each(|(t, o)| {
+    pool::chunks_mut(out, n, |t, o| {
         o.fill(0.0);
         for j in 0..k {
             let wj = w[t * k + j];

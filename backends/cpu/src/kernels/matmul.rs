@@ -1,7 +1,7 @@
 //! Float linear layers: `out[T, N] = x[T, K] · w[N, K]ᵀ`. Prefill goes through `gemm` on tiles of weight
 //! rows converted to f32 (no whole-matrix conversion); decode uses a row-wise dot product.
 
-use rayon::prelude::*;
+use crate::pool;
 
 use super::{Floats, SharedMut};
 use crate::isa::Isa;
@@ -147,7 +147,8 @@ pub fn matmul(
         let rows_per_task = 16;
         out.fill(0.0);
         let out_ptr = SharedMut(out.as_mut_ptr());
-        (0..n.div_ceil(rows_per_task)).into_par_iter().for_each_init(
+        pool::for_each_init(
+            n.div_ceil(rows_per_task),
             || vec![0f32; k],
             |row, chunk| {
                 for r in chunk * rows_per_task..((chunk + 1) * rows_per_task).min(n) {
@@ -169,7 +170,7 @@ pub fn matmul(
     }
     let nc = tile_rows(n, threads);
     let out_ptr = SharedMut(out.as_mut_ptr());
-    (0..n.div_ceil(nc)).into_par_iter().for_each_init(Vec::<f32>::new, |scratch, ti| {
+    pool::for_each_init(n.div_ceil(nc), Vec::<f32>::new, |scratch, ti| {
         let n0 = ti * nc;
         let rows = nc.min(n - n0);
         let tile: &[f32] = match w {

@@ -1,6 +1,6 @@
 //! RMS norm and layer norm.
 
-use rayon::prelude::*;
+use crate::pool;
 
 use super::Floats;
 
@@ -12,7 +12,7 @@ pub fn rms_norm(x: &[f32], w: Floats, eps: f32, unit_offset: bool, out: &mut [f3
     if unit_offset {
         wf.iter_mut().for_each(|v| *v += 1.0);
     }
-    out.par_chunks_mut(d).zip(x.par_chunks(d)).for_each(|(o, xs)| {
+    pool::zip_chunks(out, d, x, d, |_, o, xs| {
         let mut acc = [0f32; 8];
         let mut chunks = xs.chunks_exact(8);
         for c in &mut chunks {
@@ -36,7 +36,7 @@ pub fn layer_norm(x: &[f32], w: Floats, b: Floats, eps: f32, out: &mut [f32]) {
     let mut bf = vec![0f32; d];
     w.to_f32(0, &mut wf);
     b.to_f32(0, &mut bf);
-    out.par_chunks_mut(d).zip(x.par_chunks(d)).for_each(|(o, xs)| {
+    pool::zip_chunks(out, d, x, d, |_, o, xs| {
         let mean = xs.iter().sum::<f32>() / d as f32;
         let var = xs.iter().map(|v| (v - mean) * (v - mean)).sum::<f32>() / d as f32;
         let inv = 1.0 / (var + eps).sqrt();
@@ -48,7 +48,7 @@ pub fn layer_norm(x: &[f32], w: Floats, b: Floats, eps: f32, out: &mut [f32]) {
 
 /// `x / max(‖x‖₂, eps)` per row of `c` columns.
 pub fn l2_normalize(x: &[f32], c: usize, eps: f32, out: &mut [f32]) {
-    out.par_chunks_mut(c).zip(x.par_chunks(c)).for_each(|(o, xs)| {
+    pool::zip_chunks(out, c, x, c, |_, o, xs| {
         let mut acc = [0f32; 8];
         let mut chunks = xs.chunks_exact(8);
         for ch in &mut chunks {

@@ -3,7 +3,7 @@
 //! on a word boundary since `group * bits` is a multiple of 32). Matrices are never dequantized whole:
 //! decode dots packed rows directly, prefill dequantizes one tile of rows at a time into gemm.
 
-use rayon::prelude::*;
+use crate::pool;
 
 use super::int_dot::{
     dot_rows, dot_tile, passes_match_tile, quantize_acts, ActOrder, ActRow, ActsKey, IntActs, QuantRow,
@@ -168,7 +168,7 @@ pub fn qmatmul(
         let xsum: Vec<f32> = x.chunks_exact(w.group).map(|g| g.iter().sum::<f32>()).collect();
         let out_ptr = SharedMut(out.as_mut_ptr());
         let rows_per_task = 8;
-        (0..n.div_ceil(rows_per_task)).into_par_iter().for_each(|chunk| {
+        pool::for_each(n.div_ceil(rows_per_task), |chunk| {
             for r in chunk * rows_per_task..((chunk + 1) * rows_per_task).min(n) {
                 let row = &w.packed[r * wpr..(r + 1) * wpr];
                 for ti in 0..t {
@@ -191,7 +191,7 @@ pub fn qmatmul(
     }
     let nc = tile_rows(n, threads);
     let out_ptr = SharedMut(out.as_mut_ptr());
-    (0..n.div_ceil(nc)).into_par_iter().for_each_init(Vec::<f32>::new, |tile, ti| {
+    pool::for_each_init(n.div_ceil(nc), Vec::<f32>::new, |tile, ti| {
         let n0 = ti * nc;
         let rows = nc.min(n - n0);
         tile.resize(rows * k, 0.0);
@@ -308,7 +308,7 @@ pub fn qmatmul_shared_input<'a, 'o>(
     for p in 0..n_parts {
         first_task[p + 1] = first_task[p] + dims[p].map_or(0, |(_, n, _)| n.div_ceil(rows_per_task));
     }
-    (0..first_task[n_parts]).into_par_iter().for_each(|task| {
+    pool::for_each(first_task[n_parts], |task| {
         let p = (0..n_parts).find(|&p| task < first_task[p + 1]).unwrap_or(0);
         let Some((w, n, out_ptr)) = dims[p] else { return };
         let chunk = task - first_task[p];
@@ -361,5 +361,5 @@ fn tokens_pass<'a, const NT: usize>(
 /// Rows `ids` of a quantized table, dequantized.
 pub fn qembedding(isa: Isa, ids: &[i32], w: QuantMatrix, out: &mut [f32]) {
     let k = w.k;
-    out.par_chunks_mut(k).zip(ids.par_iter()).for_each(|(o, &id)| w.dequantize_row(isa, id as usize, o));
+    pool::zip_chunks(out, k, ids, 1, |_, o, id| w.dequantize_row(isa, id[0] as usize, o));
 }

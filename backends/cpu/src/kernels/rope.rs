@@ -1,6 +1,6 @@
 //! Rotary position embedding.
 
-use rayon::prelude::*;
+use crate::pool;
 
 /// Rotates each head of `x [T, H*head_dim]` by `positions[t] * inv_freq`.
 /// `traditional` pairs (2i, 2i+1); otherwise (i, i + rot/2) as in NeoX/HF. Dims past `rot` pass through.
@@ -17,7 +17,7 @@ pub fn rope(
 ) {
     let cols = x.len() / positions.len().max(1);
     let half = rot / 2;
-    out.par_chunks_mut(cols).zip(x.par_chunks(cols)).enumerate().for_each(|(t, (o, xs))| {
+    pool::zip_chunks(out, cols, x, cols, |t, o, xs| {
         let p = positions[t] as f32;
         let mut cs = vec![(0f32, 0f32); half];
         for (i, c) in cs.iter_mut().enumerate() {

@@ -1,6 +1,6 @@
 //! Softmax over groups of columns (router probabilities, classifier heads).
 
-use rayon::prelude::*;
+use crate::pool;
 
 use super::attention::exp_approx;
 use crate::isa::Isa;
@@ -12,7 +12,7 @@ const CHUNK: usize = 16 * 1024;
 /// `out[g] = softmax(x[g])` for every group of `d` consecutive values.
 pub fn softmax(isa: Isa, x: &[f32], d: usize, out: &mut [f32]) {
     let per_task = CHUNK.div_ceil(d).max(1) * d;
-    out.par_chunks_mut(per_task).zip(x.par_chunks(per_task)).for_each(|(o, xs)| {
+    pool::zip_chunks(out, per_task, x, per_task, |_, o, xs| {
         for (og, xg) in o.chunks_exact_mut(d).zip(xs.chunks_exact(d)) {
             softmax_group::run(isa, xg, og);
         }

@@ -1,0 +1,404 @@
+//! The kernels' fork/join: a pool whose workers spin between the ops of a step instead of sleeping.
+//!
+//! A decode step is hundreds of short parallel ops (a few µs to a few hundred µs each). A general
+//! work-stealing pool parks an idle worker after a few dozen yields and wakes it with a futex for
+//! the next op: a cross-core interrupt, which under a hypervisor costs tens of µs — on a 2-vCPU cloud
+//! host that made 2 threads decode slower than 1. Here the workers spin on an atomic word for as long
+//! as a step runs ([`ThreadPool::install`]), so an op reaches them in well under a µs, and park on a condvar
+//! between steps, so an idle server burns nothing. (llama.cpp's thread pool spins for the same
+//! reason.)
+//!
+//! Kernels call the free functions ([`for_each`], [`for_each_init`], [`chunks_mut`], [`zip_chunks`]):
+//! inside `install` they fan out over the pool, elsewhere (unit tests, a nested call from inside a
+//! task) they run on the calling thread. Each task is one index, claimed by a compare-and-swap on a
+//! word that holds the job's epoch and the next index, so a worker still looking at a finished job
+//! can never claim a task of the next one; results do not depend on which thread ran a task.
+
+use std::cell::{Cell, UnsafeCell};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
+use std::thread::JoinHandle;
+
+/// A job as the workers see it: the task body, type-erased for the duration of one fan-out.
+type TaskFn<'a> = dyn Fn(usize) + Sync + 'a;
+
+struct Shared {
+    /// `epoch << 32 | next task index`: publishing a job starts a new epoch at index 0.
+    state: AtomicU64,
+    /// The current job's task count and body (valid while its epoch's tasks are unfinished).
+    n_tasks: AtomicUsize,
+    job: AtomicU64Pair,
+    /// Tasks of the current job that have finished (the caller waits for all of them).
+    done: AtomicUsize,
+    /// A task of the current job panicked: its payload, re-raised by the caller once the job is over.
+    panicked: AtomicBool,
+    payload: Mutex<Option<Box<dyn std::any::Any + Send>>>,
+    /// Workers spin while set (a step is running), park while clear.
+    spinning: AtomicBool,
+    stop: AtomicBool,
+    park: Mutex<()>,
+    wake: Condvar,
+}
+
+/// A fat pointer stored as two words, so workers can read it without a lock; it is only
+/// dereferenced after a task of its epoch was claimed (see the module comment).
+struct AtomicU64Pair(AtomicUsize, AtomicUsize);
+
+impl AtomicU64Pair {
+    fn store(&self, f: &TaskFn) {
+        // SAFETY: a `&dyn` is two words (data, vtable); it is rebuilt only while the job is alive.
+        let [a, b]: [usize; 2] = unsafe { std::mem::transmute(f as *const TaskFn) };
+        self.0.store(a, Ordering::Relaxed);
+        self.1.store(b, Ordering::Relaxed);
+    }
+
+    /// # Safety
+    /// The job stored last must still be alive (a task of its epoch is claimed and unfinished).
+    unsafe fn load<'a>(&self) -> &'a TaskFn<'a> {
+        let words = [self.0.load(Ordering::Relaxed), self.1.load(Ordering::Relaxed)];
+        &*std::mem::transmute::<[usize; 2], *const TaskFn<'a>>(words)
+    }
+}
+
+/// The kernels' thread pool: `threads - 1` workers plus the thread that calls [`ThreadPool::install`].
+pub struct ThreadPool {
+    shared: Arc<Shared>,
+    threads: usize,
+    workers: Vec<JoinHandle<()>>,
+}
+
+thread_local! {
+    /// The pool of the `install` this thread is in, and this thread's participant number in it.
+    static CURRENT: Cell<Option<(*const Shared, usize, usize)>> = const { Cell::new(None) };
+    /// This thread is running a task (a nested fan-out runs inline).
+    static IN_TASK: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Spins before a waiting thread starts yielding its core (about 50-100 µs).
+const SPINS_BEFORE_YIELD: u32 = 1 << 16;
+
+impl ThreadPool {
+    pub fn new(threads: usize) -> Result<ThreadPool, String> {
+        let threads = threads.max(1);
+        let shared = Arc::new(Shared {
+            state: AtomicU64::new(0),
+            n_tasks: AtomicUsize::new(0),
+            job: AtomicU64Pair(AtomicUsize::new(0), AtomicUsize::new(0)),
+            done: AtomicUsize::new(0),
+            panicked: AtomicBool::new(false),
+            payload: Mutex::new(None),
+            spinning: AtomicBool::new(false),
+            stop: AtomicBool::new(false),
+            park: Mutex::new(()),
+            wake: Condvar::new(),
+        });
+        let mut workers = Vec::with_capacity(threads - 1);
+        for id in 1..threads {
+            let s = Arc::clone(&shared);
+            let handle = std::thread::Builder::new()
+                .name(format!("mlxcel-cpu-{id}"))
+                .spawn(move || worker(&s, id, threads))
+                .map_err(|e| format!("cannot start {threads} worker threads: {e}"))?;
+            workers.push(handle);
+        }
+        Ok(ThreadPool { shared, threads, workers })
+    }
+
+    /// Runs `f` on this thread with the pool's workers spinning, ready for the kernels' fan-outs.
+    pub fn install<R>(&self, f: impl FnOnce() -> R) -> R {
+        struct Reset<'a>(&'a Shared, Option<(*const Shared, usize, usize)>);
+        impl Drop for Reset<'_> {
+            fn drop(&mut self) {
+                self.0.spinning.store(false, Ordering::Release);
+                CURRENT.with(|c| c.set(self.1));
+            }
+        }
+        let sh = &*self.shared;
+        {
+            let _lock = sh.park.lock().unwrap_or_else(|p| p.into_inner());
+            sh.spinning.store(true, Ordering::Release);
+        }
+        sh.wake.notify_all();
+        let previous = CURRENT.with(|c| c.replace(Some((sh as *const Shared, 0, self.threads))));
+        let _reset = Reset(sh, previous);
+        f()
+    }
+}
+
+impl Drop for ThreadPool {
+    fn drop(&mut self) {
+        {
+            let _lock = self.shared.park.lock().unwrap_or_else(|p| p.into_inner());
+            self.shared.stop.store(true, Ordering::Release);
+        }
+        self.shared.wake.notify_all();
+        for w in self.workers.drain(..) {
+            let _ = w.join();
+        }
+    }
+}
+
+fn worker(sh: &Shared, id: usize, threads: usize) {
+    CURRENT.with(|c| c.set(Some((sh as *const Shared, id, threads))));
+    let mut seen_epoch = 0u64;
+    loop {
+        // Wait for a new epoch: spin while a step runs, park otherwise.
+        let mut spins = 0u32;
+        loop {
+            if sh.stop.load(Ordering::Acquire) {
+                return;
+            }
+            let epoch = sh.state.load(Ordering::Acquire) >> 32;
+            if epoch != seen_epoch {
+                seen_epoch = epoch;
+                break;
+            }
+            if sh.spinning.load(Ordering::Acquire) {
+                if spins < SPINS_BEFORE_YIELD {
+                    spins += 1;
+                    std::hint::spin_loop();
+                } else {
+                    std::thread::yield_now();
+                }
+            } else {
+                let lock = sh.park.lock().unwrap_or_else(|p| p.into_inner());
+                if !sh.spinning.load(Ordering::Acquire) && !sh.stop.load(Ordering::Acquire) {
+                    drop(sh.wake.wait(lock).unwrap_or_else(|p| p.into_inner()));
+                }
+                spins = 0;
+            }
+        }
+        run_tasks(sh, seen_epoch);
+    }
+}
+
+/// Claims and runs tasks of `epoch` until none is left.
+fn run_tasks(sh: &Shared, epoch: u64) {
+    loop {
+        let state = sh.state.load(Ordering::Acquire);
+        if state >> 32 != epoch {
+            return;
+        }
+        let index = (state & 0xffff_ffff) as usize;
+        if index >= sh.n_tasks.load(Ordering::Acquire) {
+            return;
+        }
+        if sh.state.compare_exchange_weak(state, state + 1, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            continue;
+        }
+        // SAFETY: task `index` of this epoch is claimed and not finished, so the caller is still
+        // waiting in `fan_out` and its job is alive; `job` was published before the epoch.
+        let job = unsafe { sh.job.load() };
+        IN_TASK.with(|t| t.set(true));
+        let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| job(index)));
+        IN_TASK.with(|t| t.set(false));
+        if let Err(payload) = result {
+            sh.payload.lock().unwrap_or_else(|p| p.into_inner()).get_or_insert(payload);
+            sh.panicked.store(true, Ordering::Release);
+        }
+        sh.done.fetch_add(1, Ordering::AcqRel);
+    }
+}
+
+/// Runs `f(0..n)` over the current pool (this thread takes part), or inline outside one.
+fn fan_out(n: usize, f: &TaskFn) {
+    let current = CURRENT.with(|c| c.get());
+    let nested = IN_TASK.with(|t| t.get());
+    let Some((shared, _, threads)) = current.filter(|_| n > 1 && !nested) else {
+        (0..n).for_each(f);
+        return;
+    };
+    if threads <= 1 {
+        (0..n).for_each(f);
+        return;
+    }
+    // SAFETY: `CURRENT` is set only inside `ThreadPool::install` (or on the pool's own workers, which
+    // never fan out: they are always `IN_TASK` when running kernels), so the pool outlives this call.
+    let sh = unsafe { &*shared };
+    assert!(n < u32::MAX as usize, "too many tasks for one fan-out");
+    sh.done.store(0, Ordering::Relaxed);
+    sh.panicked.store(false, Ordering::Relaxed);
+    sh.n_tasks.store(n, Ordering::Relaxed);
+    sh.job.store(f);
+    let epoch = (sh.state.load(Ordering::Relaxed) >> 32) + 1;
+    sh.state.store(epoch << 32, Ordering::Release);
+    run_tasks(sh, epoch);
+    let mut spins = 0u32;
+    while sh.done.load(Ordering::Acquire) < n {
+        if spins < SPINS_BEFORE_YIELD {
+            spins += 1;
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+    if sh.panicked.load(Ordering::Acquire) {
+        let payload = sh.payload.lock().unwrap_or_else(|p| p.into_inner()).take();
+        std::panic::resume_unwind(payload.unwrap_or_else(|| Box::new("a CPU kernel task panicked")));
+    }
+}
+
+/// `f(i)` for every `i` in `0..n`, in parallel.
+pub fn for_each(n: usize, f: impl Fn(usize) + Sync) {
+    fan_out(n, &f);
+}
+
+/// [`for_each`] with a state per participating thread, made by `init` the first time that thread
+/// runs a task (scratch buffers reused across a thread's tasks).
+pub fn for_each_init<S: Send>(n: usize, init: impl Fn() -> S + Sync, f: impl Fn(&mut S, usize) + Sync) {
+    let threads = CURRENT.with(|c| c.get()).map_or(1, |(_, _, t)| t);
+    let slots: Vec<Slot<S>> = (0..threads).map(|_| Slot(UnsafeCell::new(None))).collect();
+    fan_out(n, &|i| {
+        // The caller is participant 0, worker `j` participant `j`; an inline run is one thread.
+        let me = CURRENT.with(|c| c.get()).map_or(0, |(_, id, _)| id);
+        // SAFETY: participant `me` runs its tasks one after another, so only it touches slot `me`.
+        let slot = unsafe { &mut *slots[me.min(threads - 1)].0.get() };
+        f(slot.get_or_insert_with(&init), i)
+    });
+}
+
+struct Slot<S>(UnsafeCell<Option<S>>);
+// SAFETY: each slot is used by one participant at a time (see `for_each_init`).
+unsafe impl<S: Send> Sync for Slot<S> {}
+
+/// A pointer the tasks of one fan-out share, each writing its own disjoint part.
+struct Disjoint<T>(*mut T);
+// SAFETY: tasks write disjoint ranges (each helper below hands task `i` only its own chunk).
+unsafe impl<T: Send> Sync for Disjoint<T> {}
+
+/// `f(i, chunk)` for each `size`-long chunk of `out` (the last may be shorter), in parallel.
+pub fn chunks_mut<T: Send>(out: &mut [T], size: usize, f: impl Fn(usize, &mut [T]) + Sync) {
+    assert!(size > 0, "chunk size must be positive");
+    let len = out.len();
+    let base = Disjoint(out.as_mut_ptr());
+    for_each(len.div_ceil(size), |i| {
+        let start = i * size;
+        let base = &base;
+        // SAFETY: chunk `i` is `start..min(start + size, len)`, disjoint from every other task's.
+        let chunk = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), size.min(len - start)) };
+        f(i, chunk)
+    });
+}
+
+/// `f(i, out_chunk, in_chunk)` for the `i`-th `out_size` chunk of `out` beside the `i`-th `in_size`
+/// chunk of `input`, for as many chunks as both have (as zipping two chunk iterators).
+pub fn zip_chunks<T: Send, U: Sync>(
+    out: &mut [T],
+    out_size: usize,
+    input: &[U],
+    in_size: usize,
+    f: impl Fn(usize, &mut [T], &[U]) + Sync,
+) {
+    assert!(out_size > 0 && in_size > 0, "chunk sizes must be positive");
+    let (len, n) = (out.len(), out.len().div_ceil(out_size).min(input.len().div_ceil(in_size)));
+    let base = Disjoint(out.as_mut_ptr());
+    for_each(n, |i| {
+        let (start, from) = (i * out_size, i * in_size);
+        let base = &base;
+        // SAFETY: as in `chunks_mut`.
+        let o = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), out_size.min(len - start)) };
+        f(i, o, &input[from..(from + in_size).min(input.len())])
+    });
+}
+
+/// [`zip_chunks`] with a state per participating thread, as [`for_each_init`].
+pub fn zip_chunks_init<T: Send, U: Sync, S: Send>(
+    out: &mut [T],
+    out_size: usize,
+    input: &[U],
+    in_size: usize,
+    init: impl Fn() -> S + Sync,
+    f: impl Fn(&mut S, &mut [T], &[U]) + Sync,
+) {
+    assert!(out_size > 0 && in_size > 0, "chunk sizes must be positive");
+    let (len, n) = (out.len(), out.len().div_ceil(out_size).min(input.len().div_ceil(in_size)));
+    let base = Disjoint(out.as_mut_ptr());
+    for_each_init(n, init, |state, i| {
+        let (start, from) = (i * out_size, i * in_size);
+        let base = &base;
+        // SAFETY: as in `chunks_mut`.
+        let o = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), out_size.min(len - start)) };
+        f(state, o, &input[from..(from + in_size).min(input.len())])
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicUsize;
+
+    #[test]
+    fn every_task_runs_once_on_the_pool_and_inline() {
+        let pool = ThreadPool::new(3).unwrap();
+        for n in [0, 1, 2, 7, 1000] {
+            let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+            pool.install(|| {
+                for _ in 0..50 {
+                    for_each(n, |i| {
+                        hits[i].fetch_add(1, Ordering::Relaxed);
+                    });
+                }
+            });
+            for_each(n, |i| {
+                hits[i].fetch_add(1, Ordering::Relaxed);
+            });
+            assert!(hits.iter().all(|h| h.load(Ordering::Relaxed) == 51), "n = {n}");
+        }
+    }
+
+    #[test]
+    fn chunks_cover_the_slice_and_nested_fan_outs_run_inline() {
+        let pool = ThreadPool::new(2).unwrap();
+        let mut out = vec![0usize; 103];
+        let input: Vec<usize> = (0..103).collect();
+        pool.install(|| {
+            zip_chunks(&mut out, 10, &input, 10, |i, o, x| {
+                assert_eq!(x[0], i * 10);
+                // A fan-out from inside a task runs on this thread.
+                chunks_mut(o, 3, |_, c| c.iter_mut().for_each(|v| *v += 1));
+                for (v, x) in o.iter_mut().zip(x) {
+                    *v += x;
+                }
+            })
+        });
+        assert_eq!(out, (1..104).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn state_per_thread_is_made_once_per_participant() {
+        let pool = ThreadPool::new(2).unwrap();
+        let made = AtomicUsize::new(0);
+        let sum = AtomicUsize::new(0);
+        pool.install(|| {
+            for_each_init(
+                500,
+                || {
+                    made.fetch_add(1, Ordering::Relaxed);
+                    0usize
+                },
+                |s, i| {
+                    *s += 1;
+                    sum.fetch_add(i, Ordering::Relaxed);
+                },
+            )
+        });
+        assert!((1..=2).contains(&made.load(Ordering::Relaxed)));
+        assert_eq!(sum.load(Ordering::Relaxed), 500 * 499 / 2);
+    }
+
+    #[test]
+    fn a_panicking_task_reaches_the_caller_and_the_pool_keeps_working() {
+        let pool = ThreadPool::new(2).unwrap();
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            pool.install(|| for_each(64, |i| assert!(i != 33, "task 33")))
+        }));
+        assert!(r.is_err());
+        let count = AtomicUsize::new(0);
+        pool.install(|| {
+            for_each(64, |_| {
+                count.fetch_add(1, Ordering::Relaxed);
+            })
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 64);
+    }
+}
