@@ -232,13 +232,7 @@ pub fn run(o: &Options) -> Result<()> {
     }
 
     println!();
-    println!(
-        "Machine: {} ({} logical cores), commit {}, {}",
-        cpu_name(),
-        std::thread::available_parallelism().map_or(1, |n| n.get()),
-        git_commit(&crate::root()),
-        chrono_free_date()
-    );
+    println!("{}", machine_line());
     if on_mlx {
         println!("Model: SmolLM2-135M-Instruct — mlxcel --backend mlx and mlx-lm on the same MLX 4-bit g32 folder. Medians of {} alternating runs.", o.reps);
     } else {
@@ -284,6 +278,17 @@ pub fn run(o: &Options) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The line every bench prints before its table: CPU, logical cores, commit and date.
+pub fn machine_line() -> String {
+    format!(
+        "Machine: {} ({} logical cores), commit {}, {}",
+        cpu_name(),
+        std::thread::available_parallelism().map_or(1, |n| n.get()),
+        git_commit(&crate::root()),
+        chrono_free_date()
+    )
 }
 
 pub fn chrono_free_date() -> String {

@@ -13,7 +13,7 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
-use crate::bench::{chrono_free_date, cpu_name, git_commit, json_of, median};
+use crate::bench::{json_of, machine_line, median};
 
 /// What the fixture generators (tools/fixtures/golden_common.py) are pinned to.
 pub const MLX_LM_PACKAGES: [&str; 3] = ["mlx-cpu==0.32.4", "mlx==0.32.4", "mlx-lm==0.32.2"];
@@ -154,13 +154,7 @@ pub fn run(o: &Options) -> Result<()> {
     }
 
     println!();
-    println!(
-        "Machine: {} ({} logical cores), commit {}, {}",
-        cpu_name(),
-        std::thread::available_parallelism().map_or(1, |n| n.get()),
-        git_commit(&crate::root()),
-        chrono_free_date()
-    );
+    println!("{}", machine_line());
     println!(
         "Random MLX 4-bit (group 64) checkpoints from mlx-lm, all hidden 512, 8 layers, 8/4 heads of 64, MLP 1536, \
          vocabulary 32000 (xtask/bench_family.py); pp{N_PROMPT} and tg{N_GEN}, median of {} run(s) each; \

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, ensure, Context, Result};
 use serde_json::{json, Value};
 
-use crate::bench::{chrono_free_date, cpu_name, git_commit, median, models_dir, path_with, tools_venv};
+use crate::bench::{machine_line, median, models_dir, path_with, tools_venv};
 
 const LLAMA_SDIST_PACKAGE: &str = "llama-cpp-python";
 const LLAMA_SDIST: &str = "llama_cpp_python-0.3.36.tar.gz";
@@ -282,13 +282,7 @@ pub fn run(o: &ServeOptions) -> Result<()> {
         _ => "—".to_string(),
     };
     println!();
-    println!(
-        "Machine: {} ({} logical cores), commit {}, {}",
-        cpu_name(),
-        std::thread::available_parallelism().map_or(1, |n| n.get()),
-        git_commit(&crate::root()),
-        chrono_free_date()
-    );
+    println!("{}", machine_line());
     println!(
         "Serving SmolLM2-135M-Instruct: mlxcel-server on the MLX 4-bit g32 folder, llama.cpp's llama-server \
          ({LLAMA_SDIST}, --kv-unified) on the bit-identical GGUF Q4_1; both -np {} -c {} -t {}. \
