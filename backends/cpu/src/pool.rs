@@ -263,23 +263,45 @@ struct Slot<S>(UnsafeCell<Option<S>>);
 // SAFETY: each slot is used by one participant at a time (see `for_each_init`).
 unsafe impl<S: Send> Sync for Slot<S> {}
 
-/// A pointer the tasks of one fan-out share, each writing its own disjoint part.
-struct Disjoint<T>(*mut T);
-// SAFETY: tasks write disjoint ranges (each helper below hands task `i` only its own chunk).
-unsafe impl<T: Send> Sync for Disjoint<T> {}
+/// A slice cut into `size`-long chunks (the last may be shorter) that the tasks of one fan-out
+/// share, each task taking only its own chunk.
+struct Chunks<T> {
+    base: *mut T,
+    len: usize,
+    size: usize,
+}
+// SAFETY: tasks touch disjoint chunks (each helper below hands task `i` only chunk `i`).
+unsafe impl<T: Send> Sync for Chunks<T> {}
+
+impl<T> Chunks<T> {
+    fn new(out: &mut [T], size: usize) -> Chunks<T> {
+        assert!(size > 0, "chunk size must be positive");
+        Chunks { base: out.as_mut_ptr(), len: out.len(), size }
+    }
+
+    fn count(&self) -> usize {
+        self.len.div_ceil(self.size)
+    }
+
+    /// # Safety
+    /// `i < self.count()`, the slice outlives the fan-out, and only task `i` takes chunk `i`.
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn chunk(&self, i: usize) -> &mut [T] {
+        let start = i * self.size;
+        std::slice::from_raw_parts_mut(self.base.add(start), self.size.min(self.len - start))
+    }
+}
+
+/// The `i`-th `size`-long chunk of `input` (the last may be shorter).
+fn in_chunk<U>(input: &[U], size: usize, i: usize) -> &[U] {
+    &input[i * size..((i + 1) * size).min(input.len())]
+}
 
 /// `f(i, chunk)` for each `size`-long chunk of `out` (the last may be shorter), in parallel.
 pub fn chunks_mut<T: Send>(out: &mut [T], size: usize, f: impl Fn(usize, &mut [T]) + Sync) {
-    assert!(size > 0, "chunk size must be positive");
-    let len = out.len();
-    let base = Disjoint(out.as_mut_ptr());
-    for_each(len.div_ceil(size), |i| {
-        let start = i * size;
-        let base = &base;
-        // SAFETY: chunk `i` is `start..min(start + size, len)`, disjoint from every other task's.
-        let chunk = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), size.min(len - start)) };
-        f(i, chunk)
-    });
+    let chunks = Chunks::new(out, size);
+    // SAFETY: task `i` takes chunk `i` of `out`, borrowed for the whole fan-out.
+    for_each(chunks.count(), |i| f(i, unsafe { chunks.chunk(i) }));
 }
 
 /// `f(i, out_chunk, in_chunk)` for the `i`-th `out_size` chunk of `out` beside the `i`-th `in_size`
@@ -291,16 +313,11 @@ pub fn zip_chunks<T: Send, U: Sync>(
     in_size: usize,
     f: impl Fn(usize, &mut [T], &[U]) + Sync,
 ) {
-    assert!(out_size > 0 && in_size > 0, "chunk sizes must be positive");
-    let (len, n) = (out.len(), out.len().div_ceil(out_size).min(input.len().div_ceil(in_size)));
-    let base = Disjoint(out.as_mut_ptr());
-    for_each(n, |i| {
-        let (start, from) = (i * out_size, i * in_size);
-        let base = &base;
-        // SAFETY: as in `chunks_mut`.
-        let o = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), out_size.min(len - start)) };
-        f(i, o, &input[from..(from + in_size).min(input.len())])
-    });
+    assert!(in_size > 0, "chunk size must be positive");
+    let chunks = Chunks::new(out, out_size);
+    let n = chunks.count().min(input.len().div_ceil(in_size));
+    // SAFETY: as in `chunks_mut`.
+    for_each(n, |i| f(i, unsafe { chunks.chunk(i) }, in_chunk(input, in_size, i)));
 }
 
 /// [`zip_chunks`] with a state per participating thread, as [`for_each_init`].
@@ -312,16 +329,11 @@ pub fn zip_chunks_init<T: Send, U: Sync, S: Send>(
     init: impl Fn() -> S + Sync,
     f: impl Fn(&mut S, &mut [T], &[U]) + Sync,
 ) {
-    assert!(out_size > 0 && in_size > 0, "chunk sizes must be positive");
-    let (len, n) = (out.len(), out.len().div_ceil(out_size).min(input.len().div_ceil(in_size)));
-    let base = Disjoint(out.as_mut_ptr());
-    for_each_init(n, init, |state, i| {
-        let (start, from) = (i * out_size, i * in_size);
-        let base = &base;
-        // SAFETY: as in `chunks_mut`.
-        let o = unsafe { std::slice::from_raw_parts_mut(base.0.add(start), out_size.min(len - start)) };
-        f(state, o, &input[from..(from + in_size).min(input.len())])
-    });
+    assert!(in_size > 0, "chunk size must be positive");
+    let chunks = Chunks::new(out, out_size);
+    let n = chunks.count().min(input.len().div_ceil(in_size));
+    // SAFETY: as in `chunks_mut`.
+    for_each_init(n, init, |state, i| f(state, unsafe { chunks.chunk(i) }, in_chunk(input, in_size, i)));
 }
 
 #[cfg(test)]
