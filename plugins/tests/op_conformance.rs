@@ -755,7 +755,7 @@ fn paged_attention_with_cache_types(kt: DType, vt: DType) {
         ];
         // Two sequences: A has cached tokens and adds some, B is a fresh prompt. Short runs take the
         // per-token kernel; long ones the tiled prefill kernel (tiles of 16 tokens, key blocks of 64).
-        // The last step decodes A over 1100 cached keys: the per-token kernel splits them (512 a
+        // The last step decodes A over 1100 cached keys: the per-token kernel splits them (256 a
         // split) and merges the partial softmaxes.
         let steps = [(9usize, 3usize, 6usize), (9, 20, 70), (1100, 1, 2)];
         for (&(hq, hkv, dh, window, softcap), &(a_cached, a_new, b_new)) in

@@ -240,6 +240,11 @@ fn fan_out(n: usize, f: &TaskFn) {
     }
 }
 
+/// Threads the current pool runs tasks on (1 outside one).
+pub fn threads() -> usize {
+    CURRENT.with(|c| c.get()).map_or(1, |(_, _, t)| t)
+}
+
 /// `f(i)` for every `i` in `0..n`, in parallel.
 pub fn for_each(n: usize, f: impl Fn(usize) + Sync) {
     fan_out(n, &f);
@@ -248,7 +253,7 @@ pub fn for_each(n: usize, f: impl Fn(usize) + Sync) {
 /// [`for_each`] with a state per participating thread, made by `init` the first time that thread
 /// runs a task (scratch buffers reused across a thread's tasks).
 pub fn for_each_init<S: Send>(n: usize, init: impl Fn() -> S + Sync, f: impl Fn(&mut S, usize) + Sync) {
-    let threads = CURRENT.with(|c| c.get()).map_or(1, |(_, _, t)| t);
+    let threads = threads();
     let slots: Vec<Slot<S>> = (0..threads).map(|_| Slot(UnsafeCell::new(None))).collect();
     fan_out(n, &|i| {
         // The caller is participant 0, worker `j` participant `j`; an inline run is one thread.

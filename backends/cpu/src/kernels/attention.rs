@@ -24,6 +24,20 @@ impl PagedLayout<'_> {
         let block = self.block_tables[seq * self.max_blocks_per_seq + pos / self.block_size] as usize;
         block * self.block_size + pos % self.block_size
     }
+
+    /// Appends `slot(seq, p) * row` for every `p` in `positions`, a page at a time (no division per
+    /// position: a decode step does this for every context position of every layer).
+    pub fn extend_offsets(&self, seq: usize, positions: std::ops::Range<usize>, row: usize, out: &mut Vec<usize>) {
+        let table = &self.block_tables[seq * self.max_blocks_per_seq..];
+        let mut p = positions.start;
+        while p < positions.end {
+            let (block, within) = (table[p / self.block_size] as usize, p % self.block_size);
+            let n = (self.block_size - within).min(positions.end - p);
+            let first = block * self.block_size + within;
+            out.extend((first..first + n).map(|slot| slot * row));
+            p += n;
+        }
+    }
 }
 
 /// Stores each token's K and V rows (`[Hkv*Dh]`) into its cache slot, in the caches' types.
@@ -106,7 +120,7 @@ pub fn attention<K: KvElem, V: KvElem>(
         scratch.tokens.extend(r.start..r.end);
     }
     if !scratch.tokens.is_empty() {
-        attention_tokens(isa, layout, shape, q, k_cache, v_cache, out, scratch);
+        attention_tokens(isa, layout, shape, q, k_cache, v_cache, out, scratch, None);
     }
 }
 
@@ -126,15 +140,17 @@ pub struct AttentionScratch {
     split_token: Vec<usize>,
     /// Per (split, KV head): `group` maxima, `group` sums and `group × Dh` weighted values.
     partials: Vec<f32>,
+    /// The tasks of a step: a split and the KV heads it covers.
+    split_tasks: Vec<(usize, std::ops::Range<usize>)>,
     /// Tokens with more than one split.
     merged: Vec<usize>,
 }
 
-/// Keys per split of one token's context. A decode over a long context becomes several tasks per KV
-/// head whose partial softmaxes are merged afterwards (flash-decoding), so every thread works on one
-/// token's attention. Fixed, so how a token's keys are split — and its result — depends only on its own
+/// Keys per split of one token's context. A decode over a long context becomes several tasks whose
+/// partial softmaxes are merged afterwards (flash-decoding), so every thread works on one token's
+/// attention. Fixed, so how a token's keys are split — and its result — depends only on its own
 /// context, never on what else is in the step.
-const SPLIT_KEYS: usize = 512;
+const SPLIT_KEYS: usize = 256;
 
 /// Per-worker buffers (scores and the value accumulator), grown once per thread.
 #[derive(Default)]
@@ -149,9 +165,11 @@ thread_local! {
     static WORKER: std::cell::RefCell<WorkerScratch> = std::cell::RefCell::new(WorkerScratch::default());
 }
 
-/// Attention for `scratch.tokens`: one task per (split of a token's keys, KV head), each a partial
-/// softmax over its keys for the query heads of that KV head; a token with one split is finished in
-/// its task, the others are merged in a second pass.
+/// Attention for `scratch.tokens`: tasks over the splits of each token's keys, each a partial
+/// softmax per query head; a token with one split is finished in its task, the others are merged in
+/// a second pass. A task takes every KV head of its split — whole cache rows, one sequential stream —
+/// when there are splits enough to keep the threads busy, else one KV head (which heads a task
+/// takes never changes a result, only how the work is cut). `whole_rows` forces one or the other.
 #[allow(clippy::too_many_arguments)]
 fn attention_tokens<K: KvElem, V: KvElem>(
     isa: Isa,
@@ -162,13 +180,15 @@ fn attention_tokens<K: KvElem, V: KvElem>(
     v_cache: &[V],
     out: &mut [f32],
     scratch: &mut AttentionScratch,
+    whole_rows: Option<bool>,
 ) {
     let AttentionShape { n_heads, n_kv_heads, head_dim: dh, window, scale, softcap } = shape;
     let group = n_heads / n_kv_heads;
     let kv_row = n_kv_heads * dh;
     // Cache offsets of every context position of every token, shared by that token's heads, and the
     // splits of each token's context.
-    let AttentionScratch { tokens, bases, first_split, splits, split_token, partials, merged, .. } = scratch;
+    let AttentionScratch { tokens, bases, first_split, splits, split_token, partials, merged, split_tasks, .. } =
+        scratch;
     bases.clear();
     first_split.clear();
     splits.clear();
@@ -179,7 +199,7 @@ fn attention_tokens<K: KvElem, V: KvElem>(
         let pos = layout.positions[t].max(0) as usize;
         let start = if window > 0 { (pos + 1).saturating_sub(window) } else { 0 };
         let b0 = bases.len();
-        bases.extend((start..=pos).map(|p| layout.slot(seq, p) * kv_row));
+        layout.extend_offsets(seq, start..pos + 1, kv_row, bases);
         let b1 = bases.len();
         first_split.push(splits.len());
         splits.extend((b0..b1).step_by(SPLIT_KEYS).map(|s| s..(s + SPLIT_KEYS).min(b1)));
@@ -189,53 +209,50 @@ fn attention_tokens<K: KvElem, V: KvElem>(
         }
     }
     first_split.push(splits.len());
+    split_tasks.clear();
+    if whole_rows.unwrap_or(splits.len() >= 2 * pool::threads()) {
+        split_tasks.extend((0..splits.len()).map(|si| (si, 0..n_kv_heads)));
+    } else {
+        split_tasks.extend((0..splits.len()).flat_map(|si| (0..n_kv_heads).map(move |h| (si, h..h + 1))));
+    }
     let partial_len = group * (dh + 2);
     partials.resize(splits.len() * n_kv_heads * partial_len, 0.0);
     let out_ptr = SharedMut(out.as_mut_ptr());
     let partial_ptr = SharedMut(partials.as_mut_ptr());
-    let (tokens, bases, splits, first_split, split_token) = (&*tokens, &*bases, &*splits, &*first_split, &*split_token);
+    let (tokens, bases, splits, first_split, split_token, split_tasks) =
+        (&*tokens, &*bases, &*splits, &*first_split, &*split_token, &*split_tasks);
     let whole = |ti: usize| first_split[ti + 1] - first_split[ti] == 1;
 
-    pool::for_each(splits.len() * n_kv_heads, |i| {
-        let (si, kvh) = (i / n_kv_heads, i % n_kv_heads);
+    pool::for_each(split_tasks.len(), |i| {
+        let (si, heads) = split_tasks[i].clone();
         let ti = split_token[si];
-        let t = tokens[ti];
-        let q0 = t * n_heads * dh + kvh * group * dh;
+        let nq = heads.len() * group;
+        let q0 = tokens[ti] * n_heads * dh + heads.start * group * dh;
         let keys = &bases[splits[si].clone()];
         WORKER.with_borrow_mut(|w| {
-            w.scores.resize(group * keys.len(), 0.0);
-            w.acc.resize(group * dh, 0.0);
-            w.max.resize(group, 0.0);
-            w.sum.resize(group, 0.0);
+            w.scores.resize(nq * keys.len(), 0.0);
+            w.acc.resize(nq * dh, 0.0);
+            w.max.resize(nq, 0.0);
+            w.sum.resize(nq, 0.0);
             let part = Partial { max: &mut w.max, sum: &mut w.sum, acc: &mut w.acc, normalize: whole(ti) };
-            attend_partial(
-                isa,
-                &q[q0..q0 + group * dh],
-                dh,
-                keys,
-                kvh * dh,
-                k_cache,
-                v_cache,
-                scale,
-                softcap,
-                &mut w.scores,
-                part,
-            );
+            let heads_q = HeadsQuery { q: &q[q0..q0 + nq * dh], dh, group, off: heads.start * dh };
+            attend_partial(isa, heads_q, keys, k_cache, v_cache, scale, softcap, &mut w.scores, part);
             if whole(ti) {
-                // SAFETY: each task writes only its token's heads of this KV head.
-                let o = unsafe { out_ptr.slice(q0, group * dh) };
-                for g in 0..group {
-                    let inv = if w.sum[g] > 0.0 { 1.0 / w.sum[g] } else { 0.0 };
-                    for (o, a) in o[g * dh..(g + 1) * dh].iter_mut().zip(&w.acc[g * dh..(g + 1) * dh]) {
-                        *o = a * inv;
-                    }
+                // SAFETY: each task writes only its token's query heads of its KV heads.
+                let o = unsafe { out_ptr.slice(q0, nq * dh) };
+                for (h, (o, a)) in o.chunks_exact_mut(dh).zip(w.acc.chunks_exact(dh)).enumerate() {
+                    let inv = if w.sum[h] > 0.0 { 1.0 / w.sum[h] } else { 0.0 };
+                    o.iter_mut().zip(a).for_each(|(o, a)| *o = a * inv);
                 }
             } else {
-                // SAFETY: each (split, KV head) has its own stretch of the partials.
-                let p = unsafe { partial_ptr.slice(i * partial_len, partial_len) };
-                p[..group].copy_from_slice(&w.max);
-                p[group..2 * group].copy_from_slice(&w.sum);
-                p[2 * group..].copy_from_slice(&w.acc);
+                for (j, kvh) in heads.enumerate() {
+                    // SAFETY: each (split, KV head) has its own stretch of the partials.
+                    let p = unsafe { partial_ptr.slice((si * n_kv_heads + kvh) * partial_len, partial_len) };
+                    let qh = j * group..(j + 1) * group;
+                    p[..group].copy_from_slice(&w.max[qh.clone()]);
+                    p[group..2 * group].copy_from_slice(&w.sum[qh]);
+                    p[2 * group..].copy_from_slice(&w.acc[j * group * dh..(j + 1) * group * dh]);
+                }
             }
         });
     });
@@ -257,7 +274,7 @@ fn attention_tokens<K: KvElem, V: KvElem>(
                 let w = if p[group + g] > 0.0 { exp_approx(p[g] - m) } else { 0.0 };
                 total += w * p[group + g];
                 for (o, a) in out_g.iter_mut().zip(&p[2 * group + g * dh..2 * group + (g + 1) * dh]) {
-                    *o = a.mul_add(w, *o);
+                    *o += a * w;
                 }
             }
             let inv = if total > 0.0 { 1.0 / total } else { 0.0 };
@@ -266,8 +283,8 @@ fn attention_tokens<K: KvElem, V: KvElem>(
     });
 }
 
-/// One split's softmax before normalisation, per query head of a group: the largest score, the sum
-/// of `e^(score − max)` and the sum of those weights times the values (`group × Dh`).
+/// One split's softmax before normalisation, per query head: the largest score, the sum of
+/// `e^(score − max)` and the sum of those weights times the values (`heads × Dh`).
 struct Partial<'a> {
     max: &'a mut [f32],
     sum: &'a mut [f32],
@@ -277,15 +294,23 @@ struct Partial<'a> {
     normalize: bool,
 }
 
-/// The `group` query heads `q` (`group × Dh`) that share one KV head over the keys at `bases`
-/// (+ `off`): the AVX2 kernel where it applies, else one head at a time.
+/// The query heads of one task: `q` holds `group` heads per KV head, for consecutive KV heads whose
+/// first one starts `off` values into each cache row.
+#[derive(Clone, Copy)]
+struct HeadsQuery<'a> {
+    q: &'a [f32],
+    dh: usize,
+    group: usize,
+    off: usize,
+}
+
+/// The query heads of `hq` over the keys at `bases`: the AVX2 kernel where it applies, else one head
+/// at a time. `scores` holds heads × keys.
 #[allow(clippy::too_many_arguments)]
 fn attend_partial<K: KvElem, V: KvElem>(
     isa: Isa,
-    q: &[f32],
-    dh: usize,
+    hq: HeadsQuery,
     bases: &[usize],
-    off: usize,
     k_cache: &[K],
     v_cache: &[V],
     scale: f32,
@@ -294,19 +319,20 @@ fn attend_partial<K: KvElem, V: KvElem>(
     part: Partial,
 ) {
     #[cfg(target_arch = "x86_64")]
-    if dh.is_multiple_of(8) && isa.has_avx2() {
+    if hq.dh.is_multiple_of(8) && isa.has_avx2() {
         // SAFETY: AVX2, FMA and F16C are present on these paths; offsets were validated by the executor.
-        unsafe { x86::attend_group_avx2(q, dh, bases, off, k_cache, v_cache, scale, softcap, scores, part) };
+        unsafe { x86::attend_heads_avx2(hq, bases, k_cache, v_cache, scale, softcap, scores, part) };
         return;
     }
-    let np = bases.len();
-    for (g, qh) in q.chunks_exact(dh).enumerate() {
-        let (s, acc) = (&mut scores[g * np..(g + 1) * np], &mut part.acc[g * dh..(g + 1) * dh]);
+    let (np, dh) = (bases.len(), hq.dh);
+    for (h, qh) in hq.q.chunks_exact(dh).enumerate() {
+        let off = hq.off + h / hq.group * dh;
+        let (s, acc) = (&mut scores[h * np..(h + 1) * np], &mut part.acc[h * dh..(h + 1) * dh]);
         let (m, l) = match (as_f32(k_cache), as_f32(v_cache)) {
             (Some(kc), Some(vc)) => attend::run(isa, qh, bases, off, kc, vc, scale, softcap, s, acc),
             _ => attend_converted(qh, bases, off, k_cache, v_cache, scale, softcap, s, acc),
         };
-        (part.max[g], part.sum[g]) = (m, l);
+        (part.max[h], part.sum[h]) = (m, l);
     }
 }
 
@@ -417,26 +443,56 @@ crate::simd_kernel! {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{KvElem, Partial};
+    use super::{HeadsQuery, KvElem, Partial};
 
+    /// Positions ahead of the one being read whose cache rows are requested: the rows of a page are
+    /// contiguous but pages are not, so the hardware prefetcher alone stalls at every page.
+    const AHEAD: usize = 32;
+
+    /// Query heads one pass over a block of keys serves (3 × 4 accumulators in registers).
+    const HEADS: usize = 3;
+
+    /// Positions per value pass: the pass's sums stay in registers across them.
+    const VALUE_BLOCK: usize = 16;
+
+    /// Starts loading the `n` values at `p` into the cache.
     #[inline(always)]
-    unsafe fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
+    unsafe fn prefetch<T>(p: *const T, n: usize) {
+        let (p, bytes) = (p as *const i8, n * std::mem::size_of::<T>());
+        let mut o = 0;
+        while o < bytes {
+            _mm_prefetch::<_MM_HINT_T0>(p.add(o));
+            o += 64;
+        }
     }
 
-    /// [`super::attend`] with explicit AVX2 for head sizes that are a multiple of 8, for the `group`
-    /// query heads (`q` = group × dh) that share one KV head: every key and value row is read once
-    /// and used by all of them. `scores` is group × positions; `part` gets each head's partial
-    /// softmax. Keys and values are read in the caches' own types (f16 through F16C, bf16 by a shift).
+    /// `(first head, heads)` of each pass over a block of keys: up to [`HEADS`] query heads, never
+    /// crossing from one KV head's group into the next.
+    fn sub_passes(heads: usize, group: usize) -> impl Iterator<Item = (usize, usize)> {
+        (0..heads)
+            .step_by(group)
+            .flat_map(move |g0| (g0..g0 + group).step_by(HEADS).map(move |h| (h, (g0 + group - h).min(HEADS))))
+    }
+
+    /// The sums of four vectors' lanes, as one vector `[Σa0, Σa1, Σa2, Σa3]`.
+    #[inline(always)]
+    unsafe fn hsum4(a: [__m256; 4]) -> __m128 {
+        let t = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+        _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1))
+    }
+
+    /// [`super::attend`] with explicit AVX2 for head sizes that are a multiple of 8, for every query
+    /// head of `hq` at once, so each cache row (the task's KV heads of it, side by side) is read once
+    /// as one stream and each KV head's part serves its whole group. `scores` is heads × positions;
+    /// `part` gets each head's partial softmax. Keys and values are read in the caches' own types (f16
+    /// through F16C, bf16 by a shift). Three passes: scores four keys at a time (their dot products
+    /// reduced together), the weights eight lanes at a time, then the values into sums that stay in
+    /// registers across a block of positions.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn attend_group_avx2<K: KvElem, V: KvElem>(
-        q: &[f32],
-        dh: usize,
+    pub unsafe fn attend_heads_avx2<K: KvElem, V: KvElem>(
+        hq: HeadsQuery,
         bases: &[usize],
-        off: usize,
         k_cache: &[K],
         v_cache: &[V],
         scale: f32,
@@ -444,64 +500,169 @@ mod x86 {
         scores: &mut [f32],
         part: Partial,
     ) {
-        let group = q.len() / dh;
+        let HeadsQuery { q, dh, group, off } = hq;
+        let heads = q.len() / dh;
+        let row = heads / group * dh;
         let np = bases.len();
-        let chunks = dh / 8;
-        let qp = q.as_ptr();
-        let kp = k_cache.as_ptr();
-        let vp = v_cache.as_ptr();
+        let (kp, vp) = (k_cache.as_ptr().add(off), v_cache.as_ptr().add(off));
         let sp = scores.as_mut_ptr();
-        for (p, &b) in bases.iter().enumerate() {
-            let k = kp.add(b + off);
-            for g in 0..group {
-                let qg = qp.add(g * dh);
-                let (mut a0, mut a1) = (_mm256_setzero_ps(), _mm256_setzero_ps());
-                let mut c = 0;
-                while c + 2 <= chunks {
-                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg.add(c * 8)), K::load8(k.add(c * 8)), a0);
-                    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg.add(c * 8 + 8)), K::load8(k.add(c * 8 + 8)), a1);
-                    c += 2;
+        bases.iter().take(AHEAD).for_each(|&b| prefetch(kp.add(b), row));
+        for p in (0..np).step_by(4) {
+            let n = (np - p).min(4);
+            bases.iter().skip(p + AHEAD).take(4).for_each(|&b| prefetch(kp.add(b), row));
+            let rows: [*const K; 4] = std::array::from_fn(|i| kp.add(bases[p + i.min(n - 1)]));
+            for (h0, take) in sub_passes(heads, group) {
+                let (qh, kv) = (q.as_ptr().add(h0 * dh), h0 / group * dh);
+                let s = sp.add(h0 * np + p);
+                match take {
+                    1 => scores4::<K, 1>(qh, dh, rows, kv, scale, s, np, n),
+                    2 => scores4::<K, 2>(qh, dh, rows, kv, scale, s, np, n),
+                    _ => scores4::<K, HEADS>(qh, dh, rows, kv, scale, s, np, n),
                 }
-                if c < chunks {
-                    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg.add(c * 8)), K::load8(k.add(c * 8)), a0);
-                }
-                let mut s = hsum(_mm256_add_ps(a0, a1)) * scale;
-                if softcap > 0.0 {
-                    s = softcap * (s / softcap).tanh();
-                }
-                *sp.add(g * np + p) = s;
             }
         }
-        // Weights per head, relative to its largest score.
-        for g in 0..group {
-            let row = &mut scores[g * np..(g + 1) * np];
-            let m = row.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b));
-            let mut sum = 0f32;
-            for sc in row.iter_mut() {
-                let e = super::exp_approx(*sc - m);
-                *sc = e;
-                sum += e;
-            }
-            if part.normalize {
-                let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
-                row.iter_mut().for_each(|w| *w *= inv);
-                sum = if sum > 0.0 { 1.0 } else { 0.0 };
-            }
-            (part.max[g], part.sum[g]) = (m, sum);
+        for h in 0..heads {
+            let (m, sum) = weights(&mut scores[h * np..(h + 1) * np], softcap, part.normalize);
+            (part.max[h], part.sum[h]) = (m, sum);
         }
-        let ap = part.acc.as_mut_ptr();
-        for c in 0..group * chunks {
-            _mm256_storeu_ps(ap.add(c * 8), _mm256_setzero_ps());
-        }
-        let sp = scores.as_ptr();
-        for (p, &b) in bases.iter().enumerate() {
-            let v = vp.add(b + off);
-            for c in 0..chunks {
-                let vv = V::load8(v.add(c * 8));
-                for g in 0..group {
-                    let a = ap.add(g * dh + c * 8);
-                    _mm256_storeu_ps(a, _mm256_fmadd_ps(vv, _mm256_set1_ps(*sp.add(g * np + p)), _mm256_loadu_ps(a)));
+        let (ap, sp) = (part.acc.as_mut_ptr(), scores.as_ptr());
+        let chunks = dh / 8;
+        bases.iter().take(AHEAD).for_each(|&b| prefetch(vp.add(b), row));
+        for p0 in (0..np).step_by(VALUE_BLOCK) {
+            let block = &bases[p0..(p0 + VALUE_BLOCK).min(np)];
+            // The first sub-pass of a block asks for the rows ahead; the others find them cached.
+            let ahead = bases.get(p0 + AHEAD..(p0 + AHEAD + VALUE_BLOCK).min(np)).unwrap_or(&[]);
+            ahead.iter().for_each(|&b| prefetch(vp.add(b), row));
+            for (h0, take) in sub_passes(heads, group) {
+                let v = vp.add(h0 / group * dh);
+                for c0 in (0..chunks).step_by(4) {
+                    let (a, w, v) = (ap.add(h0 * dh + c0 * 8), sp.add(h0 * np + p0), v.add(c0 * 8));
+                    let first = p0 == 0;
+                    match (take, chunks - c0) {
+                        (1, 1) => values::<V, 1, 1>(v, block, w, np, a, dh, first),
+                        (1, 2) => values::<V, 1, 2>(v, block, w, np, a, dh, first),
+                        (1, 3) => values::<V, 1, 3>(v, block, w, np, a, dh, first),
+                        (1, _) => values::<V, 1, 4>(v, block, w, np, a, dh, first),
+                        (2, 1) => values::<V, 2, 1>(v, block, w, np, a, dh, first),
+                        (2, 2) => values::<V, 2, 2>(v, block, w, np, a, dh, first),
+                        (2, 3) => values::<V, 2, 3>(v, block, w, np, a, dh, first),
+                        (2, _) => values::<V, 2, 4>(v, block, w, np, a, dh, first),
+                        (_, 1) => values::<V, HEADS, 1>(v, block, w, np, a, dh, first),
+                        (_, 2) => values::<V, HEADS, 2>(v, block, w, np, a, dh, first),
+                        (_, 3) => values::<V, HEADS, 3>(v, block, w, np, a, dh, first),
+                        (_, _) => values::<V, HEADS, 4>(v, block, w, np, a, dh, first),
+                    }
                 }
+            }
+        }
+    }
+
+    /// `s[g·np + i] = scale · q_g · k_i` for `G` heads of one KV head (its values start `kv` into
+    /// each row) and four keys, whose dot products are reduced together. Rows past the `n` real
+    /// ones repeat the last; only `n` scores are stored.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn scores4<K: KvElem, const G: usize>(
+        q: *const f32,
+        dh: usize,
+        rows: [*const K; 4],
+        kv: usize,
+        scale: f32,
+        s: *mut f32,
+        np: usize,
+        n: usize,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); 4]; G];
+        for c in (0..dh).step_by(8) {
+            let k: [__m256; 4] = std::array::from_fn(|i| K::load8(rows[i].add(kv + c)));
+            for (g, acc) in acc.iter_mut().enumerate() {
+                let qg = _mm256_loadu_ps(q.add(g * dh + c));
+                for i in 0..4 {
+                    acc[i] = _mm256_fmadd_ps(qg, k[i], acc[i]);
+                }
+            }
+        }
+        let scale = _mm_set1_ps(scale);
+        for (g, acc) in acc.iter().enumerate() {
+            let sums = _mm_mul_ps(hsum4(*acc), scale);
+            if n == 4 {
+                _mm_storeu_ps(s.add(g * np), sums);
+            } else {
+                let mut out = [0f32; 4];
+                _mm_storeu_ps(out.as_mut_ptr(), sums);
+                std::ptr::copy_nonoverlapping(out.as_ptr(), s.add(g * np), n);
+            }
+        }
+    }
+
+    /// One head's scores into weights `e^(s − max)` in place, eight lanes at a time (soft-capped
+    /// first where asked); returns `(max, sum)`, or `(max, 1)` with the weights divided by their sum
+    /// when `normalize`.
+    #[inline(always)]
+    fn weights(row: &mut [f32], softcap: f32, normalize: bool) -> (f32, f32) {
+        if softcap > 0.0 {
+            row.iter_mut().for_each(|s| *s = softcap * (*s / softcap).tanh());
+        }
+        let mut lanes = [f32::NEG_INFINITY; 8];
+        let mut chunks = row.chunks_exact(8);
+        for c in &mut chunks {
+            for l in 0..8 {
+                lanes[l] = if c[l] > lanes[l] { c[l] } else { lanes[l] };
+            }
+        }
+        let m = chunks.remainder().iter().chain(&lanes).fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+        let mut sums = [0f32; 8];
+        let mut chunks = row.chunks_exact_mut(8);
+        for c in &mut chunks {
+            for l in 0..8 {
+                c[l] = super::exp_approx(c[l] - m);
+                sums[l] += c[l];
+            }
+        }
+        let mut sum = sums.iter().sum::<f32>();
+        for w in chunks.into_remainder() {
+            *w = super::exp_approx(*w - m);
+            sum += *w;
+        }
+        if normalize {
+            let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+            row.iter_mut().for_each(|w| *w *= inv);
+            sum = if sum > 0.0 { 1.0 } else { 0.0 };
+        }
+        (m, sum)
+    }
+
+    /// `a[g·dh + 8c..] (+)= Σ_i w[g·np + i] · v_i[8c..]` for `G` heads and `C` eight-value chunks
+    /// of the rows at `v` + each base of a block, the `G × C` sums in registers across the block;
+    /// `first` starts them at zero instead of `a`.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn values<V: KvElem, const G: usize, const C: usize>(
+        v: *const V,
+        block: &[usize],
+        w: *const f32,
+        np: usize,
+        a: *mut f32,
+        dh: usize,
+        first: bool,
+    ) {
+        let mut acc: [[__m256; C]; G] = std::array::from_fn(|g| {
+            std::array::from_fn(|c| if first { _mm256_setzero_ps() } else { _mm256_loadu_ps(a.add(g * dh + c * 8)) })
+        });
+        for (i, &b) in block.iter().enumerate() {
+            let row = v.add(b);
+            // One value chunk live at a time: G × C sums + G weights + 1 chunk fit AVX2's 16 registers.
+            let wg: [__m256; G] = std::array::from_fn(|g| _mm256_broadcast_ss(&*w.add(g * np + i)));
+            for c in 0..C {
+                let vals = V::load8(row.add(c * 8));
+                for (acc, &wg) in acc.iter_mut().zip(&wg) {
+                    acc[c] = _mm256_fmadd_ps(vals, wg, acc[c]);
+                }
+            }
+        }
+        for (g, acc) in acc.iter().enumerate() {
+            for (c, &x) in acc.iter().enumerate() {
+                _mm256_storeu_ps(a.add(g * dh + c * 8), x);
             }
         }
     }
@@ -527,7 +688,51 @@ pub fn exp_approx(x: f32) -> f32 {
 
 #[cfg(test)]
 mod tests {
-    use super::exp_approx;
+    use super::*;
+
+    /// A task over all KV heads of a split and tasks over one KV head each give the same bits, on
+    /// every kernel this host runs (one split and several; f16 cache).
+    #[test]
+    fn tasks_over_whole_rows_or_single_heads_agree_bit_for_bit() {
+        use half::f16;
+        let (hq, hkv, dh, bs) = (12, 4, 32, 16);
+        let kv_row = hkv * dh;
+        for depth in [40usize, 700] {
+            let blocks = (depth + 1).div_ceil(bs);
+            let mut x = 0x2545f4914f6cdd1du64;
+            let mut rnd = move || {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x % 2000) as f32 / 1000.0 - 1.0
+            };
+            let kc: Vec<f16> = (0..blocks * bs * kv_row).map(|_| f16::from_f32(rnd())).collect();
+            let vc: Vec<f16> = (0..blocks * bs * kv_row).map(|_| f16::from_f32(rnd())).collect();
+            let q: Vec<f32> = (0..hq * dh).map(|_| rnd()).collect();
+            let tables: Vec<u32> = (0..blocks as u32).rev().collect();
+            let layout = PagedLayout {
+                token_seq: &[0],
+                positions: &[depth as i32],
+                slot_mapping: &[0],
+                block_tables: &tables,
+                max_blocks_per_seq: blocks,
+                block_size: bs,
+            };
+            let shape =
+                AttentionShape { n_heads: hq, n_kv_heads: hkv, head_dim: dh, window: 0, scale: 0.17, softcap: 0.0 };
+            for isa in Isa::all_supported() {
+                let run = |whole| {
+                    let mut scratch = AttentionScratch { tokens: vec![0], ..Default::default() };
+                    let mut out = vec![0f32; hq * dh];
+                    attention_tokens(isa, &layout, shape, &q, &kc, &vc, &mut out, &mut scratch, Some(whole));
+                    out
+                };
+                let (whole, single) = (run(true), run(false));
+                assert!(whole.iter().all(|v| v.is_finite() && *v != 0.0), "{}: depth {depth}", isa.name());
+                assert_eq!(whole, single, "{}: depth {depth}", isa.name());
+            }
+        }
+    }
 
     #[test]
     fn exp_approx_is_accurate_on_softmax_range() {
