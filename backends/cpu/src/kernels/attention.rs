@@ -445,7 +445,8 @@ mod x86 {
 
     use super::{HeadsQuery, KvElem, Partial};
 
-    /// Positions ahead of the one being read whose cache rows are requested: the rows of a page are
+    /// Positions ahead of the one being read whose cache rows are requested (into L2: asking for L1
+    /// fills its few miss buffers and stalls the loads being computed on). The rows of a page are
     /// contiguous but pages are not, so the hardware prefetcher alone stalls at every page.
     const AHEAD: usize = 32;
 
@@ -455,13 +456,13 @@ mod x86 {
     /// Positions per value pass: the pass's sums stay in registers across them.
     const VALUE_BLOCK: usize = 16;
 
-    /// Starts loading the `n` values at `p` into the cache.
+    /// Starts loading the `n` values at `p` into L2.
     #[inline(always)]
     unsafe fn prefetch<T>(p: *const T, n: usize) {
         let (p, bytes) = (p as *const i8, n * std::mem::size_of::<T>());
         let mut o = 0;
         while o < bytes {
-            _mm_prefetch::<_MM_HINT_T0>(p.add(o));
+            _mm_prefetch::<_MM_HINT_T1>(p.add(o));
             o += 64;
         }
     }
