@@ -303,7 +303,16 @@ pub fn qmatmul_shared_input<'a, 'o>(
     let whole = [t];
     let segments = if passes_match_tile(isa, w0.bits, w0.group, order) { &[][..] } else { segments };
     // A task is a tile of rows of one part; its weights stay in L1/L2 while all tokens stream past.
-    let rows_per_task = if t <= ROW_DOT_MAX_TOKENS { 32 } else { 16 };
+    // Few tokens: tiles as large as keep every thread busy (about four per thread of the largest
+    // part) — each task claimed is a cache line passed between cores, which with 32-row tiles of a
+    // vocabulary-sized matrix cost more than the second thread gained. A row's result does not
+    // depend on its tile.
+    let rows_per_task = if t <= ROW_DOT_MAX_TOKENS {
+        let n_max = dims.iter().flatten().map(|d| d.1).max().unwrap_or(0);
+        (n_max / (pool::threads() * 4)).clamp(32, 256) / 32 * 32
+    } else {
+        16
+    };
     let mut first_task = [0usize; MAX_PARTS + 1];
     for p in 0..n_parts {
         first_task[p + 1] = first_task[p] + dims[p].map_or(0, |(_, n, _)| n.div_ceil(rows_per_task));
