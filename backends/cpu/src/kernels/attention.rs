@@ -305,7 +305,7 @@ struct HeadsQuery<'a> {
 }
 
 /// The query heads of `hq` over the keys at `bases`: the AVX2 kernel where it applies, else one head
-/// at a time. `scores` holds heads × keys.
+/// at a time through [`attend`]. `scores` holds heads × keys.
 #[allow(clippy::too_many_arguments)]
 fn attend_partial<K: KvElem, V: KvElem>(
     isa: Isa,
@@ -318,6 +318,8 @@ fn attend_partial<K: KvElem, V: KvElem>(
     scores: &mut [f32],
     part: Partial,
 ) {
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = isa; // NEON takes the portable kernel until it has its own.
     #[cfg(target_arch = "x86_64")]
     if hq.dh.is_multiple_of(8) && isa.has_avx2() {
         // SAFETY: AVX2, FMA and F16C are present on these paths; offsets were validated by the executor.
@@ -328,25 +330,16 @@ fn attend_partial<K: KvElem, V: KvElem>(
     for (h, qh) in hq.q.chunks_exact(dh).enumerate() {
         let off = hq.off + h / hq.group * dh;
         let (s, acc) = (&mut scores[h * np..(h + 1) * np], &mut part.acc[h * dh..(h + 1) * dh]);
-        let (m, l) = match (as_f32(k_cache), as_f32(v_cache)) {
-            (Some(kc), Some(vc)) => attend::run(isa, qh, bases, off, kc, vc, scale, softcap, s, acc),
-            _ => attend_converted(qh, bases, off, k_cache, v_cache, scale, softcap, s, acc),
-        };
-        (part.max[h], part.sum[h]) = (m, l);
+        (part.max[h], part.sum[h]) = attend(qh, bases, off, k_cache, v_cache, scale, softcap, s, acc);
     }
 }
 
-/// The cache as f32 values when it is kept in f32.
-fn as_f32<T: KvElem>(cache: &[T]) -> Option<&[f32]> {
-    // SAFETY: `T` is f32 exactly when its dtype says so.
-    (T::DTYPE == mlxcel_plugin_api::DType::F32)
-        .then(|| unsafe { std::slice::from_raw_parts(cache.as_ptr() as *const f32, cache.len()) })
-}
-
-/// [`attend`] over a cache kept in f16 or bf16 (paths without the AVX2 kernel): the same arithmetic,
-/// each value converted as it is read.
+/// One query head over some of its keys (paths without the AVX2 kernel), reading the caches in their
+/// own types: scores, their maximum `m`, the weights `e^(s − m)` and their sum `l`, and the weighted
+/// sum of values into `acc` (not yet divided by `l`); returns `(m, l)`. Eight-lane sums so the
+/// compiler vectorises the dot products.
 #[allow(clippy::too_many_arguments)]
-fn attend_converted<K: KvElem, V: KvElem>(
+fn attend<K: KvElem, V: KvElem>(
     q: &[f32],
     bases: &[usize],
     off: usize,
@@ -361,7 +354,20 @@ fn attend_converted<K: KvElem, V: KvElem>(
     let mut m = f32::NEG_INFINITY;
     for (sc, &b) in scores.iter_mut().zip(bases) {
         let k = &k_cache[b + off..b + off + dh];
-        let mut s = q.iter().zip(k).fold(0f32, |a, (&x, &y)| x.mul_add(y.to_f32(), a)) * scale;
+        let mut a = [0f32; 8];
+        let mut j = 0;
+        while j + 8 <= dh {
+            for l in 0..8 {
+                a[l] += q[j + l] * k[j + l].to_f32();
+            }
+            j += 8;
+        }
+        let mut s = (a[0] + a[4]) + (a[1] + a[5]) + (a[2] + a[6]) + (a[3] + a[7]);
+        while j < dh {
+            s += q[j] * k[j].to_f32();
+            j += 1;
+        }
+        s *= scale;
         if softcap > 0.0 {
             s = softcap * (s / softcap).tanh();
         }
@@ -377,66 +383,10 @@ fn attend_converted<K: KvElem, V: KvElem>(
     acc.fill(0.0);
     for (&w, &b) in scores.iter().zip(bases) {
         for (a, v) in acc.iter_mut().zip(&v_cache[b + off..b + off + dh]) {
-            *a = v.to_f32().mul_add(w, *a);
+            *a += v.to_f32() * w;
         }
     }
     (m, sum)
-}
-
-crate::simd_kernel! {
-    /// One query head over some of its keys: scores, their maximum `m`, the weights `e^(s − m)` and
-    /// their sum `l`, and the weighted sum of values into `acc` (not yet divided by `l`); returns
-    /// `(m, l)`. Everything inlined in one function so each SIMD path vectorises it whole.
-    pub fn attend(
-        q: &[f32],
-        bases: &[usize],
-        off: usize,
-        k_cache: &[f32],
-        v_cache: &[f32],
-        scale: f32,
-        softcap: f32,
-        scores: &mut [f32],
-        acc: &mut [f32],
-    ) -> (f32, f32) {
-        let dh = q.len();
-        let mut m = f32::NEG_INFINITY;
-        for (sc, &b) in scores.iter_mut().zip(bases) {
-            let k = &k_cache[b + off..b + off + dh];
-            let mut a = [0f32; 8];
-            let mut j = 0;
-            while j + 8 <= dh {
-                for l in 0..8 {
-                    a[l] = q[j + l].mul_add(k[j + l], a[l]);
-                }
-                j += 8;
-            }
-            let mut s = (a[0] + a[4]) + (a[1] + a[5]) + (a[2] + a[6]) + (a[3] + a[7]);
-            while j < dh {
-                s += q[j] * k[j];
-                j += 1;
-            }
-            s *= scale;
-            if softcap > 0.0 {
-                s = softcap * (s / softcap).tanh();
-            }
-            *sc = s;
-            m = m.max(s);
-        }
-        let mut sum = 0f32;
-        for sc in scores.iter_mut() {
-            let e = exp_approx(*sc - m);
-            *sc = e;
-            sum += e;
-        }
-        acc.fill(0.0);
-        for (&w, &b) in scores.iter().zip(bases) {
-            let v = &v_cache[b + off..b + off + dh];
-            for j in 0..dh {
-                acc[j] = v[j].mul_add(w, acc[j]);
-            }
-        }
-        (m, sum)
-    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -482,7 +432,7 @@ mod x86 {
         _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1))
     }
 
-    /// [`super::attend`] with explicit AVX2 for head sizes that are a multiple of 8, for every query
+    /// [`super::attend`]'s arithmetic with explicit AVX2 for head sizes that are a multiple of 8, for every query
     /// head of `hq` at once, so each cache row (the task's KV heads of it, side by side) is read once
     /// as one stream and each KV head's part serves its whole group. `scores` is heads × positions;
     /// `part` gets each head's partial softmax. Keys and values are read in the caches' own types (f16
