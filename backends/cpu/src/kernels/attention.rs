@@ -546,35 +546,15 @@ mod x86 {
         }
     }
 
-    /// One head's scores into weights `e^(s − max)` in place, eight lanes at a time (soft-capped
-    /// first where asked); returns `(max, sum)`, or `(max, 1)` with the weights divided by their sum
-    /// when `normalize`.
+    /// One head's scores into weights `e^(s − max)` in place (soft-capped first where asked), by the
+    /// prefill kernel's block softmax over the whole row; returns `(max, sum)`, or `(max, 1)` with
+    /// the weights divided by their sum when `normalize`.
     #[inline(always)]
-    fn weights(row: &mut [f32], softcap: f32, normalize: bool) -> (f32, f32) {
-        if softcap > 0.0 {
-            row.iter_mut().for_each(|s| *s = softcap * (*s / softcap).tanh());
-        }
-        let mut lanes = [f32::NEG_INFINITY; 8];
-        let mut chunks = row.chunks_exact(8);
-        for c in &mut chunks {
-            for l in 0..8 {
-                lanes[l] = if c[l] > lanes[l] { c[l] } else { lanes[l] };
-            }
-        }
-        let m = chunks.remainder().iter().chain(&lanes).fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-        let mut sums = [0f32; 8];
-        let mut chunks = row.chunks_exact_mut(8);
-        for c in &mut chunks {
-            for l in 0..8 {
-                c[l] = super::exp_approx(c[l] - m);
-                sums[l] += c[l];
-            }
-        }
-        let mut sum = sums.iter().sum::<f32>();
-        for w in chunks.into_remainder() {
-            *w = super::exp_approx(*w - m);
-            sum += *w;
-        }
+    unsafe fn weights(row: &mut [f32], softcap: f32, normalize: bool) -> (f32, f32) {
+        let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
+        let n = row.len();
+        // SAFETY: the caller runs with AVX2, FMA and F16C.
+        unsafe { super::super::attention_prefill::softmax_block::avx2(row, 0, n, softcap, &mut m, &mut sum) };
         if normalize {
             let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
             row.iter_mut().for_each(|w| *w *= inv);
