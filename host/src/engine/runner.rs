@@ -316,6 +316,25 @@ pub struct ModelRunner {
     seeded_state: Vec<u32>,
 }
 
+/// The family that claims `checkpoint` (by its config; families also recognise configs without a
+/// `model_type`, such as older Whisper conversions) and the model it makes of it, weights not bound.
+fn family_model<'c>(catalog: &'c Catalog, checkpoint: &Checkpoint) -> Result<(&'c FamilyPlugin, FamilyModel)> {
+    let family = match checkpoint.model_type() {
+        Some(model_type) => catalog.select_family(&checkpoint.config_text, model_type)?,
+        None => catalog.select_family(&checkpoint.config_text, "").map_err(|_| {
+            anyhow::anyhow!(
+                "{}: config.json has no `model_type`, and no installed family recognises its config",
+                checkpoint.dir.display()
+            )
+        })?,
+    };
+    let infos = checkpoint.weight_infos()?;
+    let model = family
+        .create_model(&checkpoint.config_text, &infos)
+        .map_err(|e| anyhow::anyhow!("{}: {}", checkpoint.dir.display(), e.message))?;
+    Ok((family, model))
+}
+
 impl ModelRunner {
     /// Loads a text-generation model (anything else is refused by name).
     pub fn load(catalog: &Catalog, dir: &Path, opts: &RunnerOptions) -> Result<ModelRunner> {
@@ -332,6 +351,13 @@ impl ModelRunner {
         Self::from_checkpoint_for(catalog, checkpoint, opts, &[Task::Text])
     }
 
+    /// What the model in `dir` is for (text, embeddings, speech…), as the family that claims it says
+    /// — without binding its weights, so a caller can choose how to serve it before loading it.
+    pub fn task_of(catalog: &Catalog, dir: &Path) -> Result<Task> {
+        let checkpoint = Checkpoint::open(dir)?;
+        Ok(family_model(catalog, &checkpoint)?.1.info().task)
+    }
+
     pub fn from_checkpoint_for(
         catalog: &Catalog,
         mut checkpoint: Checkpoint,
@@ -341,17 +367,8 @@ impl ModelRunner {
         if let Some(e) = opts.embedding {
             checkpoint.serve_as_embedding(e.pooling);
         }
-        let model_type = checkpoint
-            .model_type()
-            .with_context(|| format!("{}: config.json has no `model_type`", checkpoint.dir.display()))?
-            .to_string();
-        let family = catalog.select_family(&checkpoint.config_text, &model_type)?;
+        let (family, model) = family_model(catalog, &checkpoint)?;
         let backend_plugin = catalog.select_backend(opts.backend.as_deref())?;
-
-        let infos = checkpoint.weight_infos()?;
-        let model = family
-            .create_model(&checkpoint.config_text, &infos)
-            .map_err(|e| anyhow::anyhow!("{}: {}", checkpoint.dir.display(), e.message))?;
         let info = model.info().clone();
         if opts.embedding.is_some() && info.task != Task::Embed {
             bail!(

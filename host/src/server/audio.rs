@@ -19,7 +19,7 @@ use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::Router;
-use mlxcel_plugins::{Catalog, PluginSearch};
+use mlxcel_plugins::Catalog;
 use tower_http::limit::RequestBodyLimitLayer;
 
 use super::args::ServerConfig;
@@ -89,10 +89,9 @@ impl SpeechService {
 }
 
 /// Starts the transcription thread on the speech model in `dir` (see [`super::model::start`]).
-pub fn start(config: &ServerConfig, dir: &Path) -> Result<SpeechService> {
-    let catalog = Catalog::load(&PluginSearch::from_env(&config.plugin_dirs));
+pub fn start(config: &ServerConfig, catalog: &Catalog, dir: &Path) -> Result<SpeechService> {
     // Sequence rows for the default best_of's candidates to decode together; more run in groups.
-    let mut transcriber = load_transcriber(&catalog, dir, config.backend.clone(), config.threads, DEFAULT_BEST_OF)?;
+    let mut transcriber = load_transcriber(catalog, dir, config.backend.clone(), config.threads, DEFAULT_BEST_OF)?;
     let (tx, rx) = sync_channel::<Job>(QUEUE);
     let stats = Arc::new(SpeechStats::default());
     let st = stats.clone();

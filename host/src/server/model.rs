@@ -1,6 +1,6 @@
 //! Loading the served model from the server's flags and starting what serves its task. [`start`] is
-//! the one place that dispatches on the task: resolve MODEL (folder, HF cache, store or hub), then a
-//! speech-recognition model goes to the transcription thread, a text model to the batching engine and
+//! the one place that dispatches on the task: resolve MODEL (folder, HF cache, store or hub), ask the
+//! family that claims it for its task, then a speech-recognition model goes to the transcription thread, a text model to the batching engine and
 //! an embedding or reranking model to an encoder. [`load`] loads the runner sized for `--ctx-size` ×
 //! `parallel`, checks the memory estimate, loads the tokenizer with the `--chat-template(-file)`
 //! override and gathers the [`ModelFacts`] the routes report. It runs on the thread that will own the
@@ -18,7 +18,6 @@ use super::state::AppState;
 use super::{audio, batch_engine, embeddings};
 use crate::engine::memory::MemoryEstimate;
 use crate::engine::{ModelRunner, RunnerOptions};
-use crate::speech::is_speech_model;
 use crate::text::{ChatTemplate, TextTokenizer};
 
 /// Loads MODEL, starts what serves its task and hands it to the routes (`state.speech` for a speech
@@ -27,15 +26,16 @@ use crate::text::{ChatTemplate, TextTokenizer};
 pub fn start(state: &AppState) -> Result<String> {
     let config = &state.config;
     let dir = crate::cli::run::resolve_model(&config.model, config.revision.as_deref())?;
-    // A speech model is known from its config alone; the others by the task their family describes.
-    if read_json(&dir.join("config.json")).as_ref().is_some_and(is_speech_model) {
-        let speech = audio::start(config, &dir)?;
+    let catalog = Catalog::load(&PluginSearch::from_env(&config.plugin_dirs));
+    // The family that claims the model says what it is for, before its weights are bound.
+    if ModelRunner::task_of(&catalog, &dir)? == Task::Asr {
+        let speech = audio::start(config, &catalog, &dir)?;
         let ready = format!("speech model {} ready (/v1/audio/transcriptions)", speech.id);
         let _ = state.speech.set(speech);
         return Ok(ready);
     }
     let parallel = config.parallel.max(1);
-    let (runner, text, facts) = load(config, &dir, parallel)?;
+    let (runner, text, facts) = load(config, &catalog, &dir, parallel)?;
     let (model, ready) = match runner.info.task {
         Task::Text => {
             let ready = format!("model {} ready (context {}, {} slot(s))", facts.id, facts.ctx_size, config.parallel);
@@ -60,8 +60,12 @@ pub fn start(state: &AppState) -> Result<String> {
 }
 
 /// Loads the model in `dir` with KV room for `parallel` sequences of the context size.
-pub fn load(config: &ServerConfig, dir: &Path, parallel: usize) -> Result<(ModelRunner, TextTokenizer, ModelFacts)> {
-    let catalog = Catalog::load(&PluginSearch::from_env(&config.plugin_dirs));
+pub fn load(
+    config: &ServerConfig,
+    catalog: &Catalog,
+    dir: &Path,
+    parallel: usize,
+) -> Result<(ModelRunner, TextTokenizer, ModelFacts)> {
     let opts = RunnerOptions {
         backend: config.backend.clone(),
         threads: config.threads,
@@ -71,7 +75,7 @@ pub fn load(config: &ServerConfig, dir: &Path, parallel: usize) -> Result<(Model
         cache_types: config.cache_types,
         ..Default::default()
     };
-    let runner = ModelRunner::load_for(&catalog, dir, &opts, &[Task::Text, Task::Embed, Task::Rerank])?;
+    let runner = ModelRunner::load_for(catalog, dir, &opts, &[Task::Text, Task::Embed, Task::Rerank])?;
     let est = MemoryEstimate::new(
         &runner.info,
         runner.checkpoint.weight_bytes(),

@@ -34,10 +34,3 @@ pub fn load_transcriber(
     let tokenizer = vocab::load_tokenizer(dir)?;
     Transcriber::new(runner, tokenizer)
 }
-
-/// Whether a model folder holds a speech-recognition checkpoint, from its config alone (the server
-/// picks its routes with this before loading).
-pub fn is_speech_model(config: &serde_json::Value) -> bool {
-    config.get("model_type").and_then(|v| v.as_str()) == Some("whisper")
-        || (config.get("model_type").is_none() && config.get("n_audio_state").is_some())
-}
