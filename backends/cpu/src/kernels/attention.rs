@@ -3,7 +3,7 @@
 
 use crate::pool;
 
-use super::attention_prefill::{attention_runs, runs, Run};
+use super::attention_prefill::{attention_runs, runs, softmax_block, Run};
 use super::kv_elem::{cast_mut, KvElem};
 use super::SharedMut;
 use crate::isa::Isa;
@@ -318,8 +318,6 @@ fn attend_partial<K: KvElem, V: KvElem>(
     scores: &mut [f32],
     part: Partial,
 ) {
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = isa; // NEON takes the portable kernel until it has its own.
     #[cfg(target_arch = "x86_64")]
     if hq.dh.is_multiple_of(8) && isa.has_avx2() {
         // SAFETY: AVX2, FMA and F16C are present on these paths; offsets were validated by the executor.
@@ -330,16 +328,17 @@ fn attend_partial<K: KvElem, V: KvElem>(
     for (h, qh) in hq.q.chunks_exact(dh).enumerate() {
         let off = hq.off + h / hq.group * dh;
         let (s, acc) = (&mut scores[h * np..(h + 1) * np], &mut part.acc[h * dh..(h + 1) * dh]);
-        (part.max[h], part.sum[h]) = attend(qh, bases, off, k_cache, v_cache, scale, softcap, s, acc);
+        (part.max[h], part.sum[h]) = attend(isa, qh, bases, off, k_cache, v_cache, scale, softcap, s, acc);
     }
 }
 
 /// One query head over some of its keys (paths without the AVX2 kernel), reading the caches in their
 /// own types: scores, their maximum `m`, the weights `e^(s − m)` and their sum `l`, and the weighted
 /// sum of values into `acc` (not yet divided by `l`); returns `(m, l)`. Eight-lane sums so the
-/// compiler vectorises the dot products.
+/// compiler vectorises the dot products; the weights come from the prefill kernel's block softmax.
 #[allow(clippy::too_many_arguments)]
 fn attend<K: KvElem, V: KvElem>(
+    isa: Isa,
     q: &[f32],
     bases: &[usize],
     off: usize,
@@ -351,7 +350,6 @@ fn attend<K: KvElem, V: KvElem>(
     acc: &mut [f32],
 ) -> (f32, f32) {
     let dh = q.len();
-    let mut m = f32::NEG_INFINITY;
     for (sc, &b) in scores.iter_mut().zip(bases) {
         let k = &k_cache[b + off..b + off + dh];
         let mut a = [0f32; 8];
@@ -367,19 +365,11 @@ fn attend<K: KvElem, V: KvElem>(
             s += q[j] * k[j].to_f32();
             j += 1;
         }
-        s *= scale;
-        if softcap > 0.0 {
-            s = softcap * (s / softcap).tanh();
-        }
-        *sc = s;
-        m = m.max(s);
+        *sc = s * scale;
     }
-    let mut sum = 0f32;
-    for sc in scores.iter_mut() {
-        let e = exp_approx(*sc - m);
-        *sc = e;
-        sum += e;
-    }
+    let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
+    let n = scores.len();
+    softmax_block::run(isa, scores, 0, n, softcap, &mut m, &mut sum);
     acc.fill(0.0);
     for (&w, &b) in scores.iter().zip(bases) {
         for (a, v) in acc.iter_mut().zip(&v_cache[b + off..b + off + dh]) {
@@ -554,7 +544,7 @@ mod x86 {
         let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
         let n = row.len();
         // SAFETY: the caller runs with AVX2, FMA and F16C.
-        unsafe { super::super::attention_prefill::softmax_block::avx2(row, 0, n, softcap, &mut m, &mut sum) };
+        unsafe { super::softmax_block::avx2(row, 0, n, softcap, &mut m, &mut sum) };
         if normalize {
             let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
             row.iter_mut().for_each(|w| *w *= inv);
