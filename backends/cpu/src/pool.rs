@@ -25,8 +25,11 @@ type TaskFn<'a> = dyn Fn(usize) + Sync + 'a;
 struct Shared {
     /// `epoch << 32 | next task index`: publishing a job starts a new epoch at index 0.
     state: AtomicU64,
-    /// The current job's task count and body (valid while its epoch's tasks are unfinished).
-    n_tasks: AtomicUsize,
+    /// `epoch << 32 | task count` of the current job, and its body (valid while its epoch's tasks are
+    /// unfinished). The count carries its epoch so that a worker holding a stale `state` of the job
+    /// before never compares its index with the next job's count: it could claim a task past the old
+    /// job's end, run the old (dead) body and count it done for the new one.
+    n_tasks: AtomicU64,
     job: AtomicU64Pair,
     /// Tasks of the current job that have finished (the caller waits for all of them).
     done: AtomicUsize,
@@ -84,7 +87,7 @@ impl ThreadPool {
         let threads = threads.max(1);
         let shared = Arc::new(Shared {
             state: AtomicU64::new(0),
-            n_tasks: AtomicUsize::new(0),
+            n_tasks: AtomicU64::new(0),
             job: AtomicU64Pair(AtomicUsize::new(0), AtomicUsize::new(0)),
             done: AtomicUsize::new(0),
             panicked: AtomicBool::new(false),
@@ -181,10 +184,12 @@ fn run_tasks(sh: &Shared, epoch: u64) {
         if state >> 32 != epoch {
             return;
         }
-        let index = (state & 0xffff_ffff) as usize;
-        if index >= sh.n_tasks.load(Ordering::Acquire) {
+        let index = state & 0xffff_ffff;
+        let n_tasks = sh.n_tasks.load(Ordering::Acquire);
+        if n_tasks >> 32 != epoch || index >= n_tasks & 0xffff_ffff {
             return;
         }
+        let index = index as usize;
         if sh.state.compare_exchange_weak(state, state + 1, Ordering::AcqRel, Ordering::Acquire).is_err() {
             continue;
         }
@@ -220,9 +225,9 @@ fn fan_out(n: usize, f: &TaskFn) {
     assert!(n < u32::MAX as usize, "too many tasks for one fan-out");
     sh.done.store(0, Ordering::Relaxed);
     sh.panicked.store(false, Ordering::Relaxed);
-    sh.n_tasks.store(n, Ordering::Relaxed);
+    let epoch = ((sh.state.load(Ordering::Relaxed) >> 32) + 1) & 0xffff_ffff;
+    sh.n_tasks.store(epoch << 32 | n as u64, Ordering::Relaxed);
     sh.job.store(f);
-    let epoch = (sh.state.load(Ordering::Relaxed) >> 32) + 1;
     sh.state.store(epoch << 32, Ordering::Release);
     run_tasks(sh, epoch);
     let mut spins = 0u32;
@@ -419,5 +424,28 @@ mod tests {
             })
         });
         assert_eq!(count.load(Ordering::Relaxed), 64);
+    }
+
+    /// Back-to-back fan-outs of different sizes: every task of every job runs exactly once. (A worker
+    /// that read the old job's state and the new job's task count used to claim a task past the old
+    /// job's end — a dead closure, and one task too many counted for the new job.)
+    #[test]
+    fn back_to_back_jobs_of_different_sizes_never_share_a_claim() {
+        let pool = ThreadPool::new(2).unwrap();
+        let (stray, wrong) = (AtomicUsize::new(0), AtomicUsize::new(0));
+        pool.install(|| {
+            for round in 0..2_000_000usize {
+                let n = if round % 2 == 0 { 2 } else { 3 + round % 5 };
+                let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
+                for_each(n, |i| match hits.get(i) {
+                    Some(h) => drop(h.fetch_add(1, Ordering::Relaxed)),
+                    None => drop(stray.fetch_add(1, Ordering::Relaxed)),
+                });
+                if hits.iter().any(|h| h.load(Ordering::Relaxed) != 1) {
+                    wrong.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        });
+        assert_eq!((stray.into_inner(), wrong.into_inner()), (0, 0), "(tasks past a job's end, jobs miscounted)");
     }
 }
