@@ -230,7 +230,8 @@ fn attention_tokens<K: KvElem, V: KvElem>(
         let q0 = tokens[ti] * n_heads * dh + heads.start * group * dh;
         let keys = &bases[splits[si].clone()];
         WORKER.with_borrow_mut(|w| {
-            w.scores.resize(nq * keys.len(), 0.0);
+            // Room for the AVX2 kernel's padded rows of scores (at most 3 more per head).
+            w.scores.resize(nq * (keys.len() + 3), 0.0);
             w.acc.resize(nq * dh, 0.0);
             w.max.resize(nq, 0.0);
             w.sum.resize(nq, 0.0);
@@ -320,8 +321,15 @@ fn attend_partial<K: KvElem, V: KvElem>(
 ) {
     #[cfg(target_arch = "x86_64")]
     if hq.dh.is_multiple_of(8) && isa.has_avx2() {
-        // SAFETY: AVX2, FMA and F16C are present on these paths; offsets were validated by the executor.
-        unsafe { x86::attend_heads_avx2(hq, bases, k_cache, v_cache, scale, softcap, scores, part) };
+        // SAFETY: AVX2, FMA and F16C (and AVX-512 F/VL on its paths) are present; offsets were
+        // validated by the executor.
+        unsafe {
+            if isa.has_avx512() {
+                x86::attend_heads_avx512(hq, bases, k_cache, v_cache, scale, softcap, scores, part)
+            } else {
+                x86::attend_heads_avx2(hq, bases, k_cache, v_cache, scale, softcap, scores, part)
+            }
+        }
         return;
     }
     let (np, dh) = (bases.len(), hq.dh);
@@ -396,6 +404,12 @@ mod x86 {
     /// Positions per value pass: the pass's sums stay in registers across them.
     const VALUE_BLOCK: usize = 16;
 
+    /// Distance between two heads' scores for `np` keys when a pass scores `keys` keys (at most
+    /// four) and stores four lanes.
+    fn score_stride(np: usize, keys: usize) -> usize {
+        np.next_multiple_of(keys) + 4 - keys
+    }
+
     /// Starts loading the `n` values at `p` into L2.
     #[inline(always)]
     unsafe fn prefetch<T>(p: *const T, n: usize) {
@@ -441,29 +455,67 @@ mod x86 {
         scores: &mut [f32],
         part: Partial,
     ) {
+        // 16 registers: HEADS × 3 sums, HEADS query chunks or weights and the row chunk in flight.
+        attend_heads::<K, V, 3, 3>(hq, bases, k_cache, v_cache, scale, softcap, scores, part)
+    }
+
+    /// [`attend_heads_avx2`] where AVX-512 is present: the same 256-bit arithmetic (so the same
+    /// bits), but its 32 registers hold four keys' and four value chunks' sums per pass.
+    #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn attend_heads_avx512<K: KvElem, V: KvElem>(
+        hq: HeadsQuery,
+        bases: &[usize],
+        k_cache: &[K],
+        v_cache: &[V],
+        scale: f32,
+        softcap: f32,
+        scores: &mut [f32],
+        part: Partial,
+    ) {
+        attend_heads::<K, V, 4, 4>(hq, bases, k_cache, v_cache, scale, softcap, scores, part)
+    }
+
+    /// The body of both: `KEYS` keys per scoring pass, `CHUNKS` eight-value chunks per value pass
+    /// (how many sums a pass keeps in registers; neither changes the arithmetic of any one sum).
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn attend_heads<K: KvElem, V: KvElem, const KEYS: usize, const CHUNKS: usize>(
+        hq: HeadsQuery,
+        bases: &[usize],
+        k_cache: &[K],
+        v_cache: &[V],
+        scale: f32,
+        softcap: f32,
+        scores: &mut [f32],
+        part: Partial,
+    ) {
         let HeadsQuery { q, dh, group, off } = hq;
         let heads = q.len() / dh;
         let row = heads / group * dh;
         let np = bases.len();
+        // Each head's scores `ns` apart: a pass stores four lanes whatever the keys left.
+        let ns = score_stride(np, KEYS);
+        assert!(scores.len() >= heads * ns, "scores buffer too short");
         let (kp, vp) = (k_cache.as_ptr().add(off), v_cache.as_ptr().add(off));
         let sp = scores.as_mut_ptr();
         bases.iter().take(AHEAD).for_each(|&b| prefetch(kp.add(b), row));
-        for p in (0..np).step_by(4) {
-            let n = (np - p).min(4);
-            bases.iter().skip(p + AHEAD).take(4).for_each(|&b| prefetch(kp.add(b), row));
-            let rows: [*const K; 4] = std::array::from_fn(|i| kp.add(bases[p + i.min(n - 1)]));
+        for p in (0..np).step_by(KEYS) {
+            let n = (np - p).min(KEYS);
+            bases.iter().skip(p + AHEAD).take(KEYS).for_each(|&b| prefetch(kp.add(b), row));
+            let rows: [*const K; KEYS] = std::array::from_fn(|i| kp.add(bases[p + i.min(n - 1)]));
             for (h0, take) in sub_passes(heads, group) {
                 let (qh, kv) = (q.as_ptr().add(h0 * dh), h0 / group * dh);
-                let s = sp.add(h0 * np + p);
+                let s = sp.add(h0 * ns + p);
                 match take {
-                    1 => scores4::<K, 1>(qh, dh, rows, kv, scale, s, np, n),
-                    2 => scores4::<K, 2>(qh, dh, rows, kv, scale, s, np, n),
-                    _ => scores4::<K, HEADS>(qh, dh, rows, kv, scale, s, np, n),
+                    1 => score_keys::<K, 1, KEYS>(qh, dh, rows, kv, scale, s, ns),
+                    2 => score_keys::<K, 2, KEYS>(qh, dh, rows, kv, scale, s, ns),
+                    _ => score_keys::<K, HEADS, KEYS>(qh, dh, rows, kv, scale, s, ns),
                 }
             }
         }
         for h in 0..heads {
-            let (m, sum) = weights(&mut scores[h * np..(h + 1) * np], softcap, part.normalize);
+            let (m, sum) = weights(&mut scores[h * ns..h * ns + np], softcap, part.normalize);
             (part.max[h], part.sum[h]) = (m, sum);
         }
         let (ap, sp) = (part.acc.as_mut_ptr(), scores.as_ptr());
@@ -476,63 +528,57 @@ mod x86 {
             ahead.iter().for_each(|&b| prefetch(vp.add(b), row));
             for (h0, take) in sub_passes(heads, group) {
                 let v = vp.add(h0 / group * dh);
-                for c0 in (0..chunks).step_by(4) {
-                    let (a, w, v) = (ap.add(h0 * dh + c0 * 8), sp.add(h0 * np + p0), v.add(c0 * 8));
+                for c0 in (0..chunks).step_by(CHUNKS) {
+                    let (a, w, v) = (ap.add(h0 * dh + c0 * 8), sp.add(h0 * ns + p0), v.add(c0 * 8));
                     let first = p0 == 0;
-                    match (take, chunks - c0) {
-                        (1, 1) => values::<V, 1, 1>(v, block, w, np, a, dh, first),
-                        (1, 2) => values::<V, 1, 2>(v, block, w, np, a, dh, first),
-                        (1, 3) => values::<V, 1, 3>(v, block, w, np, a, dh, first),
-                        (1, _) => values::<V, 1, 4>(v, block, w, np, a, dh, first),
-                        (2, 1) => values::<V, 2, 1>(v, block, w, np, a, dh, first),
-                        (2, 2) => values::<V, 2, 2>(v, block, w, np, a, dh, first),
-                        (2, 3) => values::<V, 2, 3>(v, block, w, np, a, dh, first),
-                        (2, _) => values::<V, 2, 4>(v, block, w, np, a, dh, first),
-                        (_, 1) => values::<V, HEADS, 1>(v, block, w, np, a, dh, first),
-                        (_, 2) => values::<V, HEADS, 2>(v, block, w, np, a, dh, first),
-                        (_, 3) => values::<V, HEADS, 3>(v, block, w, np, a, dh, first),
-                        (_, _) => values::<V, HEADS, 4>(v, block, w, np, a, dh, first),
+                    match (take, (chunks - c0).min(CHUNKS)) {
+                        (1, 1) => values::<V, 1, 1>(v, block, w, ns, a, dh, first),
+                        (1, 2) => values::<V, 1, 2>(v, block, w, ns, a, dh, first),
+                        (1, 3) => values::<V, 1, 3>(v, block, w, ns, a, dh, first),
+                        (1, _) => values::<V, 1, CHUNKS>(v, block, w, ns, a, dh, first),
+                        (2, 1) => values::<V, 2, 1>(v, block, w, ns, a, dh, first),
+                        (2, 2) => values::<V, 2, 2>(v, block, w, ns, a, dh, first),
+                        (2, 3) => values::<V, 2, 3>(v, block, w, ns, a, dh, first),
+                        (2, _) => values::<V, 2, CHUNKS>(v, block, w, ns, a, dh, first),
+                        (_, 1) => values::<V, HEADS, 1>(v, block, w, ns, a, dh, first),
+                        (_, 2) => values::<V, HEADS, 2>(v, block, w, ns, a, dh, first),
+                        (_, 3) => values::<V, HEADS, 3>(v, block, w, ns, a, dh, first),
+                        (_, _) => values::<V, HEADS, CHUNKS>(v, block, w, ns, a, dh, first),
                     }
                 }
             }
         }
     }
 
-    /// `s[g·np + i] = scale · q_g · k_i` for `G` heads of one KV head (its values start `kv` into
-    /// each row) and four keys, whose dot products are reduced together. Rows past the `n` real
-    /// ones repeat the last; only `n` scores are stored.
+    /// `s[g·ns + i] = scale · q_g · k_i` for `G` heads of one KV head (its values start `kv` into
+    /// each row) and [`KEYS`] keys, whose dot products are reduced together. Four lanes are stored
+    /// (rows past the real ones repeat the last; the stride leaves room).
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn scores4<K: KvElem, const G: usize>(
+    unsafe fn score_keys<K: KvElem, const G: usize, const KEYS: usize>(
         q: *const f32,
         dh: usize,
-        rows: [*const K; 4],
+        rows: [*const K; KEYS],
         kv: usize,
         scale: f32,
         s: *mut f32,
-        np: usize,
-        n: usize,
+        ns: usize,
     ) {
-        let mut acc = [[_mm256_setzero_ps(); 4]; G];
+        let mut acc = [[_mm256_setzero_ps(); KEYS]; G];
         for c in (0..dh).step_by(8) {
-            let k: [__m256; 4] = std::array::from_fn(|i| K::load8(rows[i].add(kv + c)));
-            for (g, acc) in acc.iter_mut().enumerate() {
-                let qg = _mm256_loadu_ps(q.add(g * dh + c));
-                for i in 0..4 {
-                    acc[i] = _mm256_fmadd_ps(qg, k[i], acc[i]);
+            // One key chunk live at a time: G × 4 sums + G query chunks + 1 key fit the 16 registers.
+            let qg: [__m256; G] = std::array::from_fn(|g| _mm256_loadu_ps(q.add(g * dh + c)));
+            for (i, row) in rows.iter().enumerate() {
+                let k = K::load8(row.add(kv + c));
+                for (acc, &qg) in acc.iter_mut().zip(&qg) {
+                    acc[i] = _mm256_fmadd_ps(qg, k, acc[i]);
                 }
             }
         }
         let scale = _mm_set1_ps(scale);
         for (g, acc) in acc.iter().enumerate() {
-            let sums = _mm_mul_ps(hsum4(*acc), scale);
-            if n == 4 {
-                _mm_storeu_ps(s.add(g * np), sums);
-            } else {
-                let mut out = [0f32; 4];
-                _mm_storeu_ps(out.as_mut_ptr(), sums);
-                std::ptr::copy_nonoverlapping(out.as_ptr(), s.add(g * np), n);
-            }
+            let sums = _mm_mul_ps(hsum4(std::array::from_fn(|i| acc[i.min(KEYS - 1)])), scale);
+            _mm_storeu_ps(s.add(g * ns), sums);
         }
     }
 
@@ -553,7 +599,7 @@ mod x86 {
         (m, sum)
     }
 
-    /// `a[g·dh + 8c..] (+)= Σ_i w[g·np + i] · v_i[8c..]` for `G` heads and `C` eight-value chunks
+    /// `a[g·dh + 8c..] (+)= Σ_i w[g·ns + i] · v_i[8c..]` for `G` heads and `C` eight-value chunks
     /// of the rows at `v` + each base of a block, the `G × C` sums in registers across the block;
     /// `first` starts them at zero instead of `a`.
     #[inline(always)]
@@ -562,7 +608,7 @@ mod x86 {
         v: *const V,
         block: &[usize],
         w: *const f32,
-        np: usize,
+        ns: usize,
         a: *mut f32,
         dh: usize,
         first: bool,
@@ -573,7 +619,7 @@ mod x86 {
         for (i, &b) in block.iter().enumerate() {
             let row = v.add(b);
             // One value chunk live at a time: G × C sums + G weights + 1 chunk fit AVX2's 16 registers.
-            let wg: [__m256; G] = std::array::from_fn(|g| _mm256_broadcast_ss(&*w.add(g * np + i)));
+            let wg: [__m256; G] = std::array::from_fn(|g| _mm256_broadcast_ss(&*w.add(g * ns + i)));
             for c in 0..C {
                 let vals = V::load8(row.add(c * 8));
                 for (acc, &wg) in acc.iter_mut().zip(&wg) {
@@ -612,7 +658,8 @@ mod tests {
     use super::*;
 
     /// A task over all KV heads of a split and tasks over one KV head each give the same bits, on
-    /// every kernel this host runs (one split and several; f16 cache).
+    /// every kernel this host runs, and the AVX2 and AVX-512 builds of the SIMD kernel agree (one
+    /// split and several; f16 cache).
     #[test]
     fn tasks_over_whole_rows_or_single_heads_agree_bit_for_bit() {
         use half::f16;
@@ -641,6 +688,7 @@ mod tests {
             };
             let shape =
                 AttentionShape { n_heads: hq, n_kv_heads: hkv, head_dim: dh, window: 0, scale: 0.17, softcap: 0.0 };
+            let mut simd_kernels: Vec<(Isa, Vec<f32>)> = Vec::new();
             for isa in Isa::all_supported() {
                 let run = |whole| {
                     let mut scratch = AttentionScratch { tokens: vec![0], ..Default::default() };
@@ -651,6 +699,14 @@ mod tests {
                 let (whole, single) = (run(true), run(false));
                 assert!(whole.iter().all(|v| v.is_finite() && *v != 0.0), "{}: depth {depth}", isa.name());
                 assert_eq!(whole, single, "{}: depth {depth}", isa.name());
+                if isa.has_avx2() {
+                    simd_kernels.push((isa, whole));
+                }
+            }
+            // The AVX2 and AVX-512 builds of the kernel keep different numbers of sums in registers,
+            // never a different sum.
+            for (isa, out) in &simd_kernels[1.min(simd_kernels.len())..] {
+                assert_eq!(out, &simd_kernels[0].1, "{} vs {}: depth {depth}", isa.name(), simd_kernels[0].0.name());
             }
         }
     }
