@@ -649,8 +649,16 @@ pub fn exp_approx(x: f32) -> f32 {
         + r * (1.0
             + r * (0.5
                 + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
-    let bits = ((n as i32 + 127) as u32) << 23;
-    p * f32::from_bits(bits)
+    p * pow2(n)
+}
+
+/// `2^n` for an integer-valued `n` in −126..=127, straight into the exponent bits: adding 1.5·2²³
+/// leaves `n + 127` in the low mantissa bits, which the shift moves into the exponent. (An `as i32`
+/// cast would be exact too, but Rust's saturating casts turn a vectorised loop into one scalar
+/// conversion per lane.)
+#[inline(always)]
+fn pow2(n: f32) -> f32 {
+    f32::from_bits((n + (127.0 + 12_582_912.0)).to_bits() << 23)
 }
 
 #[cfg(test)]
@@ -708,6 +716,13 @@ mod tests {
             for (isa, out) in &simd_kernels[1.min(simd_kernels.len())..] {
                 assert_eq!(out, &simd_kernels[0].1, "{} vs {}: depth {depth}", isa.name(), simd_kernels[0].0.name());
             }
+        }
+    }
+
+    #[test]
+    fn pow2_is_exact_over_the_normal_exponents() {
+        for n in -126..=127 {
+            assert_eq!(pow2(n as f32), 2f32.powi(n), "2^{n}");
         }
     }
 
