@@ -68,6 +68,9 @@ pub struct ThreadPool {
     shared: Arc<Shared>,
     threads: usize,
     workers: Vec<JoinHandle<()>>,
+    /// Held for the length of an `install`: the pool runs one job at a time, so a second thread
+    /// installing waits its turn instead of overwriting the first one's job.
+    turn: Mutex<()>,
 }
 
 thread_local! {
@@ -106,7 +109,7 @@ impl ThreadPool {
                 .map_err(|e| format!("cannot start {threads} worker threads: {e}"))?;
             workers.push(handle);
         }
-        Ok(ThreadPool { shared, threads, workers })
+        Ok(ThreadPool { shared, threads, workers, turn: Mutex::new(()) })
     }
 
     /// Runs `f` on this thread with the pool's workers spinning, ready for the kernels' fan-outs.
@@ -119,6 +122,12 @@ impl ThreadPool {
             }
         }
         let sh = &*self.shared;
+        // Already taking part in this pool (an `install` inside an `install`, or inside a task): the
+        // outer one keeps the workers; its fan-outs (or the task's, inline) serve this one too.
+        if CURRENT.with(|c| c.get()).is_some_and(|(p, _, _)| std::ptr::eq(p, sh)) {
+            return f();
+        }
+        let _turn = self.turn.lock().unwrap_or_else(|p| p.into_inner());
         {
             let _lock = sh.park.lock().unwrap_or_else(|p| p.into_inner());
             sh.spinning.store(true, Ordering::Release);
@@ -437,9 +446,8 @@ mod tests {
             for round in 0..2_000_000usize {
                 let n = if round % 2 == 0 { 2 } else { 3 + round % 5 };
                 let hits: Vec<AtomicUsize> = (0..n).map(|_| AtomicUsize::new(0)).collect();
-                for_each(n, |i| match hits.get(i) {
-                    Some(h) => drop(h.fetch_add(1, Ordering::Relaxed)),
-                    None => drop(stray.fetch_add(1, Ordering::Relaxed)),
+                for_each(n, |i| {
+                    hits.get(i).unwrap_or(&stray).fetch_add(1, Ordering::Relaxed);
                 });
                 if hits.iter().any(|h| h.load(Ordering::Relaxed) != 1) {
                     wrong.fetch_add(1, Ordering::Relaxed);
@@ -447,5 +455,40 @@ mod tests {
             }
         });
         assert_eq!((stray.into_inner(), wrong.into_inner()), (0, 0), "(tasks past a job's end, jobs miscounted)");
+    }
+
+    /// Two threads installing the same pool at once take turns; an `install` inside an `install`
+    /// runs within the outer one (which keeps its workers spinning).
+    #[test]
+    fn concurrent_and_nested_installs_take_turns() {
+        let pool = ThreadPool::new(3).unwrap();
+        let counts: Vec<AtomicUsize> = (0..2).map(|_| AtomicUsize::new(0)).collect();
+        std::thread::scope(|scope| {
+            for count in &counts {
+                let pool = &pool;
+                scope.spawn(move || {
+                    for _ in 0..20 {
+                        pool.install(|| {
+                            for _ in 0..5000 {
+                                for_each(7, |_| {
+                                    count.fetch_add(1, Ordering::Relaxed);
+                                })
+                            }
+                        });
+                    }
+                });
+            }
+        });
+        assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 20 * 5000 * 7));
+        let count = AtomicUsize::new(0);
+        pool.install(|| {
+            let add = |_| {
+                count.fetch_add(1, Ordering::Relaxed);
+            };
+            pool.install(|| for_each(10, add));
+            assert!(pool.shared.spinning.load(Ordering::Acquire), "the inner install stopped the workers");
+            for_each(10, add);
+        });
+        assert_eq!(count.load(Ordering::Relaxed), 20);
     }
 }
