@@ -323,6 +323,31 @@ fn inspect_json_gives_exact_weight_bytes_and_a_kv_figure() {
     assert!(err.contains("quantized KV caches (q8_0) are not supported"), "{err}");
 }
 
+/// A config without `model_type` reaches the families' own matching, as loading does: the whisper
+/// family claims OpenAI's names for its dimensions (older conversions have no `model_type`) and checks
+/// the weights against them — OpenAI's configs imply feed-forward layers 4 × wide, which this random
+/// fixture's are not; a config no family recognises is one clear line.
+#[test]
+fn inspect_finds_the_family_of_a_config_without_model_type() {
+    let whisper = mlxcel::testing::workspace_root().join("families/whisper/tests/fixtures/whisper-tiny-random");
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::copy(whisper.join("model.safetensors"), dir.path().join("model.safetensors")).unwrap();
+    let openai = serde_json::json!({
+        "n_mels": 80, "n_audio_ctx": 50, "n_audio_state": 64, "n_audio_head": 4, "n_audio_layer": 2,
+        "n_vocab": 309, "n_text_ctx": 64, "n_text_state": 64, "n_text_head": 4, "n_text_layer": 2
+    });
+    std::fs::write(dir.path().join("config.json"), openai.to_string()).unwrap();
+    let out = mlxcel().arg("inspect").arg(dir.path()).output().unwrap();
+    assert_one_line_error(
+        &out,
+        &["model.encoder.layers.0.fc1.weight", "has shape [128, 64], config implies [256, 64]"],
+    );
+
+    std::fs::write(dir.path().join("config.json"), r#"{"hidden_size": 64}"#).unwrap();
+    let out = mlxcel().arg("inspect").arg(dir.path()).output().unwrap();
+    assert_one_line_error(&out, &["no `model_type`", "no installed family recognises its config"]);
+}
+
 fn generate_text(dir: &Path) -> String {
     let out = mlxcel()
         .arg("generate")

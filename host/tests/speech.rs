@@ -51,20 +51,21 @@ fn words(s: &str) -> String {
 /// it; a config that no family claims is one clear error.
 #[test]
 fn a_models_task_comes_from_the_family_that_claims_it() {
+    use mlxcel::checkpoint::Checkpoint;
     use mlxcel::engine::ModelRunner;
     use mlxcel_plugin_api::Task;
     let Some(model) = whisper() else { return };
     let catalog = mlxcel::testing::staged_catalog();
-    assert_eq!(ModelRunner::task_of(&catalog, &model).unwrap(), Task::Asr);
+    assert_eq!(ModelRunner::task_of(&catalog, &Checkpoint::open(&model).unwrap()).unwrap(), Task::Asr);
     let text = model.with_file_name("smollm2-135m-instruct-mlx-4bit");
-    assert_eq!(ModelRunner::task_of(&catalog, &text).unwrap(), Task::Text);
+    assert_eq!(ModelRunner::task_of(&catalog, &Checkpoint::open(&text).unwrap()).unwrap(), Task::Text);
     let dir = tempfile::tempdir().unwrap();
     let mut config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(model.join("config.json")).unwrap()).unwrap();
     config.as_object_mut().unwrap().remove("model_type");
     std::fs::write(dir.path().join("config.json"), config.to_string()).unwrap();
     std::fs::copy(model.join("model.safetensors"), dir.path().join("model.safetensors")).unwrap();
-    let err = format!("{:#}", ModelRunner::task_of(&catalog, dir.path()).unwrap_err());
+    let err = format!("{:#}", ModelRunner::task_of(&catalog, &Checkpoint::open(dir.path()).unwrap()).unwrap_err());
     assert!(err.contains("no `model_type`, and no installed family recognises its config"), "{err}");
 }
 

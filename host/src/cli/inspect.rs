@@ -2,7 +2,7 @@
 //! bytes from the safetensors headers, the KV cache from the family plugin's layer description,
 //! activations estimated.
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::Args;
 use serde_json::json;
 
@@ -11,6 +11,7 @@ use super::run::resolve_model;
 use super::GlobalArgs;
 use crate::checkpoint::Checkpoint;
 use crate::engine::memory::MemoryEstimate;
+use crate::engine::runner::family_model;
 use crate::engine::KvCacheTypes;
 
 #[derive(Args, Debug)]
@@ -37,13 +38,9 @@ pub struct InspectArgs {
 pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
     let dir = resolve_model(&args.model, args.revision.as_deref())?;
     let ck = Checkpoint::open(&dir)?;
-    let model_type =
-        ck.model_type().with_context(|| format!("{}: config.json has no `model_type`", dir.display()))?.to_string();
     let catalog = global.catalog();
-    let family = catalog.select_family(&ck.config_text, &model_type)?;
-    let model = family
-        .create_model(&ck.config_text, &ck.weight_infos()?)
-        .map_err(|e| anyhow::anyhow!("{}: {}", dir.display(), e.message))?;
+    // The family is found as loading finds it (by `model_type`, else by the families' own matching).
+    let (family, model) = family_model(&catalog, &ck)?;
     let info = model.info();
     let ctx = args.ctx_size.unwrap_or(4096).min(info.max_positions.max(1)) as u64;
     // The device the model would run on says how much memory is free (0 = unknown).

@@ -7,6 +7,7 @@ use anyhow::{bail, Context, Result};
 use clap::Args;
 
 use super::GlobalArgs;
+use crate::checkpoint::Checkpoint;
 use crate::speech::transcribe::MAX_BEST_OF;
 use crate::speech::{load_transcriber, render, ResponseFormat, SpeechTask, TranscribeOptions};
 
@@ -58,9 +59,14 @@ pub fn run(global: &GlobalArgs, args: &TranscribeArgs) -> Result<()> {
     if !(1..=MAX_BEST_OF).contains(&args.best_of) {
         bail!("--best-of {} is outside 1..{MAX_BEST_OF}", args.best_of);
     }
-    let mut transcriber =
-        load_transcriber(&catalog, &dir, args.backend.clone(), args.threads.unwrap_or(0), args.best_of)
-            .with_context(|| format!("loading {}", dir.display()))?;
+    let mut transcriber = load_transcriber(
+        &catalog,
+        Checkpoint::open(&dir)?,
+        args.backend.clone(),
+        args.threads.unwrap_or(0),
+        args.best_of,
+    )
+    .with_context(|| format!("loading {}", dir.display()))?;
     let opts = TranscribeOptions {
         language: args.language.clone(),
         task,

@@ -318,7 +318,10 @@ pub struct ModelRunner {
 
 /// The family that claims `checkpoint` (by its config; families also recognise configs without a
 /// `model_type`, such as older Whisper conversions) and the model it makes of it, weights not bound.
-fn family_model<'c>(catalog: &'c Catalog, checkpoint: &Checkpoint) -> Result<(&'c FamilyPlugin, FamilyModel)> {
+pub(crate) fn family_model<'c>(
+    catalog: &'c Catalog,
+    checkpoint: &Checkpoint,
+) -> Result<(&'c FamilyPlugin, FamilyModel)> {
     let family = match checkpoint.model_type() {
         Some(model_type) => catalog.select_family(&checkpoint.config_text, model_type)?,
         None => catalog.select_family(&checkpoint.config_text, "").map_err(|_| {
@@ -351,11 +354,10 @@ impl ModelRunner {
         Self::from_checkpoint_for(catalog, checkpoint, opts, &[Task::Text])
     }
 
-    /// What the model in `dir` is for (text, embeddings, speech…), as the family that claims it says
-    /// — without binding its weights, so a caller can choose how to serve it before loading it.
-    pub fn task_of(catalog: &Catalog, dir: &Path) -> Result<Task> {
-        let checkpoint = Checkpoint::open(dir)?;
-        Ok(family_model(catalog, &checkpoint)?.1.info().task)
+    /// What the model in `checkpoint` is for (text, embeddings, speech…), as the family that claims it
+    /// says — without binding its weights, so a caller can choose how to serve it before loading it.
+    pub fn task_of(catalog: &Catalog, checkpoint: &Checkpoint) -> Result<Task> {
+        Ok(family_model(catalog, checkpoint)?.1.info().task)
     }
 
     pub fn from_checkpoint_for(

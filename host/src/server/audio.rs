@@ -8,7 +8,6 @@
 //! its transcription: a queued one is dropped, a running one stops before its next model step and
 //! frees its sequences. `/metrics` (with `--metrics`) counts transcriptions, windows and steps.
 
-use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::Arc;
@@ -25,6 +24,7 @@ use tower_http::limit::RequestBodyLimitLayer;
 use super::args::ServerConfig;
 use super::error::{ApiError, Dialect, ErrorKind};
 use super::state::AppState;
+use crate::checkpoint::Checkpoint;
 use crate::speech::transcribe::{Cancelled, DEFAULT_BEST_OF, MAX_BEST_OF};
 use crate::speech::{load_transcriber, render, ResponseFormat, SpeechTask, TranscribeOptions, Transcript};
 
@@ -88,10 +88,12 @@ impl SpeechService {
     }
 }
 
-/// Starts the transcription thread on the speech model in `dir` (see [`super::model::start`]).
-pub fn start(config: &ServerConfig, catalog: &Catalog, dir: &Path) -> Result<SpeechService> {
+/// Starts the transcription thread on the speech model of `checkpoint` (see [`super::model::start`]).
+pub fn start(config: &ServerConfig, catalog: &Catalog, checkpoint: Checkpoint) -> Result<SpeechService> {
+    let dir = checkpoint.dir.clone();
     // Sequence rows for the default best_of's candidates to decode together; more run in groups.
-    let mut transcriber = load_transcriber(catalog, dir, config.backend.clone(), config.threads, DEFAULT_BEST_OF)?;
+    let mut transcriber =
+        load_transcriber(catalog, checkpoint, config.backend.clone(), config.threads, DEFAULT_BEST_OF)?;
     let (tx, rx) = sync_channel::<Job>(QUEUE);
     let stats = Arc::new(SpeechStats::default());
     let st = stats.clone();

@@ -16,6 +16,7 @@ use super::args::ServerConfig;
 use super::generator::ModelFacts;
 use super::state::AppState;
 use super::{audio, batch_engine, embeddings};
+use crate::checkpoint::Checkpoint;
 use crate::engine::memory::MemoryEstimate;
 use crate::engine::{ModelRunner, RunnerOptions};
 use crate::text::{ChatTemplate, TextTokenizer};
@@ -27,15 +28,16 @@ pub fn start(state: &AppState) -> Result<String> {
     let config = &state.config;
     let dir = crate::cli::run::resolve_model(&config.model, config.revision.as_deref())?;
     let catalog = Catalog::load(&PluginSearch::from_env(&config.plugin_dirs));
+    let checkpoint = Checkpoint::open(&dir)?;
     // The family that claims the model says what it is for, before its weights are bound.
-    if ModelRunner::task_of(&catalog, &dir)? == Task::Asr {
-        let speech = audio::start(config, &catalog, &dir)?;
+    if ModelRunner::task_of(&catalog, &checkpoint)? == Task::Asr {
+        let speech = audio::start(config, &catalog, checkpoint)?;
         let ready = format!("speech model {} ready (/v1/audio/transcriptions)", speech.id);
         let _ = state.speech.set(speech);
         return Ok(ready);
     }
     let parallel = config.parallel.max(1);
-    let (runner, text, facts) = load(config, &catalog, &dir, parallel)?;
+    let (runner, text, facts) = load(config, &catalog, checkpoint, parallel)?;
     let (model, ready) = match runner.info.task {
         Task::Text => {
             let ready = format!("model {} ready (context {}, {} slot(s))", facts.id, facts.ctx_size, config.parallel);
@@ -59,13 +61,15 @@ pub fn start(state: &AppState) -> Result<String> {
     Ok(ready)
 }
 
-/// Loads the model in `dir` with KV room for `parallel` sequences of the context size.
+/// Loads the model of `checkpoint` with KV room for `parallel` sequences of the context size.
 pub fn load(
     config: &ServerConfig,
     catalog: &Catalog,
-    dir: &Path,
+    checkpoint: Checkpoint,
     parallel: usize,
 ) -> Result<(ModelRunner, TextTokenizer, ModelFacts)> {
+    let dir_buf = checkpoint.dir.clone();
+    let dir = dir_buf.as_path();
     let opts = RunnerOptions {
         backend: config.backend.clone(),
         threads: config.threads,
@@ -75,7 +79,8 @@ pub fn load(
         cache_types: config.cache_types,
         ..Default::default()
     };
-    let runner = ModelRunner::load_for(catalog, dir, &opts, &[Task::Text, Task::Embed, Task::Rerank])?;
+    let runner =
+        ModelRunner::from_checkpoint_for(catalog, checkpoint, &opts, &[Task::Text, Task::Embed, Task::Rerank])?;
     let est = MemoryEstimate::new(
         &runner.info,
         runner.checkpoint.weight_bytes(),

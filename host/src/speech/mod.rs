@@ -6,8 +6,6 @@ pub mod format;
 pub mod transcribe;
 pub mod vocab;
 
-use std::path::Path;
-
 use anyhow::Result;
 use mlxcel_plugin_api::Task;
 use mlxcel_plugins::Catalog;
@@ -23,14 +21,14 @@ use crate::engine::{ModelRunner, RunnerOptions};
 /// its own copy of the window's cross-attention keys and values; more candidates decode in groups).
 pub fn load_transcriber(
     catalog: &Catalog,
-    dir: &Path,
+    checkpoint: Checkpoint,
     backend: Option<String>,
     threads: u32,
     candidates: usize,
 ) -> Result<Transcriber> {
-    let checkpoint = Checkpoint::open(dir)?;
+    let dir = checkpoint.dir.clone();
     let opts = RunnerOptions { backend, threads, ctx_size: 0, parallel: candidates.max(1), ..Default::default() };
     let runner = ModelRunner::from_checkpoint_for(catalog, checkpoint, &opts, &[Task::Asr])?;
-    let tokenizer = vocab::load_tokenizer(dir)?;
+    let tokenizer = vocab::load_tokenizer(&dir)?;
     Transcriber::new(runner, tokenizer)
 }
