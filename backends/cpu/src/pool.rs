@@ -78,6 +78,8 @@ thread_local! {
     static CURRENT: Cell<Option<(*const Shared, usize, usize)>> = const { Cell::new(None) };
     /// This thread is running a task (a nested fan-out runs inline).
     static IN_TASK: Cell<bool> = const { Cell::new(false) };
+    /// The pools whose turn this thread holds (`install`s in progress on it, outermost first).
+    static HELD: std::cell::RefCell<Vec<*const Shared>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Spins before a waiting thread starts yielding its core between checks (a `pause` takes 10 to 140
@@ -119,12 +121,14 @@ impl ThreadPool {
             fn drop(&mut self) {
                 self.0.spinning.store(false, Ordering::Release);
                 CURRENT.with(|c| c.set(self.1));
+                HELD.with_borrow_mut(|h| h.retain(|&p| !std::ptr::eq(p, self.0)));
             }
         }
         let sh = &*self.shared;
-        // Already taking part in this pool (an `install` inside an `install`, or inside a task): the
-        // outer one keeps the workers; its fan-outs (or the task's, inline) serve this one too.
-        if CURRENT.with(|c| c.get()).is_some_and(|(p, _, _)| std::ptr::eq(p, sh)) {
+        // Already taking part in this pool (an `install` inside an `install`, maybe through another
+        // pool's, or inside a task): the outer one keeps the workers and runs this one's fan-outs.
+        let current = CURRENT.with(|c| c.get()).is_some_and(|(p, _, _)| std::ptr::eq(p, sh));
+        if current || HELD.with_borrow(|h| h.iter().any(|&p| std::ptr::eq(p, sh))) {
             return f();
         }
         let _turn = self.turn.lock().unwrap_or_else(|p| p.into_inner());
@@ -133,7 +137,10 @@ impl ThreadPool {
             sh.spinning.store(true, Ordering::Release);
         }
         sh.wake.notify_all();
+        HELD.with_borrow_mut(|h| h.push(sh as *const Shared));
         let previous = CURRENT.with(|c| c.replace(Some((sh as *const Shared, 0, self.threads))));
+        // Declared after `_turn`, so dropped before it: the workers stop spinning before the next
+        // caller's turn can set them spinning again.
         let _reset = Reset(sh, previous);
         f()
     }
@@ -481,14 +488,18 @@ mod tests {
         });
         assert!(counts.iter().all(|c| c.load(Ordering::Relaxed) == 20 * 5000 * 7));
         let count = AtomicUsize::new(0);
+        let add = |_| {
+            count.fetch_add(1, Ordering::Relaxed);
+        };
         pool.install(|| {
-            let add = |_| {
-                count.fetch_add(1, Ordering::Relaxed);
-            };
             pool.install(|| for_each(10, add));
             assert!(pool.shared.spinning.load(Ordering::Acquire), "the inner install stopped the workers");
             for_each(10, add);
         });
         assert_eq!(count.load(Ordering::Relaxed), 20);
+        // Through another pool and back: the inner install of the first pool runs within its outer one.
+        let other = ThreadPool::new(2).unwrap();
+        pool.install(|| other.install(|| pool.install(|| for_each(10, add))));
+        assert_eq!(count.load(Ordering::Relaxed), 30);
     }
 }

@@ -59,14 +59,10 @@ pub fn run(global: &GlobalArgs, args: &TranscribeArgs) -> Result<()> {
     if !(1..=MAX_BEST_OF).contains(&args.best_of) {
         bail!("--best-of {} is outside 1..{MAX_BEST_OF}", args.best_of);
     }
-    let mut transcriber = load_transcriber(
-        &catalog,
-        Checkpoint::open(&dir)?,
-        args.backend.clone(),
-        args.threads.unwrap_or(0),
-        args.best_of,
-    )
-    .with_context(|| format!("loading {}", dir.display()))?;
+    let mut transcriber = Checkpoint::open(&dir)
+        .map_err(anyhow::Error::from)
+        .and_then(|ck| load_transcriber(&catalog, ck, args.backend.clone(), args.threads.unwrap_or(0), args.best_of))
+        .with_context(|| format!("loading {}", dir.display()))?;
     let opts = TranscribeOptions {
         language: args.language.clone(),
         task,

@@ -9,7 +9,9 @@ use mlxcel_plugin_api::{
     BufferHandle, ComputeArgs, DType, HostTensor, KvBinding, KvCacheDesc, KvGroupTables, KvKind, Node, OpCode,
     StepBatch, StepDesc, Task, Versioned, NO_BLOCK, TOPK_INDICES, TOPK_VALUES,
 };
-use mlxcel_plugins::{BackendContext, BackendPlugin, Catalog, DeviceBuffer, FamilyModel, FamilyPlugin, ModelInfo};
+use mlxcel_plugins::{
+    BackendContext, BackendPlugin, Catalog, DeviceBuffer, FamilyModel, FamilyPlugin, ModelInfo, SelectError,
+};
 
 use super::kv_cache::{KvCache, SeqBlocks};
 use super::kv_plan::{KvCacheType, KvCacheTypes, KvPlan};
@@ -324,9 +326,14 @@ pub(crate) fn family_model<'c>(
 ) -> Result<(&'c FamilyPlugin, FamilyModel)> {
     let family = match checkpoint.model_type() {
         Some(model_type) => catalog.select_family(&checkpoint.config_text, model_type)?,
-        None => catalog.select_family(&checkpoint.config_text, "").map_err(|_| {
+        None => catalog.select_family(&checkpoint.config_text, "").map_err(|e| {
+            let available = match e {
+                SelectError::UnknownArchitecture { available, .. } => available,
+                other => other.to_string(),
+            };
             anyhow::anyhow!(
-                "{}: config.json has no `model_type`, and no installed family recognises its config",
+                "{}: config.json has no `model_type`, and no installed family recognises its config \
+                 (installed architectures: {available})",
                 checkpoint.dir.display()
             )
         })?,
