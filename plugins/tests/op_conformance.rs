@@ -743,6 +743,50 @@ fn paged_attention_matches_reference() {
     }
 }
 
+/// K and V bound to one buffer would be two mutable views of it: the CPU backend refuses the step.
+#[test]
+fn attention_with_k_and_v_on_one_buffer_is_refused() {
+    each_backend(|ctx, rng| {
+        if ctx.name() != "cpu" {
+            return;
+        }
+        let (hq, hkv, dh) = (2usize, 1usize, 8usize);
+        let desc = KvCacheDesc {
+            num_blocks: 2,
+            block_size: 4,
+            n_kv_heads: hkv as u32,
+            head_dim: dh as u32,
+            dtype: DType::F32 as u32,
+            ..KvCacheDesc::zeroed()
+        };
+        let kb = ctx.kv_alloc(&desc).unwrap();
+        let mut run = Run::new(ctx);
+        run.kv.push([kb.handle(), kb.handle(), std::ptr::null_mut()]);
+        run.batch = Some(BatchData {
+            token_seq: vec![0],
+            positions: vec![0],
+            slots: vec![0],
+            tables: vec![0, 1],
+            max_blocks: 2,
+            block_size: 4,
+            num_blocks: 2,
+            state_slots: vec![0],
+        });
+        let qi = run.input_f32(&rng.vec(hq * dh, 1.0), &[1, (hq * dh) as u64]);
+        let ki = run.input_f32(&rng.vec(hkv * dh, 1.0), &[1, (hkv * dh) as u64]);
+        let vi = run.input_f32(&rng.vec(hkv * dh, 1.0), &[1, (hkv * dh) as u64]);
+        let o = run.g.op_with(
+            OpCode::Attention,
+            &[1, (hq * dh) as u64],
+            &[qi, ki, vi],
+            &[0, hq as i64, hkv as i64, dh as i64, 0],
+            &[0.35, 0.0],
+        );
+        let err = run.try_execute(o).unwrap_err();
+        assert!(err.contains("K and V are bound to the same buffer"), "{err}");
+    });
+}
+
 fn paged_attention_with_cache_types(kt: DType, vt: DType) {
     each_backend(|ctx, rng| {
         // (heads, kv heads, head_dim, window, softcap): MHA, GQA, MQA, sliding window, soft-capping.

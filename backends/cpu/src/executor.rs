@@ -921,7 +921,11 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                         };
                         let kv_row = hkv * dh;
                         let slots = group.num_blocks as usize * group.block_size as usize;
-                        // SAFETY: handles the host bound for this layer; used by this thread only.
+                        if binding.k == binding.v {
+                            // Two mutable views of one buffer: refused, not aliased.
+                            return Err(e(format!("KV cache layer {layer}: K and V are bound to the same buffer")));
+                        }
+                        // SAFETY: two distinct handles the host bound for this layer; used by this thread only.
                         let (kb, vb) =
                             unsafe { ((binding.k as *mut Buffer).as_mut(), (binding.v as *mut Buffer).as_mut()) };
                         let (Some(kb), Some(vb)) = (kb, vb) else { return Err(e("null KV buffer".into())) };
