@@ -169,8 +169,8 @@ thread_local! {
 /// softmax per query head; a token with one split is finished in its task, the others are merged in
 /// a second pass. A task takes every KV head of its split — whole cache rows, one sequential stream —
 /// when there are splits enough to keep the threads busy (two per thread, or a full one per thread),
-/// else one KV head (which heads a task
-/// takes never changes a result, only how the work is cut). `whole_rows` forces one or the other.
+/// else one KV head (which heads a task takes never changes a result, only how the work is cut).
+/// `whole_rows` forces one or the other.
 #[allow(clippy::too_many_arguments)]
 fn attention_tokens<K: KvElem, V: KvElem>(
     isa: Isa,
