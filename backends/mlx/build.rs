@@ -4,7 +4,7 @@
 //! 1. `MLX_DIR`: a folder holding `include/mlx/mlx.h` and `lib/libmlx.{so,dylib}` (a wheel's `mlx`
 //!    package folder, or a system install prefix);
 //! 2. an installed Python package `mlx` (from the `mlx-cpu`, `mlx-metal` or `mlx-cuda` wheels), found
-//!    with `python3` (or `PYTHON`).
+//!    with `python3` (or `PYTHON`); not for a cross build, which that package's library cannot serve.
 //!
 //! Without MLX the crate still builds: the `mlx_found` cfg stays off and the plugin describes itself
 //! with score 0 and the reason "libmlx not found at build time", so the workspace builds and tests
@@ -40,6 +40,11 @@ fn find_mlx() -> Result<PathBuf, String> {
         } else {
             Err(format!("MLX_DIR={} has no include/mlx/mlx.h and lib/libmlx", dir.display()))
         };
+    }
+    // The Python package holds an MLX for the machine that builds, which a cross build cannot link.
+    let (target, host) = (std::env::var("TARGET").unwrap_or_default(), std::env::var("HOST").unwrap_or_default());
+    if target != host {
+        return Err(format!("a cross build for {target} and no MLX_DIR (an MLX built for {target})"));
     }
     from_python().ok_or_else(|| "no MLX_DIR and no `mlx` Python package with include/ and lib/libmlx".into())
 }

@@ -60,7 +60,7 @@ fn arch_json_lists_llama_and_moe_families_and_cpu_backend() {
     assert_eq!(moe["architectures"], serde_json::json!(["qwen2_moe", "qwen3_moe"]));
     let cpu = v["backends"].as_array().unwrap().iter().find(|b| b["name"] == "cpu").expect("cpu backend");
     assert!(cpu["score"].as_u64().unwrap() > 0);
-    let paths = ["scalar", "avx2", "avxvnni", "avx512", "avx512vnni", "neon"];
+    let paths = ["scalar", "avx2", "avxvnni", "avx512", "avx512vnni", "neon", "neondot"];
     assert!(paths.contains(&cpu["features"].as_str().unwrap()));
     assert_eq!(cpu["devices"][0]["kind"], "cpu");
     assert_eq!(v["selected_backend"], "cpu");

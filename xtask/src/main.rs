@@ -5,6 +5,7 @@
 //!   cargo xtask fetch-mlx           download the pinned mlx-cpu wheel into target/mlx-wheel (CI)
 //!   cargo xtask install --prefix D  D/bin/{mlxcel,mlxcel-server} + D/lib/mlxcel/plugins/*
 //!   cargo xtask test                build, stage, then run every test (what CI runs)
+//!   cargo xtask test-aarch64        clippy for AArch64, and the CPU and llama tests under qemu
 //!   cargo xtask fetch-model [NAME]  a small real model (no model hub) as an MLX folder in mlxcel's store
 //!   cargo xtask bench --family      pp/tg tok/s of every architecture family at one size, and MoE vs dense
 
@@ -13,6 +14,7 @@ use std::process::Command;
 
 use anyhow::{bail, Context, Result};
 
+mod aarch64;
 mod bench;
 mod bench_embed;
 mod bench_family;
@@ -39,6 +41,15 @@ enum Cmd {
         /// `mlx`: require MLX for the mlx backend plugin (else it is built as a stub that scores 0).
         #[arg(long)]
         backend: Option<String>,
+    },
+    /// From an x86-64 host: `cargo clippy --target aarch64-unknown-linux-gnu` (warnings as errors),
+    /// then under qemu-aarch64 the CPU backend's unit tests, the op conformance suite on each NEON path
+    /// and the llama golden tests (Debian's Rust, cross linker and qemu-user; `cargo xtask test` runs
+    /// this too when they are installed).
+    TestAarch64 {
+        /// Only clippy (the check).
+        #[arg(long)]
+        check_only: bool,
     },
     /// Download the pinned MLX wheel (mlx-cpu) into target/mlx-wheel, check its SHA-256 and unpack it;
     /// later builds find it there.
@@ -309,7 +320,8 @@ fn cpu_isas() -> Vec<(&'static str, bool)> {
     }
     #[cfg(target_arch = "aarch64")]
     {
-        vec![("scalar", true), ("neon", std::arch::is_aarch64_feature_detected!("neon"))]
+        let neon = std::arch::is_aarch64_feature_detected!("neon");
+        vec![("scalar", true), ("neon", neon), ("neondot", neon && std::arch::is_aarch64_feature_detected!("dotprod"))]
     }
     #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     {
@@ -377,6 +389,7 @@ fn main() -> Result<()> {
             })
         }
         Cmd::Build { backend } => build_with(Some(backend_flag(backend.as_deref())?)).map(|_| ()),
+        Cmd::TestAarch64 { check_only } => aarch64::run_all(check_only),
         Cmd::FetchMlx => mlx::fetch().map(|_| ()),
         Cmd::FetchModel { name, dest } => {
             let dir = fetch::fetch_model(&name, dest)?;
@@ -458,6 +471,16 @@ fn main() -> Result<()> {
                 }
             } else {
                 println!("== mlx backend not built with libmlx: its golden and real-model runs are skipped");
+            }
+            // AArch64 (NEON kernels) from an x86-64 host, where the cross toolchain is installed.
+            if cfg!(target_arch = "x86_64") {
+                match aarch64::available() {
+                    Ok(()) => aarch64::run_all(false)?,
+                    Err(why) if std::env::var_os("MLXCEL_REQUIRE_AARCH64").is_some() => {
+                        bail!("MLXCEL_REQUIRE_AARCH64 is set but {why}")
+                    }
+                    Err(why) => println!("== aarch64 check and qemu tests: SKIPPED ({why})"),
+                }
             }
             Ok(())
         }

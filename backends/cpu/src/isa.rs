@@ -1,5 +1,5 @@
 //! Which SIMD path the kernels take, chosen at run time from what this CPU supports.
-//! `MLXCEL_CPU_ISA=scalar|avx2|avxvnni|avx512|avx512vnni|neon` forces one (for tests and comparisons);
+//! `MLXCEL_CPU_ISA=scalar|avx2|avxvnni|avx512|avx512vnni|neon|neondot` forces one (for tests and comparisons);
 //! forcing a path the CPU lacks is an error, never a silent fallback.
 
 /// A SIMD instruction set a kernel can be compiled for (a name; it proves nothing about this CPU).
@@ -19,12 +19,22 @@ pub enum IsaPath {
     Avx512Vnni,
     /// AArch64 Advanced SIMD.
     Neon,
+    /// AArch64 Advanced SIMD plus the dot-product instructions (Armv8.2 `dotprod`: Cortex-A55/A76 and
+    /// later, Apple M1, Graviton 2): the integer kernels use `sdot`/`udot`.
+    NeonDot,
 }
 
 impl IsaPath {
     /// Every path, in order of preference within an architecture (worst first).
-    pub const ALL: [IsaPath; 6] =
-        [IsaPath::Scalar, IsaPath::Avx2, IsaPath::AvxVnni, IsaPath::Avx512, IsaPath::Avx512Vnni, IsaPath::Neon];
+    pub const ALL: [IsaPath; 7] = [
+        IsaPath::Scalar,
+        IsaPath::Avx2,
+        IsaPath::AvxVnni,
+        IsaPath::Avx512,
+        IsaPath::Avx512Vnni,
+        IsaPath::Neon,
+        IsaPath::NeonDot,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
@@ -34,6 +44,7 @@ impl IsaPath {
             IsaPath::Avx512 => "avx512",
             IsaPath::Avx512Vnni => "avx512vnni",
             IsaPath::Neon => "neon",
+            IsaPath::NeonDot => "neondot",
         }
     }
 
@@ -45,6 +56,7 @@ impl IsaPath {
             "avx512" => Some(IsaPath::Avx512),
             "avx512vnni" => Some(IsaPath::Avx512Vnni),
             "neon" => Some(IsaPath::Neon),
+            "neondot" => Some(IsaPath::NeonDot),
             _ => None,
         }
     }
@@ -70,6 +82,8 @@ impl IsaPath {
             IsaPath::Avx512Vnni => IsaPath::Avx512.supported() && is_x86_feature_detected!("avx512vnni"),
             #[cfg(target_arch = "aarch64")]
             IsaPath::Neon => std::arch::is_aarch64_feature_detected!("neon"),
+            #[cfg(target_arch = "aarch64")]
+            IsaPath::NeonDot => IsaPath::Neon.supported() && std::arch::is_aarch64_feature_detected!("dotprod"),
             #[allow(unreachable_patterns)]
             _ => false,
         }
@@ -108,8 +122,14 @@ impl Isa {
         matches!(self.0, IsaPath::Avx512 | IsaPath::Avx512Vnni)
     }
 
+    /// NEON is there (both AArch64 paths).
     pub fn is_neon(self) -> bool {
-        self.0 == IsaPath::Neon
+        matches!(self.0, IsaPath::Neon | IsaPath::NeonDot)
+    }
+
+    /// The Armv8.2 dot-product instructions are there.
+    pub fn has_dotprod(self) -> bool {
+        self.0 == IsaPath::NeonDot
     }
 
     /// The best path this CPU supports.
@@ -127,7 +147,9 @@ impl Isa {
         match std::env::var("MLXCEL_CPU_ISA") {
             Ok(v) if !v.trim().is_empty() => {
                 let path = IsaPath::parse(&v).ok_or_else(|| {
-                    format!("MLXCEL_CPU_ISA=`{v}` is not one of scalar, avx2, avxvnni, avx512, avx512vnni, neon")
+                    format!(
+                        "MLXCEL_CPU_ISA=`{v}` is not one of scalar, avx2, avxvnni, avx512, avx512vnni, neon, neondot"
+                    )
                 })?;
                 Isa::detect(path).ok_or_else(|| {
                     format!(
@@ -144,7 +166,8 @@ impl Isa {
 
 /// Defines a kernel once and compiles it per SIMD path: `$name::scalar`, `$name::avx2`,
 /// `$name::avx512` (x86-64) and `$name::neon` (AArch64), plus `$name::run(isa, ..)` to dispatch (the
-/// VNNI paths run the AVX2 and AVX-512 builds: VNNI only matters to the integer kernels).
+/// VNNI paths run the AVX2 and AVX-512 builds, `neondot` the NEON one: the dot-product instructions
+/// only matter to the integer kernels).
 /// The body is written so the compiler vectorises it (independent accumulators, no early exits).
 #[macro_export]
 macro_rules! simd_kernel {
@@ -181,7 +204,7 @@ macro_rules! simd_kernel {
                     #[cfg(target_arch = "x86_64")]
                     $crate::isa::IsaPath::Avx512 | $crate::isa::IsaPath::Avx512Vnni => unsafe { avx512($($p),*) },
                     #[cfg(target_arch = "aarch64")]
-                    $crate::isa::IsaPath::Neon => unsafe { neon($($p),*) },
+                    $crate::isa::IsaPath::Neon | $crate::isa::IsaPath::NeonDot => unsafe { neon($($p),*) },
                     _ => scalar($($p),*),
                 }
             }

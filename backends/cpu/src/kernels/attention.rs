@@ -297,6 +297,7 @@ struct Partial<'a> {
     acc: &'a mut [f32],
     /// The split is the whole context: a kernel may normalise the weights before the value pass
     /// (and report a sum of 1), as the AVX2 one does.
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     normalize: bool,
 }
 

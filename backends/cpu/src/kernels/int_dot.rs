@@ -31,6 +31,10 @@ pub enum ActOrder {
     /// Per block of 32: even elements, then odd ones (4-bit weights on the 256-bit kernels: the low
     /// and high nibbles of each byte).
     Nibbles,
+    /// [`ActOrder::Nibbles`], plus a copy of each block split into byte planes for the NEON kernel
+    /// (4-bit weights): the low bytes of its 32 values (unsigned), then their high bytes (signed), so
+    /// that `x = 256·hi + lo` and each half is an 8-bit `udot`/`sdot` operand.
+    NibblePlanes,
     /// `bits`-bit weights (2, 4, 8) on the 512-bit kernels. Blocks go in sets of `16 / bits` (one
     /// 64-byte vector of packed weights; the row's last set may be shorter); within a set, value 0 of
     /// every 16-bit weight word of all its blocks (block by block), then value 1, and so on: the
@@ -43,6 +47,7 @@ impl ActOrder {
     pub fn for_weights(isa: Isa, bits: usize, group: usize) -> ActOrder {
         match bits {
             2 | 4 | 8 if isa.has_avx512() && matches!(group, 32 | 64 | 128) => ActOrder::Fields(bits),
+            4 if isa.is_neon() => ActOrder::NibblePlanes,
             4 => ActOrder::Nibbles,
             _ => ActOrder::Natural,
         }
@@ -53,7 +58,7 @@ impl ActOrder {
         let (blk, u) = (e / 32, e % 32);
         match self {
             ActOrder::Natural => e,
-            ActOrder::Nibbles => blk * 32 + u % 2 * 16 + u / 2,
+            ActOrder::Nibbles | ActOrder::NibblePlanes => blk * 32 + u % 2 * 16 + u / 2,
             ActOrder::Fields(bits) => {
                 let per_word = 16 / bits; // values per 16-bit word, and blocks per set
                 let words = 2 * bits; // 16-bit words per block
@@ -78,6 +83,9 @@ pub struct IntActs {
     pub d: Vec<f32>,
     /// Per weight group: exact Σx (for the affine bias term).
     pub group_sums: Vec<f32>,
+    /// [`ActOrder::NibblePlanes`] only: 64 bytes per block (the low bytes of `q`'s 32 values, then
+    /// their high bytes).
+    pub planes: Vec<u8>,
 }
 
 /// Identifies one quantization of one activation tensor.
@@ -124,10 +132,24 @@ pub fn quantize_acts(isa: Isa, x: &[f32], t: usize, k: usize, group: usize, orde
                 }
                 r
             }
-            _ => quantize_block(isa, xs, &mut out.q[b * 32..(b + 1) * 32], order == ActOrder::Nibbles),
+            _ => {
+                let nibbles = matches!(order, ActOrder::Nibbles | ActOrder::NibblePlanes);
+                quantize_block(isa, xs, &mut out.q[b * 32..(b + 1) * 32], nibbles)
+            }
         };
         out.d[b] = d;
         out.group_sums[b / group_blocks] += sum;
+    }
+    out.planes.clear();
+    if order == ActOrder::NibblePlanes {
+        out.planes.resize(t * k * 2, 0);
+        for (q, p) in out.q.chunks_exact(32).zip(out.planes.chunks_exact_mut(64)) {
+            for (i, v) in q.iter().enumerate() {
+                let [lo, hi] = v.to_le_bytes();
+                p[i] = lo;
+                p[32 + i] = hi;
+            }
+        }
     }
 }
 
@@ -189,16 +211,26 @@ pub struct ActRow<'a> {
     pub d: &'a [f32],
     pub group_sums: &'a [f32],
     pub order: ActOrder,
+    /// The row's byte planes ([`ActOrder::NibblePlanes`]; else empty).
+    pub planes: &'a [u8],
 }
 
 /// `Σ x · (s·q + b)` for one packed row and one int16 activation row: per block `d_x · s_g · Σ q·x16`,
 /// plus the exact `b_g · Σx` per group. On x86 the 512-bit kernel for activations in
-/// [`ActOrder::Fields`], the 256-bit one for 4 and 8 bits otherwise; the portable loop for the rest.
+/// [`ActOrder::Fields`], the 256-bit one for 4 and 8 bits otherwise; on AArch64 the NEON kernel for
+/// 4 bits; the portable loop for the rest.
 #[inline]
 pub fn dot_row(isa: Isa, w: QuantRow, x: ActRow) -> f32 {
     #[cfg(target_arch = "x86_64")]
     if let Some(v) = x86::dot_row(isa, w, x) {
         return v;
+    }
+    #[cfg(target_arch = "aarch64")]
+    {
+        let mut out = [0f32];
+        if arm::dot_rows(isa, w, &[x], &mut out) {
+            return out[0];
+        }
     }
     let _ = isa;
     dot_row_scalar(w, x)
@@ -212,6 +244,10 @@ pub fn dot_rows<const NT: usize>(isa: Isa, w: QuantRow, x: &[ActRow; NT], out: &
     if x86::dot_rows(isa, w, x, out) {
         return;
     }
+    #[cfg(target_arch = "aarch64")]
+    if arm::dot_rows(isa, w, x, out) {
+        return;
+    }
     for t in 0..NT {
         out[t] = dot_row(isa, w, x[t]);
     }
@@ -220,14 +256,19 @@ pub fn dot_rows<const NT: usize>(isa: Isa, w: QuantRow, x: &[ActRow; NT], out: &
 /// Whether [`dot_rows`] gives every token exactly the bits [`dot_tile`] gives it alone, for weights
 /// of `bits` and `group` and activations in `order`: then several sequences' tokens may share a
 /// pass (each block unpacked once for all of them) without a sequence's result depending on its
-/// batch-mates. True of the 512-bit kernels, whose per-token arithmetic does not depend on how many
-/// tokens a pass takes and whose reductions share one order ([`x86`]'s `hsum_pairs`).
+/// batch-mates. True of the 512-bit kernels and the NEON one, whose per-token arithmetic does not
+/// depend on how many tokens a pass takes and whose reductions share one order.
 pub fn passes_match_tile(isa: Isa, bits: usize, group: usize, order: ActOrder) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         x86::wide(isa, bits, group, order)
     }
-    #[cfg(not(target_arch = "x86_64"))]
+    #[cfg(target_arch = "aarch64")]
+    {
+        let _ = group;
+        arm::applies(isa, bits, order)
+    }
+    #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
     {
         let _ = (isa, bits, group, order);
         false
@@ -271,7 +312,7 @@ fn dot_row_scalar(w: QuantRow, x: ActRow) -> f32 {
     let mut acc = 0f32;
     for (blk, bw) in w.words.chunks_exact(per_block).enumerate() {
         let mut isum = 0i32;
-        if w.bits == 4 && x.order == ActOrder::Nibbles {
+        if w.bits == 4 && matches!(x.order, ActOrder::Nibbles | ActOrder::NibblePlanes) {
             let xb = &x.q[blk * 32..(blk + 1) * 32];
             for (j, word) in bw.iter().enumerate() {
                 for k in 0..4 {
@@ -1329,6 +1370,267 @@ mod x86 {
     );
 }
 
+/// The NEON kernel: 4-bit weights (groups of 32, 64 or 128) against activations in
+/// [`ActOrder::NibblePlanes`]. A block's integer sum `Σ q·x16` is `256·Σ q·hi + Σ q·lo` over its
+/// byte planes: two `udot` and two `sdot` where the CPU has them (`neondot`), widening multiplies
+/// and pairwise adds otherwise (`neon`). Either gives each block's exact sum, and four blocks are
+/// reduced to one vector of their totals before anything is rounded, so both builds give the same
+/// bits, and a token's arithmetic does not depend on how many tokens share its pass.
+#[cfg(target_arch = "aarch64")]
+mod arm {
+    use std::arch::aarch64::*;
+    use std::arch::asm;
+
+    use super::{ActOrder, ActRow, Floats, QuantRow};
+    use crate::isa::Isa;
+
+    /// Whether the NEON kernel serves `bits`-bit weights with activations in `order`.
+    pub fn applies(isa: Isa, bits: usize, order: ActOrder) -> bool {
+        isa.is_neon() && bits == 4 && order == ActOrder::NibblePlanes
+    }
+
+    /// [`super::dot_rows`] (and, with one row, [`super::dot_row`]) on NEON; false where the portable
+    /// loop runs.
+    pub fn dot_rows<const NT: usize>(isa: Isa, w: QuantRow, x: &[ActRow; NT], out: &mut [f32; NT]) -> bool {
+        if !applies(isa, w.bits, x[0].order)
+            || !matches!(w.group_blocks, 1 | 2 | 4)
+            || x.iter().any(|r| {
+                let nb = w.words.len() / 4;
+                r.order != x[0].order
+                    || r.planes.len() < nb * 64
+                    || r.d.len() < nb
+                    || r.group_sums.len() < nb / w.group_blocks
+            })
+        {
+            return false;
+        }
+        // SAFETY: NEON (and the dot product on its path) are present: an `Isa` exists only for a
+        // path this CPU supports. Every load stays inside the row's words, scales and biases and
+        // each token's planes, block scales and group sums (checked above).
+        unsafe {
+            match (w.scales, w.biases, isa.has_dotprod()) {
+                (Floats::F16(s), Floats::F16(b), true) => rows_dotprod::<Half, NT>(w, s.as_ptr(), b.as_ptr(), x, out),
+                (Floats::F16(s), Floats::F16(b), false) => rows_neon::<Half, NT>(w, s.as_ptr(), b.as_ptr(), x, out),
+                (Floats::BF16(s), Floats::BF16(b), true) => {
+                    rows_dotprod::<Brain, NT>(w, s.as_ptr(), b.as_ptr(), x, out)
+                }
+                (Floats::BF16(s), Floats::BF16(b), false) => rows_neon::<Brain, NT>(w, s.as_ptr(), b.as_ptr(), x, out),
+                (Floats::F32(s), Floats::F32(b), dp) => {
+                    let (sp, bp) = (s.as_ptr() as *const u16, b.as_ptr() as *const u16);
+                    if dp {
+                        rows_dotprod::<Single, NT>(w, sp, bp, x, out)
+                    } else {
+                        rows_neon::<Single, NT>(w, sp, bp, x, out)
+                    }
+                }
+                _ => return false, // mixed storage: the portable path's
+            }
+        }
+        true
+    }
+
+    /// How scales and biases are stored; `load` reads `m ≤ 4` of them from element `i` as f32 (the
+    /// lanes past `m` zero, nothing past them read).
+    trait ScaleKind {
+        unsafe fn load(p: *const u16, i: usize, m: usize) -> float32x4_t;
+    }
+    struct Half;
+    struct Brain;
+    struct Single;
+
+    /// Four 16-bit values from `p + i`, or the first `m` and zeros.
+    #[inline(always)]
+    unsafe fn load_u16x4(p: *const u16, i: usize, m: usize) -> uint16x4_t {
+        if m == 4 {
+            return vld1_u16(p.add(i));
+        }
+        let mut a = [0u16; 4];
+        std::ptr::copy_nonoverlapping(p.add(i), a.as_mut_ptr(), m);
+        vld1_u16(a.as_ptr())
+    }
+
+    impl ScaleKind for Half {
+        #[inline(always)]
+        unsafe fn load(p: *const u16, i: usize, m: usize) -> float32x4_t {
+            let h = load_u16x4(p, i, m);
+            let f: float32x4_t;
+            // `fcvtl` is base Armv8 (the f16 intrinsics are not stable Rust).
+            asm!("fcvtl {0:v}.4s, {1:v}.4h", out(vreg) f, in(vreg) h, options(pure, nomem, nostack));
+            f
+        }
+    }
+    impl ScaleKind for Brain {
+        #[inline(always)]
+        unsafe fn load(p: *const u16, i: usize, m: usize) -> float32x4_t {
+            vreinterpretq_f32_u32(vshll_n_u16::<16>(load_u16x4(p, i, m)))
+        }
+    }
+    impl ScaleKind for Single {
+        #[inline(always)]
+        unsafe fn load(p: *const u16, i: usize, m: usize) -> float32x4_t {
+            load_f32x4(p as *const f32, i, m)
+        }
+    }
+
+    /// Four f32 from `p + i`, or the first `m` and zeros.
+    #[inline(always)]
+    unsafe fn load_f32x4(p: *const f32, i: usize, m: usize) -> float32x4_t {
+        if m == 4 {
+            return vld1q_f32(p.add(i));
+        }
+        let mut a = [0f32; 4];
+        std::ptr::copy_nonoverlapping(p.add(i), a.as_mut_ptr(), m);
+        vld1q_f32(a.as_ptr())
+    }
+
+    /// One block's products as four lanes that sum to `Σ q·x16` (how the sum is split over the
+    /// lanes differs between the implementations; the total does not). `even`/`odd` are the block's
+    /// low and high nibbles, `p` its 64 bytes of planes (low bytes of the even and odd elements,
+    /// then their high bytes).
+    trait BlockDot {
+        unsafe fn block(even: uint8x16_t, odd: uint8x16_t, p: *const u8) -> int32x4_t;
+    }
+    /// `udot`/`sdot` (through `asm!`: the dot-product intrinsics are not stable Rust).
+    struct DotProd;
+    /// Widening multiplies and pairwise adds (every NEON CPU).
+    struct Widen;
+
+    impl BlockDot for DotProd {
+        #[inline(always)]
+        unsafe fn block(even: uint8x16_t, odd: uint8x16_t, p: *const u8) -> int32x4_t {
+            let (le, lo_odd) = (vld1q_u8(p), vld1q_u8(p.add(16)));
+            let (he, ho) = (vld1q_u8(p.add(32)), vld1q_u8(p.add(48)));
+            let mut lo = vdupq_n_u32(0);
+            let mut hi = vdupq_n_s32(0);
+            // Weights are 0..=15, so they are the same bytes as signed operands of `sdot`.
+            asm!(
+                "udot {lo:v}.4s, {e:v}.16b, {le:v}.16b",
+                "udot {lo:v}.4s, {o:v}.16b, {lodd:v}.16b",
+                "sdot {hi:v}.4s, {e:v}.16b, {he:v}.16b",
+                "sdot {hi:v}.4s, {o:v}.16b, {ho:v}.16b",
+                lo = inout(vreg) lo,
+                hi = inout(vreg) hi,
+                e = in(vreg) even,
+                o = in(vreg) odd,
+                le = in(vreg) le,
+                lodd = in(vreg) lo_odd,
+                he = in(vreg) he,
+                ho = in(vreg) ho,
+                options(pure, nomem, nostack),
+            );
+            vmlaq_n_s32(vreinterpretq_s32_u32(lo), hi, 256)
+        }
+    }
+
+    impl BlockDot for Widen {
+        #[inline(always)]
+        unsafe fn block(even: uint8x16_t, odd: uint8x16_t, p: *const u8) -> int32x4_t {
+            let (le, lo_odd) = (vld1q_u8(p), vld1q_u8(p.add(16)));
+            let (he, ho) = (vld1q_s8(p.add(32) as *const i8), vld1q_s8(p.add(48) as *const i8));
+            // Four products per 16-bit lane: at most 4·15·255 unsigned, 4·15·128 in magnitude signed.
+            let mut lo = vmull_u8(vget_low_u8(even), vget_low_u8(le));
+            lo = vmlal_high_u8(lo, even, le);
+            lo = vmlal_u8(lo, vget_low_u8(odd), vget_low_u8(lo_odd));
+            lo = vmlal_high_u8(lo, odd, lo_odd);
+            let (es, os) = (vreinterpretq_s8_u8(even), vreinterpretq_s8_u8(odd));
+            let mut hi = vmull_s8(vget_low_s8(es), vget_low_s8(he));
+            hi = vmlal_high_s8(hi, es, he);
+            hi = vmlal_s8(hi, vget_low_s8(os), vget_low_s8(ho));
+            hi = vmlal_high_s8(hi, os, ho);
+            vmlaq_n_s32(vreinterpretq_s32_u32(vpaddlq_u16(lo)), vpaddlq_s16(hi), 256)
+        }
+    }
+
+    /// `NT` activation rows against one row of 4-bit weights (its first scale and bias at `sp`,
+    /// `bp`): per token, the bias term and the block terms four at a time into four lanes, then
+    /// their sum. Each block's weights are unpacked once for all tokens.
+    #[inline(always)]
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn rows<D: BlockDot, S: ScaleKind, const NT: usize>(
+        w: QuantRow,
+        sp: *const u16,
+        bp: *const u16,
+        x: &[ActRow; NT],
+        out: &mut [f32; NT],
+    ) {
+        let nb = w.words.len() / 4; // 16 bytes per block of 32
+        let gb = w.group_blocks;
+        let groups = nb / gb;
+        let wp = w.words.as_ptr() as *const u8;
+        let mut acc = [vdupq_n_f32(0.0); NT];
+        let mut g = 0;
+        while g < groups {
+            let m = 4.min(groups - g);
+            let b = S::load(bp, w.group0 + g, m);
+            for t in 0..NT {
+                acc[t] = vfmaq_f32(acc[t], b, load_f32x4(x[t].group_sums.as_ptr(), g, m));
+            }
+            g += 4;
+        }
+        let mut b0 = 0;
+        while b0 < nb {
+            let m = 4.min(nb - b0);
+            // The four blocks' scales (groups of 64 and 128 span two and four blocks).
+            let s = match gb {
+                1 => S::load(sp, w.group0 + b0, m),
+                2 => {
+                    let v = S::load(sp, w.group0 + b0 / 2, m.div_ceil(2));
+                    vzip1q_f32(v, v)
+                }
+                _ => vdupq_laneq_f32::<0>(S::load(sp, w.group0 + b0 / 4, 1)),
+            };
+            let mut even = [vdupq_n_u8(0); 4];
+            let mut odd = [vdupq_n_u8(0); 4];
+            for j in 0..m {
+                let v = vld1q_u8(wp.add((b0 + j) * 16));
+                even[j] = vandq_u8(v, vdupq_n_u8(15));
+                odd[j] = vshrq_n_u8::<4>(v);
+            }
+            for t in 0..NT {
+                let p = x[t].planes.as_ptr().add(b0 * 64);
+                let mut ints = [vdupq_n_s32(0); 4];
+                for j in 0..m {
+                    ints[j] = D::block(even[j], odd[j], p.add(j * 64));
+                }
+                // Lane j: block b0 + j's exact sum (below 2²⁴, so exact in f32 too).
+                let sums = vpaddq_s32(vpaddq_s32(ints[0], ints[1]), vpaddq_s32(ints[2], ints[3]));
+                let factor = vmulq_f32(s, load_f32x4(x[t].d.as_ptr(), b0, m));
+                acc[t] = vfmaq_f32(acc[t], vcvtq_f32_s32(sums), factor);
+            }
+            b0 += 4;
+        }
+        for t in 0..NT {
+            out[t] = vaddvq_f32(acc[t]);
+        }
+    }
+
+    /// # Safety
+    /// NEON and the dot product must be present; the row and activations as [`dot_rows`] checks.
+    #[target_feature(enable = "neon,dotprod")]
+    unsafe fn rows_dotprod<S: ScaleKind, const NT: usize>(
+        w: QuantRow,
+        sp: *const u16,
+        bp: *const u16,
+        x: &[ActRow; NT],
+        out: &mut [f32; NT],
+    ) {
+        rows::<DotProd, S, NT>(w, sp, bp, x, out)
+    }
+
+    /// # Safety
+    /// NEON must be present; the row and activations as [`dot_rows`] checks.
+    #[target_feature(enable = "neon")]
+    unsafe fn rows_neon<S: ScaleKind, const NT: usize>(
+        w: QuantRow,
+        sp: *const u16,
+        bp: *const u16,
+        x: &[ActRow; NT],
+        out: &mut [f32; NT],
+    ) {
+        rows::<Widen, S, NT>(w, sp, bp, x, out)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1397,9 +1699,14 @@ mod tests {
 
     #[test]
     fn act_orders_place_every_element_once() {
-        for order in
-            [ActOrder::Natural, ActOrder::Nibbles, ActOrder::Fields(2), ActOrder::Fields(4), ActOrder::Fields(8)]
-        {
+        for order in [
+            ActOrder::Natural,
+            ActOrder::Nibbles,
+            ActOrder::NibblePlanes,
+            ActOrder::Fields(2),
+            ActOrder::Fields(4),
+            ActOrder::Fields(8),
+        ] {
             for nb in [1, 2, 3, 5, 8, 9, 17, 18] {
                 let mut seen = vec![false; nb * 32];
                 for e in 0..nb * 32 {
@@ -1443,7 +1750,7 @@ mod tests {
                     };
                     // Activations with an outlier channel, as real models have.
                     let x: Vec<f32> = (0..t * k).map(|i| rng.uniform() * if i % k == 7 { 30.0 } else { 1.0 }).collect();
-                    // Per activation order: the first x86 path's results, which the others must equal.
+                    // Per activation order: the first SIMD path's results, which the others must equal.
                     let mut seen: Vec<(ActOrder, Vec<f32>)> = Vec::new();
                     let what = format!("bits {bits} group {group} k {k} scales {kind}");
                     let mut want = None;
@@ -1462,6 +1769,7 @@ mod tests {
                                 d: &acts.d[ti * k / 32..(ti + 1) * k / 32],
                                 group_sums: &acts.group_sums[ti * gpr..(ti + 1) * gpr],
                                 order,
+                                planes: acts.planes.get(ti * 2 * k..(ti + 1) * 2 * k).unwrap_or(&[]),
                             };
                             // Results, and the (token, row) each is for.
                             let (mut got, mut at) = (Vec::new(), Vec::new());
@@ -1530,6 +1838,12 @@ mod tests {
                                 let rows = x86::dot_rows(isa, w.row(0), &std::array::from_fn(act), &mut [0f32; 4]);
                                 assert_eq!(rows, wide || bits == 4, "{what} {}", isa.name());
                             }
+                            // The NEON kernel ran where it applies.
+                            #[cfg(target_arch = "aarch64")]
+                            if isa.is_neon() {
+                                let ran = arm::dot_rows(isa, w.row(0), &[act(0)], &mut [0f32]);
+                                assert_eq!(ran, bits == 4, "{what} {}", isa.name());
+                            }
                             // Against the exact value of the formula, and the portable path's result.
                             let exact: Vec<(f64, f64)> =
                                 at.iter().map(|&(ti, r)| reference(w.row(r), act(ti))).collect();
@@ -1543,7 +1857,7 @@ mod tests {
                                     scalar[i]
                                 );
                             }
-                            if isa.has_avx2() {
+                            if isa.has_avx2() || isa.is_neon() {
                                 match seen.iter().find(|(o, _)| *o == order) {
                                     Some((_, first)) => assert!(
                                         first == &got,

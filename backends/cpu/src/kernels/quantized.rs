@@ -134,8 +134,9 @@ pub const FLOAT_TILES_MIN_TOKENS: usize = 64;
 
 /// `out[T, N] = x[T, K] · dequant(w)ᵀ`. With `int` (scratch for quantized activations, and the
 /// caller's name for `x` so matmuls sharing an input quantize it once), steps where
-/// [`int_path_applies`] take the int16-activation path; larger steps, NEON, or `int = None`
-/// (`MLXCEL_CPU_INT16=0`) take the exact f32 paths. `segments` as for [`qmatmul_shared_input`].
+/// [`int_path_applies`] take the int16-activation path; larger steps, widths without a NEON kernel,
+/// or `int = None` (`MLXCEL_CPU_INT16=0`) take the exact f32 paths. `segments` as for
+/// [`qmatmul_shared_input`].
 #[allow(clippy::too_many_arguments)]
 pub fn qmatmul(
     isa: Isa,
@@ -211,12 +212,13 @@ pub struct QuantPart<'a, 'o> {
 
 /// Whether [`qmatmul`] takes the int16 path for `bits`-bit weights and a `t`-token step (so matmuls
 /// sharing an input can go through [`qmatmul_shared_input`] together). The integer kernels are
-/// hand-written for x86 (256-bit for AVX2, 512-bit for AVX-512, each with a VNNI build); `scalar` runs the portable version of
-/// the same arithmetic (so CI checks it). On NEON, which has no integer kernel yet, the int path
-/// would be that scalar code, so the float paths (auto-vectorised for NEON) are used instead — a
-/// choice by reasoning, not yet measured on ARM hardware.
+/// hand-written for x86 (256-bit for AVX2, 512-bit for AVX-512, each with a VNNI build) and for 4-bit
+/// weights on AArch64 (NEON, with a `sdot`/`udot` build); `scalar` runs the portable version of the
+/// same arithmetic (so CI checks it). Other widths on NEON would run that portable code, so they take
+/// the float paths (auto-vectorised for NEON) instead.
 pub fn int_path_applies(isa: Isa, bits: usize, t: usize, int_enabled: bool) -> bool {
-    int_enabled && !isa.is_neon() && matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) && t < FLOAT_TILES_MIN_TOKENS
+    let kernel = if isa.is_neon() { bits == 4 } else { matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) };
+    int_enabled && kernel && t < FLOAT_TILES_MIN_TOKENS
 }
 
 /// The kernel a quantized matmul takes for rows of a sequence with `seq_tokens` tokens in the step.
@@ -297,6 +299,7 @@ pub fn qmatmul_shared_input<'a, 'o>(
         d: &acts.d[ti * k / 32..(ti + 1) * k / 32],
         group_sums: &acts.group_sums[ti * gpr..(ti + 1) * gpr],
         order,
+        planes: acts.planes.get(ti * 2 * k..(ti + 1) * 2 * k).unwrap_or(&[]),
     };
     debug_assert!(segments.is_empty() || (segments.last() == Some(&t) && segments.windows(2).all(|p| p[0] <= p[1])));
     let multi = w0.bits == 4 || matches!(order, ActOrder::Fields(_));
