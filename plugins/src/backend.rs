@@ -63,6 +63,11 @@ impl BackendPlugin {
         self.vt.kv_alloc.is_some()
     }
 
+    /// Whether the plugin copies KV blocks inside its caches (ABI 2.1 `copy_blocks`).
+    pub fn copies_kv_blocks(&self) -> bool {
+        self.vt.copy_blocks.is_some()
+    }
+
     /// Score, features and devices; a plugin that fails to describe itself scores 0.
     pub fn describe(&self) -> BackendDescription {
         let mut info = BackendInfo::zeroed();

@@ -5,7 +5,9 @@
 //! walking its own chain from the start. Entries hold `Arc<KvBlock>`s: a page in use by sequences is
 //! shared by reference count, and one only the cache holds is free to evict, least recently used first.
 //! Only full pages are ever cached, and a sequence never writes into a page it did not fill itself,
-//! so no page is copied on write.
+//! so no page is copied on write. A prompt that shares only the head of a cached page (the prefix ends
+//! inside it) gets that page's matching positions copied into a page of its own
+//! ([`PrefixCache::lookup_partial`]).
 
 use std::collections::HashMap;
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -86,6 +88,22 @@ impl PrefixCache {
             parent = key;
         }
         PrefixHit { pages: found, key: parent }
+    }
+
+    /// After the prefix keyed `parent`, the cached page whose tokens start with the longest run of
+    /// `next` (at most a page of the prompt's following tokens), and that run's length, if any; marked
+    /// as just used. Its head is what a new sequence may copy instead of computing. Found by a scan
+    /// of the entries: one per admission, over at most the pool's pages.
+    pub fn lookup_partial(&mut self, parent: u64, next: &[u32]) -> Option<(Arc<KvBlock>, usize)> {
+        let common = |e: &Entry| e.tokens.iter().zip(next).take_while(|(a, b)| a == b).count();
+        let (n, e) =
+            self.entries.values_mut().filter(|e| e.parent == parent).map(|e| (common(e), e)).max_by_key(|(n, _)| *n)?;
+        if n == 0 {
+            return None;
+        }
+        self.clock += 1;
+        e.last_used = self.clock;
+        Some((e.page.clone(), n))
     }
 
     /// Offers a freshly filled page holding `tokens` (a whole page) after the prefix keyed `parent`, at
@@ -200,6 +218,23 @@ mod tests {
         drop(cache.lookup(&t, usize::MAX)); // all three used at the same instant
         assert!(cache.evict_one());
         assert_eq!(cache.lookup(&t, usize::MAX).pages.len(), 2, "the third page went, the first two still chain");
+    }
+
+    #[test]
+    fn the_longest_matching_head_of_a_following_page_is_found() {
+        let pool = KvBlockPool::new(16, 4);
+        let mut cache = PrefixCache::new(4);
+        let a = fill(&pool, &mut cache, &[1, 2, 3, 4, 5, 6, 7, 8]);
+        let b = fill(&pool, &mut cache, &[1, 2, 3, 4, 5, 6, 9, 9]);
+        let first = cache.lookup(&[1, 2, 3, 4], 1).key;
+        let (page, n) = cache.lookup_partial(first, &[5, 6, 7]).unwrap();
+        assert_eq!((page.id(), n), (a.blocks[1], 3), "three of a's second page");
+        let (page, n) = cache.lookup_partial(first, &[5, 6, 9, 1]).unwrap();
+        assert_eq!((page.id(), n), (b.blocks[1], 3));
+        assert_eq!(cache.lookup_partial(first, &[5, 6]).map(|(_, n)| n), Some(2));
+        assert!(cache.lookup_partial(first, &[7]).is_none(), "no page starts with 7 there");
+        assert!(cache.lookup_partial(ROOT, &[5, 6]).is_none(), "5, 6 start no first page");
+        assert!(cache.lookup_partial(first, &[]).is_none());
     }
 
     #[test]

@@ -6,8 +6,8 @@ use std::path::Path;
 
 use anyhow::{bail, Context, Result};
 use mlxcel_plugin_api::{
-    BufferHandle, ComputeArgs, DType, HostTensor, KvBinding, KvCacheDesc, KvGroupTables, KvKind, Node, OpCode,
-    StepBatch, StepDesc, Task, Versioned, NO_BLOCK, TOPK_INDICES, TOPK_VALUES,
+    BlockCopy, BufferHandle, ComputeArgs, DType, HostTensor, KvBinding, KvCacheDesc, KvGroupTables, KvKind, Node,
+    OpCode, StepBatch, StepDesc, Task, Versioned, NO_BLOCK, TOPK_INDICES, TOPK_VALUES,
 };
 use mlxcel_plugins::{
     BackendContext, BackendPlugin, Catalog, DeviceBuffer, FamilyModel, FamilyPlugin, ModelInfo, SelectError,
@@ -135,6 +135,8 @@ pub struct SeqChunk<'a> {
 struct LayerState {
     k: Option<DeviceBuffer>,
     v: Option<DeviceBuffer>,
+    /// How `k` and `v` were allocated (for copying their blocks).
+    kv_desc: Option<(KvCacheDesc, KvCacheDesc)>,
     state: Option<DeviceBuffer>,
     group: u32,
     state_elems: usize,
@@ -212,7 +214,8 @@ impl DeviceState {
         let mut layers = Vec::with_capacity(info.kv_layers.len());
         let mut kv_bytes = 0u64;
         for (l, group) in info.kv_layers.iter().zip(&plan.layer_group) {
-            let mut st = LayerState { k: None, v: None, state: None, group: 0, state_elems: l.state_elems };
+            let mut st =
+                LayerState { k: None, v: None, kv_desc: None, state: None, group: 0, state_elems: l.state_elems };
             match (l.kind, group) {
                 (KvKind::Full | KvKind::SlidingWindow, Some(group)) => {
                     st.group = *group;
@@ -224,9 +227,10 @@ impl DeviceState {
                         dtype: t.dtype() as u32,
                         ..KvCacheDesc::zeroed()
                     };
-                    let (k, v) = (backend.kv_alloc(&desc(cache_types.k))?, backend.kv_alloc(&desc(cache_types.v))?);
+                    let (dk, dv) = (desc(cache_types.k), desc(cache_types.v));
+                    let (k, v) = (backend.kv_alloc(&dk)?, backend.kv_alloc(&dv)?);
                     kv_bytes += (k.len() + v.len()) as u64;
-                    (st.k, st.v) = (Some(k), Some(v));
+                    (st.k, st.v, st.kv_desc) = (Some(k), Some(v), Some((dk, dv)));
                 }
                 (KvKind::Recurrent, _) => {
                     let state = backend.alloc(plan.state_slots * l.state_elems * 4)?;
@@ -827,6 +831,25 @@ impl ModelRunner {
         let mut bytes = vec![0u8; row];
         backend.read(state, slot as usize * row, &mut bytes)?;
         Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
+    }
+
+    /// Copies KV page `src` into page `dst` in every layer's K and V (a sequence taking the head of a
+    /// cached page); `Ok(false)`, copying nothing, where the backend cannot copy blocks or lays out no
+    /// KV cache of its own. Only between steps.
+    pub fn copy_page(&mut self, src: u32, dst: u32) -> Result<bool> {
+        if !self.backend_plugin.owns_kv_layout() || !self.backend_plugin.copies_kv_blocks() {
+            return Ok(false);
+        }
+        anyhow::ensure!(self.in_flight.is_none(), "internal: a KV page copy while a step is in flight");
+        let DeviceState { layers, backend, .. } = &mut self.device;
+        let copy = [BlockCopy { src, dst }];
+        for l in layers.iter_mut() {
+            if let (Some(k), Some(v), Some((dk, dv))) = (&mut l.k, &mut l.v, &l.kv_desc) {
+                backend.copy_blocks(k, dk, &copy)?;
+                backend.copy_blocks(v, dv, &copy)?;
+            }
+        }
+        Ok(true)
     }
 
     /// Copies `from`'s state row into `to`'s in every layer that keeps state (both sequences hold a

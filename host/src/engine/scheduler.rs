@@ -45,6 +45,12 @@ pub trait StepModel {
     /// Whether one sequence may reuse another's KV pages for a shared prefix. Not for models with
     /// state outside the pages (recurrent layers) or pages freed outside a window (sliding window).
     fn prefix_reuse_safe(&self) -> bool;
+    /// Copies KV page `src` into page `dst` in every layer (no step in flight); `Ok(false)` where the
+    /// backend cannot, and then nothing changed.
+    fn copy_page(&mut self, src: u32, dst: u32) -> anyhow::Result<bool> {
+        let _ = (src, dst);
+        Ok(false)
+    }
     /// Moves on whenever the model lost its cached state (its backend was rebuilt after a plugin panic):
     /// every sequence's KV must then be computed again.
     fn state_epoch(&self) -> u64 {
@@ -73,6 +79,9 @@ impl StepModel for ModelRunner {
     }
     fn prefix_reuse_safe(&self) -> bool {
         self.pool.prefix_reusable()
+    }
+    fn copy_page(&mut self, src: u32, dst: u32) -> anyhow::Result<bool> {
+        ModelRunner::copy_page(self, src, dst)
     }
     fn state_epoch(&self) -> u64 {
         self.state_epoch
@@ -539,31 +548,32 @@ impl<M: StepModel> Scheduler<M> {
     /// Moves waiting requests into free slots, first come first served, while the KV pool can take
     /// their prompts (counting pages found in the prefix cache and cached pages it could evict).
     fn admit(&mut self) {
-        let pool = self.model.kv_cache();
-        let bs = pool.block_size;
+        let bs = self.model.kv_cache().block_size;
         while self.running.len() < self.opts.parallel {
             let Some(seq) = self.waiting.front() else { break };
             // Reuse whole cached pages, but always compute the last token (its logits are needed) in a
             // page this sequence owns.
             let reusable = (seq.tokens.len() - 1) / bs;
-            let hit = if self.reuse_prefixes && seq.cache_prompt {
-                self.cache.lookup(&seq.tokens[..reusable * bs], reusable)
-            } else {
-                Default::default()
-            };
+            let reuse = self.reuse_prefixes && seq.cache_prompt;
+            let hit =
+                if reuse { self.cache.lookup(&seq.tokens[..reusable * bs], reusable) } else { Default::default() };
+            let pool = self.model.kv_cache();
             let need = pool.pages_for(seq.tokens.len()) - hit.pages.len();
             let available = pool.free_blocks() + self.cache.evictable();
             if need > available && !self.running.is_empty() {
                 break;
             }
             let mut seq = self.waiting.pop_front().expect("front exists");
-            let reused = hit.pages.len() * bs;
+            let mut reused = hit.pages.len() * bs;
             for page in hit.pages {
                 seq.kv.push_shared(page);
             }
             seq.kv.len = reused;
             seq.offered_pages = seq.kv.num_pages();
             seq.offered_key = hit.key;
+            if reuse {
+                reused += self.reuse_page_head(&mut seq, hit.key);
+            }
             self.counters.cache_hit_tokens += reused as u64;
             if seq.admitted.is_none() {
                 seq.admitted = Some(Instant::now());
@@ -574,6 +584,39 @@ impl<M: StepModel> Scheduler<M> {
             seq.slot = self.free_slots.pop();
             let at = self.running.partition_point(|s| s.id < seq.id);
             self.running.insert(at, seq);
+        }
+    }
+
+    /// Where the prompt goes on past its whole cached pages (the prefix keyed `parent`) with the head
+    /// of another cached page, copies that page into one of the sequence's own and takes its matching
+    /// positions as computed (never the prompt's last token); returns how many. Nothing where the
+    /// backend cannot copy pages or no page is free.
+    fn reuse_page_head(&mut self, seq: &mut Sequence, parent: u64) -> usize {
+        let start = seq.kv.len;
+        let next = &seq.tokens[start..seq.tokens.len() - 1];
+        let Some((cached, n)) =
+            self.cache.lookup_partial(parent, &next[..next.len().min(self.model.kv_cache().block_size)])
+        else {
+            return 0;
+        };
+        if self.model.kv_cache().free_blocks() == 0 {
+            self.cache.evict_one();
+        }
+        let pool = self.model.kv_cache();
+        if pool.reserve(&mut seq.kv, start + 1).is_err() {
+            return 0;
+        }
+        let own = *seq.kv.blocks.last().expect("a page was reserved");
+        match self.model.copy_page(cached.id(), own) {
+            Ok(true) => {
+                seq.kv.len = start + n;
+                n
+            }
+            Ok(false) => 0,
+            Err(e) => {
+                tracing::warn!("copying a cached KV page failed ({e:#}); computing those tokens instead");
+                0
+            }
         }
     }
 

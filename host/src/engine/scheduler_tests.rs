@@ -36,6 +36,8 @@ struct CheckingModel {
     /// What each step asked to bring back.
     wants: Vec<RowsWanted>,
     in_flight: Option<StepRows>,
+    /// Whether [`StepModel::copy_page`] copies (a backend with `copy_blocks`).
+    copies_pages: bool,
 }
 
 impl CheckingModel {
@@ -48,6 +50,7 @@ impl CheckingModel {
             fail_next: false,
             wants: Vec::new(),
             in_flight: None,
+            copies_pages: true,
         }
     }
 
@@ -115,6 +118,16 @@ impl StepModel for CheckingModel {
     }
     fn prefix_reuse_safe(&self) -> bool {
         true
+    }
+    fn copy_page(&mut self, src: u32, dst: u32) -> anyhow::Result<bool> {
+        anyhow::ensure!(self.in_flight.is_none(), "a page copy while a step is in flight");
+        if !self.copies_pages {
+            return Ok(false);
+        }
+        let bs = self.pool.block_size;
+        let (src, dst) = (src as usize * bs, dst as usize * bs);
+        self.slots.copy_within(src..src + bs, dst);
+        Ok(true)
     }
 }
 
@@ -288,8 +301,37 @@ fn a_repeated_prompt_still_computes_its_last_token() {
     drain(&mut s, &mut a);
     let mut b = vec![submit(&mut s, 2, request(p.clone(), 4)).unwrap()];
     drain(&mut s, &mut b);
-    assert_eq!(b[0].got.usage.cached_tokens, 48, "the page with the last prompt token is recomputed");
+    assert_eq!(b[0].got.usage.cached_tokens, 63, "the last prompt token is recomputed, in a copy of its page");
     same_answer(&a[0].got, &b[0].got);
+}
+
+#[test]
+fn a_prefix_ending_inside_a_page_takes_that_pages_head_from_the_cache() {
+    // 25 whole pages and 7 positions of a 26th are shared.
+    let prefix = prompt(8, 407);
+    let with_suffix = |seed| [prefix.clone(), prompt(seed, 20)].concat();
+    for copies_pages in [true, false] {
+        let mut model = CheckingModel::new(128, 16, 2048);
+        model.copies_pages = copies_pages;
+        let mut s = scheduler(model, opts(4));
+        let mut first = vec![submit(&mut s, 1, request(with_suffix(1), 5)).unwrap()];
+        drain(&mut s, &mut first);
+
+        let second = request(with_suffix(2), 8);
+        let mut c = vec![submit(&mut s, 2, second.clone()).unwrap()];
+        drain(&mut s, &mut c);
+        let cached = if copies_pages { 407 } else { 400 };
+        assert_eq!(c[0].got.usage.cached_tokens, cached, "copies pages: {copies_pages}");
+        let mut uncached = second.clone();
+        uncached.cache_prompt = false;
+        same_answer(&c[0].got, &solo(&uncached));
+        assert_no_leak(&s);
+        // The copied page is the second request's own: the first one's page is still cached as it was.
+        let mut third = vec![submit(&mut s, 3, request(with_suffix(1), 5)).unwrap()];
+        drain(&mut s, &mut third);
+        same_answer(&third[0].got, &first[0].got);
+        assert_eq!(third[0].got.usage.cached_tokens, 416, "26 whole pages, the first request's");
+    }
 }
 
 #[test]
