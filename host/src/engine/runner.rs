@@ -833,13 +833,16 @@ impl ModelRunner {
         Ok(bytes.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
     }
 
+    /// Whether [`ModelRunner::copy_page`] can copy: the backend lays out its KV caches and copies their
+    /// blocks (ABI 2.1).
+    pub fn copies_pages(&self) -> bool {
+        self.backend_plugin.owns_kv_layout() && self.backend_plugin.copies_kv_blocks()
+    }
+
     /// Copies KV page `src` into page `dst` in every layer's K and V (a sequence taking the head of a
-    /// cached page); `Ok(false)`, copying nothing, where the backend cannot copy blocks or lays out no
-    /// KV cache of its own. Only between steps.
-    pub fn copy_page(&mut self, src: u32, dst: u32) -> Result<bool> {
-        if !self.backend_plugin.owns_kv_layout() || !self.backend_plugin.copies_kv_blocks() {
-            return Ok(false);
-        }
+    /// cached page). Only between steps, and only where [`ModelRunner::copies_pages`].
+    pub fn copy_page(&mut self, src: u32, dst: u32) -> Result<()> {
+        anyhow::ensure!(self.copies_pages(), "backend `{}` cannot copy KV blocks", self.backend_plugin.name());
         anyhow::ensure!(self.in_flight.is_none(), "internal: a KV page copy while a step is in flight");
         let DeviceState { layers, backend, .. } = &mut self.device;
         let copy = [BlockCopy { src, dst }];
@@ -849,7 +852,7 @@ impl ModelRunner {
                 backend.copy_blocks(v, dv, &copy)?;
             }
         }
-        Ok(true)
+        Ok(())
     }
 
     /// Copies `from`'s state row into `to`'s in every layer that keeps state (both sequences hold a

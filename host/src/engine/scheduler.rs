@@ -45,11 +45,14 @@ pub trait StepModel {
     /// Whether one sequence may reuse another's KV pages for a shared prefix. Not for models with
     /// state outside the pages (recurrent layers) or pages freed outside a window (sliding window).
     fn prefix_reuse_safe(&self) -> bool;
-    /// Copies KV page `src` into page `dst` in every layer (no step in flight); `Ok(false)` where the
-    /// backend cannot, and then nothing changed.
-    fn copy_page(&mut self, src: u32, dst: u32) -> anyhow::Result<bool> {
+    /// Whether [`StepModel::copy_page`] can copy (the backend has `copy_blocks`).
+    fn copies_pages(&self) -> bool {
+        false
+    }
+    /// Copies KV page `src` into page `dst` in every layer (no step in flight).
+    fn copy_page(&mut self, src: u32, dst: u32) -> anyhow::Result<()> {
         let _ = (src, dst);
-        Ok(false)
+        anyhow::bail!("this model cannot copy KV pages")
     }
     /// Moves on whenever the model lost its cached state (its backend was rebuilt after a plugin panic):
     /// every sequence's KV must then be computed again.
@@ -80,7 +83,10 @@ impl StepModel for ModelRunner {
     fn prefix_reuse_safe(&self) -> bool {
         self.pool.prefix_reusable()
     }
-    fn copy_page(&mut self, src: u32, dst: u32) -> anyhow::Result<bool> {
+    fn copies_pages(&self) -> bool {
+        ModelRunner::copies_pages(self)
+    }
+    fn copy_page(&mut self, src: u32, dst: u32) -> anyhow::Result<()> {
         ModelRunner::copy_page(self, src, dst)
     }
     fn state_epoch(&self) -> u64 {
@@ -571,7 +577,7 @@ impl<M: StepModel> Scheduler<M> {
             seq.kv.len = reused;
             seq.offered_pages = seq.kv.num_pages();
             seq.offered_key = hit.key;
-            if reuse {
+            if reuse && self.model.copies_pages() {
                 reused += self.reuse_page_head(&mut seq, hit.key);
             }
             self.counters.cache_hit_tokens += reused as u64;
@@ -589,8 +595,8 @@ impl<M: StepModel> Scheduler<M> {
 
     /// Where the prompt goes on past its whole cached pages (the prefix keyed `parent`) with the head
     /// of another cached page, copies that page into one of the sequence's own and takes its matching
-    /// positions as computed (never the prompt's last token); returns how many. Nothing where the
-    /// backend cannot copy pages or no page is free.
+    /// positions as computed (never the prompt's last token); returns how many (none when no page
+    /// can be had or the copy fails).
     fn reuse_page_head(&mut self, seq: &mut Sequence, parent: u64) -> usize {
         let start = seq.kv.len;
         let next = &seq.tokens[start..seq.tokens.len() - 1];
@@ -608,11 +614,10 @@ impl<M: StepModel> Scheduler<M> {
         }
         let own = *seq.kv.blocks.last().expect("a page was reserved");
         match self.model.copy_page(cached.id(), own) {
-            Ok(true) => {
+            Ok(()) => {
                 seq.kv.len = start + n;
                 n
             }
-            Ok(false) => 0,
             Err(e) => {
                 tracing::warn!("copying a cached KV page failed ({e:#}); computing those tokens instead");
                 0

@@ -36,7 +36,7 @@ struct CheckingModel {
     /// What each step asked to bring back.
     wants: Vec<RowsWanted>,
     in_flight: Option<StepRows>,
-    /// Whether [`StepModel::copy_page`] copies (a backend with `copy_blocks`).
+    /// Whether the model copies pages (a backend with `copy_blocks`).
     copies_pages: bool,
 }
 
@@ -119,15 +119,16 @@ impl StepModel for CheckingModel {
     fn prefix_reuse_safe(&self) -> bool {
         true
     }
-    fn copy_page(&mut self, src: u32, dst: u32) -> anyhow::Result<bool> {
+    fn copies_pages(&self) -> bool {
+        self.copies_pages
+    }
+    fn copy_page(&mut self, src: u32, dst: u32) -> anyhow::Result<()> {
         anyhow::ensure!(self.in_flight.is_none(), "a page copy while a step is in flight");
-        if !self.copies_pages {
-            return Ok(false);
-        }
+        anyhow::ensure!(self.copies_pages, "a page copy on a model that cannot");
         let bs = self.pool.block_size;
         let (src, dst) = (src as usize * bs, dst as usize * bs);
         self.slots.copy_within(src..src + bs, dst);
-        Ok(true)
+        Ok(())
     }
 }
 
