@@ -15,7 +15,8 @@
 //! multiplies int16 pairs and accumulates them to int32 (`vpmaddwd` + `vpaddd`, or one `vpdpwssd`):
 //! the integer sums are exact either way, so the VNNI builds give the same results bit for bit, and
 //! the AVX-VNNI build (which this project's CI hosts may lack) differs from the tested ones only in
-//! that step's encoding.
+//! that step's encoding. On AArch64 one NEON kernel serves 4-bit weights (`arm`: the int16 values
+//! split into byte planes for `udot`/`sdot`, or widening multiplies without the dot product).
 
 use super::quantized::QuantMatrix;
 use super::Floats;
