@@ -234,9 +234,16 @@ fn attention_tokens<K: KvElem, V: KvElem>(
         let nq = heads.len() * group;
         let q0 = tokens[ti] * n_heads * dh + heads.start * group * dh;
         let keys = &bases[splits[si].clone()];
+        // The split this thread most likely takes next (tasks are handed out in order), whose first
+        // keys the kernel requests as it finishes this one; only when tasks take whole rows.
+        let next = match split_tasks.get(i + threads) {
+            Some((sn, h)) if h.len() == n_kv_heads && heads.len() == n_kv_heads => &bases[splits[*sn].clone()],
+            _ => &[][..],
+        };
+        let keys = KeyRows { here: keys, next };
         WORKER.with_borrow_mut(|w| {
             // Room for the AVX2 kernel's padded rows of scores (at most 3 more per head).
-            w.scores.resize(nq * (keys.len() + 3), 0.0);
+            w.scores.resize(nq * (keys.here.len() + 3), 0.0);
             w.acc.resize(nq * dh, 0.0);
             w.max.resize(nq, 0.0);
             w.sum.resize(nq, 0.0);
@@ -311,13 +318,21 @@ struct HeadsQuery<'a> {
     off: usize,
 }
 
-/// The query heads of `hq` over the keys at `bases`: the AVX2 kernel where it applies, else one head
-/// at a time through [`attend`]. `scores` holds heads × keys.
+/// The cache offsets of a task's keys, and of the keys of the task its thread probably runs next
+/// (whose rows a kernel may start loading as it finishes).
+#[derive(Clone, Copy)]
+struct KeyRows<'a> {
+    here: &'a [usize],
+    next: &'a [usize],
+}
+
+/// The query heads of `hq` over the keys at `keys.here`: the AVX2 kernel where it applies, else one
+/// head at a time through [`attend`]. `scores` holds heads × keys.
 #[allow(clippy::too_many_arguments)]
 fn attend_partial<K: KvElem, V: KvElem>(
     isa: Isa,
     hq: HeadsQuery,
-    bases: &[usize],
+    keys: KeyRows,
     k_cache: &[K],
     v_cache: &[V],
     scale: f32,
@@ -331,14 +346,14 @@ fn attend_partial<K: KvElem, V: KvElem>(
         // validated by the executor.
         unsafe {
             if isa.has_avx512() {
-                x86::attend_heads_avx512(hq, bases, k_cache, v_cache, scale, softcap, scores, part)
+                x86::attend_heads_avx512(hq, keys, k_cache, v_cache, scale, softcap, scores, part)
             } else {
-                x86::attend_heads_avx2(hq, bases, k_cache, v_cache, scale, softcap, scores, part)
+                x86::attend_heads_avx2(hq, keys, k_cache, v_cache, scale, softcap, scores, part)
             }
         }
         return;
     }
-    let (np, dh) = (bases.len(), hq.dh);
+    let (bases, np, dh) = (keys.here, keys.here.len(), hq.dh);
     for (h, qh) in hq.q.chunks_exact(dh).enumerate() {
         let off = hq.off + h / hq.group * dh;
         let (s, acc) = (&mut scores[h * np..(h + 1) * np], &mut part.acc[h * dh..(h + 1) * dh]);
@@ -397,7 +412,7 @@ fn attend<K: KvElem, V: KvElem>(
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{HeadsQuery, KvElem, Partial};
+    use super::{HeadsQuery, KeyRows, KvElem, Partial};
 
     /// Positions ahead of the one being read whose cache rows are requested (into L2: asking for L1
     /// fills its few miss buffers and stalls the loads being computed on). The rows of a page are
@@ -454,7 +469,7 @@ mod x86 {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn attend_heads_avx2<K: KvElem, V: KvElem>(
         hq: HeadsQuery,
-        bases: &[usize],
+        keys: KeyRows,
         k_cache: &[K],
         v_cache: &[V],
         scale: f32,
@@ -463,7 +478,7 @@ mod x86 {
         part: Partial,
     ) {
         // 16 registers: HEADS × 3 sums, HEADS query chunks or weights and the row chunk in flight.
-        attend_heads::<K, V, 3, 3>(hq, bases, k_cache, v_cache, scale, softcap, scores, part)
+        attend_heads::<K, V, 3, 3>(hq, keys, k_cache, v_cache, scale, softcap, scores, part)
     }
 
     /// [`attend_heads_avx2`] where AVX-512 is present: the same 256-bit arithmetic (so the same
@@ -472,7 +487,7 @@ mod x86 {
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn attend_heads_avx512<K: KvElem, V: KvElem>(
         hq: HeadsQuery,
-        bases: &[usize],
+        keys: KeyRows,
         k_cache: &[K],
         v_cache: &[V],
         scale: f32,
@@ -480,7 +495,7 @@ mod x86 {
         scores: &mut [f32],
         part: Partial,
     ) {
-        attend_heads::<K, V, 4, 4>(hq, bases, k_cache, v_cache, scale, softcap, scores, part)
+        attend_heads::<K, V, 4, 4>(hq, keys, k_cache, v_cache, scale, softcap, scores, part)
     }
 
     /// The body of both: `KEYS` keys per scoring pass, `CHUNKS` eight-value chunks per value pass
@@ -489,7 +504,7 @@ mod x86 {
     #[allow(clippy::too_many_arguments)]
     unsafe fn attend_heads<K: KvElem, V: KvElem, const KEYS: usize, const CHUNKS: usize>(
         hq: HeadsQuery,
-        bases: &[usize],
+        keys: KeyRows,
         k_cache: &[K],
         v_cache: &[V],
         scale: f32,
@@ -501,16 +516,28 @@ mod x86 {
         let heads = q.len() / dh;
         let row = heads / group * dh;
         const { assert!(KEYS >= 1 && KEYS <= 4, "a scoring pass reduces at most four keys together") };
+        let bases = keys.here;
         let np = bases.len();
         // Each head's scores `ns` apart: a pass stores four lanes whatever the keys left.
         let ns = score_stride(np, KEYS);
         assert!(scores.len() >= heads * ns, "scores buffer too short");
         let (kp, vp) = (k_cache.as_ptr().add(off), v_cache.as_ptr().add(off));
         let sp = scores.as_mut_ptr();
-        bases.iter().take(AHEAD).for_each(|&b| prefetch(kp.add(b), row));
+        // The rows are requested as one stream, `AHEAD` positions before they are read: the keys,
+        // then the values, then the next task's first keys, so no pass starts on a cold row.
+        let ahead = |i: usize| {
+            if i < np {
+                prefetch(kp.add(bases[i]), row)
+            } else if i < 2 * np {
+                prefetch(vp.add(bases[i - np]), row)
+            } else if let Some(&b) = keys.next.get(i - 2 * np) {
+                prefetch(kp.add(b), row)
+            }
+        };
+        (0..AHEAD).for_each(ahead);
         for p in (0..np).step_by(KEYS) {
             let n = (np - p).min(KEYS);
-            bases.iter().skip(p + AHEAD).take(KEYS).for_each(|&b| prefetch(kp.add(b), row));
+            (p + AHEAD..p + AHEAD + n).for_each(ahead);
             let rows: [*const K; KEYS] = std::array::from_fn(|i| kp.add(bases[p + i.min(n - 1)]));
             for (h0, take) in sub_passes(heads, group) {
                 let (qh, kv) = (q.as_ptr().add(h0 * dh), h0 / group * dh);
@@ -528,18 +555,21 @@ mod x86 {
         }
         let (ap, sp) = (part.acc.as_mut_ptr(), scores.as_ptr());
         let chunks = dh / 8;
-        bases.iter().take(AHEAD).for_each(|&b| prefetch(vp.add(b), row));
         for p0 in (0..np).step_by(VALUE_BLOCK) {
             let block = &bases[p0..(p0 + VALUE_BLOCK).min(np)];
             // The rows ahead are asked for one per position of the block's first pass: asked for
             // all at once, they fill the core's miss buffers and the prefetches themselves stall.
-            let mut ahead = bases.get(p0 + AHEAD..(p0 + AHEAD + VALUE_BLOCK).min(np)).unwrap_or(&[]);
+            let mut first_pass = true;
             for (h0, take) in sub_passes(heads, group) {
                 let v = vp.add(h0 / group * dh);
                 for c0 in (0..chunks).step_by(CHUNKS) {
                     let (a, w, v) = (ap.add(h0 * dh + c0 * 8), sp.add(h0 * ns + p0), v.add(c0 * 8));
                     let first = p0 == 0;
-                    let pf = Ahead { base: vp, rows: std::mem::take(&mut ahead), len: row };
+                    let pf = |i: usize| {
+                        if first_pass {
+                            ahead(np + p0 + AHEAD + i)
+                        }
+                    };
                     match (take, (chunks - c0).min(CHUNKS)) {
                         (1, 1) => values::<V, 1, 1>(v, block, w, ns, a, dh, first, pf),
                         (1, 2) => values::<V, 1, 2>(v, block, w, ns, a, dh, first, pf),
@@ -554,6 +584,7 @@ mod x86 {
                         (_, 3) => values::<V, HEADS, 3>(v, block, w, ns, a, dh, first, pf),
                         (_, _) => values::<V, HEADS, CHUNKS>(v, block, w, ns, a, dh, first, pf),
                     }
+                    first_pass = false;
                 }
             }
         }
@@ -608,17 +639,9 @@ mod x86 {
         (m, sum)
     }
 
-    /// Cache rows to request while a pass runs, one per position: `len` values at `base` + each row.
-    #[derive(Clone, Copy)]
-    struct Ahead<'a, V> {
-        base: *const V,
-        rows: &'a [usize],
-        len: usize,
-    }
-
     /// `a[g·dh + 8c..] (+)= Σ_i w[g·ns + i] · v_i[8c..]` for `G` heads and `C` eight-value chunks
     /// of the rows at `v` + each base of a block, the `G × C` sums in registers across the block;
-    /// `first` starts them at zero instead of `a`.
+    /// `first` starts them at zero instead of `a`; `ahead(i)` is called before position `i` is read.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
     unsafe fn values<V: KvElem, const G: usize, const C: usize>(
@@ -629,15 +652,13 @@ mod x86 {
         a: *mut f32,
         dh: usize,
         first: bool,
-        ahead: Ahead<V>,
+        ahead: impl Fn(usize),
     ) {
         let mut acc: [[__m256; C]; G] = std::array::from_fn(|g| {
             std::array::from_fn(|c| if first { _mm256_setzero_ps() } else { _mm256_loadu_ps(a.add(g * dh + c * 8)) })
         });
         for (i, &b) in block.iter().enumerate() {
-            if let Some(&r) = ahead.rows.get(i) {
-                prefetch(ahead.base.add(r), ahead.len);
-            }
+            ahead(i);
             let row = v.add(b);
             // One value chunk live at a time: G × C sums + G weights + 1 chunk fit AVX2's 16 registers.
             let wg: [__m256; G] = std::array::from_fn(|g| _mm256_broadcast_ss(&*w.add(g * ns + i)));
