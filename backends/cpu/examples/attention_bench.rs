@@ -3,7 +3,9 @@
 //! in a real decode step at that depth.
 //! `cargo run --release -p mlxcel-backend-cpu --example attention_bench -- [depth] [threads] [tokens]`
 //! (`tokens` > 1: that many sequences of the same depth decode in one step; `HKV=n`: n KV heads of
-//! three query heads each; `REPS`: repetitions, 20 by default.)
+//! three query heads each; `LAYERS=n`: only n distinct caches, shared round-robin by the 30 layers —
+//! `LAYERS=1` keeps them cache-resident, timing the arithmetic alone; `REPS`: repetitions, 20 by
+//! default.)
 
 use std::time::Instant;
 
@@ -31,7 +33,10 @@ fn main() {
         (seed % 2000) as f32 / 1000.0 - 1.0
     };
     let mut fill = |n: usize| (0..n).map(|_| f16::from_f32(rnd())).collect::<Vec<f16>>();
-    let caches: Vec<(Vec<f16>, Vec<f16>)> = (0..layers).map(|_| (fill(slots * kv_row), fill(slots * kv_row))).collect();
+    let distinct = std::env::var("LAYERS").ok().and_then(|v| v.parse().ok()).unwrap_or(layers).clamp(1, layers);
+    let owned: Vec<(Vec<f16>, Vec<f16>)> =
+        (0..distinct).map(|_| (fill(slots * kv_row), fill(slots * kv_row))).collect();
+    let caches: Vec<&(Vec<f16>, Vec<f16>)> = (0..layers).map(|l| &owned[l % distinct]).collect();
     let q: Vec<f32> = (0..seqs * hq * dh).map(|_| rnd()).collect();
     let mut out = vec![0f32; seqs * hq * dh];
     let token_seq: Vec<u32> = (0..seqs as u32).collect();
