@@ -465,6 +465,24 @@ mod x86 {
         };
     }
 
+    /// Rows past the one being read whose weights the one-row kernels request (about 2-5 KB ahead
+    /// on typical rows). Rows are short next to memory's latency, and rows read side by side (or
+    /// between their scales and biases) lose the hardware prefetcher: 15-17% of a one-thread
+    /// 4-bit decode's matmuls (`qmatmul_bench`, AVX2 and AVX-512 alike).
+    const PF_ROWS: usize = 8;
+
+    /// Requests the weights of `rows` rows of `row_bytes` each, [`PF_ROWS`] rows past the row at
+    /// `wp` (rows are contiguous; addresses past the matrix are only hinted, never read).
+    #[inline(always)]
+    unsafe fn prefetch_rows_ahead(wp: *const u8, row_bytes: usize, rows: usize) {
+        let ahead = wp.wrapping_add(PF_ROWS * row_bytes);
+        let mut o = 0;
+        while o < rows * row_bytes {
+            _mm_prefetch::<_MM_HINT_T0>(ahead.wrapping_add(o) as *const i8);
+            o += 64;
+        }
+    }
+
     /// The order the 256-bit kernels take for `bits`-bit weights.
     fn order_256(bits: usize) -> ActOrder {
         if bits == 4 {
@@ -656,9 +674,21 @@ mod x86 {
     /// Products fit easily: 15 · 32767 · 2 per lane pair.
     #[inline(always)]
     unsafe fn q4_block<D: Dot256>(wp: *const u8, xp: *const i16, blk: usize) -> __m256i {
-        let (lo, hi) = q4_nibbles(wp, blk);
+        q4_block_with::<D>(wp, blk, block_acts(xp, blk))
+    }
+
+    /// Block `blk`'s int16 activations: even elements, then odd ones.
+    #[inline(always)]
+    unsafe fn block_acts(xp: *const i16, blk: usize) -> (__m256i, __m256i) {
         let x_even = _mm256_loadu_si256(xp.add(blk * 32) as *const __m256i);
         let x_odd = _mm256_loadu_si256(xp.add(blk * 32 + 16) as *const __m256i);
+        (x_even, x_odd)
+    }
+
+    /// [`q4_block`] with the block's activations already loaded (rows that share them).
+    #[inline(always)]
+    unsafe fn q4_block_with<D: Dot256>(wp: *const u8, blk: usize, (x_even, x_odd): (__m256i, __m256i)) -> __m256i {
+        let (lo, hi) = q4_nibbles(wp, blk);
         D::dot(D::dot(_mm256_setzero_si256(), lo, x_even), hi, x_odd)
     }
 
@@ -763,15 +793,57 @@ mod x86 {
         acc
     }
 
+    /// [`accumulate_blocks_reduced`] for `R` rows of 4-bit weights at once (`wp[j]` row `j`'s blocks,
+    /// `comb[j]` its factors), each block's activations loaded once for all of them: the same
+    /// arithmetic per row, with half the activation loads for a pair (the one-token kernel is
+    /// bound by its loads and shuffles, not its multiplies).
+    #[inline(always)]
+    unsafe fn accumulate_q4_rows<D: Dot256, const R: usize>(
+        comb: &[[f32; ROW_CHUNK]; R],
+        b0: usize,
+        nb: usize,
+        wp: [*const u8; R],
+        xp: *const i16,
+    ) -> [__m256; R] {
+        let mut acc = [_mm256_setzero_ps(); R];
+        let mut i = 0;
+        while i + 8 <= nb {
+            let b = b0 + i;
+            // Per row: the horizontal sums of block pairs (0,1), (2,3), (4,5), (6,7).
+            let mut pairs = [[_mm256_setzero_si256(); 4]; R];
+            for (j, pair) in (0..4).map(|j| (j, b + 2 * j)) {
+                let (x0, x1) = (block_acts(xp, pair), block_acts(xp, pair + 1));
+                for (p, &w) in pairs.iter_mut().zip(&wp) {
+                    p[j] = _mm256_hadd_epi32(q4_block_with::<D>(w, pair, x0), q4_block_with::<D>(w, pair + 1, x1));
+                }
+            }
+            for ((acc, p), c) in acc.iter_mut().zip(&pairs).zip(comb) {
+                // Per 128-bit half: [Σ0, Σ1, Σ2, Σ3] of blocks 0-3 (low half of each block's lanes, high half).
+                let h0123 = _mm256_hadd_epi32(p[0], p[1]);
+                let h4567 = _mm256_hadd_epi32(p[2], p[3]);
+                let sums = _mm256_add_epi32(
+                    _mm256_permute2x128_si256(h0123, h4567, 0x20),
+                    _mm256_permute2x128_si256(h0123, h4567, 0x31),
+                );
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_loadu_ps(c.as_ptr().add(i)), *acc);
+            }
+            i += 8;
+        }
+        while i < nb {
+            let x = block_acts(xp, b0 + i);
+            for ((acc, &w), c) in acc.iter_mut().zip(&wp).zip(comb) {
+                let p = q4_block_with::<D>(w, b0 + i, x);
+                *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_set1_ps(*c.get_unchecked(i)), *acc);
+            }
+            i += 1;
+        }
+        acc
+    }
+
     /// One block's integer partial sums, by weight width. A trait with inlined methods rather than a
     /// closure: closures are compiled without the caller's AVX2, which keeps intrinsics out of line.
     trait BlockDot {
         unsafe fn block(&self, blk: usize) -> __m256i;
-    }
-    struct Q4<D> {
-        wp: *const u8,
-        xp: *const i16,
-        dot: PhantomData<D>,
     }
     struct Q8<D> {
         wp: *const u8,
@@ -783,12 +855,6 @@ mod x86 {
         xp: *const i16,
         unpack: &'u Unpack,
         dot: PhantomData<D>,
-    }
-    impl<D: Dot256> BlockDot for Q4<D> {
-        #[inline(always)]
-        unsafe fn block(&self, blk: usize) -> __m256i {
-            q4_block::<D>(self.wp, self.xp, blk)
-        }
     }
     impl<D: Dot256> BlockDot for Q8<D> {
         #[inline(always)]
@@ -1036,11 +1102,16 @@ mod x86 {
         }
     }
 
-    /// One row against one activation row, left as eight partial sums (the caller reduces rows
-    /// together). Block factors `d_x · s` are formed eight at a time per chunk of blocks, the bias
-    /// term `Σ b_g · Σx_g` eight groups at a time with the row's tail masked off.
+    /// Blocks per chunk of [`row_partials`]: its block factors are formed a chunk at a time.
+    const ROW_CHUNK: usize = 64;
+
+    /// `R` consecutive rows from `r` against one activation row, each left as eight partial sums
+    /// (the caller reduces rows together). Block factors `d_x · s` are formed eight at a time per
+    /// chunk of blocks, the bias term `Σ b_g · Σx_g` eight groups at a time with the row's tail
+    /// masked off. More than one row only for 4-bit weights (they share activation loads).
     #[inline(always)]
-    unsafe fn row_partials<D: Dot256, S: ScaleKind>(
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn row_partials<D: Dot256, S: ScaleKind, const R: usize>(
         w: &super::QuantMatrix,
         sp: *const u16,
         bp: *const u16,
@@ -1048,44 +1119,60 @@ mod x86 {
         x: &super::ActRow,
         tail: __m256,
         unpack: &Unpack,
-    ) -> __m256 {
-        const CHUNK: usize = 64;
+    ) -> [__m256; R] {
+        debug_assert!(R == 1 || w.bits == 4, "rows share activation loads only for 4-bit weights");
         let gb = w.group / 32;
         let nb = w.k / 32;
         let groups = nb / gb;
-        let (sp, bp) = (S::advance(sp, r * groups), S::advance(bp, r * groups));
+        let sp: [*const u16; R] = std::array::from_fn(|j| S::advance(sp, (r + j) * groups));
+        let bp: [*const u16; R] = std::array::from_fn(|j| S::advance(bp, (r + j) * groups));
         let bytes_per_block = 4 * w.bits;
-        let wp = (w.packed.as_ptr() as *const u8).add(r * nb * bytes_per_block);
+        let wp: [*const u8; R] =
+            std::array::from_fn(|j| (w.packed.as_ptr() as *const u8).add((r + j) * nb * bytes_per_block));
         let xp = x.q.as_ptr();
         let dp = x.d.as_ptr();
-        let mut comb = [0f32; CHUNK];
-        let mut acc = _mm256_setzero_ps();
+        prefetch_rows_ahead(wp[0], nb * bytes_per_block, R);
+        let mut comb = [[0f32; ROW_CHUNK]; R];
+        let mut acc = [_mm256_setzero_ps(); R];
         let mut b0 = 0;
         while b0 < nb {
-            let n = CHUNK.min(nb - b0);
-            let mut i = 0;
-            while i < n {
-                let v = _mm256_mul_ps(block_scales8::<S>(sp, b0 + i, gb), _mm256_loadu_ps(dp.add(b0 + i)));
-                _mm256_storeu_ps(comb.as_mut_ptr().add(i), v);
-                i += 8;
+            let n = ROW_CHUNK.min(nb - b0);
+            for (c, &sp) in comb.iter_mut().zip(&sp) {
+                let mut i = 0;
+                while i < n {
+                    let v = _mm256_mul_ps(block_scales8::<S>(sp, b0 + i, gb), _mm256_loadu_ps(dp.add(b0 + i)));
+                    _mm256_storeu_ps(c.as_mut_ptr().add(i), v);
+                    i += 8;
+                }
             }
             let part = match w.bits {
-                4 => accumulate_blocks_reduced(&comb[..n], b0, n, &Q4::<D> { wp, xp, dot: PhantomData }),
-                8 => accumulate_blocks_reduced(&comb[..n], b0, n, &Q8::<D> { wp, xp, dot: PhantomData }),
-                _ => accumulate_blocks_reduced(&comb[..n], b0, n, &QN::<D> { wp, xp, unpack, dot: PhantomData }),
+                4 => accumulate_q4_rows::<D, R>(&comb, b0, n, wp, xp),
+                8 => [accumulate_blocks_reduced(&comb[0][..n], b0, n, &Q8::<D> { wp: wp[0], xp, dot: PhantomData }); R],
+                _ => {
+                    [accumulate_blocks_reduced(
+                        &comb[0][..n],
+                        b0,
+                        n,
+                        &QN::<D> { wp: wp[0], xp, unpack, dot: PhantomData },
+                    ); R]
+                }
             };
-            acc = _mm256_add_ps(acc, part);
+            for (a, p) in acc.iter_mut().zip(part) {
+                *a = _mm256_add_ps(*a, p);
+            }
             b0 += n;
         }
         let gs = x.group_sums.as_ptr();
-        let mut g = 0;
-        while g + 8 <= groups {
-            acc = _mm256_fmadd_ps(load8::<S>(bp, g), _mm256_loadu_ps(gs.add(g)), acc);
-            g += 8;
-        }
-        if g < groups {
-            let b = _mm256_and_ps(load8::<S>(bp, g), tail);
-            acc = _mm256_fmadd_ps(b, _mm256_loadu_ps(gs.add(g)), acc);
+        for (acc, &bp) in acc.iter_mut().zip(&bp) {
+            let mut g = 0;
+            while g + 8 <= groups {
+                *acc = _mm256_fmadd_ps(load8::<S>(bp, g), _mm256_loadu_ps(gs.add(g)), *acc);
+                g += 8;
+            }
+            if g < groups {
+                let b = _mm256_and_ps(load8::<S>(bp, g), tail);
+                *acc = _mm256_fmadd_ps(b, _mm256_loadu_ps(gs.add(g)), *acc);
+            }
         }
         acc
     }
@@ -1117,15 +1204,23 @@ mod x86 {
         let o = out.as_mut_ptr().sub(rows.start);
         let mut r = rows.start;
         while r + 4 <= rows.end {
-            let a = row_partials::<D, S>(&w, sp, bp, r, &x, tail, &unpack);
-            let b = row_partials::<D, S>(&w, sp, bp, r + 1, &x, tail, &unpack);
-            let c = row_partials::<D, S>(&w, sp, bp, r + 2, &x, tail, &unpack);
-            let d = row_partials::<D, S>(&w, sp, bp, r + 3, &x, tail, &unpack);
+            let [a, b, c, d] = if w.bits == 4 {
+                let [a, b] = row_partials::<D, S, 2>(&w, sp, bp, r, &x, tail, &unpack);
+                let [c, d] = row_partials::<D, S, 2>(&w, sp, bp, r + 2, &x, tail, &unpack);
+                [a, b, c, d]
+            } else {
+                // (Not `array::from_fn`: a closure is compiled without this function's features.)
+                let [a] = row_partials::<D, S, 1>(&w, sp, bp, r, &x, tail, &unpack);
+                let [b] = row_partials::<D, S, 1>(&w, sp, bp, r + 1, &x, tail, &unpack);
+                let [c] = row_partials::<D, S, 1>(&w, sp, bp, r + 2, &x, tail, &unpack);
+                let [d] = row_partials::<D, S, 1>(&w, sp, bp, r + 3, &x, tail, &unpack);
+                [a, b, c, d]
+            };
             _mm_storeu_ps(o.add(r), reduce4(a, b, c, d));
             r += 4;
         }
         while r < rows.end {
-            *o.add(r) = hsum(row_partials::<D, S>(&w, sp, bp, r, &x, tail, &unpack));
+            *o.add(r) = hsum(row_partials::<D, S, 1>(&w, sp, bp, r, &x, tail, &unpack)[0]);
             r += 1;
         }
     }
@@ -1265,6 +1360,7 @@ mod x86 {
     ) -> [__m512; NT] {
         let per_set = 16 / BITS as usize;
         let groups = nb / gb;
+        prefetch_rows_ahead(wp, nb * 4 * BITS as usize, 1);
         let mut acc = [_mm512_setzero_ps(); NT];
         let mut g = 0;
         while g < groups {
