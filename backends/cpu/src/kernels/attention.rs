@@ -323,6 +323,8 @@ struct HeadsQuery<'a> {
 #[derive(Clone, Copy)]
 struct KeyRows<'a> {
     here: &'a [usize],
+    /// Read by the x86 kernels only (the portable loop does not prefetch).
+    #[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
     next: &'a [usize],
 }
 
