@@ -538,8 +538,8 @@ mod x86 {
         };
         (0..AHEAD).for_each(ahead);
         // The passes over each block, worked out once: iterating `sub_passes` per block of keys
-        // cost ~10% of the kernel. A stack array for up to 256 query heads, else the heap.
-        let mut stack = [(0usize, 0usize); 256];
+        // cost ~10% of the kernel. A stack array for up to 64 query heads, else the heap.
+        let mut stack = [(0usize, 0usize); 64];
         let heap: Vec<(usize, usize)>;
         let passes: &[(usize, usize)] = if heads <= stack.len() {
             let mut n = 0;
