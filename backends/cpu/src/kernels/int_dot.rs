@@ -342,6 +342,25 @@ fn dot_row_scalar(w: QuantRow, x: ActRow) -> f32 {
     acc
 }
 
+/// Entry points of a kernel body generic over its dot-product step (x86's `Dot256`/`Dot512`,
+/// NEON's `udot`/`sdot` or widening step), one per step, each compiled with the features that step
+/// (and its path) needs: a `#[target_feature]` function cannot depend on a type parameter.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64"))]
+macro_rules! entries {
+    ($body:ident [$($decl:tt)*] [$($arg:tt)*] ($($p:ident: $t:ty),*) $(-> $ret:ty)?;) => {};
+    ($body:ident [$($decl:tt)*] [$($arg:tt)*] ($($p:ident: $t:ty),*) $(-> $ret:ty)?;
+     $entry:ident: $dot:ty, $features:literal; $($rest:tt)*) => {
+        /// # Safety
+        /// The CPU must have the features this entry enables; the pointers and activation rows
+        /// as the kernel body reads them.
+        #[target_feature(enable = $features)]
+        pub unsafe fn $entry<$($decl)*>($($p: $t),*) $(-> $ret)? {
+            $body::<$dot, $($arg)*>($($p),*)
+        }
+        entries!($body [$($decl)*] [$($arg)*] ($($p: $t),*) $(-> $ret)?; $($rest)*);
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -395,24 +414,6 @@ mod x86 {
         unsafe fn dot(acc: __m512i, a: __m512i, b: __m512i) -> __m512i {
             _mm512_dpwssd_epi32(acc, a, b)
         }
-    }
-
-    /// Entry points of a kernel body generic over its [`Dot256`]/[`Dot512`] step, one per step, each
-    /// compiled with the features that step (and its path) needs: a `#[target_feature]` function
-    /// cannot depend on a type parameter.
-    macro_rules! entries {
-        ($body:ident [$($decl:tt)*] [$($arg:tt)*] ($($p:ident: $t:ty),*) $(-> $ret:ty)?;) => {};
-        ($body:ident [$($decl:tt)*] [$($arg:tt)*] ($($p:ident: $t:ty),*) $(-> $ret:ty)?;
-         $entry:ident: $dot:ty, $features:literal; $($rest:tt)*) => {
-            /// # Safety
-            /// The CPU must have the features this entry enables; the pointers and activation rows
-            /// as the kernel body reads them.
-            #[target_feature(enable = $features)]
-            pub unsafe fn $entry<$($decl)*>($($p: $t),*) $(-> $ret)? {
-                $body::<$dot, $($arg)*>($($p),*)
-            }
-            entries!($body [$($decl)*] [$($arg)*] ($($p: $t),*) $(-> $ret)?; $($rest)*);
-        };
     }
 
     /// Runs `$body` with `$S` the scale type of `$scales`/`$biases` and `$sp`/`$bp` their pointers:
@@ -1528,7 +1529,7 @@ mod arm {
 
     /// How scales and biases are stored; `load` reads `m ≤ 4` of them from element `i` as f32 (the
     /// lanes past `m` zero, nothing past them read).
-    trait ScaleKind {
+    pub trait ScaleKind {
         unsafe fn load(p: *const u16, i: usize, m: usize) -> float32x4_t;
     }
     struct Half;
@@ -1701,31 +1702,11 @@ mod arm {
         }
     }
 
-    /// # Safety
-    /// NEON and the dot product must be present; the row and activations as [`dot_rows`] checks.
-    #[target_feature(enable = "neon,dotprod")]
-    unsafe fn rows_dotprod<S: ScaleKind, const NT: usize>(
-        w: QuantRow,
-        sp: *const u16,
-        bp: *const u16,
-        x: &[ActRow; NT],
-        out: &mut [f32; NT],
-    ) {
-        rows::<DotProd, S, NT>(w, sp, bp, x, out)
-    }
-
-    /// # Safety
-    /// NEON must be present; the row and activations as [`dot_rows`] checks.
-    #[target_feature(enable = "neon")]
-    unsafe fn rows_neon<S: ScaleKind, const NT: usize>(
-        w: QuantRow,
-        sp: *const u16,
-        bp: *const u16,
-        x: &[ActRow; NT],
-        out: &mut [f32; NT],
-    ) {
-        rows::<Widen, S, NT>(w, sp, bp, x, out)
-    }
+    entries!(rows [S: ScaleKind, const NT: usize] [S, NT]
+        (w: QuantRow, sp: *const u16, bp: *const u16, x: &[ActRow; NT], out: &mut [f32; NT]);
+        rows_dotprod: DotProd, "neon,dotprod";
+        rows_neon: Widen, "neon";
+    );
 }
 
 #[cfg(test)]
