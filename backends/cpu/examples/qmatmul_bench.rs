@@ -1,6 +1,7 @@
 //! Times the quantized matmul kernels on SmolLM2-135M's shapes (4-bit, group 32, f16 scales), with
 //! every layer's weights distinct so they stream from memory as in a real decode step.
 //! `cargo run --release -p mlxcel-backend-cpu --example qmatmul_bench -- [tokens] [threads]`
+//! (`SEQS=1`: the tokens are separate sequences, as in a server step decoding several at once)
 
 use std::time::Instant;
 
@@ -69,6 +70,10 @@ fn main() {
     let mut out = vec![0f32; t * vocab];
     let mut acts = IntActs::default();
     let int = std::env::var("MLXCEL_CPU_INT16").map_or(true, |v| v != "0");
+    // SEQS=1: each token its own sequence (several sequences decoding one token each in one step),
+    // as the server's batches are; otherwise one sequence of `t` tokens.
+    let segments: Vec<usize> =
+        if std::env::var("SEQS").is_ok_and(|v| v == "1") { (1..=t).collect() } else { Vec::new() };
     let reps = if hot { 30 * 15 * 4 } else { 15 };
     // All repetitions inside one `install`, as the executor runs a whole graph, so the timings hold
     // no thread hand-off.
@@ -97,7 +102,7 @@ fn main() {
                     &mut out[..t * m.n],
                     QuantPath::for_sequence(isa, bits(), t, int),
                     int.then_some((&mut acts, source)),
-                    &[],
+                    &segments,
                 );
             }
             times.push(start.elapsed().as_secs_f64());
@@ -107,9 +112,10 @@ fn main() {
     times.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let med = times[times.len() / 2];
     println!(
-        "isa {} bits {} t={t} threads={threads}: {:.2} ms per pass (min {:.2}), {:.1} GB/s, {:.0} tok/s",
+        "isa {} bits {} t={t}{} threads={threads}: {:.2} ms per pass (min {:.2}), {:.1} GB/s, {:.0} tok/s",
         isa.name(),
         bits(),
+        if segments.is_empty() { "" } else { " (one token per sequence)" },
         med * 1e3,
         times[0] * 1e3,
         bytes as f64 / med / 1e9,

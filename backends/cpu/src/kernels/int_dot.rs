@@ -254,6 +254,34 @@ pub fn dot_rows<const NT: usize>(isa: Isa, w: QuantRow, x: &[ActRow; NT], out: &
     }
 }
 
+/// [`dot_rows`] for every row of `rows` of `w`: token `j`'s result for row `r` goes to
+/// `out[j * stride + r]`, the same bits `dot_rows` gives, with one dispatch for the whole tile
+/// instead of one per row (a tenth of an eight-token pass on rows of 576).
+///
+/// # Safety
+/// `out` must be valid for writes at every `j * stride + r`, `j < NT`, `r` in `rows`.
+pub unsafe fn dot_rows_tile<const NT: usize>(
+    isa: Isa,
+    w: QuantMatrix,
+    rows: std::ops::Range<usize>,
+    x: &[ActRow; NT],
+    out: *mut f32,
+    stride: usize,
+) {
+    #[cfg(target_arch = "x86_64")]
+    if x86::dot_rows_tile(isa, w, rows.clone(), x, out, stride) {
+        return;
+    }
+    for r in rows {
+        let mut o = [0f32; NT];
+        dot_rows(isa, w.row(r), x, &mut o);
+        for (j, v) in o.into_iter().enumerate() {
+            // SAFETY: the caller's promise.
+            unsafe { *out.add(j * stride + r) = v };
+        }
+    }
+}
+
 /// Whether [`dot_rows`] gives every token exactly the bits [`dot_tile`] gives it alone, for weights
 /// of `bits` and `group` and activations in `order`: then several sequences' tokens may share a
 /// pass (each block unpacked once for all of them) without a sequence's result depending on its
@@ -546,6 +574,41 @@ mod x86 {
         // SAFETY: as in `dot_row`.
         with_scales!(w.scales, w.biases, S, sp, bp => unsafe {
             call_256!(isa, dot_rows_q4_avx2, dot_rows_q4_avxvnni, dot_rows_q4_avx512vnni, <S, NT>(w, sp, bp, x, out))
+        })
+        .is_some()
+    }
+
+    /// [`super::dot_rows_tile`] on x86; false where it falls back to [`super::dot_rows`] per row.
+    ///
+    /// # Safety
+    /// As [`super::dot_rows_tile`].
+    pub unsafe fn dot_rows_tile<const NT: usize>(
+        isa: Isa,
+        w: QuantMatrix,
+        rows: std::ops::Range<usize>,
+        x: &[ActRow; NT],
+        out: *mut f32,
+        stride: usize,
+    ) -> bool {
+        let order = x[0].order;
+        if x.iter().any(|r| r.order != order) {
+            return false;
+        }
+        if wide(isa, w.bits, w.group, order) {
+            // SAFETY: as in `dot_row`; `out` as the caller promises.
+            return with_scales!(w.scales, w.biases, S, sp, bp => unsafe {
+                call_512!(isa, w.bits, rows_tile_wide_avx512, rows_tile_wide_avx512vnni,
+                    <S, NT>(w, sp, bp, rows.clone(), x, out, stride))
+            })
+            .is_some();
+        }
+        if !isa.has_avx2() || w.bits != 4 || order != ActOrder::Nibbles {
+            return false;
+        }
+        // SAFETY: as in `dot_row`; `out` as the caller promises.
+        with_scales!(w.scales, w.biases, S, sp, bp => unsafe {
+            call_256!(isa, rows_tile_q4_avx2, rows_tile_q4_avxvnni, rows_tile_q4_avx512vnni,
+                <S, NT>(w, sp, bp, rows.clone(), x, out, stride))
         })
         .is_some()
     }
@@ -1245,6 +1308,33 @@ mod x86 {
         dot_rows_q4_avxvnni: VnniVex, "avx2,fma,f16c,avxvnni";
         dot_rows_q4_avx512vnni: VnniEvex, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni";
     );
+    /// [`dot_rows_q4_256`] for every row of `rows` (see [`super::dot_rows_tile`]).
+    #[inline(always)]
+    unsafe fn rows_tile_q4_256<D: Dot256, S: ScaleKind, const NT: usize>(
+        w: super::QuantMatrix,
+        sp: *const u16,
+        bp: *const u16,
+        rows: std::ops::Range<usize>,
+        x: &[super::ActRow; NT],
+        out: *mut f32,
+        stride: usize,
+    ) {
+        for r in rows {
+            let mut o = [0f32; NT];
+            dot_rows_q4_256::<D, S, NT>(w.row(r), sp, bp, x, &mut o);
+            for (j, v) in o.into_iter().enumerate() {
+                *out.add(j * stride + r) = v;
+            }
+        }
+    }
+
+    entries!(rows_tile_q4_256 [S: ScaleKind, const NT: usize] [S, NT]
+        (w: QuantMatrix, sp: *const u16, bp: *const u16, rows: std::ops::Range<usize>, x: &[ActRow; NT],
+            out: *mut f32, stride: usize);
+        rows_tile_q4_avx2: Madd, "avx2,fma,f16c";
+        rows_tile_q4_avxvnni: VnniVex, "avx2,fma,f16c,avxvnni";
+        rows_tile_q4_avx512vnni: VnniEvex, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni";
+    );
     entries!(dot_tile_256 [S: ScaleKind] [S]
         (w: QuantMatrix, sp: *const u16, bp: *const u16, rows: std::ops::Range<usize>, x: ActRow, out: &mut [f32]);
         dot_tile_avx2: Madd, "avx2,fma,f16c";
@@ -1422,6 +1512,26 @@ mod x86 {
         }
     }
 
+    /// [`dot_rows_wide`] for every row of `rows` (see [`super::dot_rows_tile`]).
+    #[inline(always)]
+    unsafe fn rows_tile_wide<D: Dot512, S: ScaleKind, const BITS: u32, const NT: usize>(
+        w: QuantMatrix,
+        sp: *const u16,
+        bp: *const u16,
+        rows: std::ops::Range<usize>,
+        x: &[ActRow; NT],
+        out: *mut f32,
+        stride: usize,
+    ) {
+        for r in rows {
+            let mut o = [0f32; NT];
+            dot_rows_wide::<D, S, BITS, NT>(w.row(r), sp, bp, x, &mut o);
+            for (j, v) in o.into_iter().enumerate() {
+                *out.add(j * stride + r) = v;
+            }
+        }
+    }
+
     /// [`super::dot_tile`] on the 512-bit kernel: rows four at a time, then one at a time.
     #[inline(always)]
     unsafe fn dot_tile_wide<D: Dot512, S: ScaleKind, const BITS: u32>(
@@ -1468,6 +1578,12 @@ mod x86 {
         (w: QuantRow, sp: *const u16, bp: *const u16, x: &[ActRow; NT], out: &mut [f32; NT]);
         dot_rows_wide_avx512: Madd, "avx2,fma,f16c,avx512f,avx512bw,avx512vl";
         dot_rows_wide_avx512vnni: VnniEvex, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni";
+    );
+    entries!(rows_tile_wide [S: ScaleKind, const BITS: u32, const NT: usize] [S, BITS, NT]
+        (w: QuantMatrix, sp: *const u16, bp: *const u16, rows: std::ops::Range<usize>, x: &[ActRow; NT],
+            out: *mut f32, stride: usize);
+        rows_tile_wide_avx512: Madd, "avx2,fma,f16c,avx512f,avx512bw,avx512vl";
+        rows_tile_wide_avx512vnni: VnniEvex, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni";
     );
     entries!(dot_tile_wide [S: ScaleKind, const BITS: u32] [S, BITS]
         (w: QuantMatrix, sp: *const u16, bp: *const u16, rows: std::ops::Range<usize>, x: ActRow, out: &mut [f32]);
@@ -1875,6 +1991,33 @@ mod tests {
                                 dot_rows(isa, w.row(r), &std::array::from_fn(act), &mut eight);
                                 got.extend(four.iter().chain(&eight));
                                 at.extend((0..4).chain(0..8).map(|ti| (ti, r)));
+                            }
+                            // A tile of rows in one call: the bits of `dot_rows` row by row.
+                            for rows in [0..n, 5..n - 2] {
+                                let mut tiled = vec![f32::NAN; 8 * n];
+                                // SAFETY: `tiled` holds 8 rows of `n`.
+                                unsafe {
+                                    dot_rows_tile(
+                                        isa,
+                                        w,
+                                        rows.clone(),
+                                        &std::array::from_fn::<_, 8, _>(act),
+                                        tiled.as_mut_ptr(),
+                                        n,
+                                    )
+                                };
+                                for r in rows {
+                                    let mut eight = [0f32; 8];
+                                    dot_rows(isa, w.row(r), &std::array::from_fn(act), &mut eight);
+                                    for (ti, v) in eight.iter().enumerate() {
+                                        assert_eq!(
+                                            tiled[ti * n + r].to_bits(),
+                                            v.to_bits(),
+                                            "{what} {} tile row {r} token {ti}",
+                                            isa.name()
+                                        );
+                                    }
+                                }
                             }
                             // Where passes may cross sequences, a token's result is the same bits
                             // in a pass of eight, of four, alone, and at any place in a tile.

@@ -5,9 +5,7 @@
 
 use crate::pool;
 
-use super::int_dot::{
-    dot_rows, dot_tile, passes_match_tile, quantize_acts, ActOrder, ActRow, ActsKey, IntActs, QuantRow,
-};
+use super::int_dot::{dot_rows_tile, dot_tile, passes_match_tile, quantize_acts, ActOrder, ActRow, ActsKey, IntActs};
 use super::matmul::{gemm_tile, tile_rows};
 use super::{Floats, SharedMut};
 use crate::isa::Isa;
@@ -332,11 +330,11 @@ pub fn qmatmul_shared_input<'a, 'o>(
         for &end in if segments.is_empty() { &whole[..] } else { segments } {
             let mut ti = start;
             while multi && ti + 8 <= end {
-                tokens_pass::<8>(isa, tile.clone(), &|r| w.row(r), &act, ti, out_ptr, n);
+                tokens_pass::<8>(isa, w, tile.clone(), &act, ti, out_ptr, n);
                 ti += 8;
             }
             while multi && ti + 4 <= end {
-                tokens_pass::<4>(isa, tile.clone(), &|r| w.row(r), &act, ti, out_ptr, n);
+                tokens_pass::<4>(isa, w, tile.clone(), &act, ti, out_ptr, n);
                 ti += 4;
             }
             for tj in ti..end {
@@ -349,25 +347,19 @@ pub fn qmatmul_shared_input<'a, 'o>(
     });
 }
 
-/// Tokens `ti..ti + NT` against `rows`, each weight row unpacked once for all of them.
+/// Tokens `ti..ti + NT` against `rows` of `w`, each weight row unpacked once for all of them.
 fn tokens_pass<'a, const NT: usize>(
     isa: Isa,
+    w: QuantMatrix,
     rows: std::ops::Range<usize>,
-    row_of: &impl Fn(usize) -> QuantRow<'a>,
     act: &impl Fn(usize) -> ActRow<'a>,
     ti: usize,
     out: SharedMut<f32>,
     n: usize,
 ) {
     let xs: [ActRow; NT] = std::array::from_fn(|j| act(ti + j));
-    for r in rows {
-        let mut o = [0f32; NT];
-        dot_rows(isa, row_of(r), &xs, &mut o);
-        for (j, v) in o.iter().enumerate() {
-            // SAFETY: each task owns its rows' columns of `out`.
-            unsafe { *out.ptr().add((ti + j) * n + r) = *v };
-        }
-    }
+    // SAFETY: each task owns its rows' columns of `out` (`t · n` values, `ti + NT ≤ t`).
+    unsafe { dot_rows_tile(isa, w, rows, &xs, out.ptr().add(ti * n), n) };
 }
 
 /// Rows `ids` of a quantized table, dequantized.
