@@ -3,8 +3,10 @@
 //! out. Every shape mismatch is an error naming the node, never a panic.
 
 use std::borrow::Cow;
+use std::time::Instant;
 
 use crate::pool::{self, ThreadPool};
+use crate::profile::OpProfile;
 use half::{bf16, f16};
 use mlxcel_plugin_api::op_spec::{
     AttentionSpec, Conv1dSpec, CrossAttentionSpec, GatherSpec, Heads, StepAttentionSpec, TopKSpec, WeightedSumSpec,
@@ -26,6 +28,7 @@ use crate::kernels::int_dot::IntActs;
 use crate::kernels::kv_elem::elem_bytes;
 use crate::kernels::pooling::{segment_pool, Pool};
 use crate::kernels::quantized::{self, QuantMatrix, QuantPath};
+use crate::kernels::rope::RopeTable;
 use crate::kernels::{experts, matmul, norm, rope, segments, softmax, Floats, Segment};
 
 /// A backend context: worker pool, kernel path, and recycled scratch.
@@ -43,6 +46,10 @@ pub struct ExecState {
     int_scratch: IntActs,
     attention_scratch: AttentionScratch,
     scratch: Vec<Vec<f32>>,
+    /// Time per op kind (`MLXCEL_CPU_PROFILE=1`).
+    profile: Option<OpProfile>,
+    /// The last rope call's rotations (the next layer's q and k reuse them).
+    rope_table: RopeTable,
 }
 
 impl CpuContext {
@@ -59,6 +66,8 @@ impl CpuContext {
                 int_scratch,
                 attention_scratch: AttentionScratch::default(),
                 scratch: Vec::new(),
+                profile: OpProfile::from_env(),
+                rope_table: RopeTable::default(),
             },
         })
     }
@@ -518,6 +527,7 @@ fn state_rows(batch: Option<&StepBatch>, segs: &[Segment], row_elems: usize, len
 }
 
 fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), PluginError> {
+    let setup_start = Instant::now();
     // Quantized activations are keyed by node id, which only means something within one graph run.
     ctx.int_scratch.key = None;
     // SAFETY (this block): the host guarantees every pointer of `args` for the sizes it states.
@@ -596,6 +606,10 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
     let isa = ctx.isa;
     let threads = ctx.threads;
     let mut vals: Vec<Val> = (0..nodes.len()).map(|_| Val::Pending).collect();
+    if let Some(p) = &mut ctx.profile {
+        p.run();
+        p.setup(setup_start);
+    }
     // The sequence of each row a `GetRows` node selected, kept for the kernels that read its rows.
     let mut selected: Vec<Option<Vec<u32>>> = vec![None; nodes.len()];
     for (i, node) in nodes.iter().enumerate() {
@@ -607,6 +621,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
             free_last_uses(ctx, &mut vals, &last_use, i, src);
             continue;
         }
+        let op_start = ctx.profile.is_some().then(Instant::now);
         // Matmuls after this one that share its input run with it (results stored below).
         let mut fused_ids = [0usize; MAX_FUSED - 1];
         // Kernel paths for a matmul's rows, chosen per sequence (batch invariance).
@@ -795,12 +810,13 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                         if !ok {
                             return Err(e(format!("cannot combine {} and {} elements", a.len(), b.len())));
                         }
-                        match op {
-                            OpCode::Add => binary(&a, &b, &mut out, |x, y| x + y),
-                            OpCode::Mul => binary(&a, &b, &mut out, |x, y| x * y),
-                            OpCode::SiluMul => binary(&a, &b, &mut out, |x, y| ew::silu(x) * y),
-                            _ => binary(&a, &b, &mut out, |x, y| ew::gelu_tanh(x) * y),
+                        let f = match op {
+                            OpCode::Add => ew::Binary::Add,
+                            OpCode::Mul => ew::Binary::Mul,
+                            OpCode::SiluMul => ew::Binary::SiluMul,
+                            _ => ew::Binary::GeluTanhMul,
                         };
+                        binary(isa, f, &a, &b, &mut out);
                     }
                     OpCode::Scale
                     | OpCode::Silu
@@ -839,7 +855,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                         let eps = node.fparams[0];
                         if op == OpCode::RmsNorm {
                             let unit = node.iparams[0] == 1;
-                            norm::rms_norm(&x, w, eps, unit, &mut out);
+                            norm::rms_norm(isa, &x, w, eps, unit, &mut out);
                         } else {
                             let b = floats(v(2), "bias").map_err(e)?;
                             if w.len() != c || b.len() != c {
@@ -868,13 +884,14 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                         let trad = node.iparams[2] == 1;
                         let ms = if node.fparams[0] == 0.0 { 1.0 } else { node.fparams[0] };
                         if sn(2).rows() == 1 {
-                            rope::rope(&x, pos, &inv, hd, rot, trad, ms, &mut out);
+                            rope::rope(isa, &mut ctx.rope_table, &x, pos, &inv, hd, rot, trad, ms, &mut out);
                         } else if sn(2).rows() == rows {
                             // Frequencies per row (per-sequence scaling such as dynamic NTK).
                             let f = rot / 2;
                             for r in 0..rows {
                                 let (xr, or) = (&x[r * c..(r + 1) * c], &mut out[r * c..(r + 1) * c]);
-                                rope::rope(xr, &pos[r..r + 1], &inv[r * f..(r + 1) * f], hd, rot, trad, ms, or);
+                                let inv_r = &inv[r * f..(r + 1) * f];
+                                rope::rope(isa, &mut ctx.rope_table, xr, &pos[r..r + 1], inv_r, hd, rot, trad, ms, or);
                             }
                         } else {
                             return Err(e(format!("inv_freq must have 1 or {rows} rows, has {}", sn(2).rows())));
@@ -1194,7 +1211,11 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
             vals[*m] = Val::Act(std::mem::take(result));
         }
         free_last_uses(ctx, &mut vals, &last_use, i, src);
+        if let (Some(p), Some(start)) = (&mut ctx.profile, op_start) {
+            p.op(op, start);
+        }
     }
+    let copy_start = Instant::now();
 
     for (o, dst) in outputs.iter().zip(outs) {
         let v = f32s(&vals[*o as usize], "output").map_err(PluginError::invalid)?;
@@ -1211,6 +1232,9 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
         if let Val::Act(v) = v {
             ctx.give(v);
         }
+    }
+    if let Some(p) = &mut ctx.profile {
+        p.setup(copy_start);
     }
     Ok(())
 }

@@ -9,6 +9,7 @@ pub mod executor;
 pub mod isa;
 pub mod kernels;
 pub mod pool;
+pub mod profile;
 
 use std::sync::OnceLock;
 

@@ -5,8 +5,9 @@
 
 use crate::pool;
 
-use super::attention::{exp_approx, AttentionShape, PagedLayout};
+use super::attention::{AttentionShape, PagedLayout};
 use super::kv_elem::KvElem;
+use super::math::exp_approx;
 use super::matmul::gemm_rows;
 use super::SharedMut;
 use crate::isa::Isa;

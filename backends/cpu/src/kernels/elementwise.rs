@@ -1,23 +1,53 @@
 //! Elementwise ops and activations.
 
+use super::math::exp_approx;
+use crate::isa::Isa;
 use crate::pool;
+use crate::simd_kernel;
 
 const CHUNK: usize = 16 * 1024;
 
-/// `out[i] = f(a[i], b[i % b.len()])` (b is the same shape as `a` or one broadcast row).
-pub fn binary(a: &[f32], b: &[f32], out: &mut [f32], f: impl Fn(f32, f32) -> f32 + Sync) {
+/// A two-input elementwise op.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Binary {
+    Add,
+    Mul,
+    /// `silu(a) · b` (SwiGLU).
+    SiluMul,
+    /// `gelu_tanh(a) · b` (GeGLU).
+    GeluTanhMul,
+}
+
+simd_kernel! {
+    /// `out = op(a, b)` over equal-length runs, one loop per op so each vectorises.
+    pub fn binary_run(op: Binary, a: &[f32], b: &[f32], out: &mut [f32]) {
+        let ab = a.iter().zip(b);
+        match op {
+            Binary::Add => out.iter_mut().zip(ab).for_each(|(o, (x, y))| *o = x + y),
+            Binary::Mul => out.iter_mut().zip(ab).for_each(|(o, (x, y))| *o = x * y),
+            Binary::SiluMul => out.iter_mut().zip(ab).for_each(|(o, (x, y))| *o = silu(*x) * y),
+            Binary::GeluTanhMul => out.iter_mut().zip(ab).for_each(|(o, (x, y))| *o = gelu_tanh(*x) * y),
+        }
+    }
+}
+
+/// `out[i] = op(a[i], b[i % b.len()])` (b is the same shape as `a` or one broadcast row), in chunks
+/// of about [`CHUNK`] values (a decode step's few rows are one task: a fan-out costs more).
+pub fn binary(isa: Isa, op: Binary, a: &[f32], b: &[f32], out: &mut [f32]) {
     let bl = b.len();
+    if bl == 0 {
+        return;
+    }
     if bl == a.len() {
         pool::chunks_mut(out, CHUNK, |c, o| {
             let base = c * CHUNK;
-            for (i, v) in o.iter_mut().enumerate() {
-                *v = f(a[base + i], b[base + i]);
-            }
+            binary_run::run(isa, op, &a[base..base + o.len()], &b[base..base + o.len()], o);
         });
     } else {
-        pool::zip_chunks(out, bl, a, bl, |_, o, ar| {
-            for i in 0..bl {
-                o[i] = f(ar[i], b[i]);
+        let rows = (CHUNK / bl).max(1) * bl;
+        pool::zip_chunks(out, rows, a, rows, |_, o, ar| {
+            for (o, ar) in o.chunks_mut(bl).zip(ar.chunks(bl)) {
+                binary_run::run(isa, op, ar, b, o);
             }
         });
     }
@@ -34,12 +64,12 @@ pub fn unary(x: &[f32], out: &mut [f32], f: impl Fn(f32) -> f32 + Sync) {
 
 #[inline(always)]
 pub fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
+    1.0 / (1.0 + exp_approx(-x))
 }
 
 #[inline(always)]
 pub fn silu(x: f32) -> f32 {
-    x / (1.0 + (-x).exp())
+    x / (1.0 + exp_approx(-x))
 }
 
 #[inline(always)]
@@ -47,7 +77,7 @@ pub fn gelu_tanh(x: f32) -> f32 {
     // 0.5 x (1 + tanh(u)) = x sigmoid(2u), u = sqrt(2/pi) (x + 0.044715 x^3): one `exp` instead of
     // libm's `tanhf`, several times slower (GeGLU prefill spent a quarter of its time there).
     const C2: f32 = 2.0 * 0.797_884_6; // 2 sqrt(2/pi)
-    x / (1.0 + (-C2 * (x + 0.044715 * x * x * x)).exp())
+    x / (1.0 + exp_approx(-C2 * (x + 0.044715 * x * x * x)))
 }
 
 #[inline(always)]

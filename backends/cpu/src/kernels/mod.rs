@@ -9,6 +9,7 @@ pub mod elementwise;
 pub mod experts;
 pub mod int_dot;
 pub mod kv_elem;
+pub mod math;
 pub mod matmul;
 pub mod norm;
 pub mod pooling;

@@ -2,7 +2,7 @@
 
 use crate::pool;
 
-use super::attention::exp_approx;
+use super::math::exp_approx;
 use crate::isa::Isa;
 use crate::simd_kernel;
 
