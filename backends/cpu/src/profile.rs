@@ -60,7 +60,7 @@ impl Drop for OpProfile {
         }
         let mut rows: Vec<(usize, &(Duration, u64))> =
             self.totals.iter().enumerate().filter(|(_, (_, n))| *n > 0).collect();
-        rows.sort_by(|a, b| b.1 .0.cmp(&a.1 .0));
+        rows.sort_by_key(|(_, (t, _))| std::cmp::Reverse(*t));
         let mut s = format!("cpu op profile: {} graph runs, {:.1} ms in all\n", self.runs, total.as_secs_f64() * 1e3);
         s += &format!("  {:<20} {:>10} {:>7} {:>12} {:>10}\n", "op", "ms", "%", "ms per run", "calls");
         for (slot, (t, n)) in rows {
