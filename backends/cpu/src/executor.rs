@@ -1130,7 +1130,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                             renormalize: spec.renormalize,
                         };
                         let cols = spec.cols;
-                        experts::top_k(&x, cols, p, &mut out);
+                        experts::top_k(isa, &x, cols, p, &mut out);
                     }
                     OpCode::GatherMatMul | OpCode::GatherQuantMatMul => {
                         need(if op == OpCode::GatherMatMul { 3 } else { 5 })?;

@@ -16,6 +16,7 @@ use super::matmul;
 use super::quantized::{self, QuantMatrix, QuantPath};
 use super::Floats;
 use crate::isa::Isa;
+use crate::simd_kernel;
 
 /// What [`top_k`] computes per row.
 #[derive(Clone, Copy, Debug)]
@@ -31,7 +32,7 @@ pub struct TopK {
 
 /// `out[T, k]`: per row of `x [T, cols]` the `k` largest values (or their columns) in descending
 /// order, equal values by ascending column. `1 ≤ k ≤ cols`.
-pub fn top_k(x: &[f32], cols: usize, p: TopK, out: &mut [f32]) {
+pub fn top_k(isa: Isa, x: &[f32], cols: usize, p: TopK, out: &mut [f32]) {
     let k = p.k;
     if k == 0 || cols == 0 {
         return;
@@ -52,7 +53,7 @@ pub fn top_k(x: &[f32], cols: usize, p: TopK, out: &mut [f32]) {
                 row
             };
             if k <= SCAN_MAX_K && cols >= 8 * k {
-                scan_top(v, k, order);
+                scan_top::run(isa, v, k, order);
             } else {
                 // A total order (values by `total_cmp`, then column), so the selection is unique and
                 // both outputs of a router agree.
@@ -85,21 +86,45 @@ pub fn top_k(x: &[f32], cols: usize, p: TopK, out: &mut [f32]) {
 /// Largest `k` for which [`scan_top`] is used (a vocabulary's top-k for sampling; routers are smaller).
 const SCAN_MAX_K: usize = 128;
 
-/// The `k` best columns of `v` in one pass, best first, in [`top_k`]'s order: a sorted list of `k`
-/// that most values fail to enter at the first comparison, so a vocabulary row costs about one read
-/// (rather than an index array of the whole row and a selection over it).
-fn scan_top(v: &[f32], k: usize, best: &mut Vec<u32>) {
-    best.clear();
-    for (c, &x) in v.iter().enumerate() {
-        // Columns come in ascending order, so an equal value ranks below every one already kept.
-        if best.len() == k && x.total_cmp(&v[best[k - 1] as usize]).is_le() {
-            continue;
+/// `x`'s rank in `f32::total_cmp`'s order, as an integer (what `total_cmp` compares).
+#[inline(always)]
+fn total_key(x: f32) -> i32 {
+    let bits = x.to_bits() as i32;
+    bits ^ (((bits >> 31) as u32) >> 1) as i32
+}
+
+/// Columns [`scan_top`] rules out at once: the largest of a run that cannot enter the list
+/// excludes the run.
+const SCAN_RUN: usize = 64;
+
+simd_kernel! {
+    /// The `k` best columns of `v` in one pass, best first, in [`top_k`]'s order: a sorted list of
+    /// `k` that most values fail to enter, tested a run of [`SCAN_RUN`] at a time against the run's
+    /// largest (a vector maximum of `total_cmp` keys), so a vocabulary row costs about one read.
+    pub fn scan_top(v: &[f32], k: usize, best: &mut Vec<u32>) {
+        best.clear();
+        let mut c0 = 0;
+        for run in v.chunks(SCAN_RUN) {
+            if best.len() == k {
+                let max = run.iter().map(|&x| total_key(x)).fold(i32::MIN, i32::max);
+                // Columns come in ascending order, so an equal value ranks below every one kept.
+                if max <= total_key(v[best[k - 1] as usize]) {
+                    c0 += run.len();
+                    continue;
+                }
+            }
+            for (j, &x) in run.iter().enumerate() {
+                if best.len() == k && total_key(x) <= total_key(v[best[k - 1] as usize]) {
+                    continue;
+                }
+                let at = best.partition_point(|&b| v[b as usize].total_cmp(&x).is_ge());
+                if best.len() == k {
+                    best.pop();
+                }
+                best.insert(at, (c0 + j) as u32);
+            }
+            c0 += run.len();
         }
-        let at = best.partition_point(|&b| v[b as usize].total_cmp(&x).is_ge());
-        if best.len() == k {
-            best.pop();
-        }
-        best.insert(at, c as u32);
     }
 }
 
@@ -311,6 +336,7 @@ pub fn gather_qmatmul(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::isa::IsaPath;
 
     /// The one-pass selection agrees with a full sort under the same total order (ties included).
     #[test]
@@ -321,15 +347,19 @@ mod tests {
         row[17] = f32::INFINITY;
         row[2999] = f32::NEG_INFINITY;
         row[1234] = -0.0;
+        row[2500] = f32::NAN;
+        row[2600] = -f32::NAN;
         for k in [1, 2, 40, 100, 128] {
             let mut want: Vec<u32> = (0..cols as u32).collect();
             want.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
-            let mut got = Vec::new();
-            scan_top(&row, k, &mut got);
-            assert_eq!(got, want[..k], "k = {k}");
-            let mut idx = vec![0f32; k];
-            top_k(&row, cols, TopK { k, indices: true, softmax: false, renormalize: false }, &mut idx);
-            assert_eq!(idx, want[..k].iter().map(|&c| c as f32).collect::<Vec<_>>());
+            for isa in IsaPath::ALL.into_iter().filter_map(Isa::detect) {
+                let mut got = Vec::new();
+                scan_top::run(isa, &row, k, &mut got);
+                assert_eq!(got, want[..k], "k = {k} {}", isa.name());
+                let mut idx = vec![0f32; k];
+                top_k(isa, &row, cols, TopK { k, indices: true, softmax: false, renormalize: false }, &mut idx);
+                assert_eq!(idx, want[..k].iter().map(|&c| c as f32).collect::<Vec<_>>());
+            }
         }
     }
 }
