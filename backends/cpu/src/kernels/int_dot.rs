@@ -19,7 +19,7 @@
 //! split into byte planes for `udot`/`sdot`, or widening multiplies without the dot product).
 
 use super::quantized::QuantMatrix;
-use super::Floats;
+use super::{Floats, SharedMut};
 use crate::isa::Isa;
 
 /// How an activation row's int16 values are ordered: the order in which the kernel for its weights
@@ -108,44 +108,79 @@ pub const PAD: usize = 8;
 pub fn quantize_acts(isa: Isa, x: &[f32], t: usize, k: usize, group: usize, order: ActOrder, out: &mut IntActs) {
     let blocks = t * k / 32;
     let group_blocks = group / 32;
-    let nb = k / 32;
+    let (nb, gpr) = (k / 32, k / group);
     out.q.resize(t * k, 0);
     out.d.clear();
     out.d.resize(blocks + PAD, 0.0);
     out.group_sums.clear();
     out.group_sums.resize(blocks / group_blocks + PAD, 0.0);
-    for b in 0..blocks {
-        let xs = &x[b * 32..(b + 1) * 32];
-        let (d, sum) = match order {
+    out.planes.clear();
+    if order == ActOrder::NibblePlanes {
+        out.planes.resize(t * k * 2, 0);
+    }
+    let (q, d, sums, planes) = (
+        SharedMut(out.q.as_mut_ptr()),
+        SharedMut(out.d.as_mut_ptr()),
+        SharedMut(out.group_sums.as_mut_ptr()),
+        SharedMut(out.planes.as_mut_ptr()),
+    );
+    let with_planes = order == ActOrder::NibblePlanes;
+    // Rows (tokens) in parallel: several sequences' decode tokens are quantized while the other
+    // threads would otherwise wait for the matmul.
+    let rows_per_task = t.div_ceil(2 * crate::pool::threads()).max(1);
+    crate::pool::for_each(t.div_ceil(rows_per_task), |task| {
+        for row in task * rows_per_task..((task + 1) * rows_per_task).min(t) {
+            // SAFETY: task rows are disjoint, and each writes only its row's values, scales, sums
+            // and planes, all inside the buffers sized above.
+            let (q, d, sums) = unsafe { (q.slice(row * k, k), d.slice(row * nb, nb), sums.slice(row * gpr, gpr)) };
+            let planes = if with_planes { unsafe { planes.slice(row * 2 * k, 2 * k) } } else { &mut [][..] };
+            quantize_row(isa, &x[row * k..(row + 1) * k], group_blocks, order, q, d, sums, planes);
+        }
+    });
+}
+
+/// [`quantize_acts`] for one row of `k = q.len()` values.
+#[allow(clippy::too_many_arguments)]
+fn quantize_row(
+    isa: Isa,
+    x: &[f32],
+    group_blocks: usize,
+    order: ActOrder,
+    q: &mut [i16],
+    d: &mut [f32],
+    group_sums: &mut [f32],
+    planes: &mut [u8],
+) {
+    let nb = q.len() / 32;
+    for blk in 0..nb {
+        let xs = &x[blk * 32..(blk + 1) * 32];
+        let (scale, sum) = match order {
             ActOrder::Fields(bits) => {
                 // Natural order, then each field's values to their run within the block's set.
                 let mut tmp = [0i16; 32];
                 let r = quantize_block(isa, xs, &mut tmp, false);
                 let (per_word, words) = (16 / bits, 2 * bits);
-                let (row, blk) = (b / nb, b % nb);
                 let set0 = blk / per_word * per_word;
                 let m = per_word.min(nb - set0);
-                let base = row * k + set0 * 32 + (blk - set0) * words;
+                let base = set0 * 32 + (blk - set0) * words;
                 for f in 0..per_word {
                     for i in 0..words {
-                        out.q[base + f * words * m + i] = tmp[i * per_word + f];
+                        q[base + f * words * m + i] = tmp[i * per_word + f];
                     }
                 }
                 r
             }
             _ => {
                 let nibbles = matches!(order, ActOrder::Nibbles | ActOrder::NibblePlanes);
-                quantize_block(isa, xs, &mut out.q[b * 32..(b + 1) * 32], nibbles)
+                quantize_block(isa, xs, &mut q[blk * 32..(blk + 1) * 32], nibbles)
             }
         };
-        out.d[b] = d;
-        out.group_sums[b / group_blocks] += sum;
+        d[blk] = scale;
+        group_sums[blk / group_blocks] += sum;
     }
-    out.planes.clear();
     if order == ActOrder::NibblePlanes {
-        out.planes.resize(t * k * 2, 0);
-        for (q, p) in out.q.chunks_exact(32).zip(out.planes.chunks_exact_mut(64)) {
-            for (i, v) in q.iter().enumerate() {
+        for (qb, p) in q.chunks_exact(32).zip(planes.chunks_exact_mut(64)) {
+            for (i, v) in qb.iter().enumerate() {
                 let [lo, hi] = v.to_le_bytes();
                 p[i] = lo;
                 p[32 + i] = hi;
