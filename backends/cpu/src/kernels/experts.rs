@@ -103,13 +103,12 @@ simd_kernel! {
     /// largest (a vector maximum of `total_cmp` keys), so a vocabulary row costs about one read.
     pub fn scan_top(v: &[f32], k: usize, best: &mut Vec<u32>) {
         best.clear();
-        let mut c0 = 0;
-        for run in v.chunks(SCAN_RUN) {
+        for (ri, run) in v.chunks(SCAN_RUN).enumerate() {
+            let c0 = ri * SCAN_RUN;
             if best.len() == k {
                 let max = run.iter().map(|&x| total_key(x)).fold(i32::MIN, i32::max);
                 // Columns come in ascending order, so an equal value ranks below every one kept.
                 if max <= total_key(v[best[k - 1] as usize]) {
-                    c0 += run.len();
                     continue;
                 }
             }
@@ -123,7 +122,6 @@ simd_kernel! {
                 }
                 best.insert(at, (c0 + j) as u32);
             }
-            c0 += run.len();
         }
     }
 }

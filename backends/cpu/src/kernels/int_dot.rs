@@ -114,8 +114,9 @@ pub fn quantize_acts(isa: Isa, x: &[f32], t: usize, k: usize, group: usize, orde
     out.d.resize(blocks + PAD, 0.0);
     out.group_sums.clear();
     out.group_sums.resize(blocks / group_blocks + PAD, 0.0);
+    let with_planes = order == ActOrder::NibblePlanes;
     out.planes.clear();
-    if order == ActOrder::NibblePlanes {
+    if with_planes {
         out.planes.resize(t * k * 2, 0);
     }
     let (q, d, sums, planes) = (
@@ -124,7 +125,6 @@ pub fn quantize_acts(isa: Isa, x: &[f32], t: usize, k: usize, group: usize, orde
         SharedMut(out.group_sums.as_mut_ptr()),
         SharedMut(out.planes.as_mut_ptr()),
     );
-    let with_planes = order == ActOrder::NibblePlanes;
     // Rows (tokens) in parallel: several sequences' decode tokens are quantized while the other
     // threads would otherwise wait for the matmul.
     let rows_per_task = t.div_ceil(2 * crate::pool::threads()).max(1);
@@ -310,10 +310,19 @@ pub unsafe fn dot_rows_tile<const NT: usize>(
     for r in rows {
         let mut o = [0f32; NT];
         dot_rows(isa, w.row(r), x, &mut o);
-        for (j, v) in o.into_iter().enumerate() {
-            // SAFETY: the caller's promise.
-            unsafe { *out.add(j * stride + r) = v };
-        }
+        // SAFETY: the caller's promise.
+        unsafe { store_row(o, out, stride, r) };
+    }
+}
+
+/// Row `r`'s results for `NT` tokens into [`dot_rows_tile`]'s `out` (token `j` at `j * stride + r`).
+///
+/// # Safety
+/// As [`dot_rows_tile`].
+#[inline(always)]
+unsafe fn store_row<const NT: usize>(o: [f32; NT], out: *mut f32, stride: usize, r: usize) {
+    for (j, v) in o.into_iter().enumerate() {
+        *out.add(j * stride + r) = v;
     }
 }
 
@@ -1357,9 +1366,7 @@ mod x86 {
         for r in rows {
             let mut o = [0f32; NT];
             dot_rows_q4_256::<D, S, NT>(w.row(r), sp, bp, x, &mut o);
-            for (j, v) in o.into_iter().enumerate() {
-                *out.add(j * stride + r) = v;
-            }
+            super::store_row(o, out, stride, r);
         }
     }
 
@@ -1561,9 +1568,7 @@ mod x86 {
         for r in rows {
             let mut o = [0f32; NT];
             dot_rows_wide::<D, S, BITS, NT>(w.row(r), sp, bp, x, &mut o);
-            for (j, v) in o.into_iter().enumerate() {
-                *out.add(j * stride + r) = v;
-            }
+            super::store_row(o, out, stride, r);
         }
     }
 

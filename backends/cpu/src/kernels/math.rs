@@ -1,9 +1,10 @@
 //! Vectorisable math shared by the kernels: the compiler turns these into SIMD inside a
 //! `simd_kernel!` (libm's `expf` is a scalar call per element).
 
-/// `e^x` (clamped to −87..=88, so larger arguments give `e^88`, not a garbage exponent), written so the compiler vectorises it: Cody–Waite range reduction
-/// `x = n·ln2 + r` with |r| ≤ ln2/2, a degree-7 Taylor polynomial for `e^r`, and `2^n` built in the
-/// exponent bits; relative error below 1e-6.
+/// `e^x` (clamped to −87..=88, so larger arguments give `e^88`, not a garbage exponent), written so
+/// the compiler vectorises it: Cody–Waite range reduction `x = n·ln2 + r` with |r| ≤ ln2/2, a
+/// degree-7 Taylor polynomial for `e^r`, and `2^n` built in the exponent bits; relative error below
+/// 1e-6.
 #[inline(always)]
 pub fn exp_approx(x: f32) -> f32 {
     const LN2_HI: f32 = 0.693_145_75;
