@@ -122,6 +122,11 @@ impl Isa {
         matches!(self.0, IsaPath::Avx512 | IsaPath::Avx512Vnni)
     }
 
+    /// AVX-512 VNNI is there.
+    pub fn has_avx512vnni(self) -> bool {
+        self.0 == IsaPath::Avx512Vnni
+    }
+
     /// NEON is there (both AArch64 paths).
     pub fn is_neon(self) -> bool {
         matches!(self.0, IsaPath::Neon | IsaPath::NeonDot)

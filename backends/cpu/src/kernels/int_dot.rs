@@ -15,8 +15,10 @@
 //! multiplies int16 pairs and accumulates them to int32 (`vpmaddwd` + `vpaddd`, or one `vpdpwssd`):
 //! the integer sums are exact either way, so the VNNI builds give the same results bit for bit, and
 //! the AVX-VNNI build (which this project's CI hosts may lack) differs from the tested ones only in
-//! that step's encoding. On AArch64 one NEON kernel serves 4-bit weights (`arm`: the int16 values
-//! split into byte planes for `udot`/`sdot`, or widening multiplies without the dot product).
+//! that step's encoding. On `avx512vnni`, 4-bit weights take the panel kernel instead
+//! ([`panel`](super::panel): sixteen rows per pass, one per lane, `vpdpbusd` on the int16 values'
+//! byte planes). On AArch64 one NEON kernel serves 4-bit weights (`arm`: the int16 values split into
+//! byte planes for `udot`/`sdot`, or widening multiplies without the dot product).
 
 use super::quantized::QuantMatrix;
 use super::{Floats, SharedMut};
@@ -33,8 +35,9 @@ pub enum ActOrder {
     /// and high nibbles of each byte).
     Nibbles,
     /// [`ActOrder::Nibbles`], plus a copy of each block split into byte planes for the NEON kernel
-    /// (4-bit weights): the low bytes of its 32 values (unsigned), then their high bytes (signed), so
-    /// that `x = 256·hi + lo` and each half is an 8-bit `udot`/`sdot` operand.
+    /// and the x86 panel kernel (4-bit weights): the low bytes of its 32 values (unsigned), then
+    /// their high bytes (signed), so that `x = 256·hi + lo` and each half is an 8-bit operand
+    /// (`udot`/`sdot`, `vpdpbusd`).
     NibblePlanes,
     /// `bits`-bit weights (2, 4, 8) on the 512-bit kernels. Blocks go in sets of `16 / bits` (one
     /// 64-byte vector of packed weights; the row's last set may be shorter); within a set, value 0 of
@@ -47,6 +50,7 @@ impl ActOrder {
     /// The order the kernels of `isa` take for `bits`-bit weights in groups of `group`.
     pub fn for_weights(isa: Isa, bits: usize, group: usize) -> ActOrder {
         match bits {
+            4 if isa.has_avx512vnni() && matches!(group, 32 | 64 | 128) => ActOrder::NibblePlanes,
             2 | 4 | 8 if isa.has_avx512() && matches!(group, 32 | 64 | 128) => ActOrder::Fields(bits),
             4 if isa.is_neon() => ActOrder::NibblePlanes,
             4 => ActOrder::Nibbles,
@@ -334,7 +338,7 @@ unsafe fn store_row<const NT: usize>(o: [f32; NT], out: *mut f32, stride: usize,
 pub fn passes_match_tile(isa: Isa, bits: usize, group: usize, order: ActOrder) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        x86::wide(isa, bits, group, order)
+        x86::wide(isa, bits, group, order) || super::panel::applies(isa, bits, group, order)
     }
     #[cfg(target_arch = "aarch64")]
     {
@@ -440,6 +444,7 @@ mod x86 {
 
     use super::{ActOrder, ActRow, Floats, QuantMatrix, QuantRow};
     use crate::isa::{Isa, IsaPath};
+    use crate::kernels::panel;
 
     /// The step that multiplies int16 pairs and adds them to int32 lanes, `acc + a₀·b₀ + a₁·b₁`: the
     /// only place the VNNI kernels differ from the others. Weights are at most 255 and activations
@@ -535,7 +540,7 @@ mod x86 {
     /// The 512-bit entry `$plain`/`$vnni` for `$isa`'s path and `$bits`-bit weights (2, 4 or 8).
     macro_rules! call_512 {
         ($isa:expr, $bits:expr, $plain:ident, $vnni:ident, <$S:ty $(, $g:tt)*> ($($a:expr),*)) => {
-            match ($isa.path() == IsaPath::Avx512Vnni, $bits) {
+            match ($isa.has_avx512vnni(), $bits) {
                 (false, 2) => $plain::<$S, 2 $(, $g)*>($($a),*),
                 (false, 4) => $plain::<$S, 4 $(, $g)*>($($a),*),
                 (false, _) => $plain::<$S, 8 $(, $g)*>($($a),*),
@@ -579,8 +584,28 @@ mod x86 {
         isa.has_avx512() && matches!(group, 32 | 64 | 128) && order == ActOrder::Fields(bits)
     }
 
+    /// Row `w` as a one-row matrix (for the panel kernel, which takes rows of a matrix).
+    fn one_row(w: QuantRow) -> QuantMatrix {
+        let (k, group) = (w.words.len() * 32 / w.bits, 32 * w.group_blocks);
+        QuantMatrix {
+            packed: w.words,
+            scales: w.scales.slice(w.group0, k / group),
+            biases: w.biases.slice(w.group0, k / group),
+            bits: w.bits,
+            group,
+            k,
+        }
+    }
+
     /// [`super::dot_row`] on x86; `None` where the portable loop runs.
     pub fn dot_row(isa: Isa, w: QuantRow, x: ActRow) -> Option<f32> {
+        if panel::applies(isa, w.bits, w.group_blocks * 32, x.order) {
+            let mut out = [0f32];
+            // SAFETY: AVX-512 (F/BW/VL) and its VNNI are present; `out` holds the one result.
+            if unsafe { panel::rows_tile(one_row(w), 0..1, &[x], out.as_mut_ptr(), 1) } {
+                return Some(out[0]);
+            }
+        }
         if wide(isa, w.bits, w.group_blocks * 32, x.order) {
             let mut out = [0f32];
             // SAFETY: AVX-512 F/BW/VL (and VNNI on its path) are present: an `Isa` exists only for a
@@ -604,6 +629,10 @@ mod x86 {
         let order = x[0].order;
         if x.iter().any(|r| r.order != order) {
             return false;
+        }
+        if panel::applies(isa, w.bits, w.group_blocks * 32, order) {
+            // SAFETY: as in `dot_row`; token j's result goes to `out[j]`.
+            return unsafe { panel::rows_tile(one_row(w), 0..1, x, out.as_mut_ptr(), 1) };
         }
         if wide(isa, w.bits, w.group_blocks * 32, order) {
             // SAFETY: as in `dot_row`.
@@ -638,6 +667,10 @@ mod x86 {
         if x.iter().any(|r| r.order != order) {
             return false;
         }
+        if panel::applies(isa, w.bits, w.group, order) {
+            // SAFETY: as in `dot_row`; `out` as the caller promises.
+            return unsafe { panel::rows_tile(w, rows, x, out, stride) };
+        }
         if wide(isa, w.bits, w.group, order) {
             // SAFETY: as in `dot_row`; `out` as the caller promises.
             return with_scales!(w.scales, w.biases, S, sp, bp => unsafe {
@@ -659,6 +692,11 @@ mod x86 {
 
     /// [`super::dot_tile`] on x86; false where it runs [`super::dot_row`] per row.
     pub fn dot_tile(isa: Isa, w: QuantMatrix, rows: std::ops::Range<usize>, x: ActRow, out: &mut [f32]) -> bool {
+        if panel::applies(isa, w.bits, w.group, x.order) {
+            assert!(out.len() >= rows.len());
+            // SAFETY: as in `dot_row`; `out` holds a result per row.
+            return unsafe { panel::rows_tile(w, rows.clone(), &[x], out.as_mut_ptr().wrapping_sub(rows.start), 0) };
+        }
         if wide(isa, w.bits, w.group, x.order) {
             // SAFETY: as in `dot_row`; the loads are masked to each row's weights, scales and biases.
             return with_scales!(w.scales, w.biases, S, sp, bp => unsafe {

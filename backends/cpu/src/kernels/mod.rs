@@ -12,6 +12,8 @@ pub mod kv_elem;
 pub mod math;
 pub mod matmul;
 pub mod norm;
+#[cfg(target_arch = "x86_64")]
+pub mod panel;
 pub mod pooling;
 pub mod quantized;
 pub mod rope;

@@ -1,0 +1,443 @@
+//! The panel kernel for 4-bit MLX weights on the `avx512vnni` path: sixteen weight rows at a time, one
+//! row per vector lane, with `vpdpbusd` on byte operands.
+//!
+//! The arithmetic is [`int_dot`](super::int_dot)'s — int16 activations in blocks of 32, one scale per
+//! block, exact integer block sums — on bytes: each int16 activation is split into its byte planes,
+//! `x = 256·hi + lo` (the [`ActOrder::NibblePlanes`] copy `quantize_acts` makes), and a block's sum is
+//! `256·Σ hi·q + Σ lo·q`, both exact in int32.
+//!
+//! A block of a panel (sixteen rows' 16 bytes of nibbles) is transposed by dword into eight operand
+//! vectors: per lane (a row; lanes come out in the order `4·(r % 4) + r / 4` of the panel's rows,
+//! undone when results are stored) four weights of one block position quad, low nibbles (the even
+//! elements, the block's first 16 positions in nibble order) in the first four vectors and high
+//! nibbles in the last four. Each token then needs sixteen `vpdpbusd` per block — its high-plane
+//! quads (signed) and low-plane quads (unsigned) broadcast against the operands — and its integer
+//! sums are already one lane per row: no horizontal reduction, and the operands are built once for
+//! all the tokens of a pass. Per (row, token):
+//!
+//! `acc = Σ_g (b_g·Σx_g, then per block of g: f32(256·hi + lo)·(s_g·d))`, in that order,
+//!
+//! whatever the number of tokens in the pass or the rows beside it, so several sequences' tokens
+//! share a pass with the bits each gets alone (batch invariance).
+//!
+//! AMX-INT8 tiles were measured for the multiply (Xeon, `tdpbsud`/`tdpbuud` on the same operands):
+//! with one scale per 32 values, every block's sums must leave the tile unit through memory, and the
+//! tile passes came out no faster than these vector ones (see docs/benchmarks.md).
+
+use std::arch::x86_64::*;
+use std::ops::Range;
+
+use super::int_dot::{ActOrder, ActRow};
+use super::quantized::QuantMatrix;
+use super::Floats;
+use crate::isa::Isa;
+
+/// Whether the panel kernel serves `bits`-bit weights in groups of `group` with activations in
+/// `order` on `isa`.
+pub fn applies(isa: Isa, bits: usize, group: usize, order: ActOrder) -> bool {
+    isa.has_avx512vnni() && bits == 4 && matches!(group, 32 | 64 | 128) && order == ActOrder::NibblePlanes
+}
+
+/// `out[j * stride + r] = row r of w · token j` for `r` in `rows` and every token of `x` (in
+/// [`ActOrder::NibblePlanes`]; `w` 4-bit in groups of 32, 64 or 128: see [`applies`]), up to eight
+/// tokens per pass. False (nothing written) for scales and biases stored in different types.
+///
+/// # Safety
+/// `isa.has_avx512vnni()` must hold, and `out` must be valid for writes at every `j * stride + r`
+/// (`out` itself may point outside its buffer, as where only `rows`' results are stored).
+pub unsafe fn rows_tile(w: QuantMatrix, rows: Range<usize>, x: &[ActRow], out: *mut f32, stride: usize) -> bool {
+    match (w.scales, w.biases) {
+        (Floats::F16(_), Floats::F16(_)) => rows_of::<HALF>(&w, rows, x, out, stride),
+        (Floats::BF16(_), Floats::BF16(_)) => rows_of::<BRAIN>(&w, rows, x, out, stride),
+        (Floats::F32(_), Floats::F32(_)) => rows_of::<SINGLE>(&w, rows, x, out, stride),
+        _ => return false,
+    }
+    true
+}
+
+/// Scale storage, as a const parameter of the kernels.
+const SINGLE: u8 = 0;
+const HALF: u8 = 1;
+const BRAIN: u8 = 2;
+
+unsafe fn rows_of<const KIND: u8>(w: &QuantMatrix, rows: Range<usize>, x: &[ActRow], out: *mut f32, stride: usize) {
+    debug_assert!(x.iter().all(|a| a.order == ActOrder::NibblePlanes && a.planes.len() >= w.k * 2));
+    // Whole panels from the matrix itself; a last panel cut short from a zero-padded copy of its rows,
+    // as is the matrix's own last panel (so that no gather reads past its scales' end).
+    let mut full_end = rows.start + rows.len() / 16 * 16;
+    if full_end > rows.start && full_end == w.packed.len() / w.words_per_row() {
+        full_end -= 16;
+    }
+    passes::<KIND>(w, rows.start..full_end, rows.end, x, out, stride);
+    if full_end < rows.end {
+        let tail = TailPanel::new(w, full_end..rows.end);
+        let t = tail.matrix(w);
+        passes::<KIND>(&t, 0..16, rows.len() - (full_end - rows.start), x, out.wrapping_add(full_end), stride);
+    }
+}
+
+/// Every token of `x` against the whole panels of `rows`, whose results are stored for rows below
+/// `keep_end` only: eight tokens per pass while they last, then four, two, one.
+unsafe fn passes<const KIND: u8>(
+    w: &QuantMatrix,
+    rows: Range<usize>,
+    keep_end: usize,
+    x: &[ActRow],
+    out: *mut f32,
+    stride: usize,
+) {
+    if rows.is_empty() {
+        return;
+    }
+    let mut j = 0;
+    while j < x.len() {
+        let m = [8, 4, 2].into_iter().find(|&m| x.len() - j >= m).unwrap_or(1);
+        let (xs, o, r) = (&x[j..j + m], out.wrapping_add(j * stride), (rows.clone(), keep_end));
+        match m {
+            8 => pass::<KIND, 8>(w, r, xs, o, stride),
+            4 => pass::<KIND, 4>(w, r, xs, o, stride),
+            2 => pass::<KIND, 2>(w, r, xs, o, stride),
+            _ => pass::<KIND, 1>(w, r, xs, o, stride),
+        }
+        j += m;
+    }
+}
+
+/// The rows of a panel cut short by the end of a tile, padded with zero rows (weights, scales and
+/// biases) to sixteen.
+struct TailPanel {
+    packed: Vec<u32>,
+    scales: Padded,
+    biases: Padded,
+}
+
+/// A copy of some rows' scales or biases in their own storage type.
+enum Padded {
+    F32(Vec<f32>),
+    F16(Vec<u16>),
+    BF16(Vec<u16>),
+}
+
+impl Padded {
+    fn new(src: Floats, from: usize, len: usize, padded: usize) -> Padded {
+        fn copy<T: Copy + Default>(s: &[T], from: usize, len: usize, padded: usize) -> Vec<T> {
+            let mut v = vec![T::default(); padded];
+            v[..len].copy_from_slice(&s[from..from + len]);
+            v
+        }
+        match src {
+            Floats::F32(s) => Padded::F32(copy(s, from, len, padded)),
+            Floats::F16(s) => Padded::F16(copy(s, from, len, padded)),
+            Floats::BF16(s) => Padded::BF16(copy(s, from, len, padded)),
+        }
+    }
+
+    fn floats(&self) -> Floats<'_> {
+        match self {
+            Padded::F32(v) => Floats::F32(v),
+            Padded::F16(v) => Floats::F16(v),
+            Padded::BF16(v) => Floats::BF16(v),
+        }
+    }
+}
+
+impl TailPanel {
+    fn new(w: &QuantMatrix, rows: Range<usize>) -> TailPanel {
+        let (wpr, gpr) = (w.words_per_row(), w.groups_per_row());
+        let mut packed = vec![0u32; 16 * wpr];
+        packed[..rows.len() * wpr].copy_from_slice(&w.packed[rows.start * wpr..rows.end * wpr]);
+        let (from, len) = (rows.start * gpr, rows.len() * gpr);
+        TailPanel {
+            packed,
+            // One element more than the panel's, for the gathers' 32-bit reads.
+            scales: Padded::new(w.scales, from, len, 16 * gpr + 1),
+            biases: Padded::new(w.biases, from, len, 16 * gpr + 1),
+        }
+    }
+
+    /// The padded rows as a 16-row matrix shaped like `w`.
+    fn matrix<'a>(&'a self, w: &QuantMatrix) -> QuantMatrix<'a> {
+        QuantMatrix { packed: &self.packed, scales: self.scales.floats(), biases: self.biases.floats(), ..*w }
+    }
+}
+
+/// `M` tokens against every row of `rows`, a panel at a time.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
+unsafe fn pass<const KIND: u8, const M: usize>(
+    w: &QuantMatrix,
+    (rows, keep_end): (Range<usize>, usize),
+    x: &[ActRow],
+    out: *mut f32,
+    stride: usize,
+) {
+    let geo = Geometry::new(w);
+    let toks = Tokens::<M>::new(x);
+    let planes: [*const u8; M] = std::array::from_fn(|t| x[t].planes.as_ptr());
+    let mut p0 = rows.start;
+    while p0 < rows.end {
+        let mut acc = [_mm512_setzero_ps(); M];
+        let index = geo.panel_index(p0);
+        // Each group's gathers are issued a group ahead, so their latency hides behind a block.
+        let mut factors = geo.factors::<KIND>(w, index, 0);
+        for g in 0..geo.gpr {
+            let (s, b) = factors;
+            if g + 1 < geo.gpr {
+                factors = geo.factors::<KIND>(w, index, g + 1);
+            }
+            toks.bias_term(b, g, &mut acc);
+            for blk in g * geo.gb..(g + 1) * geo.gb {
+                geo.prefetch_panel(w, p0 + 16, blk);
+                let ops = geo.weight_operand(w, p0, blk);
+                // Per token one chain per plane, the tokens' chains side by side.
+                let mut sh = [_mm512_setzero_si512(); M];
+                let mut sl = [_mm512_setzero_si512(); M];
+                for (kq, op) in ops.iter().enumerate() {
+                    for t in 0..M {
+                        let quad =
+                            |plane: usize| (planes[t].add(blk * 64 + plane + 4 * kq) as *const i32).read_unaligned();
+                        // High bytes are signed (the second operand); low bytes and weights unsigned.
+                        sh[t] = _mm512_dpbusd_epi32(sh[t], *op, _mm512_set1_epi32(quad(32)));
+                        sl[t] = _mm512_dpbusd_epi32(sl[t], _mm512_set1_epi32(quad(0)), *op);
+                    }
+                }
+                for t in 0..M {
+                    acc[t] = block_term(sh[t], sl[t], s, toks.d[t].add(blk), acc[t]);
+                }
+            }
+        }
+        for (t, a) in acc.iter().enumerate() {
+            store_results(*a, out.wrapping_add(t * stride + p0), keep_end.saturating_sub(p0));
+        }
+        p0 += 16;
+    }
+}
+
+/// A block's contribution to one token's sixteen rows: `acc + f32(256·hi + lo) · (s · d)`.
+#[inline(always)]
+unsafe fn block_term(hi: __m512i, lo: __m512i, s: __m512, d: *const f32, acc: __m512) -> __m512 {
+    let isum = _mm512_add_epi32(_mm512_slli_epi32::<8>(hi), lo);
+    _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(s, _mm512_set1_ps(*d)), acc)
+}
+
+/// A panel's sixteen results (lane `c` for the row at column `c`) to rows `0..nr` of `out`.
+#[inline(always)]
+unsafe fn store_results(acc: __m512, out: *mut f32, nr: usize) {
+    // The permutation of columns is its own inverse.
+    let lanes = if nr >= 16 { !0 } else { ((1u32 << nr) - 1) as __mmask16 };
+    _mm512_mask_storeu_ps(out, lanes, _mm512_permutexvar_ps(column_rows(), acc));
+}
+
+/// The panel row at each column: column c holds row 4·(c % 4) + c / 4.
+#[inline(always)]
+unsafe fn column_rows() -> __m512i {
+    _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)
+}
+
+/// The tokens' per-block scales and per-group sums.
+struct Tokens<'a, const M: usize> {
+    d: [*const f32; M],
+    group_sums: [&'a [f32]; M],
+}
+
+impl<'a, const M: usize> Tokens<'a, M> {
+    fn new(x: &[ActRow<'a>]) -> Self {
+        Tokens { d: std::array::from_fn(|t| x[t].d.as_ptr()), group_sums: std::array::from_fn(|t| x[t].group_sums) }
+    }
+
+    /// Group `g`'s bias term, `acc + b · Σx`, for every token.
+    #[inline(always)]
+    unsafe fn bias_term(&self, b: __m512, g: usize, acc: &mut [__m512; M]) {
+        for (a, sums) in acc.iter_mut().zip(&self.group_sums) {
+            *a = _mm512_fmadd_ps(b, _mm512_set1_ps(*sums.get_unchecked(g)), *a);
+        }
+    }
+}
+
+/// A matrix's shape as the panel kernel walks it.
+struct Geometry {
+    /// Groups per row, blocks per group, bytes per row.
+    gpr: usize,
+    gb: usize,
+    row_bytes: usize,
+}
+
+impl Geometry {
+    fn new(w: &QuantMatrix) -> Geometry {
+        Geometry { gpr: w.groups_per_row(), gb: w.group / 32, row_bytes: w.words_per_row() * 4 }
+    }
+
+    /// The index of each panel column's row's first group in the scales (rows from `p0`; a matrix
+    /// has fewer than 2³¹ of them).
+    #[inline(always)]
+    unsafe fn panel_index(&self, p0: usize) -> __m512i {
+        debug_assert!((p0 + 16) * self.gpr <= i32::MAX as usize);
+        let rows = _mm512_add_epi32(column_rows(), _mm512_set1_epi32(p0 as i32));
+        _mm512_mullo_epi32(rows, _mm512_set1_epi32(self.gpr as i32))
+    }
+
+    /// Group `g`'s scales and biases of a panel's rows (`index` from [`Geometry::panel_index`]) at
+    /// their columns.
+    #[inline(always)]
+    unsafe fn factors<const KIND: u8>(&self, w: &QuantMatrix, index: __m512i, g: usize) -> (__m512, __m512) {
+        let idx = _mm512_add_epi32(index, _mm512_set1_epi32(g as i32));
+        (column::<KIND>(w.scales, idx), column::<KIND>(w.biases, idx))
+    }
+
+    /// Requests block `blk`'s share of the weights of the panel from row `p0` (every block of a panel
+    /// asks for the same share of the next one, so it arrives whole): sixteen rows read side by
+    /// side, sixteen bytes at a time, lose the hardware prefetchers. Addresses past the matrix are
+    /// only hinted, never read.
+    #[inline(always)]
+    unsafe fn prefetch_panel(&self, w: &QuantMatrix, p0: usize, blk: usize) {
+        let share = (16 * self.row_bytes).div_ceil(self.gpr * self.gb);
+        let start = (w.packed.as_ptr() as *const u8).wrapping_add(p0 * self.row_bytes + blk * share);
+        let mut o = 0;
+        while o < share {
+            _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(o) as *const i8);
+            o += 64;
+        }
+    }
+
+    /// Block `blk` of rows `p0..p0 + 16` as the weight operand: row `kq` < 4 holds, per column, the low
+    /// nibbles of bytes `4·kq..4·kq + 4` of that column's row (block positions `4·kq..`, the even
+    /// elements); row `4 + kq` their high nibbles (positions `16 + 4·kq..`).
+    #[inline(always)]
+    unsafe fn weight_operand(&self, w: &QuantMatrix, p0: usize, blk: usize) -> [__m512i; 8] {
+        let src = (w.packed.as_ptr() as *const u8).add(p0 * self.row_bytes + blk * 16);
+        let (z0, z1, z2, z3) = (
+            quad(src, self.row_bytes),
+            quad(src.add(4 * self.row_bytes), self.row_bytes),
+            quad(src.add(8 * self.row_bytes), self.row_bytes),
+            quad(src.add(12 * self.row_bytes), self.row_bytes),
+        );
+        // A dword transpose within each lane: `dword[kq]` holds dword kq of every row, lane i position
+        // j from row 4·j + i (column 4·i + j).
+        let (t0, t1) = (_mm512_unpacklo_epi32(z0, z1), _mm512_unpackhi_epi32(z0, z1));
+        let (t2, t3) = (_mm512_unpacklo_epi32(z2, z3), _mm512_unpackhi_epi32(z2, z3));
+        let dword = [
+            _mm512_unpacklo_epi64(t0, t2),
+            _mm512_unpackhi_epi64(t0, t2),
+            _mm512_unpacklo_epi64(t1, t3),
+            _mm512_unpackhi_epi64(t1, t3),
+        ];
+        let low = _mm512_set1_epi8(0x0F);
+        let mut ops = [_mm512_setzero_si512(); 8];
+        for kq in 0..4 {
+            ops[kq] = _mm512_and_si512(dword[kq], low);
+            ops[4 + kq] = _mm512_and_si512(_mm512_srli_epi16::<4>(dword[kq]), low);
+        }
+        ops
+    }
+}
+
+/// The element of `src` at each lane's index: a gather, whose 32-bit reads of 16-bit values take
+/// two bytes past each one (never past the buffer: see [`rows_of`]).
+#[inline(always)]
+unsafe fn column<const KIND: u8>(src: Floats, idx: __m512i) -> __m512 {
+    match src {
+        Floats::F32(v) if KIND == SINGLE => _mm512_i32gather_ps::<4>(idx, v.as_ptr()),
+        Floats::F16(v) | Floats::BF16(v) if KIND != SINGLE => {
+            let words = _mm512_i32gather_epi32::<2>(idx, v.as_ptr() as *const i32);
+            if KIND == HALF {
+                _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words))
+            } else {
+                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(words))
+            }
+        }
+        _ => unreachable!("scales stored unlike the kernel's type"),
+    }
+}
+
+/// Four rows' 16 bytes (`row_bytes` apart from `src`) in one register: lane i is row i.
+#[inline(always)]
+unsafe fn quad(src: *const u8, row_bytes: usize) -> __m512i {
+    let row = |r: usize| _mm_loadu_si128(src.add(r * row_bytes) as *const __m128i);
+    let z = _mm512_castsi128_si512(row(0));
+    let z = _mm512_inserti32x4::<1>(z, row(1));
+    let z = _mm512_inserti32x4::<2>(z, row(2));
+    _mm512_inserti32x4::<3>(z, row(3))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::isa::IsaPath;
+    use crate::kernels::int_dot::{dot_row, quantize_acts, IntActs};
+
+    /// Every row range (whole panels, a cut-short last one, the matrix's own last panel) and every
+    /// number of tokens (passes of eight, four, two and one) give each (row, token) the bits it gets
+    /// alone, and those are the portable path's result within f32 rounding. Skipped without AVX-512
+    /// VNNI (printed).
+    #[test]
+    fn passes_give_every_token_its_own_bits() {
+        let Some(isa) = Isa::detect(IsaPath::Avx512Vnni) else {
+            eprintln!("panel kernel: SKIPPED (no AVX-512 VNNI on this CPU)");
+            return;
+        };
+        let mut seed = 0x2545F4914F6CDD1Du64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for (n, group, blocks) in [(48, 32, 18), (32, 64, 6), (16, 128, 4)] {
+            let k = group * blocks;
+            let packed: Vec<u32> = (0..n * k / 8).map(|_| next() as u32).collect();
+            let factor = |v: u64, base: f32| half::f16::from_f32(base + (v % 1000) as f32 * 1e-5).to_bits();
+            let scales: Vec<u16> = (0..n * k / group).map(|_| factor(next(), 0.01)).collect();
+            let biases: Vec<u16> = (0..n * k / group).map(|_| factor(next(), -0.005)).collect();
+            let w = QuantMatrix {
+                packed: &packed,
+                scales: Floats::F16(&scales),
+                biases: Floats::F16(&biases),
+                bits: 4,
+                group,
+                k,
+            };
+            let t = 8;
+            let x: Vec<f32> = (0..t * k)
+                .map(|i| ((next() % 2001) as f32 / 1000.0 - 1.0) * if i % k == 3 { 20.0 } else { 1.0 })
+                .collect();
+            let mut acts = IntActs::default();
+            quantize_acts(isa, &x, t, k, group, ActOrder::NibblePlanes, &mut acts);
+            let gpr = k / group;
+            let act = |j: usize| ActRow {
+                q: &acts.q[j * k..(j + 1) * k],
+                d: &acts.d[j * k / 32..(j + 1) * k / 32],
+                group_sums: &acts.group_sums[j * gpr..(j + 1) * gpr],
+                order: ActOrder::NibblePlanes,
+                planes: &acts.planes[j * 2 * k..(j + 1) * 2 * k],
+            };
+            let rows: Vec<ActRow> = (0..t).map(act).collect();
+            // Each token alone over the whole matrix.
+            let mut alone = vec![0f32; t * n];
+            for j in 0..t {
+                assert!(unsafe { rows_tile(w, 0..n, &rows[j..j + 1], alone.as_mut_ptr().add(j * n), n) });
+                for r in 0..n {
+                    let scalar = dot_row(Isa::SCALAR, w.row(r), act(j));
+                    let got = alone[j * n + r];
+                    assert!(
+                        (got - scalar).abs() <= 1e-4 * scalar.abs().max(1.0),
+                        "n {n} row {r} token {j}: {got} vs {scalar}"
+                    );
+                }
+            }
+            for range in [0..n, 16..n, 0..16, 3..n, 5..n - 2] {
+                for tokens in 1..=t {
+                    let mut out = vec![f32::NAN; tokens * n];
+                    assert!(unsafe { rows_tile(w, range.clone(), &rows[..tokens], out.as_mut_ptr(), n) });
+                    for j in 0..tokens {
+                        for r in range.clone() {
+                            assert_eq!(
+                                out[j * n + r].to_bits(),
+                                alone[j * n + r].to_bits(),
+                                "n {n} rows {range:?}, {tokens} tokens: row {r} token {j}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
