@@ -60,6 +60,19 @@ pub fn path_with(bin: &Path) -> String {
     format!("{}:{}", bin.display(), std::env::var("PATH").unwrap_or_default())
 }
 
+/// Compiler flags for the llama.cpp peers (llama-cpp-python and llama-server) beyond the native
+/// ones: on hosts with AMX-INT8, ggml's AMX matmul (built whenever `-march=native` defines
+/// `__AMX_INT8__`) crashed on the bench's Q4_1 model (SIGSEGV in `ggml_backend_amx_mul_mat`, Xeon
+/// with AMX, llama.cpp of llama-cpp-python 0.3.36), so the peers are built without it there and use
+/// their AVX-512 kernels.
+pub fn llama_cmake_defines() -> Vec<&'static str> {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::x86_64::__cpuid_count(7, 0).edx >> 25 & 1 == 1 {
+        return vec!["-DCMAKE_C_FLAGS=-mno-amx-int8", "-DCMAKE_CXX_FLAGS=-mno-amx-int8"];
+    }
+    Vec::new()
+}
+
 /// A venv with llama-cpp-python (compiled from source with native flags, ~4 minutes the first time).
 fn peer_python() -> Result<PathBuf> {
     let bin = tools_venv()?;
@@ -72,6 +85,12 @@ fn peer_python() -> Result<PathBuf> {
     let mut c = Command::new(bin.join("pip"));
     c.args(["install", "-q", "--no-cache-dir", LLAMA_CPP_PYTHON]);
     c.env("PATH", path_with(&bin));
+    let defines = llama_cmake_defines();
+    if !defines.is_empty() {
+        // After any the caller set (as for the AVX2 stand-in build in docs/benchmarks.md).
+        let user = std::env::var("CMAKE_ARGS").unwrap_or_default();
+        c.env("CMAKE_ARGS", format!("{user} {}", defines.join(" ")).trim().to_string());
+    }
     crate::run(c)?;
     Ok(py)
 }

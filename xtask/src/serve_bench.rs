@@ -67,6 +67,7 @@ fn llama_server() -> Result<PathBuf> {
     c.arg("-S").arg(src.join("llama_cpp_python-0.3.36/vendor/llama.cpp")).arg("-B").arg(dir.join("build"));
     c.args(["-G", "Ninja", "-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF"]);
     c.args(["-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF"]);
+    c.args(crate::bench::llama_cmake_defines());
     c.env("PATH", path_with(&tools));
     crate::run(c)?;
     let mut c = Command::new(tools.join("cmake"));
