@@ -89,7 +89,7 @@ fn peer_python() -> Result<PathBuf> {
     if !defines.is_empty() {
         // After any the caller set (as for the AVX2 stand-in build in docs/benchmarks.md).
         let user = std::env::var("CMAKE_ARGS").unwrap_or_default();
-        c.env("CMAKE_ARGS", format!("{user} {}", defines.join(" ")).trim().to_string());
+        c.env("CMAKE_ARGS", format!("{user} {}", defines.join(" ")).trim());
     }
     crate::run(c)?;
     Ok(py)
