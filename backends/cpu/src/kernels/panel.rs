@@ -60,6 +60,7 @@ const SINGLE: u8 = 0;
 const HALF: u8 = 1;
 const BRAIN: u8 = 2;
 
+/// [`rows_tile`] for scales and biases stored as `KIND`.
 unsafe fn rows_of<const KIND: u8>(w: &QuantMatrix, rows: Range<usize>, x: &[ActRow], out: *mut f32, stride: usize) {
     debug_assert!(x.iter().all(|a| a.order == ActOrder::NibblePlanes && a.planes.len() >= w.k * 2));
     // Whole panels from the matrix itself; a last panel cut short from a zero-padded copy of its rows,
