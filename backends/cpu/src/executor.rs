@@ -100,7 +100,29 @@ pub fn compute(ctx: &mut CpuContext, args: &ComputeArgs) -> Result<(), PluginErr
 }
 
 impl ExecState {
+    /// A zeroed buffer of `n` values (recycled where one is big enough).
     fn take(&mut self, n: usize) -> Vec<f32> {
+        let mut v = self.recycled(n);
+        v.clear();
+        v.resize(n, 0.0);
+        v
+    }
+
+    /// A buffer of `n` values for an op that writes every one of them: recycled memory keeps what it
+    /// held (never read), so a large output — an 8-sequence step's logits are 1.5 MB — is not
+    /// cleared first.
+    fn take_for_overwrite(&mut self, n: usize) -> Vec<f32> {
+        let mut v = self.recycled(n);
+        if v.len() >= n {
+            v.truncate(n);
+        } else {
+            v.resize(n, 0.0);
+        }
+        v
+    }
+
+    /// The smallest recycled buffer with room for `n` values, or a new one.
+    fn recycled(&mut self, n: usize) -> Vec<f32> {
         let best = self
             .scratch
             .iter()
@@ -108,13 +130,10 @@ impl ExecState {
             .filter(|(_, v)| v.capacity() >= n)
             .min_by_key(|(_, v)| v.capacity())
             .map(|(i, _)| i);
-        let mut v = match best {
+        match best {
             Some(i) => self.scratch.swap_remove(i),
             None => Vec::with_capacity(n),
-        };
-        v.clear();
-        v.resize(n, 0.0);
-        v
+        }
     }
 
     fn give(&mut self, v: Vec<f32>) {
@@ -671,7 +690,12 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
         let val = match op {
             OpCode::Input | OpCode::Weight | OpCode::Constant => bind_source(ctx, i, node, inputs, weights, constants)?,
             _ => {
-                let mut out = ctx.take(node.numel());
+                // Quantized matmuls write every value of their output (each path covers all rows).
+                let mut out = if op == OpCode::QuantMatMul {
+                    ctx.take_for_overwrite(node.numel())
+                } else {
+                    ctx.take(node.numel())
+                };
                 let v = |j: usize| &vals[src[j] as usize];
                 let sn = |j: usize| &nodes[src[j] as usize];
                 // The sources' nodes, for the shared op specs.
@@ -742,7 +766,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                             }
                             if n_fused > 0 {
                                 for (f, &m) in fused.iter_mut().zip(&fused_ids[..n_fused]) {
-                                    *f = (m, ctx.take(nodes[m].numel()));
+                                    *f = (m, ctx.take_for_overwrite(nodes[m].numel()));
                                 }
                                 let mut parts: [Option<quantized::QuantPart>; MAX_FUSED] = Default::default();
                                 parts[0] = Some(quantized::QuantPart { w: q, n, out: &mut out });
