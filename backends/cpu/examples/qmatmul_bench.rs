@@ -65,6 +65,14 @@ fn main() {
     if std::env::var("HOT").is_ok_and(|v| v == "long") {
         mats = vec![mat(96, 4608, &mut seed)];
     }
+    // ONLY=n,k: one [n, k] shape, as many distinct copies as make the model's size (or COUNT of
+    // them): how a shape's passes split across threads, apart from the others.
+    if let Ok(only) = std::env::var("ONLY") {
+        let v: Vec<usize> = only.split(',').map(|x| x.parse().expect("ONLY=n,k")).collect();
+        let count =
+            std::env::var("COUNT").map_or((134_000_000 / (v[0] * v[1])).max(1), |c| c.parse().expect("COUNT=number"));
+        mats = (0..count).map(|_| mat(v[0], v[1], &mut seed)).collect();
+    }
     let bytes: usize = mats.iter().map(|m| m.packed.len() * 4 + m.scales.len() * 4).sum();
     let x: Vec<f32> = (0..t * 4608).map(|_| (rng(&mut seed) % 2000) as f32 / 1000.0 - 1.0).collect();
     let mut out = vec![0f32; t * vocab];

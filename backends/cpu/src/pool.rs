@@ -271,6 +271,12 @@ pub fn for_each(n: usize, f: impl Fn(usize) + Sync) {
     fan_out(n, &f);
 }
 
+/// This thread's place in a fan-out: 0 for the caller (and for any thread outside a pool), `j` for
+/// the pool's worker `j`.
+pub fn participant() -> usize {
+    CURRENT.with(|c| c.get()).map_or(0, |(_, id, _)| id)
+}
+
 /// [`for_each`] with a state per participating thread, made by `init` the first time that thread
 /// runs a task (scratch buffers reused across a thread's tasks).
 pub fn for_each_init<S: Send>(n: usize, init: impl Fn() -> S + Sync, f: impl Fn(&mut S, usize) + Sync) {
@@ -278,7 +284,7 @@ pub fn for_each_init<S: Send>(n: usize, init: impl Fn() -> S + Sync, f: impl Fn(
     let slots: Vec<Slot<S>> = (0..threads).map(|_| Slot(UnsafeCell::new(None))).collect();
     fan_out(n, &|i| {
         // The caller is participant 0, worker `j` participant `j`; an inline run is one thread.
-        let me = CURRENT.with(|c| c.get()).map_or(0, |(_, id, _)| id);
+        let me = participant();
         // SAFETY: participant `me` runs its tasks one after another, so only it touches slot `me`.
         let slot = unsafe { &mut *slots[me.min(threads - 1)].0.get() };
         f(slot.get_or_insert_with(&init), i)

@@ -286,19 +286,15 @@ pub fn qmatmul_shared_input<'a, 'o>(
     debug_assert!(dims.iter().flatten().all(|(w, _, _)| w.k == k && w.bits == w0.bits && w.group == w0.group));
     let order = ActOrder::for_weights(isa, w0.bits, w0.group);
     let key = ActsKey { source, t, k, group: w0.group, order };
-    if acts.key != Some(key) {
+    // Small inputs: each thread quantizes its own copy at its first task (see `OWN_COPY_MAX_VALUES`).
+    let own_copies = t * k <= OWN_COPY_MAX_VALUES && pool::threads() > 1;
+    if !own_copies && acts.key != Some(key) {
         quantize_acts(isa, x, t, k, w0.group, order, acts);
         acts.key = Some(key);
     }
-    let acts = &*acts;
     let gpr = w0.groups_per_row();
-    let act = |ti: usize| ActRow {
-        q: &acts.q[ti * k..(ti + 1) * k],
-        d: &acts.d[ti * k / 32..(ti + 1) * k / 32],
-        group_sums: &acts.group_sums[ti * gpr..(ti + 1) * gpr],
-        order,
-        planes: acts.planes.get(ti * 2 * k..(ti + 1) * 2 * k).unwrap_or(&[]),
-    };
+    let shared = CallerActs(acts);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     debug_assert!(segments.is_empty() || (segments.last() == Some(&t) && segments.windows(2).all(|p| p[0] <= p[1])));
     let multi = w0.bits == 4 || matches!(order, ActOrder::Fields(_));
     let whole = [t];
@@ -318,7 +314,15 @@ pub fn qmatmul_shared_input<'a, 'o>(
     for p in 0..n_parts {
         first_task[p + 1] = first_task[p] + dims[p].map_or(0, |(_, n, _)| n.div_ceil(rows_per_task));
     }
-    pool::for_each(first_task[n_parts], |task| {
+    // One task: a tile of rows of one part, against every token of `acts`.
+    let run_task = |task: usize, acts: &IntActs| {
+        let act = |ti: usize| ActRow {
+            q: &acts.q[ti * k..(ti + 1) * k],
+            d: &acts.d[ti * k / 32..(ti + 1) * k / 32],
+            group_sums: &acts.group_sums[ti * gpr..(ti + 1) * gpr],
+            order,
+            planes: acts.planes.get(ti * 2 * k..(ti + 1) * 2 * k).unwrap_or(&[]),
+        };
         let p = (0..n_parts).find(|&p| task < first_task[p + 1]).unwrap_or(0);
         let Some((w, n, out_ptr)) = dims[p] else { return };
         let chunk = task - first_task[p];
@@ -344,7 +348,70 @@ pub fn qmatmul_shared_input<'a, 'o>(
             }
             start = end;
         }
+    };
+    pool::for_each(first_task[n_parts], |task| {
+        if !own_copies {
+            // SAFETY: quantized above; every thread only reads it during the fan-out.
+            return run_task(task, unsafe { &*shared.ptr() });
+        }
+        if pool::participant() == 0 {
+            // SAFETY: with own copies, the caller (participant 0) alone touches its scratch during
+            // the fan-out, one task at a time.
+            let acts = unsafe { &mut *shared.ptr() };
+            if acts.key != Some(key) {
+                quantize_acts(isa, x, t, k, w0.group, order, acts);
+                acts.key = Some(key);
+            }
+            return run_task(task, acts);
+        }
+        // A worker's copy, keyed by this call; quantized at the worker's first task of the call.
+        let own_key = ActsKey { source: call, ..key };
+        OWN_ACTS.with(|own| match own.try_borrow_mut() {
+            Ok(mut own) => {
+                if own.key != Some(own_key) {
+                    quantize_acts(isa, x, t, k, w0.group, order, &mut own);
+                    own.key = Some(own_key);
+                }
+                run_task(task, &own);
+            }
+            // Only if a task itself ran a matmul on this thread (none does): a copy for this task.
+            Err(_) => {
+                let mut copy = IntActs::default();
+                quantize_acts(isa, x, t, k, w0.group, order, &mut copy);
+                run_task(task, &copy);
+            }
+        })
     });
+}
+
+/// Inputs of at most this many values (`t · k`) are quantized by every thread of a
+/// [`qmatmul_shared_input`] fan-out for itself, at its first task: a decode step's input takes a
+/// few µs to quantize, less than the same rows cost a thread to read from the cache of the core
+/// that wrote them (an 8-token SmolLM2 step's matmuls took about 13% longer on two Xeon cores when
+/// the threads quantized the tokens between them). Quantizing is per row, so every copy has the
+/// same bits. Larger inputs are quantized once, across the threads.
+const OWN_COPY_MAX_VALUES: usize = 32 * 1024;
+
+/// Numbers each [`qmatmul_shared_input`] call, to key the workers' own copies of its input.
+static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+thread_local! {
+    /// A pool worker's own copy of a small quantized input (see [`OWN_COPY_MAX_VALUES`]).
+    static OWN_ACTS: std::cell::RefCell<IntActs> = std::cell::RefCell::new(IntActs::default());
+}
+
+/// The caller's quantized-input scratch, shared with the fan-out's tasks.
+#[derive(Clone, Copy)]
+struct CallerActs(*mut IntActs);
+// SAFETY: it outlives the fan-out; during it either every thread only reads it (quantized before),
+// or only the caller (participant 0) touches it (each worker reads its own copy).
+unsafe impl Sync for CallerActs {}
+
+impl CallerActs {
+    /// (A method, so that closures capture the whole wrapper rather than its raw field.)
+    fn ptr(self) -> *mut IntActs {
+        self.0
+    }
 }
 
 /// Tokens `ti..ti + NT` against `rows` of `w`, each weight row unpacked once for all of them.
@@ -366,4 +433,53 @@ fn tokens_pass<'a, const NT: usize>(
 pub fn qembedding(isa: Isa, ids: &[i32], w: QuantMatrix, out: &mut [f32]) {
     let k = w.k;
     pool::zip_chunks(out, k, ids, 1, |_, o, id| w.dequantize_row(isa, id[0] as usize, o));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::pool::ThreadPool;
+
+    /// With two threads, a decode-sized input is quantized by each thread for itself and a larger
+    /// one once for both; either way every (row, token) gets the bits of a one-thread run, which
+    /// quantizes once. (Many row tiles, so that the worker takes some of them.)
+    #[test]
+    fn every_threads_copy_of_the_input_gives_the_one_thread_bits() {
+        let isa = Isa::best();
+        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        let (n, k, group) = (2048, 576, 32);
+        let packed: Vec<u32> = (0..n * k / 8).map(|_| next() as u32).collect();
+        let factor = |v: u64, base: f32| half::f16::from_f32(base + (v % 1000) as f32 * 1e-5).to_bits();
+        let scales: Vec<u16> = (0..n * k / group).map(|_| factor(next(), 0.01)).collect();
+        let biases: Vec<u16> = (0..n * k / group).map(|_| factor(next(), -0.005)).collect();
+        let w = QuantMatrix {
+            packed: &packed,
+            scales: Floats::F16(&scales),
+            biases: Floats::F16(&biases),
+            bits: 4,
+            group,
+            k,
+        };
+        let pool = ThreadPool::new(2).unwrap();
+        // 8 tokens: own copies; 60 tokens: over `OWN_COPY_MAX_VALUES`, one shared copy.
+        for t in [1, 8, 60] {
+            let x: Vec<f32> = (0..t * k).map(|_| (next() % 2001) as f32 / 1000.0 - 1.0).collect();
+            let run = |out: &mut Vec<f32>| {
+                let part = QuantPart { w, n, out };
+                qmatmul_shared_input(isa, &x, 7, t, &[], [part], &mut IntActs::default());
+            };
+            let mut alone = vec![0f32; t * n];
+            run(&mut alone);
+            let mut shared = vec![f32::NAN; t * n];
+            pool.install(|| run(&mut shared));
+            let differ = alone.iter().zip(&shared).filter(|(a, b)| a.to_bits() != b.to_bits()).count();
+            assert_eq!(differ, 0, "{t} tokens on {}: {differ} results differ", isa.name());
+        }
+    }
 }
