@@ -306,7 +306,13 @@ pub fn qmatmul_shared_input<'a, 'o>(
     // depend on its tile.
     let rows_per_task = if t <= ROW_DOT_MAX_TOKENS {
         let n_max = dims.iter().flatten().map(|d| d.1).max().unwrap_or(0);
-        (n_max / (pool::threads() * 4)).clamp(32, 256) / 32 * 32
+        let threads = pool::threads();
+        let base = (n_max / (threads * 4)).clamp(32, 256) / 32 * 32;
+        // The tasks are alike, so a count that the threads share evenly ends the fan-out together:
+        // the smallest larger tile that makes one (576 rows on two threads: 96-row tiles, 3 + 3,
+        // not 64-row ones, 5 + 4).
+        let tasks = |rows: usize| dims.iter().flatten().map(|d| d.1.div_ceil(rows)).sum::<usize>();
+        (base..=256.max(base)).step_by(32).find(|&rows| tasks(rows) % threads == 0).unwrap_or(base)
     } else {
         16
     };
