@@ -437,6 +437,10 @@ macro_rules! entries {
     };
 }
 
+/// The scale storage types of the x86 kernels (the panel kernel's too).
+#[cfg(target_arch = "x86_64")]
+pub(super) use x86::{Brain, Half, ScaleKind, Single};
+
 #[cfg(target_arch = "x86_64")]
 mod x86 {
     use std::arch::x86_64::*;
@@ -789,6 +793,9 @@ mod x86 {
         const IS_HALF: bool = false;
         const IS_BRAIN: bool = false;
         unsafe fn load(p: *const u16, i: usize) -> f32;
+        /// The elements at the sixteen indices `idx` (a gather, on AVX-512 F; the 16-bit kinds read
+        /// 32 bits each, two bytes past their element).
+        unsafe fn gather16(p: *const u16, idx: __m512i) -> __m512;
         /// `p` advanced by `n` elements.
         #[inline(always)]
         unsafe fn advance(p: *const u16, n: usize) -> *const u16 {
@@ -804,6 +811,11 @@ mod x86 {
         unsafe fn load(p: *const u16, i: usize) -> f32 {
             _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(*p.add(i) as i32)))
         }
+        #[inline(always)]
+        unsafe fn gather16(p: *const u16, idx: __m512i) -> __m512 {
+            let words = _mm512_i32gather_epi32::<2>(idx, p as *const i32);
+            _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words))
+        }
     }
     impl ScaleKind for Brain {
         const IS_BRAIN: bool = true;
@@ -811,11 +823,20 @@ mod x86 {
         unsafe fn load(p: *const u16, i: usize) -> f32 {
             f32::from_bits((*p.add(i) as u32) << 16)
         }
+        #[inline(always)]
+        unsafe fn gather16(p: *const u16, idx: __m512i) -> __m512 {
+            let words = _mm512_i32gather_epi32::<2>(idx, p as *const i32);
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(words))
+        }
     }
     impl ScaleKind for Single {
         #[inline(always)]
         unsafe fn load(p: *const u16, i: usize) -> f32 {
             *(p as *const f32).add(i)
+        }
+        #[inline(always)]
+        unsafe fn gather16(p: *const u16, idx: __m512i) -> __m512 {
+            _mm512_i32gather_ps::<4>(idx, p as *const f32)
         }
         #[inline(always)]
         unsafe fn advance(p: *const u16, n: usize) -> *const u16 {

@@ -27,7 +27,7 @@
 use std::arch::x86_64::*;
 use std::ops::Range;
 
-use super::int_dot::{ActOrder, ActRow};
+use super::int_dot::{ActOrder, ActRow, Brain, Half, ScaleKind, Single};
 use super::quantized::QuantMatrix;
 use super::Floats;
 use crate::isa::Isa;
@@ -47,21 +47,16 @@ pub fn applies(isa: Isa, bits: usize, group: usize, order: ActOrder) -> bool {
 /// (`out` itself may point outside its buffer, as where only `rows`' results are stored).
 pub unsafe fn rows_tile(w: QuantMatrix, rows: Range<usize>, x: &[ActRow], out: *mut f32, stride: usize) -> bool {
     match (w.scales, w.biases) {
-        (Floats::F16(_), Floats::F16(_)) => rows_of::<HALF>(&w, rows, x, out, stride),
-        (Floats::BF16(_), Floats::BF16(_)) => rows_of::<BRAIN>(&w, rows, x, out, stride),
-        (Floats::F32(_), Floats::F32(_)) => rows_of::<SINGLE>(&w, rows, x, out, stride),
+        (Floats::F16(_), Floats::F16(_)) => rows_of::<Half>(&w, rows, x, out, stride),
+        (Floats::BF16(_), Floats::BF16(_)) => rows_of::<Brain>(&w, rows, x, out, stride),
+        (Floats::F32(_), Floats::F32(_)) => rows_of::<Single>(&w, rows, x, out, stride),
         _ => return false,
     }
     true
 }
 
-/// Scale storage, as a const parameter of the kernels.
-const SINGLE: u8 = 0;
-const HALF: u8 = 1;
-const BRAIN: u8 = 2;
-
-/// [`rows_tile`] for scales and biases stored as `KIND`.
-unsafe fn rows_of<const KIND: u8>(w: &QuantMatrix, rows: Range<usize>, x: &[ActRow], out: *mut f32, stride: usize) {
+/// [`rows_tile`] for scales and biases stored as `S`.
+unsafe fn rows_of<S: ScaleKind>(w: &QuantMatrix, rows: Range<usize>, x: &[ActRow], out: *mut f32, stride: usize) {
     debug_assert!(x.iter().all(|a| a.order == ActOrder::NibblePlanes && a.planes.len() >= w.k * 2));
     // Whole panels from the matrix itself; a last panel cut short from a zero-padded copy of its rows,
     // as is the matrix's own last panel (so that no gather reads past its scales' end).
@@ -69,17 +64,17 @@ unsafe fn rows_of<const KIND: u8>(w: &QuantMatrix, rows: Range<usize>, x: &[ActR
     if full_end > rows.start && full_end == w.packed.len() / w.words_per_row() {
         full_end -= 16;
     }
-    passes::<KIND>(w, rows.start..full_end, rows.end, x, out, stride);
+    passes::<S>(w, rows.start..full_end, rows.end, x, out, stride);
     if full_end < rows.end {
         let tail = TailPanel::new(w, full_end..rows.end);
         let t = tail.matrix(w);
-        passes::<KIND>(&t, 0..16, rows.len() - (full_end - rows.start), x, out.wrapping_add(full_end), stride);
+        passes::<S>(&t, 0..16, rows.len() - (full_end - rows.start), x, out.wrapping_add(full_end), stride);
     }
 }
 
 /// Every token of `x` against the whole panels of `rows`, whose results are stored for rows below
 /// `keep_end` only: eight tokens per pass while they last, then four, two, one.
-unsafe fn passes<const KIND: u8>(
+unsafe fn passes<S: ScaleKind>(
     w: &QuantMatrix,
     rows: Range<usize>,
     keep_end: usize,
@@ -95,10 +90,10 @@ unsafe fn passes<const KIND: u8>(
         let m = [8, 4, 2].into_iter().find(|&m| x.len() - j >= m).unwrap_or(1);
         let (xs, o, r) = (&x[j..j + m], out.wrapping_add(j * stride), (rows.clone(), keep_end));
         match m {
-            8 => pass::<KIND, 8>(w, r, xs, o, stride),
-            4 => pass::<KIND, 4>(w, r, xs, o, stride),
-            2 => pass::<KIND, 2>(w, r, xs, o, stride),
-            _ => pass::<KIND, 1>(w, r, xs, o, stride),
+            8 => pass::<S, 8>(w, r, xs, o, stride),
+            4 => pass::<S, 4>(w, r, xs, o, stride),
+            2 => pass::<S, 2>(w, r, xs, o, stride),
+            _ => pass::<S, 1>(w, r, xs, o, stride),
         }
         j += m;
     }
@@ -164,7 +159,7 @@ impl TailPanel {
 
 /// `M` tokens against every row of `rows`, a panel at a time.
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn pass<const KIND: u8, const M: usize>(
+unsafe fn pass<S: ScaleKind, const M: usize>(
     w: &QuantMatrix,
     (rows, keep_end): (Range<usize>, usize),
     x: &[ActRow],
@@ -179,11 +174,11 @@ unsafe fn pass<const KIND: u8, const M: usize>(
         let mut acc = [_mm512_setzero_ps(); M];
         let index = geo.panel_index(p0);
         // Each group's gathers are issued a group ahead, so their latency hides behind a block.
-        let mut factors = geo.factors::<KIND>(w, index, 0);
+        let mut factors = geo.factors::<S>(w, index, 0);
         for g in 0..geo.gpr {
             let (s, b) = factors;
             if g + 1 < geo.gpr {
-                factors = geo.factors::<KIND>(w, index, g + 1);
+                factors = geo.factors::<S>(w, index, g + 1);
             }
             toks.bias_term(b, g, &mut acc);
             for blk in g * geo.gb..(g + 1) * geo.gb {
@@ -279,9 +274,9 @@ impl Geometry {
     /// Group `g`'s scales and biases of a panel's rows (`index` from [`Geometry::panel_index`]) at
     /// their columns.
     #[inline(always)]
-    unsafe fn factors<const KIND: u8>(&self, w: &QuantMatrix, index: __m512i, g: usize) -> (__m512, __m512) {
+    unsafe fn factors<S: ScaleKind>(&self, w: &QuantMatrix, index: __m512i, g: usize) -> (__m512, __m512) {
         let idx = _mm512_add_epi32(index, _mm512_set1_epi32(g as i32));
-        (column::<KIND>(w.scales, idx), column::<KIND>(w.biases, idx))
+        (column::<S>(w.scales, idx), column::<S>(w.biases, idx))
     }
 
     /// Requests block `blk`'s share of the weights of the panel from row `p0` (every block of a panel
@@ -331,22 +326,20 @@ impl Geometry {
     }
 }
 
-/// The element of `src` at each lane's index: a gather, whose 32-bit reads of 16-bit values take
-/// two bytes past each one (never past the buffer: see [`rows_of`]).
+/// The element of `src` (stored as `S`) at each lane's index: a gather, whose 32-bit reads of
+/// 16-bit values take two bytes past each one (never past the buffer: see [`rows_of`]).
 #[inline(always)]
-unsafe fn column<const KIND: u8>(src: Floats, idx: __m512i) -> __m512 {
-    match src {
-        Floats::F32(v) if KIND == SINGLE => _mm512_i32gather_ps::<4>(idx, v.as_ptr()),
-        Floats::F16(v) | Floats::BF16(v) if KIND != SINGLE => {
-            let words = _mm512_i32gather_epi32::<2>(idx, v.as_ptr() as *const i32);
-            if KIND == HALF {
-                _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words))
-            } else {
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(words))
-            }
-        }
-        _ => unreachable!("scales stored unlike the kernel's type"),
-    }
+unsafe fn column<S: ScaleKind>(src: Floats, idx: __m512i) -> __m512 {
+    let p = match src {
+        Floats::F32(v) => v.as_ptr() as *const u16,
+        Floats::F16(v) | Floats::BF16(v) => v.as_ptr(),
+    };
+    debug_assert!(match src {
+        Floats::F32(_) => !S::IS_HALF && !S::IS_BRAIN,
+        Floats::F16(_) => S::IS_HALF,
+        Floats::BF16(_) => S::IS_BRAIN,
+    });
+    S::gather16(p, idx)
 }
 
 /// Four rows' 16 bytes (`row_bytes` apart from `src`) in one register: lane i is row i.
