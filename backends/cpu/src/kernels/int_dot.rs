@@ -796,6 +796,13 @@ mod x86 {
         /// The elements at the sixteen indices `idx` (a gather, on AVX-512 F; the 16-bit kinds read
         /// 32 bits each, two bytes past their element).
         unsafe fn gather16(p: *const u16, idx: __m512i) -> __m512;
+        /// [`ScaleKind::gather16`] at `idx` and at `idx + 1`: one gather for the 16-bit kinds (each
+        /// lane's 32-bit read holds both), two for f32 (which reads the element past `idx + 1`'s
+        /// too, like the 16-bit kinds' read past theirs).
+        #[inline(always)]
+        unsafe fn gather16_pair(p: *const u16, idx: __m512i) -> [__m512; 2] {
+            [Self::gather16(p, idx), Self::gather16(p, _mm512_add_epi32(idx, _mm512_set1_epi32(1)))]
+        }
         /// `p` advanced by `n` elements.
         #[inline(always)]
         unsafe fn advance(p: *const u16, n: usize) -> *const u16 {
@@ -816,6 +823,12 @@ mod x86 {
             let words = _mm512_i32gather_epi32::<2>(idx, p as *const i32);
             _mm512_cvtph_ps(_mm512_cvtepi32_epi16(words))
         }
+        #[inline(always)]
+        unsafe fn gather16_pair(p: *const u16, idx: __m512i) -> [__m512; 2] {
+            let words = _mm512_i32gather_epi32::<2>(idx, p as *const i32);
+            let high = _mm512_srli_epi32::<16>(words);
+            [_mm512_cvtph_ps(_mm512_cvtepi32_epi16(words)), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(high))]
+        }
     }
     impl ScaleKind for Brain {
         const IS_BRAIN: bool = true;
@@ -827,6 +840,12 @@ mod x86 {
         unsafe fn gather16(p: *const u16, idx: __m512i) -> __m512 {
             let words = _mm512_i32gather_epi32::<2>(idx, p as *const i32);
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(words))
+        }
+        #[inline(always)]
+        unsafe fn gather16_pair(p: *const u16, idx: __m512i) -> [__m512; 2] {
+            let words = _mm512_i32gather_epi32::<2>(idx, p as *const i32);
+            let high = _mm512_and_si512(words, _mm512_set1_epi32(0xFFFF_0000u32 as i32));
+            [_mm512_castsi512_ps(_mm512_slli_epi32::<16>(words)), _mm512_castsi512_ps(high)]
         }
     }
     impl ScaleKind for Single {

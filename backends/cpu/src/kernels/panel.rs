@@ -173,12 +173,17 @@ unsafe fn pass<S: ScaleKind, const M: usize>(
     while p0 < rows.end {
         let mut acc = [_mm512_setzero_ps(); M];
         let index = geo.panel_index(p0);
-        // Each group's gathers are issued a group ahead, so their latency hides behind a block.
-        let mut factors = geo.factors::<S>(w, index, 0);
+        // Scales and biases come two groups per gather, issued a pair of groups ahead so that
+        // their latency hides behind the blocks.
+        let mut pair = geo.factor_pair::<S>(w, index, 0);
+        let mut next = pair;
         for g in 0..geo.gpr {
-            let (s, b) = factors;
-            if g + 1 < geo.gpr {
-                factors = geo.factors::<S>(w, index, g + 1);
+            if g % 2 == 0 && g + 2 < geo.gpr {
+                next = geo.factor_pair::<S>(w, index, g + 2);
+            }
+            let (s, b) = pair[g % 2];
+            if g % 2 == 1 {
+                pair = next;
             }
             toks.bias_term(b, g, &mut acc);
             for blk in g * geo.gb..(g + 1) * geo.gb {
@@ -271,12 +276,14 @@ impl Geometry {
         _mm512_mullo_epi32(rows, _mm512_set1_epi32(self.gpr as i32))
     }
 
-    /// Group `g`'s scales and biases of a panel's rows (`index` from [`Geometry::panel_index`]) at
-    /// their columns.
+    /// Groups `g` and `g + 1`'s scales and biases of a panel's rows (`index` from
+    /// [`Geometry::panel_index`]) at their columns; past a row's last group, the second pair is
+    /// the next row's first (never used).
     #[inline(always)]
-    unsafe fn factors<S: ScaleKind>(&self, w: &QuantMatrix, index: __m512i, g: usize) -> (__m512, __m512) {
+    unsafe fn factor_pair<S: ScaleKind>(&self, w: &QuantMatrix, index: __m512i, g: usize) -> [(__m512, __m512); 2] {
         let idx = _mm512_add_epi32(index, _mm512_set1_epi32(g as i32));
-        (column::<S>(w.scales, idx), column::<S>(w.biases, idx))
+        let ([s0, s1], [b0, b1]) = (column_pair::<S>(w.scales, idx), column_pair::<S>(w.biases, idx));
+        [(s0, b0), (s1, b1)]
     }
 
     /// Requests block `blk`'s share of the weights of the panel from row `p0` (every block of a panel
@@ -326,10 +333,10 @@ impl Geometry {
     }
 }
 
-/// The element of `src` (stored as `S`) at each lane's index: a gather, whose 32-bit reads of
-/// 16-bit values take two bytes past each one (never past the buffer: see [`rows_of`]).
+/// The elements of `src` (stored as `S`) at each lane's index and the one after it: a gather per
+/// 16-bit kind, whose 32-bit reads take both (and never read past the buffer: see [`rows_of`]).
 #[inline(always)]
-unsafe fn column<S: ScaleKind>(src: Floats, idx: __m512i) -> __m512 {
+unsafe fn column_pair<S: ScaleKind>(src: Floats, idx: __m512i) -> [__m512; 2] {
     let p = match src {
         Floats::F32(v) => v.as_ptr() as *const u16,
         Floats::F16(v) | Floats::BF16(v) => v.as_ptr(),
@@ -339,7 +346,7 @@ unsafe fn column<S: ScaleKind>(src: Floats, idx: __m512i) -> __m512 {
         Floats::F16(_) => S::IS_HALF,
         Floats::BF16(_) => S::IS_BRAIN,
     });
-    S::gather16(p, idx)
+    S::gather16_pair(p, idx)
 }
 
 /// Four rows' 16 bytes (`row_bytes` apart from `src`) in one register: lane i is row i.
@@ -375,20 +382,23 @@ mod tests {
             seed ^= seed << 17;
             seed
         };
-        for (n, group, blocks) in [(48, 32, 18), (32, 64, 6), (16, 128, 4)] {
+        // Scales and biases in each storage type (f16, bf16, f32), even and odd groups per row.
+        let shapes = [(48, 32, 18, 0), (32, 64, 6, 1), (16, 128, 4, 2), (48, 32, 9, 1), (32, 64, 3, 2), (16, 32, 5, 0)];
+        for (n, group, blocks, kind) in shapes {
             let k = group * blocks;
             let packed: Vec<u32> = (0..n * k / 8).map(|_| next() as u32).collect();
-            let factor = |v: u64, base: f32| half::f16::from_f32(base + (v % 1000) as f32 * 1e-5).to_bits();
-            let scales: Vec<u16> = (0..n * k / group).map(|_| factor(next(), 0.01)).collect();
-            let biases: Vec<u16> = (0..n * k / group).map(|_| factor(next(), -0.005)).collect();
-            let w = QuantMatrix {
-                packed: &packed,
-                scales: Floats::F16(&scales),
-                biases: Floats::F16(&biases),
-                bits: 4,
-                group,
-                k,
+            let factor = |v: u64, base: f32| base + (v % 1000) as f32 * 1e-5;
+            let sv: Vec<f32> = (0..n * k / group).map(|_| factor(next(), 0.01)).collect();
+            let bv: Vec<f32> = (0..n * k / group).map(|_| factor(next(), -0.005)).collect();
+            let halves = |v: &[f32]| v.iter().map(|&x| half::f16::from_f32(x).to_bits()).collect::<Vec<u16>>();
+            let brains = |v: &[f32]| v.iter().map(|&x| half::bf16::from_f32(x).to_bits()).collect::<Vec<u16>>();
+            let (sh, bh, sb, bb) = (halves(&sv), halves(&bv), brains(&sv), brains(&bv));
+            let (scales, biases) = match kind {
+                0 => (Floats::F16(&sh), Floats::F16(&bh)),
+                1 => (Floats::BF16(&sb), Floats::BF16(&bb)),
+                _ => (Floats::F32(&sv), Floats::F32(&bv)),
             };
+            let w = QuantMatrix { packed: &packed, scales, biases, bits: 4, group, k };
             let t = 8;
             let x: Vec<f32> = (0..t * k)
                 .map(|i| ((next() % 2001) as f32 / 1000.0 - 1.0) * if i % k == 3 { 20.0 } else { 1.0 })
