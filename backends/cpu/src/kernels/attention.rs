@@ -416,6 +416,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{HeadsQuery, KeyRows, KvElem, Partial};
+    use crate::kernels::math::exp16;
 
     /// Positions ahead of the one being read whose cache rows are requested (into L2: asking for L1
     /// fills its few miss buffers and stalls the loads being computed on). The rows of a page are
@@ -461,6 +462,139 @@ mod x86 {
         _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1))
     }
 
+    /// The vector width the kernel computes in: eight lanes (AVX2) or sixteen (AVX-512, for head
+    /// sizes that are a multiple of 16). The width changes the order of each dot product's additions,
+    /// so the two widths round differently; one width serves every task on a host.
+    pub trait Lanes {
+        type V: Copy;
+        /// Lanes per vector.
+        const N: usize;
+        unsafe fn zero() -> Self::V;
+        unsafe fn load(p: *const f32) -> Self::V;
+        unsafe fn load_kv<K: KvElem>(p: *const K) -> Self::V;
+        /// `p[0]` in every lane.
+        unsafe fn splat(p: *const f32) -> Self::V;
+        unsafe fn fmadd(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+        unsafe fn store(p: *mut f32, v: Self::V);
+        /// `[Σa0, Σa1, Σa2, Σa3]`.
+        unsafe fn hsum4(a: [Self::V; 4]) -> __m128;
+        /// A whole row of scores into `e^(s − max)` in place (soft-capped first if `softcap > 0`);
+        /// returns `(max, Σ)`.
+        unsafe fn softmax(row: &mut [f32], softcap: f32) -> (f32, f32) {
+            let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
+            // SAFETY: the caller runs with AVX2, FMA and F16C.
+            super::softmax_block::avx2(row, 0, row.len(), softcap, &mut m, &mut sum);
+            (m, sum)
+        }
+    }
+
+    /// Eight lanes (AVX2, FMA, F16C).
+    pub struct W8;
+    /// Sixteen lanes (AVX-512 F).
+    pub struct W16;
+
+    impl Lanes for W8 {
+        type V = __m256;
+        const N: usize = 8;
+        #[inline(always)]
+        unsafe fn zero() -> __m256 {
+            _mm256_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m256 {
+            _mm256_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn load_kv<K: KvElem>(p: *const K) -> __m256 {
+            K::load8(p)
+        }
+        #[inline(always)]
+        unsafe fn splat(p: *const f32) -> __m256 {
+            _mm256_broadcast_ss(&*p)
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: __m256, b: __m256, c: __m256) -> __m256 {
+            _mm256_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m256) {
+            _mm256_storeu_ps(p, v)
+        }
+        #[inline(always)]
+        unsafe fn hsum4(a: [__m256; 4]) -> __m128 {
+            hsum4(a)
+        }
+    }
+
+    impl Lanes for W16 {
+        type V = __m512;
+        const N: usize = 16;
+        #[inline(always)]
+        unsafe fn zero() -> __m512 {
+            _mm512_setzero_ps()
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn load_kv<K: KvElem>(p: *const K) -> __m512 {
+            K::load16(p)
+        }
+        #[inline(always)]
+        unsafe fn splat(p: *const f32) -> __m512 {
+            _mm512_set1_ps(*p)
+        }
+        #[inline(always)]
+        unsafe fn fmadd(a: __m512, b: __m512, c: __m512) -> __m512 {
+            _mm512_fmadd_ps(a, b, c)
+        }
+        #[inline(always)]
+        unsafe fn store(p: *mut f32, v: __m512) {
+            _mm512_storeu_ps(p, v)
+        }
+        #[inline(always)]
+        unsafe fn softmax(row: &mut [f32], softcap: f32) -> (f32, f32) {
+            if softcap > 0.0 {
+                let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
+                super::softmax_block::avx2(row, 0, row.len(), softcap, &mut m, &mut sum);
+                return (m, sum);
+            }
+            // The block softmax's arithmetic in sixteen lanes, the tail masked; `exp16` is
+            // `exp_approx` with fused multiply-adds.
+            let (n, p) = (row.len(), row.as_mut_ptr());
+            let full = n / 16 * 16;
+            let tail = ((1u32 << (n - full)) - 1) as __mmask16;
+            let mut high = _mm512_set1_ps(f32::NEG_INFINITY);
+            for i in (0..full).step_by(16) {
+                high = _mm512_max_ps(high, _mm512_loadu_ps(p.add(i)));
+            }
+            high = _mm512_mask_max_ps(high, tail, high, _mm512_maskz_loadu_ps(tail, p.add(full)));
+            let m = _mm512_reduce_max_ps(high);
+            let (vm, mut sums) = (_mm512_set1_ps(m), _mm512_setzero_ps());
+            for i in (0..full).step_by(16) {
+                let e = exp16(_mm512_sub_ps(_mm512_loadu_ps(p.add(i)), vm));
+                _mm512_storeu_ps(p.add(i), e);
+                sums = _mm512_add_ps(sums, e);
+            }
+            let e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, p.add(full)), vm));
+            _mm512_mask_storeu_ps(p.add(full), tail, e);
+            sums = _mm512_mask_add_ps(sums, tail, sums, e);
+            (m, _mm512_reduce_add_ps(sums))
+        }
+        #[inline(always)]
+        unsafe fn hsum4(a: [__m512; 4]) -> __m128 {
+            // Each vector's two halves added, then the eight-lane reduction. (No closure: one would
+            // not inherit the target features, and its intrinsics would become calls.)
+            let mut halves = [_mm256_setzero_ps(); 4];
+            for (h, &v) in halves.iter_mut().zip(&a) {
+                let hi = _mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(_mm512_castps_pd(v)));
+                *h = _mm256_add_ps(_mm512_castps512_ps256(v), hi);
+            }
+            hsum4(halves)
+        }
+    }
+
     /// [`super::attend`]'s arithmetic with explicit AVX2 for head sizes that are a multiple of 8, for every query
     /// head of `hq` at once, so each cache row (the task's KV heads of it, side by side) is read once
     /// as one stream and each KV head's part serves its whole group. `scores` is heads × positions;
@@ -481,11 +615,12 @@ mod x86 {
         part: Partial,
     ) {
         // 16 registers: HEADS × 3 sums, HEADS query chunks or weights and the row chunk in flight.
-        attend_heads::<K, V, 3, 3>(hq, keys, k_cache, v_cache, scale, softcap, scores, part)
+        attend_heads::<W8, K, V, 3, 3>(hq, keys, k_cache, v_cache, scale, softcap, scores, part)
     }
 
-    /// [`attend_heads_avx2`] where AVX-512 is present: the same 256-bit arithmetic (so the same
-    /// bits), but its 32 registers hold four keys' and four value chunks' sums per pass.
+    /// [`attend_heads_avx2`] where AVX-512 is present: sixteen-lane vectors for head sizes that
+    /// are a multiple of 16 (else the eight-lane arithmetic, with four keys' and four value chunks'
+    /// sums per pass in its 32 registers).
     #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
     #[allow(clippy::too_many_arguments)]
     pub unsafe fn attend_heads_avx512<K: KvElem, V: KvElem>(
@@ -498,14 +633,18 @@ mod x86 {
         scores: &mut [f32],
         part: Partial,
     ) {
-        attend_heads::<K, V, 4, 4>(hq, keys, k_cache, v_cache, scale, softcap, scores, part)
+        if hq.dh.is_multiple_of(16) {
+            attend_heads::<W16, K, V, 4, 4>(hq, keys, k_cache, v_cache, scale, softcap, scores, part)
+        } else {
+            attend_heads::<W8, K, V, 4, 4>(hq, keys, k_cache, v_cache, scale, softcap, scores, part)
+        }
     }
 
     /// The body of both: `KEYS` keys per scoring pass, `CHUNKS` eight-value chunks per value pass
     /// (how many sums a pass keeps in registers; neither changes the arithmetic of any one sum).
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn attend_heads<K: KvElem, V: KvElem, const KEYS: usize, const CHUNKS: usize>(
+    unsafe fn attend_heads<W: Lanes, K: KvElem, V: KvElem, const KEYS: usize, const CHUNKS: usize>(
         hq: HeadsQuery,
         keys: KeyRows,
         k_cache: &[K],
@@ -561,18 +700,18 @@ mod x86 {
                 let (qh, kv) = (q.as_ptr().add(h0 * dh), h0 / group * dh);
                 let s = sp.add(h0 * ns + p);
                 match take {
-                    1 => score_keys::<K, 1, KEYS>(qh, dh, rows, kv, scale, s, ns),
-                    2 => score_keys::<K, 2, KEYS>(qh, dh, rows, kv, scale, s, ns),
-                    _ => score_keys::<K, HEADS, KEYS>(qh, dh, rows, kv, scale, s, ns),
+                    1 => score_keys::<W, K, 1, KEYS>(qh, dh, rows, kv, scale, s, ns),
+                    2 => score_keys::<W, K, 2, KEYS>(qh, dh, rows, kv, scale, s, ns),
+                    _ => score_keys::<W, K, HEADS, KEYS>(qh, dh, rows, kv, scale, s, ns),
                 }
             }
         }
         for h in 0..heads {
-            let (m, sum) = weights(&mut scores[h * ns..h * ns + np], softcap, part.normalize);
+            let (m, sum) = weights::<W>(&mut scores[h * ns..h * ns + np], softcap, part.normalize);
             (part.max[h], part.sum[h]) = (m, sum);
         }
         let (ap, sp) = (part.acc.as_mut_ptr(), scores.as_ptr());
-        let chunks = dh / 8;
+        let chunks = dh / W::N;
         for p0 in (0..np).step_by(VALUE_BLOCK) {
             let block = &bases[p0..(p0 + VALUE_BLOCK).min(np)];
             // The rows ahead are asked for one per position of the block's first pass: asked for
@@ -581,7 +720,7 @@ mod x86 {
             for &(h0, take) in passes {
                 let v = vp.add(h0 / group * dh);
                 for c0 in (0..chunks).step_by(CHUNKS) {
-                    let (a, w, v) = (ap.add(h0 * dh + c0 * 8), sp.add(h0 * ns + p0), v.add(c0 * 8));
+                    let (a, w, v) = (ap.add(h0 * dh + c0 * W::N), sp.add(h0 * ns + p0), v.add(c0 * W::N));
                     let first = p0 == 0;
                     let pf = |i: usize| {
                         if first_pass {
@@ -589,18 +728,18 @@ mod x86 {
                         }
                     };
                     match (take, (chunks - c0).min(CHUNKS)) {
-                        (1, 1) => values::<V, 1, 1>(v, block, w, ns, a, dh, first, pf),
-                        (1, 2) => values::<V, 1, 2>(v, block, w, ns, a, dh, first, pf),
-                        (1, 3) => values::<V, 1, 3>(v, block, w, ns, a, dh, first, pf),
-                        (1, _) => values::<V, 1, CHUNKS>(v, block, w, ns, a, dh, first, pf),
-                        (2, 1) => values::<V, 2, 1>(v, block, w, ns, a, dh, first, pf),
-                        (2, 2) => values::<V, 2, 2>(v, block, w, ns, a, dh, first, pf),
-                        (2, 3) => values::<V, 2, 3>(v, block, w, ns, a, dh, first, pf),
-                        (2, _) => values::<V, 2, CHUNKS>(v, block, w, ns, a, dh, first, pf),
-                        (_, 1) => values::<V, HEADS, 1>(v, block, w, ns, a, dh, first, pf),
-                        (_, 2) => values::<V, HEADS, 2>(v, block, w, ns, a, dh, first, pf),
-                        (_, 3) => values::<V, HEADS, 3>(v, block, w, ns, a, dh, first, pf),
-                        (_, _) => values::<V, HEADS, CHUNKS>(v, block, w, ns, a, dh, first, pf),
+                        (1, 1) => values::<W, V, 1, 1>(v, block, w, ns, a, dh, first, pf),
+                        (1, 2) => values::<W, V, 1, 2>(v, block, w, ns, a, dh, first, pf),
+                        (1, 3) => values::<W, V, 1, 3>(v, block, w, ns, a, dh, first, pf),
+                        (1, _) => values::<W, V, 1, CHUNKS>(v, block, w, ns, a, dh, first, pf),
+                        (2, 1) => values::<W, V, 2, 1>(v, block, w, ns, a, dh, first, pf),
+                        (2, 2) => values::<W, V, 2, 2>(v, block, w, ns, a, dh, first, pf),
+                        (2, 3) => values::<W, V, 2, 3>(v, block, w, ns, a, dh, first, pf),
+                        (2, _) => values::<W, V, 2, CHUNKS>(v, block, w, ns, a, dh, first, pf),
+                        (_, 1) => values::<W, V, HEADS, 1>(v, block, w, ns, a, dh, first, pf),
+                        (_, 2) => values::<W, V, HEADS, 2>(v, block, w, ns, a, dh, first, pf),
+                        (_, 3) => values::<W, V, HEADS, 3>(v, block, w, ns, a, dh, first, pf),
+                        (_, _) => values::<W, V, HEADS, CHUNKS>(v, block, w, ns, a, dh, first, pf),
                     }
                     first_pass = false;
                 }
@@ -613,7 +752,7 @@ mod x86 {
     /// (rows past the real ones repeat the last; the stride leaves room).
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn score_keys<K: KvElem, const G: usize, const KEYS: usize>(
+    unsafe fn score_keys<W: Lanes, K: KvElem, const G: usize, const KEYS: usize>(
         q: *const f32,
         dh: usize,
         rows: [*const K; KEYS],
@@ -622,20 +761,20 @@ mod x86 {
         s: *mut f32,
         ns: usize,
     ) {
-        let mut acc = [[_mm256_setzero_ps(); KEYS]; G];
-        for c in (0..dh).step_by(8) {
+        let mut acc = [[W::zero(); KEYS]; G];
+        for c in (0..dh).step_by(W::N) {
             // One key chunk live at a time: G × KEYS sums + G query chunks + 1 key fit the registers.
-            let qg: [__m256; G] = std::array::from_fn(|g| _mm256_loadu_ps(q.add(g * dh + c)));
+            let qg: [W::V; G] = std::array::from_fn(|g| W::load(q.add(g * dh + c)));
             for (i, row) in rows.iter().enumerate() {
-                let k = K::load8(row.add(kv + c));
+                let k = W::load_kv(row.add(kv + c));
                 for (acc, &qg) in acc.iter_mut().zip(&qg) {
-                    acc[i] = _mm256_fmadd_ps(qg, k, acc[i]);
+                    acc[i] = W::fmadd(qg, k, acc[i]);
                 }
             }
         }
         let scale = _mm_set1_ps(scale);
         for (g, acc) in acc.iter().enumerate() {
-            let sums = _mm_mul_ps(hsum4(std::array::from_fn(|i| acc[i.min(KEYS - 1)])), scale);
+            let sums = _mm_mul_ps(W::hsum4(std::array::from_fn(|i| acc[i.min(KEYS - 1)])), scale);
             _mm_storeu_ps(s.add(g * ns), sums);
         }
     }
@@ -644,11 +783,8 @@ mod x86 {
     /// prefill kernel's block softmax over the whole row; returns `(max, sum)`, or `(max, 1)` with
     /// the weights divided by their sum when `normalize`.
     #[inline(always)]
-    unsafe fn weights(row: &mut [f32], softcap: f32, normalize: bool) -> (f32, f32) {
-        let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
-        let n = row.len();
-        // SAFETY: the caller runs with AVX2, FMA and F16C.
-        unsafe { super::softmax_block::avx2(row, 0, n, softcap, &mut m, &mut sum) };
+    unsafe fn weights<W: Lanes>(row: &mut [f32], softcap: f32, normalize: bool) -> (f32, f32) {
+        let (m, mut sum) = W::softmax(row, softcap);
         if normalize {
             let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
             row.iter_mut().for_each(|w| *w *= inv);
@@ -662,7 +798,7 @@ mod x86 {
     /// `first` starts them at zero instead of `a`; `ahead(i)` is called before position `i` is read.
     #[inline(always)]
     #[allow(clippy::too_many_arguments)]
-    unsafe fn values<V: KvElem, const G: usize, const C: usize>(
+    unsafe fn values<W: Lanes, V: KvElem, const G: usize, const C: usize>(
         v: *const V,
         block: &[usize],
         w: *const f32,
@@ -672,24 +808,24 @@ mod x86 {
         first: bool,
         ahead: impl Fn(usize),
     ) {
-        let mut acc: [[__m256; C]; G] = std::array::from_fn(|g| {
-            std::array::from_fn(|c| if first { _mm256_setzero_ps() } else { _mm256_loadu_ps(a.add(g * dh + c * 8)) })
+        let mut acc: [[W::V; C]; G] = std::array::from_fn(|g| {
+            std::array::from_fn(|c| if first { W::zero() } else { W::load(a.add(g * dh + c * W::N)) })
         });
         for (i, &b) in block.iter().enumerate() {
             ahead(i);
             let row = v.add(b);
             // One value chunk live at a time: G × C sums + G weights + 1 chunk fit AVX2's 16 registers.
-            let wg: [__m256; G] = std::array::from_fn(|g| _mm256_broadcast_ss(&*w.add(g * ns + i)));
+            let wg: [W::V; G] = std::array::from_fn(|g| W::splat(w.add(g * ns + i)));
             for c in 0..C {
-                let vals = V::load8(row.add(c * 8));
+                let vals = W::load_kv(row.add(c * W::N));
                 for (acc, &wg) in acc.iter_mut().zip(&wg) {
-                    acc[c] = _mm256_fmadd_ps(vals, wg, acc[c]);
+                    acc[c] = W::fmadd(vals, wg, acc[c]);
                 }
             }
         }
         for (g, acc) in acc.iter().enumerate() {
             for (c, &x) in acc.iter().enumerate() {
-                _mm256_storeu_ps(a.add(g * dh + c * 8), x);
+                W::store(a.add(g * dh + c * W::N), x);
             }
         }
     }
@@ -700,8 +836,9 @@ mod tests {
     use super::*;
 
     /// A task over all KV heads of a split and tasks over one KV head each give the same bits, on
-    /// every kernel this host runs; the AVX2 and AVX-512 builds of the SIMD kernel agree bit for bit
-    /// and with the portable kernel to rounding. Shapes cover groups of 1 to 5 query heads (passes of
+    /// every kernel this host runs; the paths that share a vector width agree bit for bit (the
+    /// AVX-512 build computes head sizes that are a multiple of 16 in sixteen lanes, others as the
+    /// AVX2 build does), and every path agrees with the portable kernel to rounding. Shapes cover groups of 1 to 5 query heads (passes of
     /// 3 + 1 and 3 + 2 heads), head sizes of 1 to 6 eight-value chunks, and contexts of 1 to 4 keys
     /// (fewer than a scoring pass takes) as well as one and several splits; f16 cache.
     #[test]
@@ -747,9 +884,23 @@ mod tests {
                     assert_eq!(whole, single, "{}: {case}", isa.name());
                     outs.push((isa, whole));
                 }
-                let simd: Vec<&(Isa, Vec<f32>)> = outs.iter().filter(|(isa, _)| isa.has_avx2()).collect();
-                for (isa, out) in simd.iter().skip(1) {
-                    assert_eq!(out, &simd[0].1, "{} vs {}: {case}", isa.name(), simd[0].0.name());
+                // One kernel build per vector width: the AVX2 paths agree bit for bit, and so do the
+                // AVX-512 ones (sixteen lanes where the head size allows, else the AVX2 arithmetic).
+                for wide in [false, true] {
+                    let simd: Vec<&(Isa, Vec<f32>)> =
+                        outs.iter().filter(|(isa, _)| isa.has_avx2() && isa.has_avx512() == wide).collect();
+                    for (isa, out) in simd.iter().skip(1) {
+                        assert_eq!(out, &simd[0].1, "{} vs {}: {case}", isa.name(), simd[0].0.name());
+                    }
+                }
+                let (avx2, avx512) = (
+                    outs.iter().find(|(isa, _)| isa.has_avx2() && !isa.has_avx512()),
+                    outs.iter().find(|(isa, _)| isa.has_avx512()),
+                );
+                if let (Some((_, a)), Some((_, b))) = (avx2, avx512) {
+                    if dh % 16 != 0 {
+                        assert_eq!(a, b, "avx512 vs avx2 (eight lanes both): {case}");
+                    }
                 }
                 for (isa, out) in &outs[1..] {
                     let worst = out.iter().zip(&outs[0].1).map(|(a, b)| (a - b).abs()).fold(0f32, f32::max);

@@ -24,6 +24,13 @@ pub trait KvElem: Copy + Send + Sync + 'static {
     /// The CPU has AVX2 and F16C; `p` points to eight readable values.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+
+    /// Sixteen values from `p` as f32 lanes.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F; `p` points to sixteen readable values.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
 }
 
 impl KvElem for f32 {
@@ -47,6 +54,13 @@ impl KvElem for f32 {
     unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
         // SAFETY: the caller's contract.
         unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's contract.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
     }
 }
 
@@ -72,6 +86,14 @@ impl KvElem for f16 {
         use std::arch::x86_64::*;
         // SAFETY: the caller's contract (F16C present, eight values readable).
         unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract (AVX-512 F present, sixteen values readable).
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i)) }
     }
 }
 
@@ -101,6 +123,16 @@ impl KvElem for bf16 {
         // SAFETY: the caller's contract (AVX2 present, eight values readable).
         unsafe {
             _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)), 16))
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const bf16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's contract (AVX-512 F present, sixteen values readable).
+        unsafe {
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i)), 16))
         }
     }
 }
