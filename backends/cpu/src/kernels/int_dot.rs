@@ -93,6 +93,20 @@ pub struct IntActs {
     pub planes: Vec<u8>,
 }
 
+impl IntActs {
+    /// Token `ti`'s row of an input of `k` values per token quantized in `order`, with `gpr` weight
+    /// groups per row.
+    pub fn row(&self, ti: usize, k: usize, gpr: usize, order: ActOrder) -> ActRow<'_> {
+        ActRow {
+            q: &self.q[ti * k..(ti + 1) * k],
+            d: &self.d[ti * k / 32..(ti + 1) * k / 32],
+            group_sums: &self.group_sums[ti * gpr..(ti + 1) * gpr],
+            order,
+            planes: self.planes.get(ti * 2 * k..(ti + 1) * 2 * k).unwrap_or(&[]),
+        }
+    }
+}
+
 /// Identifies one quantization of one activation tensor.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub struct ActsKey {
@@ -2084,13 +2098,7 @@ mod tests {
                             let mut acts = IntActs::default();
                             quantize_acts(isa, &x, t, k, group, order, &mut acts);
                             let gpr = k / group;
-                            let act = |ti: usize| ActRow {
-                                q: &acts.q[ti * k..(ti + 1) * k],
-                                d: &acts.d[ti * k / 32..(ti + 1) * k / 32],
-                                group_sums: &acts.group_sums[ti * gpr..(ti + 1) * gpr],
-                                order,
-                                planes: acts.planes.get(ti * 2 * k..(ti + 1) * 2 * k).unwrap_or(&[]),
-                            };
+                            let act = |ti: usize| acts.row(ti, k, gpr, order);
                             // Results, and the (token, row) each is for.
                             let (mut got, mut at) = (Vec::new(), Vec::new());
                             for ti in 0..t {

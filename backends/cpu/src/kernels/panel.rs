@@ -406,13 +406,7 @@ mod tests {
             let mut acts = IntActs::default();
             quantize_acts(isa, &x, t, k, group, ActOrder::NibblePlanes, &mut acts);
             let gpr = k / group;
-            let act = |j: usize| ActRow {
-                q: &acts.q[j * k..(j + 1) * k],
-                d: &acts.d[j * k / 32..(j + 1) * k / 32],
-                group_sums: &acts.group_sums[j * gpr..(j + 1) * gpr],
-                order: ActOrder::NibblePlanes,
-                planes: &acts.planes[j * 2 * k..(j + 1) * 2 * k],
-            };
+            let act = |j: usize| acts.row(j, k, gpr, ActOrder::NibblePlanes);
             let rows: Vec<ActRow> = (0..t).map(act).collect();
             // Each token alone over the whole matrix.
             let mut alone = vec![0f32; t * n];

@@ -322,13 +322,7 @@ pub fn qmatmul_shared_input<'a, 'o>(
     }
     // One task: a tile of rows of one part, against every token of `acts`.
     let run_task = |task: usize, acts: &IntActs| {
-        let act = |ti: usize| ActRow {
-            q: &acts.q[ti * k..(ti + 1) * k],
-            d: &acts.d[ti * k / 32..(ti + 1) * k / 32],
-            group_sums: &acts.group_sums[ti * gpr..(ti + 1) * gpr],
-            order,
-            planes: acts.planes.get(ti * 2 * k..(ti + 1) * 2 * k).unwrap_or(&[]),
-        };
+        let act = |ti: usize| acts.row(ti, k, gpr, order);
         let p = (0..n_parts).find(|&p| task < first_task[p + 1]).unwrap_or(0);
         let Some((w, n, out_ptr)) = dims[p] else { return };
         let chunk = task - first_task[p];
