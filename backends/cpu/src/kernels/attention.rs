@@ -416,7 +416,7 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{HeadsQuery, KeyRows, KvElem, Partial};
-    use crate::kernels::math::exp16;
+    use crate::kernels::math::{exp16, exp8, exp_approx};
 
     /// Positions ahead of the one being read whose cache rows are requested (into L2: asking for L1
     /// fills its few miss buffers and stalls the loads being computed on). The rows of a page are
@@ -523,6 +523,38 @@ mod x86 {
         #[inline(always)]
         unsafe fn hsum4(a: [__m256; 4]) -> __m128 {
             hsum4(a)
+        }
+        #[inline(always)]
+        unsafe fn softmax(row: &mut [f32], softcap: f32) -> (f32, f32) {
+            if softcap > 0.0 {
+                let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
+                super::softmax_block::avx2(row, 0, row.len(), softcap, &mut m, &mut sum);
+                return (m, sum);
+            }
+            // The block softmax's arithmetic, eight lanes with `exp8` (fused multiply-adds), the
+            // last `n % 8` scores one at a time with `exp_approx`.
+            let (n, p) = (row.len(), row.as_mut_ptr());
+            let full = n / 8 * 8;
+            let mut high = _mm256_set1_ps(f32::NEG_INFINITY);
+            for i in (0..full).step_by(8) {
+                high = _mm256_max_ps(high, _mm256_loadu_ps(p.add(i)));
+            }
+            let mut lanes = [0f32; 8];
+            _mm256_storeu_ps(lanes.as_mut_ptr(), high);
+            let m = lanes.iter().chain(&row[full..]).fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+            let (vm, mut sums) = (_mm256_set1_ps(m), _mm256_setzero_ps());
+            for i in (0..full).step_by(8) {
+                let e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p.add(i)), vm));
+                _mm256_storeu_ps(p.add(i), e);
+                sums = _mm256_add_ps(sums, e);
+            }
+            _mm256_storeu_ps(lanes.as_mut_ptr(), sums);
+            let mut sum = lanes.iter().sum::<f32>();
+            for v in &mut row[full..] {
+                *v = exp_approx(*v - m);
+                sum += *v;
+            }
+            (m, sum)
         }
     }
 

@@ -55,9 +55,61 @@ pub unsafe fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
     _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32::<23>(bits)))
 }
 
+/// [`exp16`] in eight lanes (AVX2 and FMA).
+///
+/// # Safety
+/// The CPU has AVX2 and FMA (the caller runs with them enabled: the function is inlined into it).
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+pub unsafe fn exp8(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    const LN2_HI: f32 = 0.693_145_75;
+    const LN2_LO: f32 = 1.428_606_8e-6;
+    let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0)), _mm256_set1_ps(88.0));
+    let t = _mm256_fmadd_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E), _mm256_set1_ps(0.5));
+    let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
+    let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+    let mut p = _mm256_set1_ps(1.0 / 5040.0);
+    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+        p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
+    }
+    let bits = _mm256_castps_si256(_mm256_add_ps(n, _mm256_set1_ps(127.0 + 12_582_912.0)));
+    _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(bits)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn exp8_is_accurate_over_its_range() {
+        if !(std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")) {
+            eprintln!("exp8: SKIPPED (no AVX2/FMA on this CPU)");
+            return;
+        }
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn eight(x: &[f32; 8]) -> [f32; 8] {
+            let mut out = [0f32; 8];
+            std::arch::x86_64::_mm256_storeu_ps(out.as_mut_ptr(), exp8(std::arch::x86_64::_mm256_loadu_ps(x.as_ptr())));
+            out
+        }
+        let mut worst = 0f64;
+        for i in (-100_000..=100_000).step_by(8) {
+            let x: [f32; 8] = std::array::from_fn(|l| (i + l as i32) as f32 * 0.00087);
+            // SAFETY: AVX2 and FMA checked above.
+            let got = unsafe { eight(&x) };
+            for (&x, &g) in x.iter().zip(&got) {
+                let want = (x as f64).exp();
+                worst = worst.max(((g as f64 - want) / want).abs());
+            }
+        }
+        assert!(worst < 1e-6, "relative error {worst}");
+        let edge = unsafe { eight(&[100.0, -100.0, 0.0, 1.0, -1.0, 0.5, 2.0, 3.0]) };
+        assert_eq!(edge[2], 1.0);
+        assert!((edge[0] / exp_approx(88.0) - 1.0).abs() < 1e-6 && (edge[1] / exp_approx(-87.0) - 1.0).abs() < 1e-6);
+    }
 
     #[cfg(target_arch = "x86_64")]
     #[test]
