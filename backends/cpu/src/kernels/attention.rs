@@ -478,14 +478,8 @@ mod x86 {
         unsafe fn store(p: *mut f32, v: Self::V);
         /// `[Σa0, Σa1, Σa2, Σa3]`.
         unsafe fn hsum4(a: [Self::V; 4]) -> __m128;
-        /// A whole row of scores into `e^(s − max)` in place (soft-capped first if `softcap > 0`);
-        /// returns `(max, Σ)`.
-        unsafe fn softmax(row: &mut [f32], softcap: f32) -> (f32, f32) {
-            let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
-            // SAFETY: the caller runs with AVX2, FMA and F16C.
-            super::softmax_block::avx2(row, 0, row.len(), softcap, &mut m, &mut sum);
-            (m, sum)
-        }
+        /// A whole row of scores (not soft-capped) into `e^(s − max)` in place; returns `(max, Σ)`.
+        unsafe fn softmax(row: &mut [f32]) -> (f32, f32);
     }
 
     /// Eight lanes (AVX2, FMA, F16C).
@@ -525,12 +519,7 @@ mod x86 {
             hsum4(a)
         }
         #[inline(always)]
-        unsafe fn softmax(row: &mut [f32], softcap: f32) -> (f32, f32) {
-            if softcap > 0.0 {
-                let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
-                super::softmax_block::avx2(row, 0, row.len(), softcap, &mut m, &mut sum);
-                return (m, sum);
-            }
+        unsafe fn softmax(row: &mut [f32]) -> (f32, f32) {
             // The block softmax's arithmetic, eight lanes with `exp8` (fused multiply-adds), the
             // last `n % 8` scores one at a time with `exp_approx`.
             let (n, p) = (row.len(), row.as_mut_ptr());
@@ -586,12 +575,7 @@ mod x86 {
             _mm512_storeu_ps(p, v)
         }
         #[inline(always)]
-        unsafe fn softmax(row: &mut [f32], softcap: f32) -> (f32, f32) {
-            if softcap > 0.0 {
-                let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
-                super::softmax_block::avx2(row, 0, row.len(), softcap, &mut m, &mut sum);
-                return (m, sum);
-            }
+        unsafe fn softmax(row: &mut [f32]) -> (f32, f32) {
             // The block softmax's arithmetic in sixteen lanes, the tail masked; `exp16` is
             // `exp_approx` with fused multiply-adds.
             let (n, p) = (row.len(), row.as_mut_ptr());
@@ -811,12 +795,19 @@ mod x86 {
         }
     }
 
-    /// One head's scores into weights `e^(s − max)` in place (soft-capped first where asked), by the
-    /// prefill kernel's block softmax over the whole row; returns `(max, sum)`, or `(max, 1)` with
-    /// the weights divided by their sum when `normalize`.
+    /// One head's scores into weights `e^(s − max)` in place: by the width's own softmax, or, where
+    /// the scores are soft-capped, by the prefill kernel's block softmax; returns `(max, sum)`, or
+    /// `(max, 1)` with the weights divided by their sum when `normalize`.
     #[inline(always)]
     unsafe fn weights<W: Lanes>(row: &mut [f32], softcap: f32, normalize: bool) -> (f32, f32) {
-        let (m, mut sum) = W::softmax(row, softcap);
+        let (m, mut sum) = if softcap > 0.0 {
+            let (mut m, mut sum) = (f32::NEG_INFINITY, 0f32);
+            // SAFETY: the caller runs with AVX2, FMA and F16C.
+            super::softmax_block::avx2(row, 0, row.len(), softcap, &mut m, &mut sum);
+            (m, sum)
+        } else {
+            W::softmax(row)
+        };
         if normalize {
             let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
             row.iter_mut().for_each(|w| *w *= inv);
