@@ -439,6 +439,48 @@ fn quantized_matmul_matches_reference_for_every_bits_and_group() {
     });
 }
 
+/// A backend may keep its own layout of a whole weight tensor (the CPU backend's panel order of
+/// 4-bit weights, built by the first step that reads it), but never of a row view: a whole weight
+/// and a view of all its rows must give the same bits.
+#[test]
+fn a_whole_quantized_weight_and_a_view_of_all_its_rows_agree_bit_for_bit() {
+    each_backend(|ctx, rng| {
+        for (k, n, group, sd) in
+            [(256usize, 40usize, 32usize, DType::F16), (192, 19, 64, DType::BF16), (128, 33, 128, DType::F32)]
+        {
+            let q = quant_weight(rng, n, k, 4, group, sd);
+            let (wpr, g) = ((k * 4 / 32) as u64, (k / group) as u64);
+            for t in [1usize, 3, 8, 11] {
+                let x = rng.vec(t * k, 1.0);
+                let mut run = Run::new(ctx);
+                let xi = run.input_f32(&x, &[t as u64, k as u64]);
+                let whole = run.quant_matmul(xi, &q, t, k, n, 4, group, sd);
+                let first = run.execute(whole);
+                let mut run = Run::new(ctx);
+                let xi = run.input_f32(&x, &[t as u64, k as u64]);
+                let mut view = |data: &[u8], dtype: DType, cols: u64| {
+                    let whole = run.weight(data, dtype, &[n as u64, cols]);
+                    let idx = run.g.node(whole).iparams[0] as u32;
+                    run.g.weight_rows(idx, dtype, n as u64, 0, n as u64, cols)
+                };
+                let pi = view(&bytes(&q.packed), DType::U32, wpr);
+                let si = view(&q.scales.data, sd, g);
+                let bi = view(&q.biases.data, sd, g);
+                let o = run.g.op_with(
+                    OpCode::QuantMatMul,
+                    &[t as u64, n as u64],
+                    &[xi, pi, si, bi],
+                    &[4, group as i64],
+                    &[],
+                );
+                let viewed = run.execute(o);
+                let same = viewed.iter().zip(&first).all(|(a, b)| a.to_bits() == b.to_bits());
+                assert!(same, "{} 4b g{group} {sd:?} t{t} k{k} n{n}: a view of all rows differs", ctx.name());
+            }
+        }
+    });
+}
+
 /// Matmuls that read one input back to back (q/k/v, gate/up) may run together (the CPU backend
 /// fuses them into one parallel loop): each result must still be its own. The same three-matmul
 /// graph runs once per result it returns.

@@ -42,6 +42,7 @@ fn view(m: &Mat, k: usize) -> QuantMatrix<'_> {
         bits: 4,
         group: 32,
         k,
+        panels: None,
     }
 }
 

@@ -1,12 +1,14 @@
 //! Times the quantized matmul kernels on SmolLM2-135M's shapes (4-bit, group 32, f16 scales), with
 //! every layer's weights distinct so they stream from memory as in a real decode step.
 //! `cargo run --release -p mlxcel-backend-cpu --example qmatmul_bench -- [tokens] [threads]`
-//! (`SEQS=1`: the tokens are separate sequences, as in a server step decoding several at once)
+//! (`SEQS=1`: the tokens are separate sequences, as in a server step decoding several at once;
+//! `PACK=0`: 4-bit matrices in MLX's row layout, not in the panel kernel's own order)
 
 use std::time::Instant;
 
 use mlxcel_backend_cpu::isa::Isa;
 use mlxcel_backend_cpu::kernels::int_dot::IntActs;
+use mlxcel_backend_cpu::kernels::panel_pack::{PanelFactors, PanelWeights, Panels};
 use mlxcel_backend_cpu::kernels::quantized::{qmatmul, QuantMatrix, QuantPath};
 use mlxcel_backend_cpu::kernels::Floats;
 
@@ -82,6 +84,24 @@ fn main() {
     // as the server's batches are; otherwise one sequence of `t` tokens.
     let segments: Vec<usize> =
         if std::env::var("SEQS").is_ok_and(|v| v == "1") { (1..=t).collect() } else { Vec::new() };
+    // PACK=0: the panel kernel reads the matrices in MLX's row layout, not its own panel order.
+    let pack_start = Instant::now();
+    let packs: Vec<_> = if std::env::var("PACK").is_ok_and(|v| v == "0") || bits() != 4 {
+        Vec::new()
+    } else {
+        mats.iter()
+            .map(|m| {
+                (
+                    PanelWeights::new(&m.packed, m.n, m.k),
+                    PanelFactors::new(Floats::F16(&m.scales), m.n, m.k / 32),
+                    PanelFactors::new(Floats::F16(&m.biases), m.n, m.k / 32),
+                )
+            })
+            .collect()
+    };
+    if !packs.is_empty() {
+        eprintln!("panel order built in {:.1} ms", pack_start.elapsed().as_secs_f64() * 1e3);
+    }
     let reps = if hot { 30 * 15 * 4 } else { 15 };
     // All repetitions inside one `install`, as the executor runs a whole graph, so the timings hold
     // no thread hand-off.
@@ -97,6 +117,7 @@ fn main() {
                     bits: bits(),
                     group: 32,
                     k: m.k,
+                    panels: packs.get(i).map(|(weights, scales, biases)| Panels { weights, scales, biases }),
                 };
                 // A new source name per call and repetition: every call quantizes its input.
                 let source = rep * mats.len() + i;

@@ -26,6 +26,7 @@ use crate::kernels::cross_attention;
 use crate::kernels::elementwise::{self as ew, binary, unary};
 use crate::kernels::int_dot::IntActs;
 use crate::kernels::kv_elem::elem_bytes;
+use crate::kernels::panel_pack::Panels;
 use crate::kernels::pooling::{segment_pool, Pool};
 use crate::kernels::quantized::{self, QuantMatrix, QuantPath};
 use crate::kernels::rope::RopeTable;
@@ -224,12 +225,14 @@ pub fn supports(node: &Node) -> bool {
 }
 
 /// Builds the quantized view from `src[1..4]` (packed, scales, biases; `src[2..5]` for the gathered
-/// matmul) for an op whose logical inner size is `k`.
+/// matmul) for an op whose logical inner size is `k`, with its panel-ordered copy where `panels`
+/// (the step's ISA and weights) asks for one and the panel kernel will read it.
 fn quant_matrix<'a>(
     vals: &'a [Val<'a>],
-    nodes: &[Node],
+    nodes: &'a [Node],
     node: &Node,
     k: usize,
+    panels: Option<(Isa, &'a [BufferHandle])>,
 ) -> Result<(QuantMatrix<'a>, usize), String> {
     let (bits, group) = (node.iparams[0] as usize, node.iparams[1] as usize);
     if !matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) || !matches!(group, 32 | 64 | 128) {
@@ -252,15 +255,61 @@ fn quant_matrix<'a>(
     if sn.rows() != n || sn.cols() != k / group || bn.rows() != n || bn.cols() != k / group {
         return Err(format!("scales/biases must be [{n}, {}]", k / group));
     }
-    let q = QuantMatrix {
+    let mut q = QuantMatrix {
         packed: words(&vals[p], "packed weight")?,
         scales: floats(&vals[sc], "scales")?,
         biases: floats(&vals[b], "biases")?,
         bits,
         group,
         k,
+        panels: None,
     };
+    if let Some((isa, weights)) = panels {
+        q.panels = panels_of(isa, &q, n, [pn, sn, bn], weights);
+    }
     Ok((q, n))
+}
+
+/// `q`'s panel-ordered copy for the panel kernel on `isa` (built by the first step that asks, then
+/// kept with the weight's buffers), where `isa` runs that kernel for `q` and its weights, scales and
+/// biases are whole weight tensors.
+#[cfg(target_arch = "x86_64")]
+fn panels_of<'a>(
+    isa: Isa,
+    q: &QuantMatrix<'a>,
+    n: usize,
+    [packed, scales, biases]: [&Node; 3],
+    weights: &'a [BufferHandle],
+) -> Option<Panels<'a>> {
+    use crate::kernels::int_dot::ActOrder;
+    use crate::kernels::panel::applies;
+    use crate::kernels::panel_pack::{PanelFactors, PanelWeights};
+
+    if !applies(isa, q.bits, q.group, ActOrder::for_weights(isa, q.bits, q.group)) {
+        return None;
+    }
+    let buffer = |node: &Node| -> Option<&'a Buffer> {
+        // A row-range view (`iparams[2]` rows stored) is not the tensor its buffer's copy describes.
+        if node.opcode() != Some(OpCode::Weight) || node.iparams[2] != 0 {
+            return None;
+        }
+        let h = *weights.get(node.iparams[0] as usize)?;
+        // SAFETY: weight handles are this backend's buffers, alive for the compute (as in `bind_source`).
+        unsafe { (h as *const Buffer).as_ref() }
+    };
+    let groups = q.groups_per_row();
+    let panels = Panels {
+        weights: buffer(packed)?.derived(|_| PanelWeights::new(q.packed, n, q.k))?,
+        scales: buffer(scales)?.derived(|_| PanelFactors::new(q.scales, n, groups))?,
+        biases: buffer(biases)?.derived(|_| PanelFactors::new(q.biases, n, groups))?,
+    };
+    panels.fit(q, n).then_some(panels)
+}
+
+/// No panel kernel off x86.
+#[cfg(not(target_arch = "x86_64"))]
+fn panels_of<'a>(_: Isa, _: &QuantMatrix<'a>, _: usize, _: [&Node; 3], _: &'a [BufferHandle]) -> Option<Panels<'a>> {
+    None
 }
 
 /// The value of a source node (input, weight, constant): a view of the caller's memory, or the
@@ -731,7 +780,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                             }
                         } else {
                             need(4)?;
-                            let (q, vocab) = quant_matrix(&vals, nodes, node, d).map_err(e)?;
+                            let (q, vocab) = quant_matrix(&vals, nodes, node, d, None).map_err(e)?;
                             if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as usize >= vocab) {
                                 return Err(e(format!("token id {id} out of range for vocabulary {vocab}")));
                             }
@@ -760,7 +809,9 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                                 matmul::matmul(isa, threads, xr, r1 - r0, k, w, n, or, path == QuantPath::RowDot);
                             }
                         } else {
-                            let (q, rows) = quant_matrix(&vals, nodes, node, k).map_err(e)?;
+                            // Steps on the integer path read the panel-ordered copy, where the ISA has one.
+                            let panels = paths.iter().any(|p| p.2 == QuantPath::Int).then_some((isa, weights));
+                            let (q, rows) = quant_matrix(&vals, nodes, node, k, panels).map_err(e)?;
                             if rows != n {
                                 return Err(e(format!("packed weight has {rows} rows, output {n} columns")));
                             }
@@ -773,7 +824,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                                 for (slot, (m, buf)) in parts[1..].iter_mut().zip(fused.iter_mut().take(n_fused)) {
                                     let nm = &nodes[*m];
                                     let (qm, rows) =
-                                        quant_matrix(&vals, nodes, nm, k).map_err(|msg| bad(*m, nm, msg))?;
+                                        quant_matrix(&vals, nodes, nm, k, panels).map_err(|msg| bad(*m, nm, msg))?;
                                     if rows != nm.cols() || qm.k != k {
                                         return Err(bad(
                                             *m,
@@ -1194,7 +1245,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                             };
                             experts::gather_matmul(isa, threads, &x, kdim, &r, &experts_w, n, &mut out).map_err(e)?;
                         } else {
-                            let (q, rows) = quant_matrix(&vals, nodes, node, kdim).map_err(e)?;
+                            let (q, rows) = quant_matrix(&vals, nodes, node, kdim, None).map_err(e)?;
                             let n_experts = sn(2).dims().first().copied().unwrap_or(0) as usize;
                             if sn(2).dims().len() != 3 || rows != n_experts * n {
                                 return Err(e(format!(

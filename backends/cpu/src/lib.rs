@@ -118,16 +118,17 @@ impl BackendContext for CpuContext {
     unsafe fn buffer_from_host(&mut self, ptr: *const u8, len: usize) -> Result<Buffer, PluginError> {
         // Zero-copy when aligned for the widest element type; otherwise a private aligned copy.
         if len == 0 || (ptr as usize).is_multiple_of(8) {
-            return Ok(Buffer::Borrowed { ptr, len });
+            // SAFETY: the host keeps `ptr` readable and unchanged for the buffer's life (trait contract).
+            return Ok(unsafe { Buffer::borrowed(ptr, len) });
         }
         let mut a = AlignedBytes::zeroed(len).ok_or_else(|| out_of_memory(len))?;
         // SAFETY: the host keeps `ptr` readable for `len` bytes (trait contract).
         a.as_mut_slice().copy_from_slice(unsafe { std::slice::from_raw_parts(ptr, len) });
-        Ok(Buffer::Owned(a))
+        Ok(Buffer::owned(a))
     }
 
     fn buffer_alloc(&mut self, len: usize) -> Result<Buffer, PluginError> {
-        Ok(Buffer::Owned(AlignedBytes::zeroed(len).ok_or_else(|| out_of_memory(len))?))
+        Ok(Buffer::owned(AlignedBytes::zeroed(len).ok_or_else(|| out_of_memory(len))?))
     }
 
     fn buffer_write(&mut self, buf: &mut Buffer, offset: usize, src: &[u8]) -> Result<(), PluginError> {

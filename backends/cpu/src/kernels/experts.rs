@@ -321,6 +321,8 @@ pub fn gather_qmatmul(
             packed: &w.packed[e * n * wpr..(e + 1) * n * wpr],
             scales: w.scales.slice(e * n * gpr, n * gpr),
             biases: w.biases.slice(e * n * gpr, n * gpr),
+            // The whole tensor's panels (never built for expert weights) do not describe a slice.
+            panels: None,
             ..w
         };
         acts.key = None;

@@ -612,6 +612,7 @@ mod x86 {
             bits: w.bits,
             group,
             k,
+            panels: None,
         }
     }
 
@@ -817,6 +818,8 @@ mod x86 {
         unsafe fn gather16_pair(p: *const u16, idx: __m512i) -> [__m512; 2] {
             [Self::gather16(p, idx), Self::gather16(p, _mm512_add_epi32(idx, _mm512_set1_epi32(1)))]
         }
+        /// The sixteen elements from `p` (an f32 is two 16-bit elements of `p`).
+        unsafe fn load16(p: *const u16) -> __m512;
         /// `p` advanced by `n` elements.
         #[inline(always)]
         unsafe fn advance(p: *const u16, n: usize) -> *const u16 {
@@ -843,6 +846,10 @@ mod x86 {
             let high = _mm512_srli_epi32::<16>(words);
             [_mm512_cvtph_ps(_mm512_cvtepi32_epi16(words)), _mm512_cvtph_ps(_mm512_cvtepi32_epi16(high))]
         }
+        #[inline(always)]
+        unsafe fn load16(p: *const u16) -> __m512 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+        }
     }
     impl ScaleKind for Brain {
         const IS_BRAIN: bool = true;
@@ -861,6 +868,11 @@ mod x86 {
             let high = _mm512_and_si512(words, _mm512_set1_epi32(0xFFFF_0000u32 as i32));
             [_mm512_castsi512_ps(_mm512_slli_epi32::<16>(words)), _mm512_castsi512_ps(high)]
         }
+        #[inline(always)]
+        unsafe fn load16(p: *const u16) -> __m512 {
+            let words = _mm512_cvtepu16_epi32(_mm256_loadu_si256(p as *const __m256i));
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(words))
+        }
     }
     impl ScaleKind for Single {
         #[inline(always)]
@@ -870,6 +882,10 @@ mod x86 {
         #[inline(always)]
         unsafe fn gather16(p: *const u16, idx: __m512i) -> __m512 {
             _mm512_i32gather_ps::<4>(idx, p as *const f32)
+        }
+        #[inline(always)]
+        unsafe fn load16(p: *const u16) -> __m512 {
+            _mm512_loadu_ps(p as *const f32)
         }
         #[inline(always)]
         unsafe fn advance(p: *const u16, n: usize) -> *const u16 {
@@ -2081,6 +2097,7 @@ mod tests {
                         bits,
                         group,
                         k,
+                        panels: None,
                     };
                     // Activations with an outlier channel, as real models have.
                     let x: Vec<f32> = (0..t * k).map(|i| rng.uniform() * if i % k == 7 { 30.0 } else { 1.0 }).collect();

@@ -14,6 +14,7 @@ pub mod matmul;
 pub mod norm;
 #[cfg(target_arch = "x86_64")]
 pub mod panel;
+pub mod panel_pack;
 pub mod pooling;
 pub mod quantized;
 pub mod rope;

@@ -28,6 +28,7 @@ use std::arch::x86_64::*;
 use std::ops::Range;
 
 use super::int_dot::{ActOrder, ActRow, Brain, Half, ScaleKind, Single};
+use super::panel_pack::Panels;
 use super::quantized::QuantMatrix;
 use super::Floats;
 use crate::isa::Isa;
@@ -40,7 +41,8 @@ pub fn applies(isa: Isa, bits: usize, group: usize, order: ActOrder) -> bool {
 
 /// `out[j * stride + r] = row r of w · token j` for `r` in `rows` and every token of `x` (in
 /// [`ActOrder::NibblePlanes`]; `w` 4-bit in groups of 32, 64 or 128: see [`applies`]), up to eight
-/// tokens per pass. False (nothing written) for scales and biases stored in different types.
+/// tokens per pass, from `w`'s [`Panels`] where it has them. False (nothing written) for scales and
+/// biases stored in different types.
 ///
 /// # Safety
 /// `isa.has_avx512vnni()` must hold, and `out` must be valid for writes at every `j * stride + r`
@@ -58,42 +60,52 @@ pub unsafe fn rows_tile(w: QuantMatrix, rows: Range<usize>, x: &[ActRow], out: *
 /// [`rows_tile`] for scales and biases stored as `S`.
 unsafe fn rows_of<S: ScaleKind>(w: &QuantMatrix, rows: Range<usize>, x: &[ActRow], out: *mut f32, stride: usize) {
     debug_assert!(x.iter().all(|a| a.order == ActOrder::NibblePlanes && a.planes.len() >= w.k * 2));
+    if rows.is_empty() {
+        return;
+    }
+    if let Some(panels) = w.panels {
+        // The pack's panels start at multiples of 16 and its last one is zero-padded: whole panels
+        // over `rows`, results kept for `rows` only.
+        let first = rows.start / 16 * 16;
+        return passes::<S, _>(&PackSource { panels, gb: w.group / 32 }, first..rows.end, rows, x, out, stride);
+    }
     // Whole panels from the matrix itself; a last panel cut short from a zero-padded copy of its rows,
     // as is the matrix's own last panel (so that no gather reads past its scales' end).
     let mut full_end = rows.start + rows.len() / 16 * 16;
     if full_end > rows.start && full_end == w.packed.len() / w.words_per_row() {
         full_end -= 16;
     }
-    passes::<S>(w, rows.start..full_end, rows.end, x, out, stride);
+    if full_end > rows.start {
+        passes::<S, _>(&MatrixSource::new(w), rows.start..full_end, rows.start..full_end, x, out, stride);
+    }
     if full_end < rows.end {
         let tail = TailPanel::new(w, full_end..rows.end);
         let t = tail.matrix(w);
-        passes::<S>(&t, 0..16, rows.len() - (full_end - rows.start), x, out.wrapping_add(full_end), stride);
+        let kept = rows.end - full_end;
+        passes::<S, _>(&MatrixSource::new(&t), 0..16, 0..kept, x, out.wrapping_add(full_end), stride);
     }
 }
 
-/// Every token of `x` against the whole panels of `rows`, whose results are stored for rows below
-/// `keep_end` only: eight tokens per pass while they last, then four, two, one.
-unsafe fn passes<S: ScaleKind>(
-    w: &QuantMatrix,
+/// Every token of `x` against the panels starting at `rows.start`, `rows.start + 16`, … below
+/// `rows.end`, whose results are stored for the rows in `keep` only: eight tokens per pass while
+/// they last, then four, two, one.
+unsafe fn passes<S: ScaleKind, Src: Source>(
+    src: &Src,
     rows: Range<usize>,
-    keep_end: usize,
+    keep: Range<usize>,
     x: &[ActRow],
     out: *mut f32,
     stride: usize,
 ) {
-    if rows.is_empty() {
-        return;
-    }
     let mut j = 0;
     while j < x.len() {
         let m = [8, 4, 2].into_iter().find(|&m| x.len() - j >= m).unwrap_or(1);
-        let (xs, o, r) = (&x[j..j + m], out.wrapping_add(j * stride), (rows.clone(), keep_end));
+        let (xs, o, r) = (&x[j..j + m], out.wrapping_add(j * stride), (rows.clone(), keep.clone()));
         match m {
-            8 => pass::<S, 8>(w, r, xs, o, stride),
-            4 => pass::<S, 4>(w, r, xs, o, stride),
-            2 => pass::<S, 2>(w, r, xs, o, stride),
-            _ => pass::<S, 1>(w, r, xs, o, stride),
+            8 => pass::<S, Src, 8>(src, r, xs, o, stride),
+            4 => pass::<S, Src, 4>(src, r, xs, o, stride),
+            2 => pass::<S, Src, 2>(src, r, xs, o, stride),
+            _ => pass::<S, Src, 1>(src, r, xs, o, stride),
         }
         j += m;
     }
@@ -153,42 +165,49 @@ impl TailPanel {
 
     /// The padded rows as a 16-row matrix shaped like `w`.
     fn matrix<'a>(&'a self, w: &QuantMatrix) -> QuantMatrix<'a> {
-        QuantMatrix { packed: &self.packed, scales: self.scales.floats(), biases: self.biases.floats(), ..*w }
+        QuantMatrix {
+            packed: &self.packed,
+            scales: self.scales.floats(),
+            biases: self.biases.floats(),
+            panels: None,
+            ..*w
+        }
     }
 }
 
-/// `M` tokens against every row of `rows`, a panel at a time.
+/// `M` tokens against the panels starting at `rows.start`, `rows.start + 16`, … (results for the rows
+/// in `keep`).
 #[target_feature(enable = "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")]
-unsafe fn pass<S: ScaleKind, const M: usize>(
-    w: &QuantMatrix,
-    (rows, keep_end): (Range<usize>, usize),
+unsafe fn pass<S: ScaleKind, Src: Source, const M: usize>(
+    src: &Src,
+    (rows, keep): (Range<usize>, Range<usize>),
     x: &[ActRow],
     out: *mut f32,
     stride: usize,
 ) {
-    let geo = Geometry::new(w);
+    let (gpr, gb) = (src.groups(), src.blocks_per_group());
     let toks = Tokens::<M>::new(x);
     let planes: [*const u8; M] = std::array::from_fn(|t| x[t].planes.as_ptr());
     let mut p0 = rows.start;
     while p0 < rows.end {
         let mut acc = [_mm512_setzero_ps(); M];
-        let index = geo.panel_index(p0);
-        // Scales and biases come two groups per gather, issued a pair of groups ahead so that
+        let panel = src.panel(p0);
+        // Scales and biases come two groups at a time, asked for a pair of groups ahead so that
         // their latency hides behind the blocks.
-        let mut pair = geo.factor_pair::<S>(w, index, 0);
+        let mut pair = src.factor_pair::<S>(&panel, 0);
         let mut next = pair;
-        for g in 0..geo.gpr {
-            if g % 2 == 0 && g + 2 < geo.gpr {
-                next = geo.factor_pair::<S>(w, index, g + 2);
+        for g in 0..gpr {
+            if g % 2 == 0 && g + 2 < gpr {
+                next = src.factor_pair::<S>(&panel, g + 2);
             }
             let (s, b) = pair[g % 2];
             if g % 2 == 1 {
                 pair = next;
             }
             toks.bias_term(b, g, &mut acc);
-            for blk in g * geo.gb..(g + 1) * geo.gb {
-                geo.prefetch_panel(w, p0 + 16, blk);
-                let ops = geo.weight_operand(w, p0, blk);
+            for blk in g * gb..(g + 1) * gb {
+                src.prefetch(&panel, blk);
+                let ops = split_nibbles(src.dwords(&panel, blk));
                 // Per token one chain per plane, the tokens' chains side by side.
                 let mut sh = [_mm512_setzero_si512(); M];
                 let mut sl = [_mm512_setzero_si512(); M];
@@ -206,8 +225,9 @@ unsafe fn pass<S: ScaleKind, const M: usize>(
                 }
             }
         }
+        let lanes = kept_lanes(p0, &keep);
         for (t, a) in acc.iter().enumerate() {
-            store_results(*a, out.wrapping_add(t * stride + p0), keep_end.saturating_sub(p0));
+            store_results(*a, out.wrapping_add(t * stride + p0), lanes);
         }
         p0 += 16;
     }
@@ -220,11 +240,26 @@ unsafe fn block_term(hi: __m512i, lo: __m512i, s: __m512, d: *const f32, acc: __
     _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(s, _mm512_set1_ps(*d)), acc)
 }
 
-/// A panel's sixteen results (lane `c` for the row at column `c`) to rows `0..nr` of `out`.
+/// The lanes of the panel from row `p0` whose rows are in `keep`.
 #[inline(always)]
-unsafe fn store_results(acc: __m512, out: *mut f32, nr: usize) {
+fn kept_lanes(p0: usize, keep: &Range<usize>) -> __mmask16 {
+    let below = |r: usize| {
+        if r <= p0 {
+            0
+        } else if r >= p0 + 16 {
+            0xFFFF
+        } else {
+            (1u32 << (r - p0)) - 1
+        }
+    };
+    (below(keep.end) & !below(keep.start)) as __mmask16
+}
+
+/// A panel's sixteen results (lane `c` for the row at column `c`) to the rows of `lanes` (bit `r`
+/// for row `r` of the panel) at `out`.
+#[inline(always)]
+unsafe fn store_results(acc: __m512, out: *mut f32, lanes: __mmask16) {
     // The permutation of columns is its own inverse.
-    let lanes = if nr >= 16 { !0 } else { ((1u32 << nr) - 1) as __mmask16 };
     _mm512_mask_storeu_ps(out, lanes, _mm512_permutexvar_ps(column_rows(), acc));
 }
 
@@ -254,59 +289,82 @@ impl<'a, const M: usize> Tokens<'a, M> {
     }
 }
 
-/// A matrix's shape as the panel kernel walks it.
-struct Geometry {
+/// Where a pass reads its panels' weights, scales and biases: the matrix in MLX's row layout
+/// ([`MatrixSource`]) or its [`Panels`] ([`PackSource`]). Both give the same values.
+trait Source {
+    /// What a source keeps per panel.
+    type Panel;
+    fn groups(&self) -> usize;
+    fn blocks_per_group(&self) -> usize;
+    /// The panel of rows `p0..p0 + 16`.
+    unsafe fn panel(&self, p0: usize) -> Self::Panel;
+    /// Block `blk` of a panel as four vectors: `dword[kq]` holds, per column, bytes `4·kq..4·kq + 4`
+    /// of that column's row's block.
+    unsafe fn dwords(&self, panel: &Self::Panel, blk: usize) -> [__m512i; 4];
+    /// Groups `g` and `g + 1`'s scales and biases of a panel's rows, at their columns (past a row's
+    /// last group, the second pair is never used).
+    unsafe fn factor_pair<S: ScaleKind>(&self, panel: &Self::Panel, g: usize) -> [(__m512, __m512); 2];
+    /// Asks for the weights a later block will need, where the hardware would not.
+    unsafe fn prefetch(&self, panel: &Self::Panel, blk: usize);
+}
+
+/// A block's dword vectors as the weight operand: row `kq` < 4 holds, per column, the low nibbles of
+/// bytes `4·kq..4·kq + 4` of that column's row (block positions `4·kq..`, the even elements); row
+/// `4 + kq` their high nibbles (positions `16 + 4·kq..`).
+#[inline(always)]
+unsafe fn split_nibbles(dword: [__m512i; 4]) -> [__m512i; 8] {
+    let low = _mm512_set1_epi8(0x0F);
+    let mut ops = [_mm512_setzero_si512(); 8];
+    for kq in 0..4 {
+        ops[kq] = _mm512_and_si512(dword[kq], low);
+        ops[4 + kq] = _mm512_and_si512(_mm512_srli_epi16::<4>(dword[kq]), low);
+    }
+    ops
+}
+
+/// A matrix in MLX's row layout, as the panel kernel walks it.
+struct MatrixSource<'a> {
+    w: &'a QuantMatrix<'a>,
     /// Groups per row, blocks per group, bytes per row.
     gpr: usize,
     gb: usize,
     row_bytes: usize,
 }
 
-impl Geometry {
-    fn new(w: &QuantMatrix) -> Geometry {
-        Geometry { gpr: w.groups_per_row(), gb: w.group / 32, row_bytes: w.words_per_row() * 4 }
+impl<'a> MatrixSource<'a> {
+    fn new(w: &'a QuantMatrix<'a>) -> Self {
+        MatrixSource { w, gpr: w.groups_per_row(), gb: w.group / 32, row_bytes: w.words_per_row() * 4 }
+    }
+}
+
+/// A panel of a [`MatrixSource`]: its first row and the index of each column's row's first group
+/// in the scales (a matrix has fewer than 2³¹ of them).
+struct MatrixPanel {
+    p0: usize,
+    index: __m512i,
+}
+
+impl Source for MatrixSource<'_> {
+    type Panel = MatrixPanel;
+
+    fn groups(&self) -> usize {
+        self.gpr
     }
 
-    /// The index of each panel column's row's first group in the scales (rows from `p0`; a matrix
-    /// has fewer than 2³¹ of them).
+    fn blocks_per_group(&self) -> usize {
+        self.gb
+    }
+
     #[inline(always)]
-    unsafe fn panel_index(&self, p0: usize) -> __m512i {
+    unsafe fn panel(&self, p0: usize) -> MatrixPanel {
         debug_assert!((p0 + 16) * self.gpr <= i32::MAX as usize);
         let rows = _mm512_add_epi32(column_rows(), _mm512_set1_epi32(p0 as i32));
-        _mm512_mullo_epi32(rows, _mm512_set1_epi32(self.gpr as i32))
+        MatrixPanel { p0, index: _mm512_mullo_epi32(rows, _mm512_set1_epi32(self.gpr as i32)) }
     }
 
-    /// Groups `g` and `g + 1`'s scales and biases of a panel's rows (`index` from
-    /// [`Geometry::panel_index`]) at their columns; past a row's last group, the second pair is
-    /// the next row's first (never used).
     #[inline(always)]
-    unsafe fn factor_pair<S: ScaleKind>(&self, w: &QuantMatrix, index: __m512i, g: usize) -> [(__m512, __m512); 2] {
-        let idx = _mm512_add_epi32(index, _mm512_set1_epi32(g as i32));
-        let ([s0, s1], [b0, b1]) = (column_pair::<S>(w.scales, idx), column_pair::<S>(w.biases, idx));
-        [(s0, b0), (s1, b1)]
-    }
-
-    /// Requests block `blk`'s share of the weights of the panel from row `p0` (every block of a panel
-    /// asks for the same share of the next one, so it arrives whole): sixteen rows read side by
-    /// side, sixteen bytes at a time, lose the hardware prefetchers. Addresses past the matrix are
-    /// only hinted, never read.
-    #[inline(always)]
-    unsafe fn prefetch_panel(&self, w: &QuantMatrix, p0: usize, blk: usize) {
-        let share = (16 * self.row_bytes).div_ceil(self.gpr * self.gb);
-        let start = (w.packed.as_ptr() as *const u8).wrapping_add(p0 * self.row_bytes + blk * share);
-        let mut o = 0;
-        while o < share {
-            _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(o) as *const i8);
-            o += 64;
-        }
-    }
-
-    /// Block `blk` of rows `p0..p0 + 16` as the weight operand: row `kq` < 4 holds, per column, the low
-    /// nibbles of bytes `4·kq..4·kq + 4` of that column's row (block positions `4·kq..`, the even
-    /// elements); row `4 + kq` their high nibbles (positions `16 + 4·kq..`).
-    #[inline(always)]
-    unsafe fn weight_operand(&self, w: &QuantMatrix, p0: usize, blk: usize) -> [__m512i; 8] {
-        let src = (w.packed.as_ptr() as *const u8).add(p0 * self.row_bytes + blk * 16);
+    unsafe fn dwords(&self, panel: &MatrixPanel, blk: usize) -> [__m512i; 4] {
+        let src = (self.w.packed.as_ptr() as *const u8).add(panel.p0 * self.row_bytes + blk * 16);
         let (z0, z1, z2, z3) = (
             quad(src, self.row_bytes),
             quad(src.add(4 * self.row_bytes), self.row_bytes),
@@ -317,19 +375,99 @@ impl Geometry {
         // j from row 4·j + i (column 4·i + j).
         let (t0, t1) = (_mm512_unpacklo_epi32(z0, z1), _mm512_unpackhi_epi32(z0, z1));
         let (t2, t3) = (_mm512_unpacklo_epi32(z2, z3), _mm512_unpackhi_epi32(z2, z3));
-        let dword = [
+        [
             _mm512_unpacklo_epi64(t0, t2),
             _mm512_unpackhi_epi64(t0, t2),
             _mm512_unpacklo_epi64(t1, t3),
             _mm512_unpackhi_epi64(t1, t3),
-        ];
-        let low = _mm512_set1_epi8(0x0F);
-        let mut ops = [_mm512_setzero_si512(); 8];
-        for kq in 0..4 {
-            ops[kq] = _mm512_and_si512(dword[kq], low);
-            ops[4 + kq] = _mm512_and_si512(_mm512_srli_epi16::<4>(dword[kq]), low);
+        ]
+    }
+
+    /// Two gathers (one per 16-bit kind: see [`column_pair`]).
+    #[inline(always)]
+    unsafe fn factor_pair<S: ScaleKind>(&self, panel: &MatrixPanel, g: usize) -> [(__m512, __m512); 2] {
+        let idx = _mm512_add_epi32(panel.index, _mm512_set1_epi32(g as i32));
+        let ([s0, s1], [b0, b1]) = (column_pair::<S>(self.w.scales, idx), column_pair::<S>(self.w.biases, idx));
+        [(s0, b0), (s1, b1)]
+    }
+
+    /// Block `blk`'s share of the next panel's weights (every block of a panel asks for the same
+    /// share of the next one, so it arrives whole): sixteen rows read side by side, sixteen bytes
+    /// at a time, lose the hardware prefetchers. Addresses past the matrix are only hinted, never
+    /// read.
+    #[inline(always)]
+    unsafe fn prefetch(&self, panel: &MatrixPanel, blk: usize) {
+        let share = (16 * self.row_bytes).div_ceil(self.gpr * self.gb);
+        let next = panel.p0 + 16;
+        let start = (self.w.packed.as_ptr() as *const u8).wrapping_add(next * self.row_bytes + blk * share);
+        let mut o = 0;
+        while o < share {
+            _mm_prefetch::<_MM_HINT_T0>(start.wrapping_add(o) as *const i8);
+            o += 64;
         }
-        ops
+    }
+}
+
+/// A matrix's [`Panels`]: each block's dword vectors are four aligned loads, each group's factors
+/// one load (and a conversion) per kind, in order.
+struct PackSource<'a> {
+    panels: Panels<'a>,
+    gb: usize,
+}
+
+impl Source for PackSource<'_> {
+    /// The panel's first row.
+    type Panel = usize;
+
+    fn groups(&self) -> usize {
+        self.panels.scales.groups()
+    }
+
+    fn blocks_per_group(&self) -> usize {
+        self.gb
+    }
+
+    #[inline(always)]
+    unsafe fn panel(&self, p0: usize) -> usize {
+        p0
+    }
+
+    #[inline(always)]
+    unsafe fn dwords(&self, &p0: &usize, blk: usize) -> [__m512i; 4] {
+        let at = self.panels.weights.block(p0, blk) as *const __m512i;
+        [
+            _mm512_load_si512(at),
+            _mm512_load_si512(at.add(1)),
+            _mm512_load_si512(at.add(2)),
+            _mm512_load_si512(at.add(3)),
+        ]
+    }
+
+    #[inline(always)]
+    unsafe fn factor_pair<S: ScaleKind>(&self, &p0: &usize, g: usize) -> [(__m512, __m512); 2] {
+        let (scales, biases) = (self.panels.scales, self.panels.biases);
+        let first = (S::load16(scales.group(p0, g)), S::load16(biases.group(p0, g)));
+        let second = if g + 1 < scales.groups() {
+            (S::load16(scales.group(p0, g + 1)), S::load16(biases.group(p0, g + 1)))
+        } else {
+            (_mm512_setzero_ps(), _mm512_setzero_ps())
+        };
+        [first, second]
+    }
+
+    /// The same block of the next panel, and at a group's first block that group's factors there:
+    /// one panel ahead, as the hardware prefetchers alone do not keep up with a pass.
+    #[inline(always)]
+    unsafe fn prefetch(&self, &p0: &usize, blk: usize) {
+        let next = self.panels.weights.block_unchecked(p0 + 16, blk) as *const i8;
+        for line in 0..4 {
+            _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64 * line));
+        }
+        if blk.is_multiple_of(self.gb) {
+            let g = blk / self.gb;
+            _mm_prefetch::<_MM_HINT_T0>(self.panels.scales.group_unchecked(p0 + 16, g) as *const i8);
+            _mm_prefetch::<_MM_HINT_T0>(self.panels.biases.group_unchecked(p0 + 16, g) as *const i8);
+        }
     }
 }
 
@@ -364,6 +502,7 @@ mod tests {
     use super::*;
     use crate::isa::IsaPath;
     use crate::kernels::int_dot::{dot_row, quantize_acts, IntActs};
+    use crate::kernels::panel_pack::{PanelFactors, PanelWeights};
 
     /// Every row range (whole panels, a cut-short last one, the matrix's own last panel) and every
     /// number of tokens (passes of eight, four, two and one) give each (row, token) the bits it gets
@@ -383,7 +522,16 @@ mod tests {
             seed
         };
         // Scales and biases in each storage type (f16, bf16, f32), even and odd groups per row.
-        let shapes = [(48, 32, 18, 0), (32, 64, 6, 1), (16, 128, 4, 2), (48, 32, 9, 1), (32, 64, 3, 2), (16, 32, 5, 0)];
+        let shapes = [
+            (48, 32, 18, 0),
+            (32, 64, 6, 1),
+            (16, 128, 4, 2),
+            (48, 32, 9, 1),
+            (32, 64, 3, 2),
+            (16, 32, 5, 0),
+            (40, 32, 7, 0),
+            (24, 64, 5, 2),
+        ];
         for (n, group, blocks, kind) in shapes {
             let k = group * blocks;
             let packed: Vec<u32> = (0..n * k / 8).map(|_| next() as u32).collect();
@@ -398,7 +546,7 @@ mod tests {
                 1 => (Floats::BF16(&sb), Floats::BF16(&bb)),
                 _ => (Floats::F32(&sv), Floats::F32(&bv)),
             };
-            let w = QuantMatrix { packed: &packed, scales, biases, bits: 4, group, k };
+            let w = QuantMatrix { packed: &packed, scales, biases, bits: 4, group, k, panels: None };
             let t = 8;
             let x: Vec<f32> = (0..t * k)
                 .map(|i| ((next() % 2001) as f32 / 1000.0 - 1.0) * if i % k == 3 { 20.0 } else { 1.0 })
@@ -421,17 +569,31 @@ mod tests {
                     );
                 }
             }
-            for range in [0..n, 16..n, 0..16, 3..n, 5..n - 2] {
-                for tokens in 1..=t {
-                    let mut out = vec![f32::NAN; tokens * n];
-                    assert!(unsafe { rows_tile(w, range.clone(), &rows[..tokens], out.as_mut_ptr(), n) });
-                    for j in 0..tokens {
-                        for r in range.clone() {
-                            assert_eq!(
-                                out[j * n + r].to_bits(),
-                                alone[j * n + r].to_bits(),
-                                "n {n} rows {range:?}, {tokens} tokens: row {r} token {j}"
-                            );
+            // The same matrix from its panel-ordered copy: the same bits.
+            let (weights, scales, biases) = (
+                PanelWeights::new(&packed, n, k),
+                PanelFactors::new(w.scales, n, k / group),
+                PanelFactors::new(w.biases, n, k / group),
+            );
+            let panels = Panels { weights: &weights, scales: &scales, biases: &biases };
+            assert!(panels.fit(&w, n) && !panels.fit(&w, n - 1));
+            let packed_w = QuantMatrix { panels: Some(panels), ..w };
+            for (layout, m) in [("rows", w), ("panels", packed_w)] {
+                for range in [0..n, 16..n, 0..16, 3..n, 5..n - 2, 17..20].into_iter().filter(|r| r.end <= n) {
+                    for tokens in 1..=t {
+                        let mut out = vec![f32::NAN; tokens * n];
+                        assert!(unsafe { rows_tile(m, range.clone(), &rows[..tokens], out.as_mut_ptr(), n) });
+                        for j in 0..tokens {
+                            for r in 0..n {
+                                let (got, want) = (out[j * n + r], alone[j * n + r]);
+                                let what =
+                                    format!("{layout}: n {n} rows {range:?}, {tokens} tokens: row {r} token {j}");
+                                if range.contains(&r) {
+                                    assert_eq!(got.to_bits(), want.to_bits(), "{what}");
+                                } else {
+                                    assert!(got.is_nan(), "{what}: written outside the range");
+                                }
+                            }
                         }
                     }
                 }

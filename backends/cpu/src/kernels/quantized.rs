@@ -7,6 +7,7 @@ use crate::pool;
 
 use super::int_dot::{dot_rows_tile, dot_tile, passes_match_tile, quantize_acts, ActOrder, ActRow, ActsKey, IntActs};
 use super::matmul::{gemm_tile, tile_rows};
+use super::panel_pack::Panels;
 use super::{Floats, SharedMut};
 use crate::isa::Isa;
 use crate::simd_kernel;
@@ -21,6 +22,9 @@ pub struct QuantMatrix<'a> {
     pub group: usize,
     /// Logical columns (elements per row).
     pub k: usize,
+    /// The same matrix in the panel kernel's own layout, where one was built for it (4-bit weights
+    /// on `avx512vnni`): [`panel_pack`](super::panel_pack).
+    pub panels: Option<Panels<'a>>,
 }
 
 impl QuantMatrix<'_> {
@@ -465,6 +469,7 @@ mod tests {
             bits: 4,
             group,
             k,
+            panels: None,
         };
         let pool = ThreadPool::new(2).unwrap();
         // 8 tokens: own copies; 60 tokens: over `OWN_COPY_MAX_VALUES`, one shared copy.

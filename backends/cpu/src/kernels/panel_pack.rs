@@ -1,0 +1,195 @@
+//! The panel kernel's own layout of a 4-bit matrix ([`super::panel`]), built once from MLX's row
+//! layout and kept with the weight's buffer: per panel of sixteen rows, each block's four operand
+//! vectors exactly as the kernel would assemble them by a dword transpose of the sixteen rows'
+//! bytes, and each group's sixteen scales (and biases) in the kernel's column order. A pass then
+//! reads three sequential streams — which the hardware prefetchers follow — with plain vector loads
+//! instead of sixteen 16-byte row loads and a transpose per block and a gather per pair of groups.
+//! The values are the matrix's own, so a pass gives the same bits from either layout.
+
+use super::quantized::QuantMatrix;
+use super::Floats;
+use crate::pool;
+
+/// Panels per task of a build (a few hundred KB of weights each).
+const PANELS_PER_TASK: usize = 64;
+
+/// The kernel's column for panel row `r` (and the row at column `r`: the permutation is its own
+/// inverse): column `4·(r % 4) + r / 4`.
+#[inline(always)]
+pub fn column(r: usize) -> usize {
+    4 * (r % 4) + r / 4
+}
+
+/// A matrix's 4-bit weights in panel order: for panel `p` and block `blk`, sixteen words per
+/// position quad `kq` (`0..4`), column `c` holding word `4·blk + kq` of panel row `column(c)`
+/// (zero past the matrix's last row).
+pub struct PanelWeights {
+    n: usize,
+    k: usize,
+    words: Aligned<u32>,
+}
+
+impl PanelWeights {
+    /// `packed`'s `n` rows of `k` 4-bit values in panel order (built across the current pool).
+    pub fn new(packed: &[u32], n: usize, k: usize) -> PanelWeights {
+        let (blocks, wpr) = (k / 32, k / 8);
+        assert!(k.is_multiple_of(32) && packed.len() >= n * wpr, "4-bit rows of whole blocks");
+        let mut words = Aligned::zeroed(n.div_ceil(16) * blocks * 64);
+        let panel_words = blocks * 64;
+        pool::chunks_mut(words.as_mut_slice(), panel_words * PANELS_PER_TASK, |task, out| {
+            for (i, panel) in out.chunks_exact_mut(panel_words).enumerate() {
+                let p0 = (task * PANELS_PER_TASK + i) * 16;
+                for r in 0..16.min(n - p0) {
+                    let row = &packed[(p0 + r) * wpr..(p0 + r + 1) * wpr];
+                    for (blk, quads) in row.chunks_exact(4).enumerate() {
+                        for (kq, &word) in quads.iter().enumerate() {
+                            panel[blk * 64 + 16 * kq + column(r)] = word;
+                        }
+                    }
+                }
+            }
+        });
+        PanelWeights { n, k, words }
+    }
+
+    /// Whether this is the panel order of an `n`-row matrix of `k` values per row.
+    pub fn fits(&self, n: usize, k: usize) -> bool {
+        self.n == n && self.k == k
+    }
+
+    /// Block `blk` of the panel holding row `p0` (a multiple of 16): 64 words.
+    #[inline(always)]
+    pub fn block(&self, p0: usize, blk: usize) -> *const u32 {
+        debug_assert!(p0.is_multiple_of(16) && p0 < self.n && blk < self.k / 32);
+        self.block_unchecked(p0, blk)
+    }
+
+    /// [`PanelWeights::block`]'s address for any panel, past the last one too (for prefetches).
+    #[inline(always)]
+    pub fn block_unchecked(&self, p0: usize, blk: usize) -> *const u32 {
+        self.words.as_slice().as_ptr().wrapping_add((p0 / 16 * (self.k / 32) + blk) * 64)
+    }
+}
+
+/// A matrix's scales or biases in panel order: for panel `p` and group `g`, sixteen values, column
+/// `c` holding panel row `column(c)`'s (zero past the matrix's last row), in the stored type.
+pub struct PanelFactors {
+    n: usize,
+    groups: usize,
+    values: PanelFloats,
+}
+
+/// [`PanelFactors`]' values in their stored type.
+pub enum PanelFloats {
+    F32(Aligned<f32>),
+    F16(Aligned<u16>),
+    BF16(Aligned<u16>),
+}
+
+impl PanelFactors {
+    /// `src`'s `n` rows of `groups` factors each in panel order (built across the current pool).
+    pub fn new(src: Floats, n: usize, groups: usize) -> PanelFactors {
+        fn reorder<T: Copy + Default + Send + Sync>(src: &[T], n: usize, groups: usize) -> Aligned<T> {
+            assert!(src.len() >= n * groups, "a factor per row and group");
+            let mut out = Aligned::zeroed(n.div_ceil(16) * groups * 16);
+            let panel_values = groups * 16;
+            pool::chunks_mut(out.as_mut_slice(), panel_values * PANELS_PER_TASK, |task, out| {
+                for (i, panel) in out.chunks_exact_mut(panel_values).enumerate() {
+                    let p0 = (task * PANELS_PER_TASK + i) * 16;
+                    for r in 0..16.min(n - p0) {
+                        let row = &src[(p0 + r) * groups..(p0 + r + 1) * groups];
+                        for (g, &v) in row.iter().enumerate() {
+                            panel[g * 16 + column(r)] = v;
+                        }
+                    }
+                }
+            });
+            out
+        }
+        let values = match src {
+            Floats::F32(s) => PanelFloats::F32(reorder(s, n, groups)),
+            Floats::F16(s) => PanelFloats::F16(reorder(s, n, groups)),
+            Floats::BF16(s) => PanelFloats::BF16(reorder(s, n, groups)),
+        };
+        PanelFactors { n, groups, values }
+    }
+
+    /// Whether these are the panel-ordered factors of `src` (its type), `n` rows of `groups`.
+    pub fn fits(&self, src: Floats, n: usize, groups: usize) -> bool {
+        let same_type = matches!(
+            (&self.values, src),
+            (PanelFloats::F32(_), Floats::F32(_))
+                | (PanelFloats::F16(_), Floats::F16(_))
+                | (PanelFloats::BF16(_), Floats::BF16(_))
+        );
+        same_type && self.n == n && self.groups == groups
+    }
+
+    /// Groups per row.
+    pub fn groups(&self) -> usize {
+        self.groups
+    }
+
+    /// Group `g`'s sixteen values of the panel holding row `p0` (a multiple of 16), as 16-bit
+    /// elements ([`ScaleKind`](super::int_dot::ScaleKind) addressing: an f32 is two).
+    #[inline(always)]
+    pub fn group(&self, p0: usize, g: usize) -> *const u16 {
+        debug_assert!(p0.is_multiple_of(16) && p0 < self.n && g < self.groups);
+        self.group_unchecked(p0, g)
+    }
+
+    /// [`PanelFactors::group`]'s address for any panel, past the last one too (for prefetches).
+    #[inline(always)]
+    pub fn group_unchecked(&self, p0: usize, g: usize) -> *const u16 {
+        let at = (p0 / 16 * self.groups + g) * 16;
+        match &self.values {
+            PanelFloats::F32(v) => v.as_slice().as_ptr().wrapping_add(at) as *const u16,
+            PanelFloats::F16(v) | PanelFloats::BF16(v) => v.as_slice().as_ptr().wrapping_add(at),
+        }
+    }
+}
+
+/// A matrix's panel-ordered weights, scales and biases, as [`QuantMatrix::panels`] carries them.
+#[derive(Clone, Copy)]
+pub struct Panels<'a> {
+    pub weights: &'a PanelWeights,
+    pub scales: &'a PanelFactors,
+    pub biases: &'a PanelFactors,
+}
+
+impl<'a> Panels<'a> {
+    /// Whether these are `w`'s panels for its first `n` rows (a pack of another shape or type is
+    /// never used).
+    pub fn fit(&self, w: &QuantMatrix, n: usize) -> bool {
+        let groups = w.groups_per_row();
+        w.bits == 4
+            && self.weights.fits(n, w.k)
+            && self.scales.fits(w.scales, n, groups)
+            && self.biases.fits(w.biases, n, groups)
+    }
+}
+
+/// `len` zeroed values starting at a 64-byte boundary, so that a block's four vectors are four
+/// cache lines, never eight.
+pub struct Aligned<T> {
+    buf: Vec<T>,
+    start: usize,
+    len: usize,
+}
+
+impl<T: Copy + Default> Aligned<T> {
+    fn zeroed(len: usize) -> Aligned<T> {
+        let slack = 64 / std::mem::size_of::<T>();
+        let buf = vec![T::default(); len + slack];
+        let start = buf.as_ptr().align_offset(64).min(slack);
+        Aligned { buf, start, len }
+    }
+
+    pub fn as_slice(&self) -> &[T] {
+        &self.buf[self.start..self.start + self.len]
+    }
+
+    fn as_mut_slice(&mut self) -> &mut [T] {
+        &mut self.buf[self.start..self.start + self.len]
+    }
+}
