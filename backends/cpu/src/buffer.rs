@@ -61,7 +61,61 @@ impl Buffer {
     pub fn derived<T: Any + Send + Sync>(&self, build: impl FnOnce(&[u8]) -> T) -> Option<&T> {
         self.derived.get_or_init(|| Box::new(build(self.bytes()))).downcast_ref::<T>()
     }
+
+    /// [`Buffer::derived`] for a layout that serves every reader of the bytes from then on: once it
+    /// is built, the resident pages of a borrowed buffer that is a shared file mapping (a
+    /// checkpoint's mmap) are dropped from this process, as nothing reads them again — a reader
+    /// that does gets them back from the page cache.
+    pub fn derived_in_place_of_bytes<T: Any + Send + Sync>(&self, build: impl FnOnce(&[u8]) -> T) -> Option<&T> {
+        self.derived
+            .get_or_init(|| {
+                let value = Box::new(build(self.bytes()));
+                if let Memory::Borrowed { ptr, len } = self.memory {
+                    release_file_pages(ptr, len);
+                }
+                value
+            })
+            .downcast_ref::<T>()
+    }
+
+    /// What was derived from the bytes, if it is a `T` (never builds anything).
+    pub fn derived_if_built<T: Any + Send + Sync>(&self) -> Option<&T> {
+        self.derived.get()?.downcast_ref::<T>()
+    }
 }
+
+/// Unmaps the whole pages of `ptr..ptr + len` where they lie in one shared file mapping of this
+/// process (`/proc/self/maps`), so they stop counting as its resident memory: the file holds the
+/// same bytes, and the page cache keeps them for a later reader (or the next start). Private or
+/// anonymous memory, whose pages `MADV_DONTNEED` would discard, is left alone.
+#[cfg(target_os = "linux")]
+fn release_file_pages(ptr: *const u8, len: usize) {
+    let (start, end) = (ptr as usize, ptr as usize + len);
+    let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else { return };
+    let shared_file = maps.lines().any(|line| {
+        // `lo-hi perms offset dev inode [path]`
+        let mut f = line.split_ascii_whitespace();
+        let (Some(range), Some(perms), Some(_), Some(_), Some(inode)) =
+            (f.next(), f.next(), f.next(), f.next(), f.next())
+        else {
+            return false;
+        };
+        let Some((lo, hi)) = range.split_once('-') else { return false };
+        let (Ok(lo), Ok(hi)) = (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16)) else { return false };
+        lo <= start && end <= hi && perms.ends_with('s') && inode != "0"
+    });
+    // SAFETY: `sysconf` has no preconditions.
+    let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
+    let (first, last) = (start.next_multiple_of(page), end / page * page);
+    if shared_file && first < last {
+        // SAFETY: whole pages of a shared file mapping: after `MADV_DONTNEED` a read maps the file's
+        // (unchanged) bytes again, so the memory's contents stay what the host promised.
+        unsafe { libc::madvise(first as *mut libc::c_void, last - first, libc::MADV_DONTNEED) };
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn release_file_pages(_: *const u8, _: usize) {}
 
 /// Zeroed bytes aligned to 16, so `f32` and `u32` views are always valid (kernels use unaligned
 /// loads). Allocated with `alloc_zeroed` at an alignment `calloc` serves, so untouched pages (most of
@@ -167,5 +221,49 @@ mod tests {
         let mut view = unsafe { Buffer::borrowed(host.as_ptr(), host.len()) };
         assert!(view.bytes_mut().is_none());
         assert_eq!(view.derived(sum), Some(&21));
+    }
+
+    /// A borrowed shared file mapping gives its resident pages back once a layout in place of its
+    /// bytes is built, and still reads the same bytes; anonymous memory keeps its pages (and
+    /// contents: `MADV_DONTNEED` would have zeroed them).
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_layout_in_place_of_a_file_mapping_releases_its_pages() {
+        use std::io::Write;
+        use std::os::fd::AsRawFd;
+        let len = 64 * 4096;
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+        let path = std::env::temp_dir().join(format!("mlxcel-buffer-test-{}", std::process::id()));
+        std::fs::File::create(&path).unwrap().write_all(&data).unwrap();
+        let file = std::fs::File::open(&path).unwrap();
+        // SAFETY: a read-only shared mapping of the whole file, unmapped below.
+        let map =
+            unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ, libc::MAP_SHARED, file.as_raw_fd(), 0) };
+        assert_ne!(map, libc::MAP_FAILED);
+        let resident_kb = |addr: usize| {
+            let smaps = std::fs::read_to_string("/proc/self/smaps").unwrap();
+            let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&format!("{addr:x}-")));
+            lines
+                .find_map(|l| l.strip_prefix("Rss:"))
+                .map(|v| v.trim().trim_end_matches(" kB").parse::<usize>().unwrap())
+        };
+        // SAFETY: the mapping outlives `buf`.
+        let buf = unsafe { Buffer::borrowed(map as *const u8, len) };
+        let sum = buf.bytes().iter().map(|&b| b as u64).sum::<u64>();
+        assert_eq!(resident_kb(map as usize), Some(len / 1024));
+        assert_eq!(buf.derived_in_place_of_bytes(|b| b.len()), Some(&len));
+        assert_eq!(resident_kb(map as usize), Some(0), "the mapping's pages are released");
+        assert_eq!(buf.bytes(), &data[..], "and read back the same");
+        assert_eq!(buf.bytes().iter().map(|&b| b as u64).sum::<u64>(), sum);
+        // SAFETY: `buf` is not used after this.
+        drop(buf);
+        unsafe { libc::munmap(map, len) };
+        std::fs::remove_file(&path).unwrap();
+
+        let anon = data.clone();
+        // SAFETY: `anon` outlives `view`.
+        let view = unsafe { Buffer::borrowed(anon.as_ptr(), anon.len()) };
+        assert_eq!(view.derived_in_place_of_bytes(|b| b.len()), Some(&len));
+        assert_eq!(view.bytes(), &data[..], "anonymous memory keeps its contents");
     }
 }

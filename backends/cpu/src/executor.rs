@@ -232,7 +232,7 @@ fn quant_matrix<'a>(
     nodes: &'a [Node],
     node: &Node,
     k: usize,
-    panels: Option<(Isa, &'a [BufferHandle])>,
+    panels: Option<PanelRequest<'a>>,
 ) -> Result<(QuantMatrix<'a>, usize), String> {
     let (bits, group) = (node.iparams[0] as usize, node.iparams[1] as usize);
     if !matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) || !matches!(group, 32 | 64 | 128) {
@@ -264,22 +264,32 @@ fn quant_matrix<'a>(
         k,
         panels: None,
     };
-    if let Some((isa, weights)) = panels {
-        q.panels = panels_of(isa, &q, n, [pn, sn, bn], weights);
+    if let Some(request) = panels {
+        q.panels = panels_of(request, &q, n, [pn, sn, bn]);
     }
     Ok((q, n))
 }
 
-/// `q`'s panel-ordered copy for the panel kernel on `isa` (built by the first step that asks, then
-/// kept with the weight's buffers), where `isa` runs that kernel for `q` and its weights, scales and
-/// biases are whole weight tensors.
+/// What [`quant_matrix`] needs to find a matrix's panel-ordered copy: the step's ISA and weights,
+/// and whether to build the copy where there is none yet.
+#[derive(Clone, Copy)]
+struct PanelRequest<'a> {
+    isa: Isa,
+    weights: &'a [BufferHandle],
+    build: bool,
+}
+
+/// `q`'s panel-ordered copy for the panel kernel on the request's ISA, where that ISA runs the kernel
+/// for `q` and its weights, scales and biases are whole weight tensors. Built by the first step that
+/// asks (when the request may build), it then serves every reader of those tensors — the panel
+/// kernel, prefill tiles dequantized from it, embedding rows — so the row layout's pages are read
+/// once and released ([`Buffer::derived_in_place_of_bytes`]).
 #[cfg(target_arch = "x86_64")]
 fn panels_of<'a>(
-    isa: Isa,
+    PanelRequest { isa, weights, build }: PanelRequest<'a>,
     q: &QuantMatrix<'a>,
     n: usize,
     [packed, scales, biases]: [&Node; 3],
-    weights: &'a [BufferHandle],
 ) -> Option<Panels<'a>> {
     use crate::kernels::int_dot::ActOrder;
     use crate::kernels::panel::applies;
@@ -297,18 +307,25 @@ fn panels_of<'a>(
         // SAFETY: weight handles are this backend's buffers, alive for the compute (as in `bind_source`).
         unsafe { (h as *const Buffer).as_ref() }
     };
+    fn copy<T: std::any::Any + Send + Sync>(buf: &Buffer, build: Option<impl FnOnce() -> T>) -> Option<&T> {
+        match build {
+            Some(make) => buf.derived_in_place_of_bytes(|_| make()),
+            None => buf.derived_if_built(),
+        }
+    }
+    let (pb, sb, bb) = (buffer(packed)?, buffer(scales)?, buffer(biases)?);
     let groups = q.groups_per_row();
     let panels = Panels {
-        weights: buffer(packed)?.derived(|_| PanelWeights::new(q.packed, n, q.k))?,
-        scales: buffer(scales)?.derived(|_| PanelFactors::new(q.scales, n, groups))?,
-        biases: buffer(biases)?.derived(|_| PanelFactors::new(q.biases, n, groups))?,
+        weights: copy(pb, build.then_some(|| PanelWeights::new(q.packed, n, q.k)))?,
+        scales: copy(sb, build.then_some(|| PanelFactors::new(q.scales, n, groups)))?,
+        biases: copy(bb, build.then_some(|| PanelFactors::new(q.biases, n, groups)))?,
     };
     panels.fit(q, n).then_some(panels)
 }
 
 /// No panel kernel off x86.
 #[cfg(not(target_arch = "x86_64"))]
-fn panels_of<'a>(_: Isa, _: &QuantMatrix<'a>, _: usize, _: [&Node; 3], _: &'a [BufferHandle]) -> Option<Panels<'a>> {
+fn panels_of<'a>(_: PanelRequest<'a>, _: &QuantMatrix<'a>, _: usize, _: [&Node; 3]) -> Option<Panels<'a>> {
     None
 }
 
@@ -780,7 +797,9 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                             }
                         } else {
                             need(4)?;
-                            let (q, vocab) = quant_matrix(&vals, nodes, node, d, None).map_err(e)?;
+                            // Rows from the panel-ordered copy where the matrix has one (a tied lm_head's).
+                            let panels = PanelRequest { isa, weights, build: false };
+                            let (q, vocab) = quant_matrix(&vals, nodes, node, d, Some(panels)).map_err(e)?;
                             if let Some(&id) = ids.iter().find(|&&id| id < 0 || id as usize >= vocab) {
                                 return Err(e(format!("token id {id} out of range for vocabulary {vocab}")));
                             }
@@ -809,8 +828,10 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                                 matmul::matmul(isa, threads, xr, r1 - r0, k, w, n, or, path == QuantPath::RowDot);
                             }
                         } else {
-                            // Steps on the integer path read the panel-ordered copy, where the ISA has one.
-                            let panels = paths.iter().any(|p| p.2 == QuantPath::Int).then_some((isa, weights));
+                            // Every path reads the panel-ordered copy where the ISA has one (decode by the
+                            // panel kernel, prefill tiles dequantized from it), so the row layout's
+                            // pages are read once, to build it.
+                            let panels = Some(PanelRequest { isa, weights, build: true });
                             let (q, rows) = quant_matrix(&vals, nodes, node, k, panels).map_err(e)?;
                             if rows != n {
                                 return Err(e(format!("packed weight has {rows} rows, output {n} columns")));

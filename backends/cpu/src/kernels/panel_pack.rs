@@ -64,6 +64,12 @@ impl PanelWeights {
         self.block_unchecked(p0, blk)
     }
 
+    /// Word `j` of row `r` (as in the row layout: values `8·j..8·j + 8`).
+    #[inline]
+    pub fn word(&self, r: usize, j: usize) -> u32 {
+        self.words.as_slice()[(r / 16 * (self.k / 32) + j / 4) * 64 + 16 * (j % 4) + column(r % 16)]
+    }
+
     /// [`PanelWeights::block`]'s address for any panel, past the last one too (for prefetches).
     #[inline(always)]
     pub fn block_unchecked(&self, p0: usize, blk: usize) -> *const u32 {
@@ -138,6 +144,17 @@ impl PanelFactors {
         self.group_unchecked(p0, g)
     }
 
+    /// Row `r`'s factor of group `g`.
+    #[inline]
+    pub fn get(&self, r: usize, g: usize) -> f32 {
+        let at = (r / 16 * self.groups + g) * 16 + column(r % 16);
+        match &self.values {
+            PanelFloats::F32(v) => v.as_slice()[at],
+            PanelFloats::F16(v) => half::f16::from_bits(v.as_slice()[at]).to_f32(),
+            PanelFloats::BF16(v) => half::bf16::from_bits(v.as_slice()[at]).to_f32(),
+        }
+    }
+
     /// [`PanelFactors::group`]'s address for any panel, past the last one too (for prefetches).
     #[inline(always)]
     pub fn group_unchecked(&self, p0: usize, g: usize) -> *const u16 {
@@ -191,5 +208,60 @@ impl<T: Copy + Default> Aligned<T> {
 
     fn as_mut_slice(&mut self) -> &mut [T] {
         &mut self.buf[self.start..self.start + self.len]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::isa::Isa;
+
+    /// Rows dequantized from the panel order are the row layout's, bit for bit, for every storage type
+    /// of the factors, a last panel cut short and groups of 32, 64 and 128; the row layout's words and
+    /// factors come back from their panel places.
+    #[test]
+    fn rows_from_the_panel_order_are_the_row_layouts() {
+        let mut seed = 0x853C49E6748FEA9Bu64;
+        let mut next = move || {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed
+        };
+        for (n, group, groups, kind) in [(37, 32, 5, 0), (16, 64, 3, 1), (21, 128, 2, 2)] {
+            let k = group * groups;
+            let packed: Vec<u32> = (0..n * k / 8).map(|_| next() as u32).collect();
+            let f: Vec<f32> = (0..2 * n * groups).map(|_| (next() % 2001) as f32 * 1e-4 - 0.1).collect();
+            let halves: Vec<u16> = f.iter().map(|&v| half::f16::from_f32(v).to_bits()).collect();
+            let brains: Vec<u16> = f.iter().map(|&v| half::bf16::from_f32(v).to_bits()).collect();
+            let ng = n * groups;
+            let (scales, biases) = match kind {
+                0 => (Floats::F16(&halves[..ng]), Floats::F16(&halves[ng..])),
+                1 => (Floats::BF16(&brains[..ng]), Floats::BF16(&brains[ng..])),
+                _ => (Floats::F32(&f[..ng]), Floats::F32(&f[ng..])),
+            };
+            let w = QuantMatrix { packed: &packed, scales, biases, bits: 4, group, k, panels: None };
+            let (pw, ps, pb) = (
+                PanelWeights::new(&packed, n, k),
+                PanelFactors::new(scales, n, groups),
+                PanelFactors::new(biases, n, groups),
+            );
+            let panels = Panels { weights: &pw, scales: &ps, biases: &pb };
+            assert!(panels.fit(&w, n));
+            let from_panels = QuantMatrix { panels: Some(panels), ..w };
+            let (mut a, mut b) = (vec![0f32; k], vec![0f32; k]);
+            for r in 0..n {
+                for j in 0..k / 8 {
+                    assert_eq!(pw.word(r, j), packed[r * k / 8 + j], "n {n} row {r} word {j}");
+                }
+                for g in 0..groups {
+                    assert_eq!(ps.get(r, g).to_bits(), scales.get(r * groups + g).to_bits());
+                    assert_eq!(pb.get(r, g).to_bits(), biases.get(r * groups + g).to_bits());
+                }
+                w.dequantize_row(Isa::SCALAR, r, &mut a);
+                from_panels.dequantize_row(Isa::SCALAR, r, &mut b);
+                assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "n {n} group {group}: row {r}");
+            }
+        }
     }
 }

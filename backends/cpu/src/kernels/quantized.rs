@@ -35,8 +35,21 @@ impl QuantMatrix<'_> {
         self.k / self.group
     }
 
-    /// Dequantizes row `r` into `out[..k]`.
+    /// Dequantizes row `r` into `out[..k]` (from the panel-ordered copy where there is one, so that
+    /// a prefill reads the same copy as decode).
     pub fn dequantize_row(&self, isa: Isa, r: usize, out: &mut [f32]) {
+        if let Some(p) = self.panels {
+            let mut words = [0u32; 16];
+            let wpg = self.group / 8;
+            for g in 0..self.groups_per_row() {
+                for (j, w) in words[..wpg].iter_mut().enumerate() {
+                    *w = p.weights.word(r, g * wpg + j);
+                }
+                let o = &mut out[g * self.group..(g + 1) * self.group];
+                dequantize_group::run(isa, &words[..wpg], 4, p.scales.get(r, g), p.biases.get(r, g), o);
+            }
+            return;
+        }
         let wpr = self.words_per_row();
         let gpr = self.groups_per_row();
         let wpg = self.group * self.bits / 32;
