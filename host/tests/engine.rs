@@ -313,3 +313,24 @@ fn smollm2_small_kv_budget_evicts_and_preempts_without_changing_answers() {
     assert!(st.counters.preemptions > 0, "{:?}", st.counters);
     assert_eq!(st.kv_pages_used, st.kv_pages_cached);
 }
+
+/// The warm-up step leaves every page free and changes no answer.
+#[test]
+fn fixture_warm_up_frees_its_pages_and_changes_no_answer() {
+    let dir = fixture();
+    let ropts = RunnerOptions { ctx_size: 256, parallel: 2, threads: 2, ..Default::default() };
+    let answer = |warm: bool| {
+        let mut runner = ModelRunner::load(&mlxcel::testing::staged_catalog(), &dir, &ropts).unwrap();
+        let free = runner.pool.free_blocks();
+        if warm {
+            runner.warm_up().unwrap();
+        }
+        assert_eq!(runner.pool.free_blocks(), free, "the warm-up step's pages are back");
+        let tok = Arc::new(
+            TextTokenizer::load(&dir, &runner.checkpoint.config, runner.checkpoint.generation_config.as_ref()).unwrap(),
+        );
+        let engine = Engine::start(runner, tok, opts(2)).unwrap();
+        collect(engine.submit(greedy(random_prompt(7, 40), 12)).unwrap()).tokens
+    };
+    assert_eq!(answer(true), answer(false));
+}

@@ -465,6 +465,18 @@ impl ModelRunner {
         self.device.cache_types
     }
 
+    /// One throwaway step — token 0 at position 0 of a sequence of its own, whose pages (and state
+    /// row) are released after it — so that what a backend does once, on the first step that reads
+    /// each weight (the CPU backend's panel copies, the first touch of the mapped checkpoint), is not
+    /// paid by the first request: llama-server's warm-up.
+    pub fn warm_up(&mut self) -> Result<()> {
+        let mut seq = SeqBlocks::default();
+        self.pool.reserve(&mut seq, 1).map_err(|e| anyhow::anyhow!("warm-up step: {e}"))?;
+        let result = self.forward(&[SeqChunk { blocks: &seq, tokens: &[0], start_pos: 0, logits: Logits::Last }]);
+        self.pool.release(&mut seq);
+        result.map(drop)
+    }
+
     /// Runs one step over `chunks` (each chunk's blocks must already cover its positions, see
     /// [`KvCache::reserve`]) and returns the requested output rows, `[rows, output_dim]`, in chunk order.
     pub fn forward(&mut self, chunks: &[SeqChunk]) -> Result<Vec<f32>> {

@@ -74,6 +74,13 @@ pub struct ServerArgs {
     /// Answer /slots with 501.
     #[arg(long = "no-slots", env = "LLAMA_ARG_NO_ENDPOINT_SLOTS", overrides_with = "slots")]
     pub no_slots: bool,
+    /// Run one throwaway step after loading, before /health says ready (the default), so the first
+    /// request does not pay the backend's one-time work.
+    #[arg(long = "warmup", overrides_with = "no_warmup")]
+    pub warmup: bool,
+    /// Skip the warm-up step.
+    #[arg(long = "no-warmup", overrides_with = "warmup")]
+    pub no_warmup: bool,
     /// Reuse the KV of a shared prompt prefix across requests (the default; per request `cache_prompt`).
     #[arg(long = "cache-prompt", overrides_with = "no_cache_prompt")]
     pub cache_prompt: bool,
@@ -265,11 +272,7 @@ const REFUSED: &[(&[&str], &str, &str)] = &[
         "",
         "use -t/--threads; CPU affinity and priorities are not supported",
     ),
-    (
-        &["-sp", "--special", "--no-warmup", "--keep", "--override-kv", "--check-tensors"],
-        "",
-        "not supported by mlxcel-server",
-    ),
+    (&["-sp", "--special", "--keep", "--override-kv", "--check-tensors"], "", "not supported by mlxcel-server"),
 ];
 
 /// Rewrites llama-server's multi-letter short flags and refuses the flags (and their environment
@@ -323,6 +326,8 @@ pub struct ServerConfig {
     pub metrics: bool,
     pub slots: bool,
     pub cache_prompt: bool,
+    /// Run a warm-up step after loading a text model.
+    pub warmup: bool,
     /// Chat template source replacing the model's.
     pub chat_template: Option<String>,
     pub backend: Option<String>,
@@ -409,6 +414,7 @@ impl ServerArgs {
             metrics: self.metrics,
             slots: !self.no_slots,
             cache_prompt: !self.no_cache_prompt,
+            warmup: !self.no_warmup,
             chat_template,
             backend: self.backend.clone(),
             plugin_dirs: plugin_dirs.to_vec(),
@@ -495,6 +501,13 @@ mod tests {
         }
         let e = parse(&["-m", "m", "--flash-attn=on"]).unwrap_err().to_string();
         assert!(e.contains("--flash-attn"), "{e}");
+    }
+
+    #[test]
+    fn the_warm_up_step_is_on_unless_no_warmup() {
+        assert!(parse(&["-m", "m"]).unwrap().warmup);
+        assert!(!parse(&["-m", "m", "--no-warmup"]).unwrap().warmup);
+        assert!(parse(&["-m", "m", "--no-warmup", "--warmup"]).unwrap().warmup);
     }
 
     #[test]

@@ -37,9 +37,14 @@ pub fn start(state: &AppState) -> Result<String> {
         return Ok(ready);
     }
     let parallel = config.parallel.max(1);
-    let (runner, text, facts) = load(config, &catalog, checkpoint, parallel)?;
+    let (mut runner, text, facts) = load(config, &catalog, checkpoint, parallel)?;
     let (model, ready) = match runner.info.task {
         Task::Text => {
+            if config.warmup {
+                let started = std::time::Instant::now();
+                runner.warm_up()?;
+                tracing::info!("warm-up step in {:.0} ms", started.elapsed().as_secs_f64() * 1e3);
+            }
             let ready = format!("model {} ready (context {}, {} slot(s))", facts.id, facts.ctx_size, config.parallel);
             (batch_engine::start(config, runner, text, facts)?, ready)
         }

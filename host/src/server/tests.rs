@@ -136,6 +136,7 @@ fn config() -> ServerConfig {
         metrics: true,
         slots: true,
         cache_prompt: true,
+        warmup: false,
         chat_template: None,
         backend: None,
         plugin_dirs: vec![],
