@@ -273,6 +273,7 @@ fn quant_matrix<'a>(
 /// What [`quant_matrix`] needs to find a matrix's panel-ordered copy: the step's ISA and weights,
 /// and whether to build the copy where there is none yet.
 #[derive(Clone, Copy)]
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))] // no panel kernel there
 struct PanelRequest<'a> {
     isa: Isa,
     weights: &'a [BufferHandle],
