@@ -117,7 +117,7 @@ fn main() {
                     bits: bits(),
                     group: 32,
                     k: m.k,
-                    panels: packs.get(i).map(|(weights, scales, biases)| Panels { weights, scales, biases }),
+                    panels: packs.get(i).map(|(weights, scales, biases)| Panels { weights, scales, biases, first: 0 }),
                 };
                 // A new source name per call and repetition: every call quantizes its input.
                 let source = rep * mats.len() + i;

@@ -187,6 +187,14 @@ pub fn as_i32(bytes: &[u8]) -> &[i32] {
     unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const i32, bytes.len() / 4) }
 }
 
+pub fn as_u32(bytes: &[u8]) -> &[u32] {
+    if bytes.is_empty() {
+        return &[];
+    }
+    assert!((bytes.as_ptr() as usize).is_multiple_of(4) && bytes.len().is_multiple_of(4), "misaligned u32 data");
+    unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const u32, bytes.len() / 4) }
+}
+
 pub fn as_u16(bytes: &[u8]) -> &[u16] {
     if bytes.is_empty() {
         return &[];

@@ -17,7 +17,7 @@ use mlxcel_plugin_api::{
     CONV_WHOLE, MAX_SRC, NO_BLOCK, POOL_FIRST, POOL_LAST, POOL_MEAN,
 };
 
-use crate::buffer::{as_f32, as_i32, as_u16, Buffer};
+use crate::buffer::{as_f32, as_i32, as_u16, as_u32, Buffer};
 use crate::isa::Isa;
 use crate::kernels::attention::{AttentionScratch, AttentionShape, CachedStep, PagedLayout};
 use crate::kernels::attention_step::{self, Mask};
@@ -193,10 +193,7 @@ fn ints<'a>(v: &'a Val, what: &str) -> Result<&'a [i32], String> {
 
 fn words<'a>(v: &'a Val, what: &str) -> Result<&'a [u32], String> {
     match v {
-        Val::Raw(b, DType::U32) => {
-            let s = as_i32(b);
-            Ok(unsafe { std::slice::from_raw_parts(s.as_ptr() as *const u32, s.len()) })
-        }
+        Val::Raw(b, DType::U32) => Ok(as_u32(b)),
         _ => Err(format!("{what} must be packed u32")),
     }
 }
@@ -281,10 +278,11 @@ struct PanelRequest<'a> {
 }
 
 /// `q`'s panel-ordered copy for the panel kernel on the request's ISA, where that ISA runs the kernel
-/// for `q` and its weights, scales and biases are whole weight tensors. Built by the first step that
-/// asks (when the request may build), it then serves every reader of those tensors — the panel
-/// kernel, prefill tiles dequantized from it, embedding rows — so the row layout's pages are read
-/// once and released ([`Buffer::derived_in_place_of_bytes`]).
+/// for `q` and its weights, scales and biases are whole weight tensors or row views of them that
+/// start at a panel boundary (a fused `qkv_proj`'s parts). Built from the whole tensors by the first
+/// step that asks (when the request may build), it then serves every reader of those tensors — the
+/// panel kernel, prefill tiles dequantized from it, embedding rows — so the row layout's pages are
+/// read once and released ([`Buffer::derived_in_place_of_bytes`]).
 #[cfg(target_arch = "x86_64")]
 fn panels_of<'a>(
     PanelRequest { isa, weights, build }: PanelRequest<'a>,
@@ -299,27 +297,45 @@ fn panels_of<'a>(
     if !applies(isa, q.bits, q.group, ActOrder::for_weights(isa, q.bits, q.group)) {
         return None;
     }
-    let buffer = |node: &Node| -> Option<&'a Buffer> {
-        // A row-range view (`iparams[2]` rows stored) is not the tensor its buffer's copy describes.
-        if node.opcode() != Some(OpCode::Weight) || node.iparams[2] != 0 {
+    // A weight node's buffer, the first row it reads and the rows its buffer holds.
+    let source = |node: &Node| -> Option<(&'a Buffer, usize, usize)> {
+        if node.opcode() != Some(OpCode::Weight) {
             return None;
         }
         let h = *weights.get(node.iparams[0] as usize)?;
         // SAFETY: weight handles are this backend's buffers, alive for the compute (as in `bind_source`).
-        unsafe { (h as *const Buffer).as_ref() }
+        let buf = unsafe { (h as *const Buffer).as_ref() }?;
+        Some(match node.iparams[2] {
+            0 => (buf, 0, node.rows()),
+            stored => (buf, usize::try_from(node.iparams[1]).ok()?, usize::try_from(stored).ok()?),
+        })
     };
-    fn copy<T: std::any::Any + Send + Sync>(buf: &Buffer, build: Option<impl FnOnce() -> T>) -> Option<&T> {
+    let ((pb, first, rows), (sb, sf, sr), (bb, bf, br)) = (source(packed)?, source(scales)?, source(biases)?);
+    if (sf, sr) != (first, rows) || (bf, br) != (first, rows) || !first.is_multiple_of(16) {
+        return None;
+    }
+    fn copy<T: std::any::Any + Send + Sync>(buf: &Buffer, build: Option<impl FnOnce(&[u8]) -> T>) -> Option<&T> {
         match build {
-            Some(make) => buf.derived_in_place_of_bytes(|_| make()),
+            Some(make) => buf.derived_in_place_of_bytes(make),
             None => buf.derived_if_built(),
         }
     }
-    let (pb, sb, bb) = (buffer(packed)?, buffer(scales)?, buffer(biases)?);
-    let groups = q.groups_per_row();
+    // Built from the whole tensors as their buffers hold them (`bind_source` checked their sizes),
+    // in the types of `q`'s factors.
+    fn floats_like<'b>(bytes: &'b [u8], like: Floats) -> Floats<'b> {
+        match like {
+            Floats::F32(_) => Floats::F32(as_f32(bytes)),
+            Floats::F16(_) => Floats::F16(as_u16(bytes)),
+            Floats::BF16(_) => Floats::BF16(as_u16(bytes)),
+        }
+    }
+    let (k, groups, like_s, like_b) = (q.k, q.groups_per_row(), q.scales, q.biases);
+    let words = |b: &[u8]| PanelWeights::new(as_u32(b), rows, k);
     let panels = Panels {
-        weights: copy(pb, build.then_some(|| PanelWeights::new(q.packed, n, q.k)))?,
-        scales: copy(sb, build.then_some(|| PanelFactors::new(q.scales, n, groups)))?,
-        biases: copy(bb, build.then_some(|| PanelFactors::new(q.biases, n, groups)))?,
+        weights: copy(pb, build.then_some(words))?,
+        scales: copy(sb, build.then_some(|b: &[u8]| PanelFactors::new(floats_like(b, like_s), rows, groups)))?,
+        biases: copy(bb, build.then_some(|b: &[u8]| PanelFactors::new(floats_like(b, like_b), rows, groups)))?,
+        first,
     };
     panels.fit(q, n).then_some(panels)
 }

@@ -416,7 +416,7 @@ struct PackSource<'a> {
 }
 
 impl Source for PackSource<'_> {
-    /// The panel's first row.
+    /// The panel's first row in the copies.
     type Panel = usize;
 
     fn groups(&self) -> usize {
@@ -427,9 +427,10 @@ impl Source for PackSource<'_> {
         self.gb
     }
 
+    /// The panel's first row in the copies.
     #[inline(always)]
     unsafe fn panel(&self, p0: usize) -> usize {
-        p0
+        self.panels.first + p0
     }
 
     #[inline(always)]
@@ -575,9 +576,33 @@ mod tests {
                 PanelFactors::new(w.scales, n, k / group),
                 PanelFactors::new(w.biases, n, k / group),
             );
-            let panels = Panels { weights: &weights, scales: &scales, biases: &biases };
-            assert!(panels.fit(&w, n) && !panels.fit(&w, n - 1));
+            let panels = Panels { weights: &weights, scales: &scales, biases: &biases, first: 0 };
+            assert!(panels.fit(&w, n) && !panels.fit(&w, n + 1));
             let packed_w = QuantMatrix { panels: Some(panels), ..w };
+            // Rows 16.. alone, as a row view starting at a panel boundary reads the copy.
+            let (gpr, wpr) = (k / group, k / 8);
+            let tail_panels = Panels { first: 16, ..panels };
+            let tail = QuantMatrix {
+                packed: &packed[16 * wpr..],
+                scales: w.scales.slice(16 * gpr, (n - 16) * gpr),
+                biases: w.biases.slice(16 * gpr, (n - 16) * gpr),
+                panels: Some(tail_panels),
+                ..w
+            };
+            assert!(tail_panels.fit(&tail, n - 16) && !tail_panels.fit(&tail, n - 15));
+            if n > 16 {
+                for tokens in 1..=t {
+                    let mut out = vec![f32::NAN; tokens * n];
+                    let o = out.as_mut_ptr().wrapping_add(16);
+                    assert!(unsafe { rows_tile(tail, 0..n - 16, &rows[..tokens], o, n) });
+                    for j in 0..tokens {
+                        for r in 16..n {
+                            let (got, want) = (out[j * n + r], alone[j * n + r]);
+                            assert_eq!(got.to_bits(), want.to_bits(), "rows 16..{n} from the copy: row {r} token {j}");
+                        }
+                    }
+                }
+            }
             for (layout, m) in [("rows", w), ("panels", packed_w)] {
                 for range in [0..n, 16..n, 0..16, 3..n, 5..n - 2, 17..20].into_iter().filter(|r| r.end <= n) {
                     for tokens in 1..=t {

@@ -52,9 +52,10 @@ impl PanelWeights {
         PanelWeights { n, k, words }
     }
 
-    /// Whether this is the panel order of an `n`-row matrix of `k` values per row.
-    pub fn fits(&self, n: usize, k: usize) -> bool {
-        self.n == n && self.k == k
+    /// Whether this panel order holds rows `first..first + n` of `k` values each, from a panel
+    /// boundary.
+    pub fn covers(&self, first: usize, n: usize, k: usize) -> bool {
+        self.k == k && first.is_multiple_of(16) && first + n <= self.n
     }
 
     /// Block `blk` of the panel holding row `p0` (a multiple of 16): 64 words.
@@ -120,15 +121,16 @@ impl PanelFactors {
         PanelFactors { n, groups, values }
     }
 
-    /// Whether these are the panel-ordered factors of `src` (its type), `n` rows of `groups`.
-    pub fn fits(&self, src: Floats, n: usize, groups: usize) -> bool {
+    /// Whether these panel-ordered factors hold rows `first..first + n` of `groups` each, from a panel
+    /// boundary, in `src`'s type.
+    pub fn covers(&self, src: Floats, first: usize, n: usize, groups: usize) -> bool {
         let same_type = matches!(
             (&self.values, src),
             (PanelFloats::F32(_), Floats::F32(_))
                 | (PanelFloats::F16(_), Floats::F16(_))
                 | (PanelFloats::BF16(_), Floats::BF16(_))
         );
-        same_type && self.n == n && self.groups == groups
+        same_type && self.groups == groups && first.is_multiple_of(16) && first + n <= self.n
     }
 
     /// Groups per row.
@@ -166,23 +168,25 @@ impl PanelFactors {
     }
 }
 
-/// A matrix's panel-ordered weights, scales and biases, as [`QuantMatrix::panels`] carries them.
+/// A matrix's panel-ordered weights, scales and biases, as [`QuantMatrix::panels`] carries them: the
+/// matrix is rows `first..` of the copies (a row view of a fused tensor, such as `qkv_proj`'s `k`
+/// rows, starts at a panel boundary of the whole tensor's copy; a whole tensor at 0).
 #[derive(Clone, Copy)]
 pub struct Panels<'a> {
     pub weights: &'a PanelWeights,
     pub scales: &'a PanelFactors,
     pub biases: &'a PanelFactors,
+    pub first: usize,
 }
 
 impl<'a> Panels<'a> {
-    /// Whether these are `w`'s panels for its first `n` rows (a pack of another shape or type is
-    /// never used).
+    /// Whether these hold `w`'s `n` rows (a copy of another shape or type is never used).
     pub fn fit(&self, w: &QuantMatrix, n: usize) -> bool {
         let groups = w.groups_per_row();
         w.bits == 4
-            && self.weights.fits(n, w.k)
-            && self.scales.fits(w.scales, n, groups)
-            && self.biases.fits(w.biases, n, groups)
+            && self.weights.covers(self.first, n, w.k)
+            && self.scales.covers(w.scales, self.first, n, groups)
+            && self.biases.covers(w.biases, self.first, n, groups)
     }
 }
 
@@ -246,7 +250,7 @@ mod tests {
                 PanelFactors::new(scales, n, groups),
                 PanelFactors::new(biases, n, groups),
             );
-            let panels = Panels { weights: &pw, scales: &ps, biases: &pb };
+            let panels = Panels { weights: &pw, scales: &ps, biases: &pb, first: 0 };
             assert!(panels.fit(&w, n));
             let from_panels = QuantMatrix { panels: Some(panels), ..w };
             let (mut a, mut b) = (vec![0f32; k], vec![0f32; k]);

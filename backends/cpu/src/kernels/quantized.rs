@@ -39,14 +39,13 @@ impl QuantMatrix<'_> {
     /// a prefill reads the same copy as decode).
     pub fn dequantize_row(&self, isa: Isa, r: usize, out: &mut [f32]) {
         if let Some(p) = self.panels {
-            let mut words = [0u32; 16];
-            let wpg = self.group / 8;
+            let (mut words, wpg, at) = ([0u32; 16], self.group / 8, p.first + r);
             for g in 0..self.groups_per_row() {
                 for (j, w) in words[..wpg].iter_mut().enumerate() {
-                    *w = p.weights.word(r, g * wpg + j);
+                    *w = p.weights.word(at, g * wpg + j);
                 }
                 let o = &mut out[g * self.group..(g + 1) * self.group];
-                dequantize_group::run(isa, &words[..wpg], 4, p.scales.get(r, g), p.biases.get(r, g), o);
+                dequantize_group::run(isa, &words[..wpg], 4, p.scales.get(at, g), p.biases.get(at, g), o);
             }
             return;
         }
