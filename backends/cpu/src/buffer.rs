@@ -47,9 +47,7 @@ impl Buffer {
     pub fn bytes_mut(&mut self) -> Option<&mut [u8]> {
         match &mut self.memory {
             Memory::Owned(a) => {
-                if self.derived.get().is_some() {
-                    self.derived = OnceLock::new();
-                }
+                self.derived.take();
                 Some(a.as_mut_slice())
             }
             Memory::Borrowed { .. } => None,
@@ -57,25 +55,25 @@ impl Buffer {
     }
 
     /// The `T` that `build` derives from this buffer's bytes, built once by the first caller (others
-    /// wait for it); `None` where a value of another type was derived first.
-    pub fn derived<T: Any + Send + Sync>(&self, build: impl FnOnce(&[u8]) -> T) -> Option<&T> {
-        self.derived.get_or_init(|| Box::new(build(self.bytes()))).downcast_ref::<T>()
-    }
-
-    /// [`Buffer::derived`] for a layout that serves every reader of the bytes from then on: once it
-    /// is built, the resident pages of a borrowed buffer that is a shared file mapping (a
-    /// checkpoint's mmap) are dropped from this process, as nothing reads them again — a reader
-    /// that does gets them back from the page cache.
+    /// wait for it; `None` where a value of another type was derived first), for a layout that
+    /// serves the kernels' reads of the bytes from then on: once it is built, a borrowed buffer's
+    /// pages are dropped from this process where they are a shared mapping (a checkpoint's mmap) —
+    /// a reader that still wants them faults the same bytes back in.
     pub fn derived_in_place_of_bytes<T: Any + Send + Sync>(&self, build: impl FnOnce(&[u8]) -> T) -> Option<&T> {
         self.derived
             .get_or_init(|| {
                 let value = Box::new(build(self.bytes()));
                 if let Memory::Borrowed { ptr, len } = self.memory {
-                    release_file_pages(ptr, len);
+                    release_shared_pages(ptr, len);
                 }
                 value
             })
             .downcast_ref::<T>()
+    }
+
+    /// Whether anything was derived from the bytes.
+    pub fn has_derived(&self) -> bool {
+        self.derived.get().is_some()
     }
 
     /// What was derived from the bytes, if it is a `T` (never builds anything).
@@ -84,15 +82,16 @@ impl Buffer {
     }
 }
 
-/// Unmaps the whole pages of `ptr..ptr + len` where they lie in one shared file mapping of this
-/// process (`/proc/self/maps`), so they stop counting as its resident memory: the file holds the
-/// same bytes, and the page cache keeps them for a later reader (or the next start). Private or
-/// anonymous memory, whose pages `MADV_DONTNEED` would discard, is left alone.
+/// Drops this process's page-table entries for the whole pages of `ptr..ptr + len` where they lie in
+/// one shared mapping (`/proc/self/maps`: a file, as the checkpoint's mmap, or shared memory), so
+/// they stop counting as its resident memory: the mapping's object keeps the bytes, and a later
+/// read maps them again. Private or anonymous memory, whose pages `MADV_DONTNEED` would discard, is
+/// left alone.
 #[cfg(target_os = "linux")]
-fn release_file_pages(ptr: *const u8, len: usize) {
+fn release_shared_pages(ptr: *const u8, len: usize) {
     let (start, end) = (ptr as usize, ptr as usize + len);
     let Ok(maps) = std::fs::read_to_string("/proc/self/maps") else { return };
-    let shared_file = maps.lines().any(|line| {
+    let shared = maps.lines().any(|line| {
         // `lo-hi perms offset dev inode [path]`
         let mut f = line.split_ascii_whitespace();
         let (Some(range), Some(perms), Some(_), Some(_), Some(inode)) =
@@ -107,15 +106,15 @@ fn release_file_pages(ptr: *const u8, len: usize) {
     // SAFETY: `sysconf` has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) }.max(4096) as usize;
     let (first, last) = (start.next_multiple_of(page), end / page * page);
-    if shared_file && first < last {
-        // SAFETY: whole pages of a shared file mapping: after `MADV_DONTNEED` a read maps the file's
+    if shared && first < last {
+        // SAFETY: whole pages of a shared mapping: after `MADV_DONTNEED` a read maps its object's
         // (unchanged) bytes again, so the memory's contents stay what the host promised.
         unsafe { libc::madvise(first as *mut libc::c_void, last - first, libc::MADV_DONTNEED) };
     }
 }
 
 #[cfg(not(target_os = "linux"))]
-fn release_file_pages(_: *const u8, _: usize) {}
+fn release_shared_pages(_: *const u8, _: usize) {}
 
 /// Zeroed bytes aligned to 16, so `f32` and `u32` views are always valid (kernels use unaligned
 /// loads). Allocated with `alloc_zeroed` at an alignment `calloc` serves, so untouched pages (most of
@@ -217,18 +216,22 @@ mod tests {
             builds.set(builds.get() + 1);
             b.iter().map(|&x| x as u32).sum::<u32>()
         };
-        assert_eq!(buf.derived(sum), Some(&0));
-        assert_eq!(buf.derived(sum), Some(&0));
+        assert!(!buf.has_derived() && buf.derived_if_built::<u32>().is_none());
+        assert_eq!(buf.derived_in_place_of_bytes(sum), Some(&0));
+        assert_eq!(buf.derived_in_place_of_bytes(sum), Some(&0));
         assert_eq!(builds.get(), 1);
-        assert_eq!(buf.derived(|_| 1u64), None, "another type was derived first");
+        assert_eq!(buf.derived_if_built::<u32>(), Some(&0));
+        assert_eq!(buf.derived_in_place_of_bytes(|_| 1u64), None, "another type was derived first");
+        assert_eq!(buf.derived_if_built::<u64>(), None);
         buf.bytes_mut().unwrap().copy_from_slice(&[1, 2, 3, 4]);
-        assert_eq!(buf.derived(sum), Some(&10));
+        assert!(!buf.has_derived());
+        assert_eq!(buf.derived_in_place_of_bytes(sum), Some(&10));
         assert_eq!(builds.get(), 2);
         let host = [7u8; 3];
         // SAFETY: `host` outlives `view`.
         let mut view = unsafe { Buffer::borrowed(host.as_ptr(), host.len()) };
         assert!(view.bytes_mut().is_none());
-        assert_eq!(view.derived(sum), Some(&21));
+        assert_eq!(view.derived_in_place_of_bytes(sum), Some(&21));
     }
 
     /// A borrowed shared file mapping gives its resident pages back once a layout in place of its

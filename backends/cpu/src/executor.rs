@@ -294,7 +294,13 @@ fn panels_of<'a>(
     use crate::kernels::panel::applies;
     use crate::kernels::panel_pack::{PanelFactors, PanelWeights};
 
-    if !applies(isa, q.bits, q.group, ActOrder::for_weights(isa, q.bits, q.group)) {
+    // The kernel takes scales and biases of one type; an empty matrix needs no copy.
+    let same_types = matches!(
+        (q.scales, q.biases),
+        (Floats::F16(_), Floats::F16(_)) | (Floats::BF16(_), Floats::BF16(_)) | (Floats::F32(_), Floats::F32(_))
+    );
+    if !applies(isa, q.bits, q.group, ActOrder::for_weights(isa, q.bits, q.group)) || !same_types || q.k == 0 || n == 0
+    {
         return None;
     }
     // A weight node's buffer, the first row it reads and the rows its buffer holds.
@@ -312,6 +318,14 @@ fn panels_of<'a>(
     };
     let ((pb, first, rows), (sb, sf, sr), (bb, bf, br)) = (source(packed)?, source(scales)?, source(biases)?);
     if (sf, sr) != (first, rows) || (bf, br) != (first, rows) || !first.is_multiple_of(16) {
+        return None;
+    }
+    // Build nothing (and release no pages) unless all three copies can be had.
+    let free_or = |buf: &Buffer, has: bool| has || !buf.has_derived();
+    let ready = free_or(pb, pb.derived_if_built::<PanelWeights>().is_some())
+        && free_or(sb, sb.derived_if_built::<PanelFactors>().is_some())
+        && free_or(bb, bb.derived_if_built::<PanelFactors>().is_some());
+    if !ready {
         return None;
     }
     fn copy<T: std::any::Any + Send + Sync>(buf: &Buffer, build: Option<impl FnOnce(&[u8]) -> T>) -> Option<&T> {
@@ -845,10 +859,11 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                                 matmul::matmul(isa, threads, xr, r1 - r0, k, w, n, or, path == QuantPath::RowDot);
                             }
                         } else {
-                            // Every path reads the panel-ordered copy where the ISA has one (decode by the
-                            // panel kernel, prefill tiles dequantized from it), so the row layout's
-                            // pages are read once, to build it.
-                            let panels = Some(PanelRequest { isa, weights, build: true });
+                            // With integer activations on, every path reads the panel-ordered copy where
+                            // the ISA has one (decode by the panel kernel, prefill tiles dequantized
+                            // from it), so the row layout's pages are read once, to build it; the
+                            // exact f32 paths (`MLXCEL_CPU_INT16=0`) read the row layout.
+                            let panels = int_enabled.then_some(PanelRequest { isa, weights, build: true });
                             let (q, rows) = quant_matrix(&vals, nodes, node, k, panels).map_err(e)?;
                             if rows != n {
                                 return Err(e(format!("packed weight has {rows} rows, output {n} columns")));

@@ -8,7 +8,7 @@
 
 use std::path::Path;
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context, Result};
 use mlxcel_plugin_api::Task;
 use mlxcel_plugins::{Catalog, PluginSearch};
 
@@ -42,7 +42,7 @@ pub fn start(state: &AppState) -> Result<String> {
         Task::Text => {
             if config.warmup {
                 let started = std::time::Instant::now();
-                runner.warm_up()?;
+                runner.warm_up().context("the warm-up step failed (--no-warmup skips it)")?;
                 tracing::info!("warm-up step in {:.0} ms", started.elapsed().as_secs_f64() * 1e3);
             }
             let ready = format!("model {} ready (context {}, {} slot(s))", facts.id, facts.ctx_size, config.parallel);

@@ -184,14 +184,15 @@ impl<'a> Panels<'a> {
     pub fn fit(&self, w: &QuantMatrix, n: usize) -> bool {
         let groups = w.groups_per_row();
         w.bits == 4
+            && matches!(w.group, 32 | 64 | 128)
             && self.weights.covers(self.first, n, w.k)
             && self.scales.covers(w.scales, self.first, n, groups)
             && self.biases.covers(w.biases, self.first, n, groups)
     }
 }
 
-/// `len` zeroed values starting at a 64-byte boundary, so that a block's four vectors are four
-/// cache lines, never eight.
+/// `len` zeroed values starting at a 64-byte boundary (where `align_offset` finds one, as it does
+/// for heap memory), so that a block's four vectors are four cache lines, never eight.
 pub struct Aligned<T> {
     buf: Vec<T>,
     start: usize,
