@@ -32,23 +32,9 @@ pub struct PanelWeights {
 impl PanelWeights {
     /// `packed`'s `n` rows of `k` 4-bit values in panel order (built across the current pool).
     pub fn new(packed: &[u32], n: usize, k: usize) -> PanelWeights {
-        let (blocks, wpr) = (k / 32, k / 8);
-        assert!(k.is_multiple_of(32) && packed.len() >= n * wpr, "4-bit rows of whole blocks");
-        let mut words = Aligned::zeroed(n.div_ceil(16) * blocks * 64);
-        let panel_words = blocks * 64;
-        pool::chunks_mut(words.as_mut_slice(), panel_words * PANELS_PER_TASK, |task, out| {
-            for (i, panel) in out.chunks_exact_mut(panel_words).enumerate() {
-                let p0 = (task * PANELS_PER_TASK + i) * 16;
-                for r in 0..16.min(n - p0) {
-                    let row = &packed[(p0 + r) * wpr..(p0 + r + 1) * wpr];
-                    for (blk, quads) in row.chunks_exact(4).enumerate() {
-                        for (kq, &word) in quads.iter().enumerate() {
-                            panel[blk * 64 + 16 * kq + column(r)] = word;
-                        }
-                    }
-                }
-            }
-        });
+        assert!(k.is_multiple_of(32), "4-bit rows of whole blocks");
+        // Word `4·blk + kq` of a row goes to position `64·blk + 16·kq` = 16 × its index.
+        let words = panel_order(packed, n, k / 8);
         PanelWeights { n, k, words }
     }
 
@@ -68,7 +54,7 @@ impl PanelWeights {
     /// Word `j` of row `r` (as in the row layout: values `8·j..8·j + 8`).
     #[inline]
     pub fn word(&self, r: usize, j: usize) -> u32 {
-        self.words.as_slice()[(r / 16 * (self.k / 32) + j / 4) * 64 + 16 * (j % 4) + column(r % 16)]
+        self.words.as_slice()[(r / 16 * (self.k / 8) + j) * 16 + column(r % 16)]
     }
 
     /// [`PanelWeights::block`]'s address for any panel, past the last one too (for prefetches).
@@ -96,27 +82,10 @@ pub enum PanelFloats {
 impl PanelFactors {
     /// `src`'s `n` rows of `groups` factors each in panel order (built across the current pool).
     pub fn new(src: Floats, n: usize, groups: usize) -> PanelFactors {
-        fn reorder<T: Copy + Default + Send + Sync>(src: &[T], n: usize, groups: usize) -> Aligned<T> {
-            assert!(src.len() >= n * groups, "a factor per row and group");
-            let mut out = Aligned::zeroed(n.div_ceil(16) * groups * 16);
-            let panel_values = groups * 16;
-            pool::chunks_mut(out.as_mut_slice(), panel_values * PANELS_PER_TASK, |task, out| {
-                for (i, panel) in out.chunks_exact_mut(panel_values).enumerate() {
-                    let p0 = (task * PANELS_PER_TASK + i) * 16;
-                    for r in 0..16.min(n - p0) {
-                        let row = &src[(p0 + r) * groups..(p0 + r + 1) * groups];
-                        for (g, &v) in row.iter().enumerate() {
-                            panel[g * 16 + column(r)] = v;
-                        }
-                    }
-                }
-            });
-            out
-        }
         let values = match src {
-            Floats::F32(s) => PanelFloats::F32(reorder(s, n, groups)),
-            Floats::F16(s) => PanelFloats::F16(reorder(s, n, groups)),
-            Floats::BF16(s) => PanelFloats::BF16(reorder(s, n, groups)),
+            Floats::F32(s) => PanelFloats::F32(panel_order(s, n, groups)),
+            Floats::F16(s) => PanelFloats::F16(panel_order(s, n, groups)),
+            Floats::BF16(s) => PanelFloats::BF16(panel_order(s, n, groups)),
         };
         PanelFactors { n, groups, values }
     }
@@ -166,6 +135,26 @@ impl PanelFactors {
             PanelFloats::F16(v) | PanelFloats::BF16(v) => v.as_slice().as_ptr().wrapping_add(at),
         }
     }
+}
+
+/// `src`'s `n` rows of `per_row` values in panel order, built across the current pool: per panel of
+/// sixteen rows, value `j` of the panel's row `r` at `16·j + column(r)` (zero past row `n`).
+fn panel_order<T: Copy + Default + Send + Sync>(src: &[T], n: usize, per_row: usize) -> Aligned<T> {
+    assert!(src.len() >= n * per_row, "{n} rows of {per_row}");
+    let mut out = Aligned::zeroed(n.div_ceil(16) * per_row * 16);
+    let panel_len = per_row * 16;
+    pool::chunks_mut(out.as_mut_slice(), panel_len * PANELS_PER_TASK, |task, out| {
+        for (i, panel) in out.chunks_exact_mut(panel_len).enumerate() {
+            let p0 = (task * PANELS_PER_TASK + i) * 16;
+            for r in 0..16.min(n - p0) {
+                let c = column(r);
+                for (j, &v) in src[(p0 + r) * per_row..(p0 + r + 1) * per_row].iter().enumerate() {
+                    panel[16 * j + c] = v;
+                }
+            }
+        }
+    });
+    out
 }
 
 /// A matrix's panel-ordered weights, scales and biases, as [`QuantMatrix::panels`] carries them: the
