@@ -1986,19 +1986,7 @@ mod tests {
     use super::*;
     use crate::isa::IsaPath;
 
-    /// Deterministic random numbers (xorshift64*).
-    struct Rng(u64);
-    impl Rng {
-        fn next(&mut self) -> u64 {
-            self.0 ^= self.0 >> 12;
-            self.0 ^= self.0 << 25;
-            self.0 ^= self.0 >> 27;
-            self.0.wrapping_mul(0x2545F4914F6CDD1D)
-        }
-        fn uniform(&mut self) -> f32 {
-            ((self.next() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
-        }
-    }
+    use crate::kernels::TestRng as Rng;
 
     enum Store {
         F32(Vec<f32>),

@@ -1,23 +1,33 @@
 //! Vectorisable math shared by the kernels: the compiler turns these into SIMD inside a
 //! `simd_kernel!` (libm's `expf` is a scalar call per element).
 
+/// `exp`'s argument range: below, e^−87; above, e^88 (a larger argument would build a garbage
+/// exponent in [`pow2`]).
+const EXP_MIN: f32 = -87.0;
+const EXP_MAX: f32 = 88.0;
+/// ln 2 split for the Cody–Waite reduction: `LN2_HI` has trailing zero bits, so `n·LN2_HI` is exact.
+const LN2_HI: f32 = 0.693_145_75;
+const LN2_LO: f32 = 1.428_606_8e-6;
+/// The degree-7 Taylor coefficients of `e^r`, highest order first (Horner's order).
+const TAYLOR: [f32; 8] = [1.0 / 5040.0, 1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0];
+/// Added to an integer-valued `n`, leaves `n + 127` in the low mantissa bits (1.5·2²³ + 127).
+const POW2_BIAS: f32 = 127.0 + 12_582_912.0;
+
 /// `e^x` (clamped to −87..=88, so larger arguments give `e^88`, not a garbage exponent), written so
 /// the compiler vectorises it: Cody–Waite range reduction `x = n·ln2 + r` with |r| ≤ ln2/2, a
 /// degree-7 Taylor polynomial for `e^r`, and `2^n` built in the exponent bits; relative error below
 /// 1e-6.
 #[inline(always)]
 pub fn exp_approx(x: f32) -> f32 {
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
     // Not `clamp`: a NaN argument becomes e^−87 here, as it always has, instead of spreading.
     #[allow(clippy::manual_clamp)]
-    let x = x.max(-87.0).min(88.0);
+    let x = x.max(EXP_MIN).min(EXP_MAX);
     let n = (x * std::f32::consts::LOG2_E + 0.5).floor();
     let r = (x - n * LN2_HI) - n * LN2_LO;
-    let p = 1.0
-        + r * (1.0
-            + r * (0.5
-                + r * (1.0 / 6.0 + r * (1.0 / 24.0 + r * (1.0 / 120.0 + r * (1.0 / 720.0 + r * (1.0 / 5040.0)))))));
+    let mut p = TAYLOR[0];
+    for c in &TAYLOR[1..] {
+        p = p * r + c;
+    }
     p * pow2(n)
 }
 
@@ -27,7 +37,7 @@ pub fn exp_approx(x: f32) -> f32 {
 /// conversion per lane.)
 #[inline(always)]
 fn pow2(n: f32) -> f32 {
-    f32::from_bits((n + (127.0 + 12_582_912.0)).to_bits() << 23)
+    f32::from_bits((n + POW2_BIAS).to_bits() << 23)
 }
 
 /// [`exp_approx`]'s arithmetic in sixteen lanes (AVX-512 F), its multiply-adds fused (so its last
@@ -39,19 +49,17 @@ fn pow2(n: f32) -> f32 {
 #[inline(always)]
 pub unsafe fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
     use std::arch::x86_64::*;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0)), _mm512_set1_ps(88.0));
+    let x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(EXP_MIN)), _mm512_set1_ps(EXP_MAX));
     let t = _mm512_fmadd_ps(x, _mm512_set1_ps(std::f32::consts::LOG2_E), _mm512_set1_ps(0.5));
     let n = _mm512_roundscale_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
     let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_HI), x);
     let r = _mm512_fnmadd_ps(n, _mm512_set1_ps(LN2_LO), r);
-    let mut p = _mm512_set1_ps(1.0 / 5040.0);
-    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+    let mut p = _mm512_set1_ps(TAYLOR[0]);
+    for &c in &TAYLOR[1..] {
         p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
     }
     // 2^n into the exponent bits, as `pow2` does.
-    let bits = _mm512_castps_si512(_mm512_add_ps(n, _mm512_set1_ps(127.0 + 12_582_912.0)));
+    let bits = _mm512_castps_si512(_mm512_add_ps(n, _mm512_set1_ps(POW2_BIAS)));
     _mm512_mul_ps(p, _mm512_castsi512_ps(_mm512_slli_epi32::<23>(bits)))
 }
 
@@ -63,18 +71,16 @@ pub unsafe fn exp16(x: std::arch::x86_64::__m512) -> std::arch::x86_64::__m512 {
 #[inline(always)]
 pub unsafe fn exp8(x: std::arch::x86_64::__m256) -> std::arch::x86_64::__m256 {
     use std::arch::x86_64::*;
-    const LN2_HI: f32 = 0.693_145_75;
-    const LN2_LO: f32 = 1.428_606_8e-6;
-    let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0)), _mm256_set1_ps(88.0));
+    let x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(EXP_MIN)), _mm256_set1_ps(EXP_MAX));
     let t = _mm256_fmadd_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E), _mm256_set1_ps(0.5));
     let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC }>(t);
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x);
     let r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
-    let mut p = _mm256_set1_ps(1.0 / 5040.0);
-    for c in [1.0 / 720.0, 1.0 / 120.0, 1.0 / 24.0, 1.0 / 6.0, 0.5, 1.0, 1.0] {
+    let mut p = _mm256_set1_ps(TAYLOR[0]);
+    for &c in &TAYLOR[1..] {
         p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(c));
     }
-    let bits = _mm256_castps_si256(_mm256_add_ps(n, _mm256_set1_ps(127.0 + 12_582_912.0)));
+    let bits = _mm256_castps_si256(_mm256_add_ps(n, _mm256_set1_ps(POW2_BIAS)));
     _mm256_mul_ps(p, _mm256_castsi256_ps(_mm256_slli_epi32::<23>(bits)))
 }
 

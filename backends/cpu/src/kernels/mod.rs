@@ -139,3 +139,22 @@ pub fn segments(seq: &[i32], n_seqs: usize) -> Result<Vec<Segment>, String> {
     }
     Ok(out)
 }
+
+/// Deterministic random numbers for the kernels' tests (xorshift64*).
+#[cfg(test)]
+pub(crate) struct TestRng(pub u64);
+
+#[cfg(test)]
+impl TestRng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545F4914F6CDD1D)
+    }
+
+    /// Uniform in [−1, 1).
+    pub fn uniform(&mut self) -> f32 {
+        ((self.next() >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+    }
+}

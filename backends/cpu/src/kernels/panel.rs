@@ -517,13 +517,8 @@ mod tests {
             eprintln!("panel kernel: SKIPPED (no AVX-512 VNNI on this CPU)");
             return;
         };
-        let mut seed = 0x2545F4914F6CDD1Du64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut rng = crate::kernels::TestRng(0x2545F4914F6CDD1Du64);
+        let mut next = move || rng.next();
         // Scales and biases in each storage type (f16, bf16, f32), even and odd groups per row.
         let shapes = [
             (48, 32, 18, 0),

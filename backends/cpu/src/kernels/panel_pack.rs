@@ -215,13 +215,8 @@ mod tests {
     /// factors come back from their panel places.
     #[test]
     fn rows_from_the_panel_order_are_the_row_layouts() {
-        let mut seed = 0x853C49E6748FEA9Bu64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut rng = crate::kernels::TestRng(0x853C49E6748FEA9Bu64);
+        let mut next = move || rng.next();
         for (n, group, groups, kind) in [(37, 32, 5, 0), (16, 64, 3, 1), (21, 128, 2, 2)] {
             let k = group * groups;
             let packed: Vec<u32> = (0..n * k / 8).map(|_| next() as u32).collect();

@@ -462,13 +462,8 @@ mod tests {
     #[test]
     fn every_threads_copy_of_the_input_gives_the_one_thread_bits() {
         let isa = Isa::best();
-        let mut seed = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = move || {
-            seed ^= seed << 13;
-            seed ^= seed >> 7;
-            seed ^= seed << 17;
-            seed
-        };
+        let mut rng = crate::kernels::TestRng(0x9E37_79B9_7F4A_7C15u64);
+        let mut next = move || rng.next();
         let (n, k, group) = (2048, 576, 32);
         let packed: Vec<u32> = (0..n * k / 8).map(|_| next() as u32).collect();
         let factor = |v: u64, base: f32| half::f16::from_f32(base + (v % 1000) as f32 * 1e-5).to_bits();
