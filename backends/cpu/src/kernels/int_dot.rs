@@ -347,12 +347,15 @@ unsafe fn store_row<const NT: usize>(o: [f32; NT], out: *mut f32, stride: usize,
 /// Whether [`dot_rows`] gives every token exactly the bits [`dot_tile`] gives it alone, for weights
 /// of `bits` and `group` and activations in `order`: then several sequences' tokens may share a
 /// pass (each block unpacked once for all of them) without a sequence's result depending on its
-/// batch-mates. True of the 512-bit kernels and the NEON one, whose per-token arithmetic does not
-/// depend on how many tokens a pass takes and whose reductions share one order.
+/// batch-mates. True of the 512-bit kernels, the 256-bit 4-bit one and the NEON one, whose
+/// per-token arithmetic does not depend on how many tokens a pass takes and whose reductions share
+/// one order.
 pub fn passes_match_tile(isa: Isa, bits: usize, group: usize, order: ActOrder) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        x86::wide(isa, bits, group, order) || super::panel::applies(isa, bits, group, order)
+        x86::wide(isa, bits, group, order)
+            || super::panel::applies(isa, bits, group, order)
+            || x86::q4_applies(isa, bits, group, order)
     }
     #[cfg(target_arch = "aarch64")]
     {
@@ -602,6 +605,13 @@ mod x86 {
         isa.has_avx512() && matches!(group, 32 | 64 | 128) && order == ActOrder::Fields(bits)
     }
 
+    /// Whether the 256-bit 4-bit kernel of several tokens ([`q4_row`]) serves these weights and
+    /// activations: it gives each token the bits of the one-token tile, so passes may cross
+    /// sequences ([`super::passes_match_tile`]).
+    pub fn q4_applies(isa: Isa, bits: usize, group: usize, order: ActOrder) -> bool {
+        isa.has_avx2() && bits == 4 && order == ActOrder::Nibbles && matches!(group, 32 | 64 | 128)
+    }
+
     /// Row `w` as a one-row matrix (for the panel kernel, which takes rows of a matrix).
     fn one_row(w: QuantRow) -> QuantMatrix {
         let (k, group) = (w.words.len() * 32 / w.bits, 32 * w.group_blocks);
@@ -637,6 +647,14 @@ mod x86 {
         if !isa.has_avx2() || !matches!(w.bits, 4 | 8) || x.order != order_256(w.bits) {
             return None;
         }
+        if q4_applies(isa, w.bits, w.group_blocks * 32, x.order) {
+            let mut out = [0f32];
+            // SAFETY: as below; `q4_row` keeps its reads inside the scales and biases.
+            with_scales!(w.scales, w.biases, S, sp, bp => unsafe {
+                call_256!(isa, dot_rows_q4_avx2, dot_rows_q4_avxvnni, dot_rows_q4_avx512vnni, <S, 1>(w, sp, bp, &[x], &mut out))
+            })?;
+            return Some(out[0]);
+        }
         // SAFETY: AVX2/FMA/F16C (and the VNNI of a VNNI path) are present, as above.
         with_scales!(w.scales, w.biases, S, sp, bp => unsafe {
             call_256!(isa, dot_row_avx2, dot_row_avxvnni, dot_row_avx512vnni, <S>(w, sp, bp, x))
@@ -660,7 +678,7 @@ mod x86 {
             })
             .is_some();
         }
-        if !isa.has_avx2() || w.bits != 4 || order != ActOrder::Nibbles {
+        if !q4_applies(isa, w.bits, w.group_blocks * 32, order) {
             return false;
         }
         // SAFETY: as in `dot_row`.
@@ -698,7 +716,7 @@ mod x86 {
             })
             .is_some();
         }
-        if !isa.has_avx2() || w.bits != 4 || order != ActOrder::Nibbles {
+        if !q4_applies(isa, w.bits, w.group, order) {
             return false;
         }
         // SAFETY: as in `dot_row`; `out` as the caller promises.
@@ -1216,83 +1234,6 @@ mod x86 {
         hsum(acc) + bias
     }
 
-    /// `NT` activation rows against one 4-bit weight row: each block's nibbles are unpacked once and
-    /// used for all of them (the prefill path, where many tokens share every weight row).
-    #[inline(always)]
-    #[allow(clippy::needless_range_loop)] // `t` walks `x` and the matching `comb` stripe together
-    unsafe fn dot_rows_q4_256<D: Dot256, S: ScaleKind, const NT: usize>(
-        w: super::QuantRow,
-        sp: *const u16,
-        bp: *const u16,
-        x: &[super::ActRow; NT],
-        out: &mut [f32; NT],
-    ) {
-        const CHUNK: usize = 256;
-        let groups = x[0].group_sums.len();
-        let gb = w.group_blocks;
-        let nb = groups * gb;
-        let g0 = w.group0;
-        for (o, xt) in out.iter_mut().zip(x) {
-            *o = bias_term::<S>(bp, g0, xt.group_sums);
-        }
-        let wp = w.words.as_ptr() as *const u8;
-        // comb[t][i] = s[(b0+i)/gb] · d_t[b0+i], formed 8 at a time when groups are one block.
-        let mut comb_buf = std::mem::MaybeUninit::<[[f32; CHUNK]; NT]>::uninit();
-        let comb = comb_buf.as_mut_ptr() as *mut f32;
-        let mut acc = [_mm256_setzero_ps(); NT];
-        let mut b0 = 0;
-        while b0 < nb {
-            let n = CHUNK.min(nb - b0);
-            for t in 0..NT {
-                let c = comb.add(t * CHUNK);
-                let d = x[t].d.as_ptr().add(b0);
-                let mut i = 0;
-                if gb == 1 {
-                    while i + 8 <= n {
-                        _mm256_storeu_ps(
-                            c.add(i),
-                            _mm256_mul_ps(load8::<S>(sp, g0 + b0 + i), _mm256_loadu_ps(d.add(i))),
-                        );
-                        i += 8;
-                    }
-                    while i < n {
-                        *c.add(i) = S::load(sp, g0 + b0 + i) * *d.add(i);
-                        i += 1;
-                    }
-                } else {
-                    // Group boundaries by counting, not dividing.
-                    let (mut g, mut left) = ((b0) / gb, gb - b0 % gb);
-                    let mut sg = S::load(sp, g0 + g);
-                    while i < n {
-                        *c.add(i) = sg * *d.add(i);
-                        i += 1;
-                        left -= 1;
-                        if left == 0 && i < n {
-                            g += 1;
-                            left = gb;
-                            sg = S::load(sp, g0 + g);
-                        }
-                    }
-                }
-            }
-            for i in 0..n {
-                let blk = b0 + i;
-                let (lo, hi) = q4_nibbles(wp, blk);
-                for t in 0..NT {
-                    let xp = x[t].q.as_ptr().add(blk * 32);
-                    let x_even = _mm256_loadu_si256(xp as *const __m256i);
-                    let x_odd = _mm256_loadu_si256(xp.add(16) as *const __m256i);
-                    let p = D::dot(D::dot(_mm256_setzero_si256(), lo, x_even), hi, x_odd);
-                    acc[t] =
-                        _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_broadcast_ss(&*comb.add(t * CHUNK + i)), acc[t]);
-                }
-            }
-            b0 += n;
-        }
-        for t in 0..NT {
-            out[t] += hsum(acc[t]);
-        }
-    }
     /// Scales `b..b + 8` of the blocks of a row as f32, for groups of `gb` ∈ {1, 2, 4} blocks
     /// (each group's scale repeated over its blocks). Reads up to seven elements past the last group.
     #[inline(always)]
@@ -1444,7 +1385,8 @@ mod x86 {
             r += 4;
         }
         while r < rows.end {
-            *o.add(r) = hsum(row_partials::<D, S, 1>(&w, sp, bp, r, &x, tail, &unpack)[0]);
+            // In `reduce4`'s order, so a row's bits do not depend on where its tile starts.
+            *o.add(r) = hsum_pairs(row_partials::<D, S, 1>(&w, sp, bp, r, &x, tail, &unpack)[0]);
             r += 1;
         }
     }
@@ -1454,13 +1396,146 @@ mod x86 {
         dot_row_avxvnni: VnniVex, "avx2,fma,f16c,avxvnni";
         dot_row_avx512vnni: VnniEvex, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni";
     );
-    entries!(dot_rows_q4_256 [S: ScaleKind, const NT: usize] [S, NT]
+    /// `NT` tokens against one 4-bit row (`wp` its blocks, `sp`/`bp` its scales and biases), each
+    /// token left as eight lanes for [`hsum_pairs`]: per token exactly [`row_partials`]'s arithmetic
+    /// for a row (the same exact block sums, then the same float operations in the same order), so
+    /// a token's result does not depend on how many share the pass; each block's nibbles are unpacked
+    /// once for all of them. Reads up to seven scales and biases past the row.
+    #[inline(always)]
+    #[allow(clippy::needless_range_loop)] // `t` walks `x`, `part` and `acc` together
+    unsafe fn q4_tokens<D: Dot256, S: ScaleKind, const NT: usize>(
+        wp: *const u8,
+        sp: *const u16,
+        bp: *const u16,
+        (nb, gb): (usize, usize),
+        x: &[super::ActRow; NT],
+        tail: __m256,
+    ) -> [__m256; NT] {
+        let groups = nb / gb;
+        prefetch_rows_ahead(wp, nb * 16, 1);
+        // Per token a chunk's block factors `s · d_x`; only the first `n` (rounded up to 8) of a
+        // chunk are written and read.
+        let mut comb = std::mem::MaybeUninit::<[[f32; ROW_CHUNK]; NT]>::uninit();
+        let cp = comb.as_mut_ptr() as *mut f32;
+        let mut acc = [_mm256_setzero_ps(); NT];
+        let mut b0 = 0;
+        while b0 < nb {
+            let n = ROW_CHUNK.min(nb - b0);
+            let mut i = 0;
+            while i < n {
+                let s = block_scales8::<S>(sp, b0 + i, gb);
+                for t in 0..NT {
+                    let d = _mm256_loadu_ps(x[t].d.as_ptr().add(b0 + i));
+                    _mm256_storeu_ps(cp.add(t * ROW_CHUNK + i), _mm256_mul_ps(s, d));
+                }
+                i += 8;
+            }
+            let mut part = [_mm256_setzero_ps(); NT];
+            let mut i = 0;
+            while i + 8 <= n {
+                let b = b0 + i;
+                // The eight blocks' words once, then each token's block sums from them.
+                let mut nib = [_mm256_setzero_si256(); 16];
+                for j in 0..8 {
+                    (nib[2 * j], nib[2 * j + 1]) = q4_nibbles(wp, b + j);
+                }
+                let np = nib.as_ptr();
+                for t in 0..NT {
+                    let xp = x[t].q.as_ptr();
+                    let h01 = _mm256_hadd_epi32(nib_block::<D>(np, xp, b, 0), nib_block::<D>(np, xp, b, 1));
+                    let h23 = _mm256_hadd_epi32(nib_block::<D>(np, xp, b, 2), nib_block::<D>(np, xp, b, 3));
+                    let h45 = _mm256_hadd_epi32(nib_block::<D>(np, xp, b, 4), nib_block::<D>(np, xp, b, 5));
+                    let h67 = _mm256_hadd_epi32(nib_block::<D>(np, xp, b, 6), nib_block::<D>(np, xp, b, 7));
+                    let h0123 = _mm256_hadd_epi32(h01, h23);
+                    let h4567 = _mm256_hadd_epi32(h45, h67);
+                    let sums = _mm256_add_epi32(
+                        _mm256_permute2x128_si256(h0123, h4567, 0x20),
+                        _mm256_permute2x128_si256(h0123, h4567, 0x31),
+                    );
+                    let c = _mm256_loadu_ps(cp.add(t * ROW_CHUNK + i));
+                    part[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), c, part[t]);
+                }
+                i += 8;
+            }
+            while i < n {
+                let (lo, hi) = q4_nibbles(wp, b0 + i);
+                for t in 0..NT {
+                    let (e, o) = block_acts(x[t].q.as_ptr(), b0 + i);
+                    let p = D::dot(D::dot(_mm256_setzero_si256(), lo, e), hi, o);
+                    let c = _mm256_set1_ps(*cp.add(t * ROW_CHUNK + i));
+                    part[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), c, part[t]);
+                }
+                i += 1;
+            }
+            for t in 0..NT {
+                acc[t] = _mm256_add_ps(acc[t], part[t]);
+            }
+            b0 += n;
+        }
+        for t in 0..NT {
+            let gs = x[t].group_sums.as_ptr();
+            let mut g = 0;
+            while g + 8 <= groups {
+                acc[t] = _mm256_fmadd_ps(load8::<S>(bp, g), _mm256_loadu_ps(gs.add(g)), acc[t]);
+                g += 8;
+            }
+            if g < groups {
+                let b = _mm256_and_ps(load8::<S>(bp, g), tail);
+                acc[t] = _mm256_fmadd_ps(b, _mm256_loadu_ps(gs.add(g)), acc[t]);
+            }
+        }
+        acc
+    }
+
+    /// Block `b + j`'s eight int32 partial sums (as [`q4_block`]) from its words unpacked at
+    /// `nib[2j]` (low nibbles) and `nib[2j + 1]` (high ones).
+    #[inline(always)]
+    unsafe fn nib_block<D: Dot256>(nib: *const __m256i, xp: *const i16, b: usize, j: usize) -> __m256i {
+        let (e, o) = block_acts(xp, b + j);
+        D::dot(D::dot(_mm256_setzero_si256(), *nib.add(2 * j), e), *nib.add(2 * j + 1), o)
+    }
+
+    /// `NT` tokens against one 4-bit row (groups of 1, 2 or 4 blocks), each token's result the bits
+    /// [`dot_tile_256`] gives it alone: [`q4_tokens`], reduced in [`reduce4`]'s order. A row whose
+    /// scales or biases end fewer than [`super::PAD`] elements before their buffer's end (a matrix's
+    /// last rows) is read from a zero-padded copy of them, the same values.
+    #[inline(always)]
+    unsafe fn q4_row<D: Dot256, S: ScaleKind, const NT: usize>(
+        w: super::QuantRow,
+        sp: *const u16,
+        bp: *const u16,
+        x: &[super::ActRow; NT],
+        out: &mut [f32; NT],
+    ) {
+        let (gb, nb) = (w.group_blocks, w.words.len() / 4);
+        let groups = nb / gb;
+        let rem = (groups % 8) as i32;
+        let tail =
+            _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(rem), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        let wp = w.words.as_ptr() as *const u8;
+        let (sp, bp) = (S::advance(sp, w.group0), S::advance(bp, w.group0));
+        let acc = if w.group0 + groups + super::PAD <= w.scales.len().min(w.biases.len()) {
+            q4_tokens::<D, S, NT>(wp, sp, bp, (nb, gb), x, tail)
+        } else {
+            let bytes = groups * if S::IS_HALF || S::IS_BRAIN { 2 } else { 4 };
+            let mut copy = vec![0u32; 2 * (groups + super::PAD)];
+            let (cs, cb) = copy.split_at_mut(groups + super::PAD);
+            std::ptr::copy_nonoverlapping(sp as *const u8, cs.as_mut_ptr() as *mut u8, bytes);
+            std::ptr::copy_nonoverlapping(bp as *const u8, cb.as_mut_ptr() as *mut u8, bytes);
+            q4_tokens::<D, S, NT>(wp, cs.as_ptr() as *const u16, cb.as_ptr() as *const u16, (nb, gb), x, tail)
+        };
+        for (o, a) in out.iter_mut().zip(acc) {
+            *o = hsum_pairs(a);
+        }
+    }
+
+    entries!(q4_row [S: ScaleKind, const NT: usize] [S, NT]
         (w: QuantRow, sp: *const u16, bp: *const u16, x: &[ActRow; NT], out: &mut [f32; NT]);
         dot_rows_q4_avx2: Madd, "avx2,fma,f16c";
         dot_rows_q4_avxvnni: VnniVex, "avx2,fma,f16c,avxvnni";
         dot_rows_q4_avx512vnni: VnniEvex, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni";
     );
-    /// [`dot_rows_q4_256`] for every row of `rows` (see [`super::dot_rows_tile`]).
+    /// [`q4_row`] for every row of `rows` (see [`super::dot_rows_tile`]).
     #[inline(always)]
     unsafe fn rows_tile_q4_256<D: Dot256, S: ScaleKind, const NT: usize>(
         w: super::QuantMatrix,
@@ -1473,7 +1548,7 @@ mod x86 {
     ) {
         for r in rows {
             let mut o = [0f32; NT];
-            dot_rows_q4_256::<D, S, NT>(w.row(r), sp, bp, x, &mut o);
+            q4_row::<D, S, NT>(w.row(r), sp, bp, x, &mut o);
             super::store_row(o, out, stride, r);
         }
     }
