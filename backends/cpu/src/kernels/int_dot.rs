@@ -1400,15 +1400,18 @@ mod x86 {
     /// token left as eight lanes for [`hsum_pairs`]: per token exactly [`row_partials`]'s arithmetic
     /// for a row (the same exact block sums, then the same float operations in the same order), so
     /// a token's result does not depend on how many share the pass; each block's nibbles are unpacked
-    /// once for all of them. Reads up to seven scales and biases past the row.
+    /// once for all of them. A run of eight blocks' sums comes from the reduction tree, or with `XT`
+    /// from one block per lane against `xt` (the same integers, fewer shuffles per token). Reads up
+    /// to seven scales and biases past the row.
     #[inline(always)]
     #[allow(clippy::needless_range_loop)] // `t` walks `x`, `part` and `acc` together
-    unsafe fn q4_tokens<D: Dot256, S: ScaleKind, const NT: usize>(
+    unsafe fn q4_tokens<D: Dot256, S: ScaleKind, const NT: usize, const XT: bool>(
         wp: *const u8,
         sp: *const u16,
         bp: *const u16,
         (nb, gb): (usize, usize),
         x: &[super::ActRow; NT],
+        xt: BlockLanes,
         tail: __m256,
     ) -> [__m256; NT] {
         let groups = nb / gb;
@@ -1432,7 +1435,21 @@ mod x86 {
             }
             let mut part = [_mm256_setzero_ps(); NT];
             let mut i = 0;
-            while i + 8 <= n {
+            while XT && i + 8 <= n {
+                // The eight blocks' words with one block per lane, then each token's sums as sixteen
+                // multiply-adds against its activations in the same order: no reduction tree.
+                let b = b0 + i;
+                let mut wt = [_mm256_setzero_si256(); 16];
+                block_lanes_words(wp.add(b * 16), &mut wt);
+                let wt = wt.as_ptr();
+                for t in 0..NT {
+                    let sums = block_lanes_sums::<D>(wt, xt.group(t, b / 8));
+                    let c = _mm256_loadu_ps(cp.add(t * ROW_CHUNK + i));
+                    part[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), c, part[t]);
+                }
+                i += 8;
+            }
+            while !XT && i + 8 <= n {
                 let b = b0 + i;
                 // The eight blocks' words once, then each token's block sums from them.
                 let mut nib = [_mm256_setzero_si256(); 16];
@@ -1487,6 +1504,91 @@ mod x86 {
         acc
     }
 
+    /// Tokens' 4-bit activations with one block per lane: per token and run of eight blocks, sixteen
+    /// vectors, vector `m` holding dword `m` of each block's sixteen (dword `m < 8`: its even
+    /// elements `4m`, `4m + 2`; `m ≥ 8`: the odd ones `4(m−8) + 1`, `+ 3`, [`ActOrder::Nibbles`]'s
+    /// pairs). Built per tile of rows from the tokens' rows ([`BlockLanes::fill`]).
+    #[derive(Clone, Copy)]
+    struct BlockLanes {
+        p: *const i32,
+        /// Dwords per token.
+        stride: usize,
+    }
+
+    impl BlockLanes {
+        const NONE: BlockLanes = BlockLanes { p: std::ptr::null(), stride: 0 };
+
+        /// The `NT` tokens' whole runs of eight blocks (`k / 256` per token) into `buf`.
+        fn fill<const NT: usize>(x: &[super::ActRow; NT], k: usize, buf: &mut Vec<i32>) -> BlockLanes {
+            let runs = k / 256;
+            let stride = runs * 128;
+            buf.clear();
+            buf.resize(NT * stride, 0);
+            for (t, xr) in x.iter().enumerate() {
+                let out = &mut buf[t * stride..(t + 1) * stride];
+                for (run, o) in out.chunks_exact_mut(128).enumerate() {
+                    for (l, blk) in xr.q[run * 256..(run + 1) * 256].chunks_exact(32).enumerate() {
+                        for (m, pair) in blk.chunks_exact(2).enumerate() {
+                            o[m * 8 + l] = (pair[0] as u16 as u32 | (pair[1] as u16 as u32) << 16) as i32;
+                        }
+                    }
+                }
+            }
+            BlockLanes { p: buf.as_ptr(), stride }
+        }
+
+        /// Token `t`'s run of eight blocks number `run`.
+        #[inline(always)]
+        unsafe fn group(self, t: usize, run: usize) -> *const i32 {
+            self.p.add(t * self.stride + run * 128)
+        }
+    }
+
+    /// The 128 bytes of eight consecutive 4-bit blocks at `wp` as words with one block per lane:
+    /// `w[m]` holds the low nibbles of bytes `2m`, `2m + 1` of each block, `w[8 + m]` their high ones
+    /// (the pairs [`q4_nibbles`] puts in dword `m` of a block's two vectors). An 8×8 transpose of the
+    /// blocks' 16-bit pairs, then the usual widening per pair position.
+    #[inline(always)]
+    unsafe fn block_lanes_words(wp: *const u8, w: &mut [__m256i; 16]) {
+        let r = |l: usize| _mm_loadu_si128(wp.add(l * 16) as *const __m128i);
+        let (r0, r1, r2, r3, r4, r5, r6, r7) = (r(0), r(1), r(2), r(3), r(4), r(5), r(6), r(7));
+        let (a0, a1) = (_mm_unpacklo_epi16(r0, r1), _mm_unpackhi_epi16(r0, r1));
+        let (a2, a3) = (_mm_unpacklo_epi16(r2, r3), _mm_unpackhi_epi16(r2, r3));
+        let (a4, a5) = (_mm_unpacklo_epi16(r4, r5), _mm_unpackhi_epi16(r4, r5));
+        let (a6, a7) = (_mm_unpacklo_epi16(r6, r7), _mm_unpackhi_epi16(r6, r7));
+        let (b0, b1) = (_mm_unpacklo_epi32(a0, a2), _mm_unpackhi_epi32(a0, a2));
+        let (b2, b3) = (_mm_unpacklo_epi32(a1, a3), _mm_unpackhi_epi32(a1, a3));
+        let (b4, b5) = (_mm_unpacklo_epi32(a4, a6), _mm_unpackhi_epi32(a4, a6));
+        let (b6, b7) = (_mm_unpacklo_epi32(a5, a7), _mm_unpackhi_epi32(a5, a7));
+        let pairs = [
+            _mm_unpacklo_epi64(b0, b4),
+            _mm_unpackhi_epi64(b0, b4),
+            _mm_unpacklo_epi64(b1, b5),
+            _mm_unpackhi_epi64(b1, b5),
+            _mm_unpacklo_epi64(b2, b6),
+            _mm_unpackhi_epi64(b2, b6),
+            _mm_unpacklo_epi64(b3, b7),
+            _mm_unpackhi_epi64(b3, b7),
+        ];
+        for (m, &p) in pairs.iter().enumerate() {
+            let words = _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(p), widen_bytes());
+            w[m] = _mm256_and_si256(words, _mm256_set1_epi16(0x0f));
+            w[8 + m] = _mm256_srli_epi16(words, 4);
+        }
+    }
+
+    /// The exact sums of eight blocks, lane `l` block `l`: sixteen multiply-adds of the words of
+    /// [`block_lanes_words`] against a token's run of [`BlockLanes`].
+    #[inline(always)]
+    unsafe fn block_lanes_sums<D: Dot256>(w: *const __m256i, x: *const i32) -> __m256i {
+        let (mut even, mut odd) = (_mm256_setzero_si256(), _mm256_setzero_si256());
+        for m in 0..8 {
+            even = D::dot(even, *w.add(m), _mm256_loadu_si256(x.add(8 * m) as *const __m256i));
+            odd = D::dot(odd, *w.add(8 + m), _mm256_loadu_si256(x.add(64 + 8 * m) as *const __m256i));
+        }
+        _mm256_add_epi32(even, odd)
+    }
+
     /// Block `b + j`'s eight int32 partial sums (as [`q4_block`]) from its words unpacked at
     /// `nib[2j]` (low nibbles) and `nib[2j + 1]` (high ones).
     #[inline(always)]
@@ -1500,11 +1602,12 @@ mod x86 {
     /// scales or biases end fewer than [`super::PAD`] elements before their buffer's end (a matrix's
     /// last rows) is read from a zero-padded copy of them, the same values.
     #[inline(always)]
-    unsafe fn q4_row<D: Dot256, S: ScaleKind, const NT: usize>(
+    unsafe fn q4_row<D: Dot256, S: ScaleKind, const NT: usize, const XT: bool>(
         w: super::QuantRow,
         sp: *const u16,
         bp: *const u16,
         x: &[super::ActRow; NT],
+        xt: BlockLanes,
         out: &mut [f32; NT],
     ) {
         let (gb, nb) = (w.group_blocks, w.words.len() / 4);
@@ -1515,27 +1618,41 @@ mod x86 {
         let wp = w.words.as_ptr() as *const u8;
         let (sp, bp) = (S::advance(sp, w.group0), S::advance(bp, w.group0));
         let acc = if w.group0 + groups + super::PAD <= w.scales.len().min(w.biases.len()) {
-            q4_tokens::<D, S, NT>(wp, sp, bp, (nb, gb), x, tail)
+            q4_tokens::<D, S, NT, XT>(wp, sp, bp, (nb, gb), x, xt, tail)
         } else {
             let bytes = groups * if S::IS_HALF || S::IS_BRAIN { 2 } else { 4 };
             let mut copy = vec![0u32; 2 * (groups + super::PAD)];
             let (cs, cb) = copy.split_at_mut(groups + super::PAD);
             std::ptr::copy_nonoverlapping(sp as *const u8, cs.as_mut_ptr() as *mut u8, bytes);
             std::ptr::copy_nonoverlapping(bp as *const u8, cb.as_mut_ptr() as *mut u8, bytes);
-            q4_tokens::<D, S, NT>(wp, cs.as_ptr() as *const u16, cb.as_ptr() as *const u16, (nb, gb), x, tail)
+            let (cs, cb) = (cs.as_ptr() as *const u16, cb.as_ptr() as *const u16);
+            q4_tokens::<D, S, NT, XT>(wp, cs, cb, (nb, gb), x, xt, tail)
         };
         for (o, a) in out.iter_mut().zip(acc) {
             *o = hsum_pairs(a);
         }
     }
 
-    entries!(q4_row [S: ScaleKind, const NT: usize] [S, NT]
+    /// [`q4_row`] from the tokens' rows alone (block sums by the reduction tree).
+    #[inline(always)]
+    unsafe fn q4_row_alone<D: Dot256, S: ScaleKind, const NT: usize>(
+        w: super::QuantRow,
+        sp: *const u16,
+        bp: *const u16,
+        x: &[super::ActRow; NT],
+        out: &mut [f32; NT],
+    ) {
+        q4_row::<D, S, NT, false>(w, sp, bp, x, BlockLanes::NONE, out)
+    }
+
+    entries!(q4_row_alone [S: ScaleKind, const NT: usize] [S, NT]
         (w: QuantRow, sp: *const u16, bp: *const u16, x: &[ActRow; NT], out: &mut [f32; NT]);
         dot_rows_q4_avx2: Madd, "avx2,fma,f16c";
         dot_rows_q4_avxvnni: VnniVex, "avx2,fma,f16c,avxvnni";
         dot_rows_q4_avx512vnni: VnniEvex, "avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni";
     );
-    /// [`q4_row`] for every row of `rows` (see [`super::dot_rows_tile`]).
+    /// [`q4_row`] for every row of `rows` (see [`super::dot_rows_tile`]), the block sums from
+    /// [`BlockLanes`].
     #[inline(always)]
     unsafe fn rows_tile_q4_256<D: Dot256, S: ScaleKind, const NT: usize>(
         w: super::QuantMatrix,
@@ -1546,11 +1663,21 @@ mod x86 {
         out: *mut f32,
         stride: usize,
     ) {
+        // The tokens' activations with one block per lane, once for the tile's rows. (The loop not
+        // in a closure: one would be compiled without this function's features.)
+        // SAFETY: the buffer is this thread's, and nothing below calls back into this kernel.
+        let buf = unsafe { &mut *BLOCK_LANES.with(|b| b.get()) };
+        let xt = BlockLanes::fill(x, w.k, buf);
         for r in rows {
             let mut o = [0f32; NT];
-            q4_row::<D, S, NT>(w.row(r), sp, bp, x, &mut o);
+            q4_row::<D, S, NT, true>(w.row(r), sp, bp, x, xt, &mut o);
             super::store_row(o, out, stride, r);
         }
+    }
+
+    thread_local! {
+        /// [`rows_tile_q4_256`]'s [`BlockLanes`] buffer.
+        static BLOCK_LANES: std::cell::UnsafeCell<Vec<i32>> = const { std::cell::UnsafeCell::new(Vec::new()) };
     }
 
     entries!(rows_tile_q4_256 [S: ScaleKind, const NT: usize] [S, NT]
