@@ -290,8 +290,8 @@ pub fn dot_row(isa: Isa, w: QuantRow, x: ActRow) -> f32 {
     dot_row_scalar(w, x)
 }
 
-/// [`dot_row`] for `NT` activation rows at once (4-bit weights, and all on the 512-bit kernels,
-/// share their unpacking).
+/// [`dot_row`] for `NT` activation rows at once (4-bit weights in groups of 32, 64 or 128, and all
+/// widths on the 512-bit kernels, share their unpacking).
 #[inline]
 pub fn dot_rows<const NT: usize>(isa: Isa, w: QuantRow, x: &[ActRow; NT], out: &mut [f32; NT]) {
     #[cfg(target_arch = "x86_64")]
@@ -649,7 +649,8 @@ mod x86 {
         }
         if q4_applies(isa, w.bits, w.group_blocks * 32, x.order) {
             let mut out = [0f32];
-            // SAFETY: as below; `q4_row` keeps its reads inside the scales and biases.
+            // SAFETY: as below; `q4_row` keeps its reads inside the scales and biases, and reads
+            // up to seven block factors and group sums past `x`'s (an `IntActs` row: padded).
             with_scales!(w.scales, w.biases, S, sp, bp => unsafe {
                 call_256!(isa, dot_rows_q4_avx2, dot_rows_q4_avxvnni, dot_rows_q4_avx512vnni, <S, 1>(w, sp, bp, &[x], &mut out))
             })?;
@@ -1181,8 +1182,9 @@ mod x86 {
         D::dot(D::dot(_mm256_setzero_si256(), half(0), x_lo), half(1), x_hi)
     }
 
-    /// 4-bit: 32 nibbles per block widened to i16 and multiplied with int16 activations by `vpmaddwd`
-    /// (see [`q4_block`]); 8-bit: bytes widened to i16 the same way. One FMA per block.
+    /// 8-bit (and 4-bit in groups other than 32, 64, 128, which [`q4_row`] takes): bytes or
+    /// nibbles widened to i16 and multiplied with int16 activations by `vpmaddwd` (see
+    /// [`q4_block`], [`q8_block`]). One FMA per block.
     /// Per-block factors `d_x · s_g` are formed 8 at a time up front; the bias term is a vector dot.
     #[inline(always)]
     unsafe fn dot_row_256<D: Dot256, S: ScaleKind>(
@@ -1402,7 +1404,8 @@ mod x86 {
     /// a token's result does not depend on how many share the pass; each block's nibbles are unpacked
     /// once for all of them. A run of eight blocks' sums comes from the reduction tree, or with `XT`
     /// from one block per lane against `xt` (the same integers, fewer shuffles per token). Reads up
-    /// to seven scales and biases past the row.
+    /// to seven scales and biases past the row, and seven block factors and group sums past each
+    /// token's (an `IntActs` row carries [`super::PAD`] zeros).
     #[inline(always)]
     #[allow(clippy::needless_range_loop)] // `t` walks `x`, `part` and `acc` together
     unsafe fn q4_tokens<D: Dot256, S: ScaleKind, const NT: usize, const XT: bool>(
@@ -1519,10 +1522,11 @@ mod x86 {
         const NONE: BlockLanes = BlockLanes { p: std::ptr::null(), stride: 0 };
 
         /// The `NT` tokens' whole runs of eight blocks (`k / 256` per token) into `buf`.
+        #[inline(always)]
         fn fill<const NT: usize>(x: &[super::ActRow; NT], k: usize, buf: &mut Vec<i32>) -> BlockLanes {
             let runs = k / 256;
             let stride = runs * 128;
-            buf.clear();
+            // Every value is written below: no need to clear what the last tile left.
             buf.resize(NT * stride, 0);
             for (t, xr) in x.iter().enumerate() {
                 let out = &mut buf[t * stride..(t + 1) * stride];
