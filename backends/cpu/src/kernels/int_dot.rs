@@ -1004,6 +1004,45 @@ mod x86 {
         _mm256_add_ps(a0, a1)
     }
 
+    /// Eight blocks' sums, lane `j` block `j`, from the horizontal sums of their pairs
+    /// (`hadd(block 2i, block 2i + 1)` for `i` in 0..4): the end of the reduction tree.
+    #[inline(always)]
+    unsafe fn block_sums8(pairs: [__m256i; 4]) -> __m256i {
+        // Per 128-bit half: [Σ0, Σ1, Σ2, Σ3] of blocks 0-3 (low half of each block's lanes, high half).
+        let h0123 = _mm256_hadd_epi32(pairs[0], pairs[1]);
+        let h4567 = _mm256_hadd_epi32(pairs[2], pairs[3]);
+        _mm256_add_epi32(_mm256_permute2x128_si256(h0123, h4567, 0x20), _mm256_permute2x128_si256(h0123, h4567, 0x31))
+    }
+
+    /// Lanes `0..groups % 8` set: the last, partial set of eight groups of a row's bias term.
+    #[inline(always)]
+    unsafe fn tail_mask(groups: usize) -> __m256 {
+        let rem = _mm256_set1_epi32((groups % 8) as i32);
+        _mm256_castsi256_ps(_mm256_cmpgt_epi32(rem, _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)))
+    }
+
+    /// `acc` plus a row's bias term `b_g · Σx_g` in eight lanes: eight groups at a time, the last
+    /// set masked by `tail` ([`tail_mask`]). Reads up to seven biases and group sums past the row.
+    #[inline(always)]
+    unsafe fn add_bias_lanes<S: ScaleKind>(
+        mut acc: __m256,
+        bp: *const u16,
+        gs: *const f32,
+        groups: usize,
+        tail: __m256,
+    ) -> __m256 {
+        let mut g = 0;
+        while g + 8 <= groups {
+            acc = _mm256_fmadd_ps(load8::<S>(bp, g), _mm256_loadu_ps(gs.add(g)), acc);
+            g += 8;
+        }
+        if g < groups {
+            let b = _mm256_and_ps(load8::<S>(bp, g), tail);
+            acc = _mm256_fmadd_ps(b, _mm256_loadu_ps(gs.add(g)), acc);
+        }
+        acc
+    }
+
     /// Σ over blocks of `Σ block(b0 + i) · comb[i]` where `block` gives a block's eight int32 partial
     /// sums: eight blocks at a time, their partial sums are reduced to one vector of eight block sums
     /// (a tree of horizontal adds) so one conversion and one FMA with eight factors serve eight
@@ -1019,13 +1058,7 @@ mod x86 {
             let h23 = _mm256_hadd_epi32(block(b + 2), block(b + 3));
             let h45 = _mm256_hadd_epi32(block(b + 4), block(b + 5));
             let h67 = _mm256_hadd_epi32(block(b + 6), block(b + 7));
-            // Per 128-bit half: [Σ0, Σ1, Σ2, Σ3] of blocks 0-3 (low half of each block's lanes, high half).
-            let h0123 = _mm256_hadd_epi32(h01, h23);
-            let h4567 = _mm256_hadd_epi32(h45, h67);
-            let sums = _mm256_add_epi32(
-                _mm256_permute2x128_si256(h0123, h4567, 0x20),
-                _mm256_permute2x128_si256(h0123, h4567, 0x31),
-            );
+            let sums = block_sums8([h01, h23, h45, h67]);
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_loadu_ps(comb.as_ptr().add(i)), acc);
             i += 8;
         }
@@ -1061,13 +1094,7 @@ mod x86 {
                 }
             }
             for ((acc, p), c) in acc.iter_mut().zip(&pairs).zip(comb) {
-                // Per 128-bit half: [Σ0, Σ1, Σ2, Σ3] of blocks 0-3 (low half of each block's lanes, high half).
-                let h0123 = _mm256_hadd_epi32(p[0], p[1]);
-                let h4567 = _mm256_hadd_epi32(p[2], p[3]);
-                let sums = _mm256_add_epi32(
-                    _mm256_permute2x128_si256(h0123, h4567, 0x20),
-                    _mm256_permute2x128_si256(h0123, h4567, 0x31),
-                );
+                let sums = block_sums8(*p);
                 *acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), _mm256_loadu_ps(c.as_ptr().add(i)), *acc);
             }
             i += 8;
@@ -1331,15 +1358,7 @@ mod x86 {
         }
         let gs = x.group_sums.as_ptr();
         for (acc, &bp) in acc.iter_mut().zip(&bp) {
-            let mut g = 0;
-            while g + 8 <= groups {
-                *acc = _mm256_fmadd_ps(load8::<S>(bp, g), _mm256_loadu_ps(gs.add(g)), *acc);
-                g += 8;
-            }
-            if g < groups {
-                let b = _mm256_and_ps(load8::<S>(bp, g), tail);
-                *acc = _mm256_fmadd_ps(b, _mm256_loadu_ps(gs.add(g)), *acc);
-            }
+            *acc = add_bias_lanes::<S>(*acc, bp, gs, groups, tail);
         }
         acc
     }
@@ -1363,10 +1382,7 @@ mod x86 {
         x: super::ActRow,
         out: &mut [f32],
     ) {
-        let groups = w.groups_per_row();
-        let rem = (groups % 8) as i32;
-        let tail =
-            _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(rem), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        let tail = tail_mask(w.groups_per_row());
         let unpack = Unpack::new(w.bits);
         let o = out.as_mut_ptr().sub(rows.start);
         let mut r = rows.start;
@@ -1466,12 +1482,7 @@ mod x86 {
                     let h23 = _mm256_hadd_epi32(nib_block::<D>(np, xp, b, 2), nib_block::<D>(np, xp, b, 3));
                     let h45 = _mm256_hadd_epi32(nib_block::<D>(np, xp, b, 4), nib_block::<D>(np, xp, b, 5));
                     let h67 = _mm256_hadd_epi32(nib_block::<D>(np, xp, b, 6), nib_block::<D>(np, xp, b, 7));
-                    let h0123 = _mm256_hadd_epi32(h01, h23);
-                    let h4567 = _mm256_hadd_epi32(h45, h67);
-                    let sums = _mm256_add_epi32(
-                        _mm256_permute2x128_si256(h0123, h4567, 0x20),
-                        _mm256_permute2x128_si256(h0123, h4567, 0x31),
-                    );
+                    let sums = block_sums8([h01, h23, h45, h67]);
                     let c = _mm256_loadu_ps(cp.add(t * ROW_CHUNK + i));
                     part[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), c, part[t]);
                 }
@@ -1493,16 +1504,7 @@ mod x86 {
             b0 += n;
         }
         for t in 0..NT {
-            let gs = x[t].group_sums.as_ptr();
-            let mut g = 0;
-            while g + 8 <= groups {
-                acc[t] = _mm256_fmadd_ps(load8::<S>(bp, g), _mm256_loadu_ps(gs.add(g)), acc[t]);
-                g += 8;
-            }
-            if g < groups {
-                let b = _mm256_and_ps(load8::<S>(bp, g), tail);
-                acc[t] = _mm256_fmadd_ps(b, _mm256_loadu_ps(gs.add(g)), acc[t]);
-            }
+            acc[t] = add_bias_lanes::<S>(acc[t], bp, x[t].group_sums.as_ptr(), groups, tail);
         }
         acc
     }
@@ -1616,9 +1618,7 @@ mod x86 {
     ) {
         let (gb, nb) = (w.group_blocks, w.words.len() / 4);
         let groups = nb / gb;
-        let rem = (groups % 8) as i32;
-        let tail =
-            _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(rem), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+        let tail = tail_mask(groups);
         let wp = w.words.as_ptr() as *const u8;
         let (sp, bp) = (S::advance(sp, w.group0), S::advance(bp, w.group0));
         let acc = if w.group0 + groups + super::PAD <= w.scales.len().min(w.biases.len()) {

@@ -270,8 +270,8 @@ impl QuantPath {
 /// (`dot_rows`, each block unpacked once for all of them). Where that gives each token the bits of
 /// one token at a time (`dot_tile`; [`passes_match_tile`]: the 512-bit kernels, and 4-bit weights in
 /// groups of 32/64/128 on every x86 and NEON kernel), passes run over the whole step, so eight
-/// sequences decoding one token each share one pass; elsewhere passes never cross a run's end, so a sequence's rows take
-/// the same passes whatever runs beside them (batch invariance).
+/// sequences decoding one token each share one pass; elsewhere passes never cross a run's end, so a
+/// sequence's rows take the same passes whatever runs beside them (batch invariance).
 pub fn qmatmul_shared_input<'a, 'o>(
     isa: Isa,
     x: &[f32],
