@@ -1,6 +1,7 @@
-//! Real trained checkpoints (SmolLM2-135M-Instruct, 4-bit and bf16) against independent references:
-//! `fixtures/smollm2-reference.json` (a copy of `../shared/models/smollm2-reference.json`) and the
-//! reference numbers in `../shared/models/README.md`. Skipped without `MLXCEL_TEST_MODELS`.
+//! Real trained checkpoints against independent references: SmolLM2-135M-Instruct (4-bit and bf16)
+//! against `fixtures/smollm2-reference.json` (a copy of `../shared/models/smollm2-reference.json`) and
+//! the reference numbers in `../shared/models/README.md`; Gemma 3 270M converted with mlx-lm against
+//! mlx-lm's own answers (`tools/models/fetch_gemma3.sh`). Skipped without `MLXCEL_TEST_MODELS`.
 //! `MLXCEL_TEST_BACKEND=mlx` runs them on another staged backend (unset: the host's choice).
 
 use std::path::PathBuf;
@@ -191,4 +192,99 @@ fn inspect_reports_exact_weight_bytes_for_smollm2() {
     assert_eq!(v["memory"]["weight_bytes"].as_u64().unwrap(), bytes.len() as u64 - 8 - header);
     // 30 layers × K,V × 3 KV heads × 64 × 2 bytes (f16, the default cache type).
     assert_eq!(v["memory"]["kv_bytes_per_token"].as_u64().unwrap(), 30 * 2 * 3 * 64 * 2);
+}
+
+/// Gemma 3 270M, converted with mlx-lm (`tools/models/fetch_gemma3.sh`: the GGUF of google/gemma-3-270m
+/// from the package registry, back to a Hugging Face folder, then `mlx_lm convert -q`), against mlx-lm's
+/// own float32 answers for that folder (`mlx_lm_reference.json`, written by `gemma3_reference.py`).
+const GEMMA3: &str = "gemma-3-270m-mlx-4bit";
+
+/// How far mlxcel's logits may sit from mlx-lm's float32 ones on this model, by path. Measured (largest
+/// difference over every position and each reference top-8 logit): the exact path with an f32 KV cache
+/// 1e-4; with the default f16 cache 0.009 (also the MLX backend); int16 activations 0.010 (f32 cache) to
+/// 0.018 (f16 cache, the scalar path); the bf16 cache 0.064.
+fn gemma3_tolerance(runner: &ModelRunner) -> f32 {
+    let kv = match runner.cache_types().k.coarser(runner.cache_types().v) {
+        KvCacheType::F32 => 0.0,
+        KvCacheType::F16 => 0.01,
+        KvCacheType::Bf16 => 0.07,
+    };
+    kv + if cpu_int16() { 0.03 } else { 0.005 }
+}
+
+#[test]
+fn gemma3_converted_with_mlx_lm_answers_like_mlx_lm() {
+    let Some(models) = mlxcel::testing::test_models() else { return };
+    if !models.join(GEMMA3).join(".done").exists() {
+        assert!(
+            std::env::var_os("MLXCEL_REQUIRE_TEST_MODELS").is_none(),
+            "MLXCEL_REQUIRE_TEST_MODELS is set but {} lacks {GEMMA3}: run tools/models/fetch_gemma3.sh {0}",
+            models.display()
+        );
+        eprintln!("skipping: {GEMMA3} not in {} (tools/models/fetch_gemma3.sh makes it)", models.display());
+        return;
+    }
+    let reference: Value =
+        serde_json::from_str(&std::fs::read_to_string(models.join(GEMMA3).join("mlx_lm_reference.json")).unwrap())
+            .unwrap();
+    let (mut runner, tok) = load(GEMMA3).unwrap();
+    let tolerance = gemma3_tolerance(&runner);
+    let vocab = runner.info.vocab_size;
+    let ids_of = |v: &Value| v.as_array().unwrap().iter().map(|t| t.as_u64().unwrap() as u32).collect::<Vec<_>>();
+    let (mut compared, mut worst) = (0usize, 0f32);
+    for case in reference["cases"].as_array().unwrap() {
+        let prompt = case["prompt"].as_str().unwrap();
+        let ids = ids_of(&case["ids"]);
+        let greedy = ids_of(&case["greedy"]);
+        assert_eq!(tok.encode(prompt, true).unwrap(), ids, "{prompt:?}: token ids (BOS first)");
+
+        // Teacher-forced: every position of prompt + mlx-lm's continuation in one pass, against the
+        // reference's top logits there; where the reference's choice is clear, the same choice.
+        let seq: Vec<u32> = ids.iter().chain(&greedy).copied().collect();
+        let mut s = SeqBlocks::default();
+        runner.pool.reserve(&mut s, seq.len()).unwrap();
+        let logits =
+            runner.forward(&[SeqChunk { blocks: &s, tokens: &seq, start_pos: 0, logits: Logits::All }]).unwrap();
+        runner.pool.release(&mut s);
+        assert_eq!(logits.len(), seq.len() * vocab);
+        let mut clear_until = greedy.len();
+        for (pos, top) in case["top"].as_array().unwrap().iter().enumerate() {
+            let row = &logits[pos * vocab..(pos + 1) * vocab];
+            let top: Vec<(usize, f32)> = top
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|p| (p[0].as_u64().unwrap() as usize, p[1].as_f64().unwrap() as f32))
+                .collect();
+            for &(id, want) in &top {
+                worst = worst.max((row[id] - want).abs());
+                assert!(
+                    (row[id] - want).abs() <= tolerance,
+                    "{prompt:?} position {pos}: logit of token {id} is {}, mlx-lm's {want}",
+                    row[id]
+                );
+            }
+            let argmax = (0..vocab).max_by(|a, b| row[*a].total_cmp(&row[*b])).unwrap();
+            if top[0].1 - top[1].1 > 2.0 * tolerance {
+                assert_eq!(argmax, top[0].0, "{prompt:?} position {pos}: argmax");
+            } else if pos + 1 >= ids.len() {
+                clear_until = clear_until.min(pos + 1 - ids.len());
+            }
+        }
+
+        // Free-running greedy decoding through the cache gives mlx-lm's tokens up to its first near-tie.
+        let opts =
+            GenerateOptions { sampling: SamplingParams::greedy(), max_tokens: greedy.len(), ..Default::default() };
+        let out =
+            Session::new().generate(&mut runner, &tok, &ids, &opts, &AtomicBool::new(false), &mut |_| {}).unwrap();
+        assert_eq!(
+            out.tokens[..clear_until],
+            greedy[..clear_until],
+            "{prompt:?}: greedy tokens (mlx-lm: {:?})",
+            case["text"]
+        );
+        compared += clear_until;
+    }
+    eprintln!("{GEMMA3}: largest logit difference from mlx-lm {worst} (tolerance {tolerance}); {compared} greedy tokens compared");
+    assert!(compared >= 30, "only {compared} greedy tokens before near-ties: the check says little");
 }

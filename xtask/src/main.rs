@@ -298,6 +298,13 @@ fn sdk_venv() -> Result<PathBuf> {
     Ok(venv)
 }
 
+/// `tools/models/fetch_gemma3.sh` into the test models folder (idempotent: nothing to do once made).
+fn fetch_gemma3(models: &Path) -> Result<()> {
+    let mut c = Command::new("bash");
+    c.arg(root().join("tools/models/fetch_gemma3.sh")).arg(models);
+    run(c).context("making the Gemma 3 test checkpoint (tools/models/fetch_gemma3.sh)")
+}
+
 /// The CPU kernel paths this machine can run (see `backends/cpu/src/isa.rs`).
 /// Every CPU kernel path (`MLXCEL_CPU_ISA`) of this architecture, each with whether this CPU has it
 /// (the same checks as the CPU backend's `isa.rs`).
@@ -405,9 +412,11 @@ fn main() -> Result<()> {
                 std::env::set_var("MLX_DIR", &m.dir);
             }
             let mut c = cargo();
-            if std::env::var_os("MLXCEL_TEST_MODELS").is_some() {
+            if let Some(models) = std::env::var_os("MLXCEL_TEST_MODELS") {
                 // The server's SDK tests (host/tests/server.rs) run the official Python clients.
                 c.env("MLXCEL_SDK_VENV", sdk_venv()?);
+                // A real Gemma 3 converted with mlx-lm, with mlx-lm's answers (host/tests/real_models.rs).
+                fetch_gemma3(Path::new(&models))?;
             }
             c.args(["test", "--release", "--workspace", "--exclude", "xtask"]);
             c.args(&rest);
