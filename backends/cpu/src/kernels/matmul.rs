@@ -68,7 +68,6 @@ pub fn row_token_dots(
         };
         if let Some(wide) = wide {
             for r in r0..r1 {
-                prefetch_row(w, (r + PF_ROWS) * k, k);
                 let row = match w {
                     Floats::F32(s) => x86::Row::F32(s[r * k..(r + 1) * k].as_ptr()),
                     Floats::BF16(s) => x86::Row::Bf16(s[r * k..(r + 1) * k].as_ptr()),
@@ -107,10 +106,6 @@ pub fn row_token_dots(
         }
     }
 }
-
-/// Weight rows ahead of the one being read whose bytes [`row_token_dots`] requests (a decode reads each row
-/// once, and the hardware prefetcher alone left a bf16 decode at a third of this VM's read bandwidth).
-const PF_ROWS: usize = 4;
 
 #[cfg(target_arch = "x86_64")]
 mod x86 {
@@ -260,28 +255,6 @@ mod x86 {
             *out.ptr().add((t0 + g) * n + r) = finish(&lanes, x.add((t0 + g) * k), k, row);
         }
     }
-}
-
-/// Asks for the `k` values of `w` from element `start` (a hint only: addresses past `w` are never read).
-#[inline(always)]
-fn prefetch_row(w: Floats, start: usize, k: usize) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        let (base, size) = match w {
-            Floats::F32(s) => (s.as_ptr() as *const u8, 4),
-            Floats::F16(s) | Floats::BF16(s) => (s.as_ptr() as *const u8, 2),
-        };
-        let p = base.wrapping_add(start * size);
-        let mut o = 0;
-        while o < k * size {
-            // SAFETY: prefetching is a hint and never faults, whatever the address.
-            unsafe { _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o) as *const i8) };
-            o += 64;
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (w, start, k);
 }
 
 /// Number of weight rows per tile: enough tiles to keep every thread busy, small enough for cache.
