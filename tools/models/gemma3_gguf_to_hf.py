@@ -59,6 +59,13 @@ def config(reader):
     if arch != "gemma3":
         sys.exit(f"gemma3_gguf_to_hf.py: general.architecture is {arch!r}, not 'gemma3'")
     layers = int(field(reader, "gemma3.block_count"))
+    # Written for (and checked on) the small text models: the 4B and larger store linear rope scaling,
+    # and the 27B scales queries by hidden/heads rather than head_dim; neither is mapped here.
+    if "gemma3.rope.scaling.type" in reader.fields or "gemma3.rope.scaling.factor" in reader.fields:
+        sys.exit("gemma3_gguf_to_hf.py: this GGUF has rope scaling, which this converter does not map")
+    hidden, heads = int(field(reader, "gemma3.embedding_length")), int(field(reader, "gemma3.attention.head_count"))
+    if hidden // heads != int(field(reader, "gemma3.attention.key_length")) and layers == 62:
+        sys.exit("gemma3_gguf_to_hf.py: Gemma 3 27B's query scale is not mapped by this converter")
     # Gemma 3 text models: every sixth layer global, the rest sliding-window with rope base 10000
     # (llama.cpp hard-codes both for gemma3; Hugging Face's config spells them out).
     pattern = 6

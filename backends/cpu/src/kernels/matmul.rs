@@ -41,11 +41,15 @@ fn dot_sum(acc: &[f32; 16], s: f32) -> f32 {
 }
 
 /// `out[ti·n + r] = x[ti] · w[r]` for the tokens `0..t` and rows `r0..r1` of `w` (`[n, k]`), each
-/// result with the bits [`dot`] gives on the row converted to f32. On x86 each 16-value chunk of a row
-/// is widened once in registers and serves [`x86::DOT_TOKENS`] tokens; elsewhere a row is converted into
-/// `scratch` and dotted with each token. f16 rows go through `scratch` everywhere.
+/// result with the bits [`dot`] gives on the row converted to f32. On the AVX2 and AVX-512 paths each
+/// 16-value chunk of a row is widened once in registers and serves four tokens (`x86::DOT_TOKENS`);
+/// on the others a row is converted into `scratch` and dotted with each token. f16 rows go through
+/// `scratch` everywhere.
+///
+/// # Safety
+/// `out` points to a `[t, n]` row-major matrix whose columns `r0..r1` only this call writes.
 #[allow(clippy::too_many_arguments)]
-pub fn row_token_dots(
+pub(crate) unsafe fn row_token_dots(
     isa: Isa,
     x: &[f32],
     t: usize,
@@ -57,7 +61,7 @@ pub fn row_token_dots(
     out: SharedMut<f32>,
     scratch: &mut Vec<f32>,
 ) {
-    assert!(x.len() >= t * k && w.len() >= r1 * k, "row_dots: operands smaller than their shapes");
+    assert!(x.len() >= t * k && w.len() >= r1 * k && r1 <= n, "row_token_dots: operands smaller than their shapes");
     #[cfg(target_arch = "x86_64")]
     {
         use crate::isa::IsaPath;
@@ -104,7 +108,7 @@ pub fn row_token_dots(
         };
         for ti in 0..t {
             let v = dot::run(isa, &x[ti * k..(ti + 1) * k], wr);
-            // SAFETY: as above.
+            // SAFETY: `ti < t` and `r < r1 <= n`; the caller's `out` holds `[t, n]`, column `r` this call's.
             unsafe { *out.ptr().add(ti * n + r) = v };
         }
     }
@@ -112,13 +116,14 @@ pub fn row_token_dots(
 
 /// Rows ahead (inside a task's rows) whose values [`row_token_dots`] asks into L2 while it reads one:
 /// a decode reads each weight once, and the hardware prefetchers alone kept a bf16 decode at about
-/// half this VM's read bandwidth (SmolLM2 bf16, one stream: 62 → 87 tok/s; prefetching into L1, or a
-/// few rows ahead, gained nothing).
+/// half this VM's read bandwidth (SmolLM2 bf16, one server stream: 63–66 → 78–79 tok/s; prefetching
+/// into L1, or a few rows ahead, gained nothing).
 #[cfg(target_arch = "x86_64")]
 const PF_ROWS: usize = 16;
 
-/// Weight rows per task of a decode matmul: long enough runs for [`PF_ROWS`], at least four tasks per
-/// thread where the matrix allows.
+/// Weight rows per task of a decode matmul: 16 to 64, at least four tasks per thread where the matrix
+/// allows. Only tasks longer than `PF_ROWS` (16) prefetch: on two threads every matrix of over 512
+/// rows; on many threads small matrices go without.
 fn dot_task_rows(n: usize, threads: usize) -> usize {
     n.div_ceil(4 * threads.max(1)).clamp(16, 64).next_multiple_of(16)
 }
@@ -146,6 +151,22 @@ mod x86 {
     use std::arch::x86_64::*;
 
     use super::{dot_sum, SharedMut};
+
+    /// Calls `$kernel::<G>` on the tokens `0..t` in groups of [`DOT_TOKENS`] (the last one smaller).
+    macro_rules! by_token_groups {
+        ($kernel:ident, $x:expr, $t:expr, $k:expr, $row:expr, $r:expr, $n:expr, $out:expr) => {{
+            let mut t0 = 0;
+            while t0 < $t {
+                match $t - t0 {
+                    1 => $kernel::<1>($x, t0, $k, $row, $r, $n, $out),
+                    2 => $kernel::<2>($x, t0, $k, $row, $r, $n, $out),
+                    3 => $kernel::<3>($x, t0, $k, $row, $r, $n, $out),
+                    _ => $kernel::<DOT_TOKENS>($x, t0, $k, $row, $r, $n, $out),
+                }
+                t0 += DOT_TOKENS;
+            }
+        }};
+    }
 
     /// Tokens one pass over a weight row serves, each with its own sixteen lanes (four registers on
     /// AVX-512, eight of AVX2's sixteen).
@@ -185,16 +206,7 @@ mod x86 {
     /// AVX-512F; `x` holds `t` rows of `k`, `row` `k` values, `out` `[t, n]` with column `r` this call's.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
     pub unsafe fn row_tokens_512(x: *const f32, t: usize, k: usize, row: Row, r: usize, n: usize, out: SharedMut<f32>) {
-        let mut t0 = 0;
-        while t0 < t {
-            match t - t0 {
-                1 => tokens_512::<1>(x, t0, k, row, r, n, out),
-                2 => tokens_512::<2>(x, t0, k, row, r, n, out),
-                3 => tokens_512::<3>(x, t0, k, row, r, n, out),
-                _ => tokens_512::<DOT_TOKENS>(x, t0, k, row, r, n, out),
-            }
-            t0 += DOT_TOKENS;
-        }
+        by_token_groups!(tokens_512, x, t, k, row, r, n, out);
     }
 
     #[inline(always)]
@@ -238,16 +250,7 @@ mod x86 {
     /// AVX2 and FMA; as for [`row_tokens_512`].
     #[target_feature(enable = "avx2,fma,f16c")]
     pub unsafe fn row_tokens_256(x: *const f32, t: usize, k: usize, row: Row, r: usize, n: usize, out: SharedMut<f32>) {
-        let mut t0 = 0;
-        while t0 < t {
-            match t - t0 {
-                1 => tokens_256::<1>(x, t0, k, row, r, n, out),
-                2 => tokens_256::<2>(x, t0, k, row, r, n, out),
-                3 => tokens_256::<3>(x, t0, k, row, r, n, out),
-                _ => tokens_256::<DOT_TOKENS>(x, t0, k, row, r, n, out),
-            }
-            t0 += DOT_TOKENS;
-        }
+        by_token_groups!(tokens_256, x, t, k, row, r, n, out);
     }
 
     #[inline(always)]
@@ -401,13 +404,15 @@ pub fn matmul(
     out: &mut [f32],
     row_dots: bool,
 ) {
+    assert!(out.len() >= t * n, "matmul: output smaller than [{t}, {n}]");
     if row_dots {
         // Decode: one pass over the weights, each row dotted with every token.
         let rows_per_task = dot_task_rows(n, threads);
         let out_ptr = SharedMut(out.as_mut_ptr());
         pool::for_each_init(n.div_ceil(rows_per_task), Vec::new, |scratch, chunk| {
             let (r0, r1) = (chunk * rows_per_task, ((chunk + 1) * rows_per_task).min(n));
-            row_token_dots(isa, x, t, k, w, r0, r1, n, out_ptr, scratch);
+            // SAFETY: `out` holds `[t, n]`, and each task writes only its own rows' columns.
+            unsafe { row_token_dots(isa, x, t, k, w, r0, r1, n, out_ptr, scratch) };
         });
         return;
     }
@@ -460,8 +465,11 @@ mod tests {
                         let mut out = vec![f32::NAN; t * n];
                         let ptr = SharedMut(out.as_mut_ptr());
                         // Rows in two calls, as two tasks would take them.
-                        row_token_dots(isa, &x, t, k, w, 0, 3, n, ptr, &mut Vec::new());
-                        row_token_dots(isa, &x, t, k, w, 3, n, n, ptr, &mut Vec::new());
+                        // SAFETY: `out` is `[t, n]`.
+                        unsafe {
+                            row_token_dots(isa, &x, t, k, w, 0, 3, n, ptr, &mut Vec::new());
+                            row_token_dots(isa, &x, t, k, w, 3, n, n, ptr, &mut Vec::new());
+                        }
                         for i in 0..t * n {
                             assert_eq!(
                                 out[i].to_bits(),
