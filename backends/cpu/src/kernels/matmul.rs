@@ -1,6 +1,6 @@
 //! Float linear layers: `out[T, N] = x[T, K] · w[N, K]ᵀ`. Prefill goes through `gemm` on tiles of weight
 //! rows converted to f32 (no whole-matrix conversion); decode (`row_token_dots`) passes over each row once,
-//! widening its bf16 values in registers, and dots it with every token of the step.
+//! widening its bf16 or f16 values in registers, and dots it with every token of the step.
 
 use crate::pool;
 
@@ -42,9 +42,9 @@ fn dot_sum(acc: &[f32; 16], s: f32) -> f32 {
 
 /// `out[ti·n + r] = x[ti] · w[r]` for the tokens `0..t` and rows `r0..r1` of `w` (`[n, k]`), each
 /// result with the bits [`dot`] gives on the row converted to f32. On the AVX2 and AVX-512 paths each
-/// 16-value chunk of a row is widened once in registers and serves four tokens (`x86::DOT_TOKENS`);
-/// on the others a row is converted into `scratch` and dotted with each token. f16 rows go through
-/// `scratch` everywhere.
+/// 16-value chunk of a row (f32, bf16 or f16) is widened once in registers and serves four tokens
+/// (`x86::DOT_TOKENS`); on the others a bf16 or f16 row is converted into `scratch` and dotted with
+/// each token.
 ///
 /// # Safety
 /// `out` points to a `[t, n]` row-major matrix whose columns `r0..r1` only this call writes.
@@ -78,11 +78,7 @@ pub(crate) unsafe fn row_token_dots(
                 let row = match w {
                     Floats::F32(s) => x86::Row::F32(s[r * k..(r + 1) * k].as_ptr()),
                     Floats::BF16(s) => x86::Row::Bf16(s[r * k..(r + 1) * k].as_ptr()),
-                    Floats::F16(_) => {
-                        scratch.resize(k, 0.0);
-                        w.to_f32(r * k, scratch);
-                        x86::Row::F32(scratch.as_ptr())
-                    }
+                    Floats::F16(s) => x86::Row::F16(s[r * k..(r + 1) * k].as_ptr()),
                 };
                 // SAFETY: the path is this CPU's; `x` holds `t` rows of `k`, `row` `k` values; the
                 // caller's `out` holds `[t, n]` and only this task writes row `r`'s column.
@@ -172,20 +168,22 @@ mod x86 {
     /// AVX-512, eight of AVX2's sixteen).
     pub const DOT_TOKENS: usize = 4;
 
-    /// One weight row: `k` f32 or bf16 values.
+    /// One weight row: `k` f32, bf16 or f16 values.
     #[derive(Clone, Copy)]
     pub enum Row {
         F32(*const f32),
         Bf16(*const u16),
+        F16(*const u16),
     }
 
     impl Row {
-        /// Value `i`, widened to f32 (a bf16 is an f32's upper half).
+        /// Value `i`, widened to f32 (a bf16 is an f32's upper half; an f16 widens exactly).
         #[inline(always)]
         unsafe fn at(self, i: usize) -> f32 {
             match self {
                 Row::F32(p) => *p.add(i),
                 Row::Bf16(p) => f32::from_bits((*p.add(i) as u32) << 16),
+                Row::F16(p) => half::f16::from_bits(*p.add(i)).to_f32(),
             }
         }
     }
@@ -217,6 +215,7 @@ mod x86 {
                 let h = _mm256_loadu_si256(p.add(o) as *const __m256i);
                 _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
             }
+            Row::F16(p) => _mm512_cvtph_ps(_mm256_loadu_si256(p.add(o) as *const __m256i)),
         }
     }
 
@@ -263,6 +262,10 @@ mod x86 {
         match row {
             Row::F32(p) => (_mm256_loadu_ps(p.add(o)), _mm256_loadu_ps(p.add(o + 8))),
             Row::Bf16(p) => (widen_bf16_8(p.add(o)), widen_bf16_8(p.add(o + 8))),
+            Row::F16(p) => (
+                _mm256_cvtph_ps(_mm_loadu_si128(p.add(o) as *const __m128i)),
+                _mm256_cvtph_ps(_mm_loadu_si128(p.add(o + 8) as *const __m128i)),
+            ),
         }
     }
 
