@@ -75,11 +75,7 @@ pub(crate) unsafe fn row_token_dots(
                 if r + PF_ROWS < r1 {
                     prefetch_row(w, (r + PF_ROWS) * k, k);
                 }
-                let row = match w {
-                    Floats::F32(s) => x86::Row::F32(s[r * k..(r + 1) * k].as_ptr()),
-                    Floats::BF16(s) => x86::Row::Bf16(s[r * k..(r + 1) * k].as_ptr()),
-                    Floats::F16(s) => x86::Row::F16(s[r * k..(r + 1) * k].as_ptr()),
-                };
+                let row = w.slice(r * k, k);
                 // SAFETY: the path is this CPU's; `x` holds `t` rows of `k`, `row` `k` values; the
                 // caller's `out` holds `[t, n]` and only this task writes row `r`'s column.
                 unsafe {
@@ -146,54 +142,104 @@ fn prefetch_row(w: Floats, start: usize, k: usize) {
 mod x86 {
     use std::arch::x86_64::*;
 
-    use super::{dot_sum, SharedMut};
+    use half::{bf16, f16};
 
-    /// Calls `$kernel::<G>` on the tokens `0..t` in groups of [`DOT_TOKENS`] (the last one smaller).
+    use super::{dot_sum, Floats, SharedMut};
+
+    /// Tokens one pass over a weight row serves, each with its own sixteen lanes (four registers on
+    /// AVX-512, eight of AVX2's sixteen).
+    pub const DOT_TOKENS: usize = 4;
+
+    /// A weight element type, widened to f32 sixteen at a time in registers (a bf16 is an f32's upper
+    /// half; an f16 widens exactly) and one at a time as [`Floats::get`] does.
+    trait Element: Copy {
+        fn widen(self) -> f32;
+        /// Elements `p..p + 16`, needing AVX-512F (and F16C for f16).
+        unsafe fn chunk_512(p: *const Self) -> __m512;
+        /// Elements `p..p + 16` as two halves, needing AVX2 (and F16C for f16).
+        unsafe fn chunk_256(p: *const Self) -> (__m256, __m256);
+    }
+
+    impl Element for f32 {
+        fn widen(self) -> f32 {
+            self
+        }
+        #[inline(always)]
+        unsafe fn chunk_512(p: *const f32) -> __m512 {
+            _mm512_loadu_ps(p)
+        }
+        #[inline(always)]
+        unsafe fn chunk_256(p: *const f32) -> (__m256, __m256) {
+            (_mm256_loadu_ps(p), _mm256_loadu_ps(p.add(8)))
+        }
+    }
+
+    impl Element for bf16 {
+        fn widen(self) -> f32 {
+            self.to_f32()
+        }
+        #[inline(always)]
+        unsafe fn chunk_512(p: *const bf16) -> __m512 {
+            let h = _mm256_loadu_si256(p as *const __m256i);
+            _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        }
+        #[inline(always)]
+        unsafe fn chunk_256(p: *const bf16) -> (__m256, __m256) {
+            let q = p as *const __m128i;
+            let widen = |h: __m128i| _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)));
+            (widen(_mm_loadu_si128(q)), widen(_mm_loadu_si128(q.add(1))))
+        }
+    }
+
+    impl Element for f16 {
+        fn widen(self) -> f32 {
+            self.to_f32()
+        }
+        #[inline(always)]
+        unsafe fn chunk_512(p: *const f16) -> __m512 {
+            _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
+        }
+        #[inline(always)]
+        unsafe fn chunk_256(p: *const f16) -> (__m256, __m256) {
+            let q = p as *const __m128i;
+            (_mm256_cvtph_ps(_mm_loadu_si128(q)), _mm256_cvtph_ps(_mm_loadu_si128(q.add(1))))
+        }
+    }
+
+    /// Calls `$kernel::<E, G>` on the tokens `0..t` in groups of [`DOT_TOKENS`] (the last one smaller).
     macro_rules! by_token_groups {
-        ($kernel:ident, $x:expr, $t:expr, $k:expr, $row:expr, $r:expr, $n:expr, $out:expr) => {{
+        ($kernel:ident::<$e:ident>, $x:expr, $t:expr, $k:expr, $row:expr, $r:expr, $n:expr, $out:expr) => {{
             let mut t0 = 0;
             while t0 < $t {
                 match $t - t0 {
-                    1 => $kernel::<1>($x, t0, $k, $row, $r, $n, $out),
-                    2 => $kernel::<2>($x, t0, $k, $row, $r, $n, $out),
-                    3 => $kernel::<3>($x, t0, $k, $row, $r, $n, $out),
-                    _ => $kernel::<DOT_TOKENS>($x, t0, $k, $row, $r, $n, $out),
+                    1 => $kernel::<$e, 1>($x, t0, $k, $row, $r, $n, $out),
+                    2 => $kernel::<$e, 2>($x, t0, $k, $row, $r, $n, $out),
+                    3 => $kernel::<$e, 3>($x, t0, $k, $row, $r, $n, $out),
+                    _ => $kernel::<$e, DOT_TOKENS>($x, t0, $k, $row, $r, $n, $out),
                 }
                 t0 += DOT_TOKENS;
             }
         }};
     }
 
-    /// Tokens one pass over a weight row serves, each with its own sixteen lanes (four registers on
-    /// AVX-512, eight of AVX2's sixteen).
-    pub const DOT_TOKENS: usize = 4;
-
-    /// One weight row: `k` f32, bf16 or f16 values.
-    #[derive(Clone, Copy)]
-    pub enum Row {
-        F32(*const f32),
-        Bf16(*const u16),
-        F16(*const u16),
-    }
-
-    impl Row {
-        /// Value `i`, widened to f32 (a bf16 is an f32's upper half; an f16 widens exactly).
-        #[inline(always)]
-        unsafe fn at(self, i: usize) -> f32 {
-            match self {
-                Row::F32(p) => *p.add(i),
-                Row::Bf16(p) => f32::from_bits((*p.add(i) as u32) << 16),
-                Row::F16(p) => half::f16::from_bits(*p.add(i)).to_f32(),
+    /// Calls `$f::<E>` with `row`'s pointer typed by its storage: one match per row, none in the
+    /// kernels' loops.
+    macro_rules! by_element {
+        ($f:ident, $x:expr, $t:expr, $k:expr, $row:expr, $r:expr, $n:expr, $out:expr) => {
+            match $row {
+                Floats::F32(s) => $f($x, $t, $k, s.as_ptr(), $r, $n, $out),
+                Floats::BF16(s) => $f($x, $t, $k, s.as_ptr() as *const bf16, $r, $n, $out),
+                Floats::F16(s) => $f($x, $t, $k, s.as_ptr() as *const f16, $r, $n, $out),
             }
-        }
+        };
     }
 
     /// The remainder past the last full chunk and the final sum, as [`super::dot`] does them.
     #[inline(always)]
-    unsafe fn finish(lanes: &[f32; 16], x: *const f32, k: usize, row: Row) -> f32 {
+    unsafe fn finish<E: Element>(lanes: &[f32; 16], x: *const f32, k: usize, row: *const E) -> f32 {
         let mut s = 0f32;
         for i in k / 16 * 16..k {
-            s += *x.add(i) * row.at(i);
+            s += *x.add(i) * (*row.add(i)).widen();
         }
         dot_sum(lanes, s)
     }
@@ -203,35 +249,44 @@ mod x86 {
     /// # Safety
     /// AVX-512F; `x` holds `t` rows of `k`, `row` `k` values, `out` `[t, n]` with column `r` this call's.
     #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub unsafe fn row_tokens_512(x: *const f32, t: usize, k: usize, row: Row, r: usize, n: usize, out: SharedMut<f32>) {
-        by_token_groups!(tokens_512, x, t, k, row, r, n, out);
+    pub unsafe fn row_tokens_512(
+        x: *const f32,
+        t: usize,
+        k: usize,
+        row: Floats,
+        r: usize,
+        n: usize,
+        out: SharedMut<f32>,
+    ) {
+        by_element!(row_512, x, t, k, row, r, n, out)
+    }
+
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
+    unsafe fn row_512<E: Element>(
+        x: *const f32,
+        t: usize,
+        k: usize,
+        row: *const E,
+        r: usize,
+        n: usize,
+        out: SharedMut<f32>,
+    ) {
+        by_token_groups!(tokens_512::<E>, x, t, k, row, r, n, out);
     }
 
     #[inline(always)]
-    unsafe fn chunk_512(row: Row, o: usize) -> __m512 {
-        match row {
-            Row::F32(p) => _mm512_loadu_ps(p.add(o)),
-            Row::Bf16(p) => {
-                let h = _mm256_loadu_si256(p.add(o) as *const __m256i);
-                _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
-            }
-            Row::F16(p) => _mm512_cvtph_ps(_mm256_loadu_si256(p.add(o) as *const __m256i)),
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn tokens_512<const G: usize>(
+    unsafe fn tokens_512<E: Element, const G: usize>(
         x: *const f32,
         t0: usize,
         k: usize,
-        row: Row,
+        row: *const E,
         r: usize,
         n: usize,
         out: SharedMut<f32>,
     ) {
         let mut acc = [_mm512_setzero_ps(); G];
         for j in 0..k / 16 {
-            let wv = chunk_512(row, 16 * j);
+            let wv = E::chunk_512(row.add(16 * j));
             for (g, a) in acc.iter_mut().enumerate() {
                 *a = _mm512_fmadd_ps(_mm512_loadu_ps(x.add((t0 + g) * k + 16 * j)), wv, *a);
             }
@@ -248,40 +303,44 @@ mod x86 {
     /// # Safety
     /// AVX2 and FMA; as for [`row_tokens_512`].
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub unsafe fn row_tokens_256(x: *const f32, t: usize, k: usize, row: Row, r: usize, n: usize, out: SharedMut<f32>) {
-        by_token_groups!(tokens_256, x, t, k, row, r, n, out);
+    pub unsafe fn row_tokens_256(
+        x: *const f32,
+        t: usize,
+        k: usize,
+        row: Floats,
+        r: usize,
+        n: usize,
+        out: SharedMut<f32>,
+    ) {
+        by_element!(row_256, x, t, k, row, r, n, out)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn row_256<E: Element>(
+        x: *const f32,
+        t: usize,
+        k: usize,
+        row: *const E,
+        r: usize,
+        n: usize,
+        out: SharedMut<f32>,
+    ) {
+        by_token_groups!(tokens_256::<E>, x, t, k, row, r, n, out);
     }
 
     #[inline(always)]
-    unsafe fn widen_bf16_8(p: *const u16) -> __m256 {
-        _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i))))
-    }
-
-    #[inline(always)]
-    unsafe fn chunk_256(row: Row, o: usize) -> (__m256, __m256) {
-        match row {
-            Row::F32(p) => (_mm256_loadu_ps(p.add(o)), _mm256_loadu_ps(p.add(o + 8))),
-            Row::Bf16(p) => (widen_bf16_8(p.add(o)), widen_bf16_8(p.add(o + 8))),
-            Row::F16(p) => (
-                _mm256_cvtph_ps(_mm_loadu_si128(p.add(o) as *const __m128i)),
-                _mm256_cvtph_ps(_mm_loadu_si128(p.add(o + 8) as *const __m128i)),
-            ),
-        }
-    }
-
-    #[inline(always)]
-    unsafe fn tokens_256<const G: usize>(
+    unsafe fn tokens_256<E: Element, const G: usize>(
         x: *const f32,
         t0: usize,
         k: usize,
-        row: Row,
+        row: *const E,
         r: usize,
         n: usize,
         out: SharedMut<f32>,
     ) {
         let mut acc = [(_mm256_setzero_ps(), _mm256_setzero_ps()); G];
         for j in 0..k / 16 {
-            let (w0, w1) = chunk_256(row, 16 * j);
+            let (w0, w1) = E::chunk_256(row.add(16 * j));
             for (g, a) in acc.iter_mut().enumerate() {
                 let xp = x.add((t0 + g) * k + 16 * j);
                 a.0 = _mm256_fmadd_ps(_mm256_loadu_ps(xp), w0, a.0);
