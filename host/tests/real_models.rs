@@ -63,6 +63,16 @@ fn top5(runner: &mut ModelRunner, ids: &[u32]) -> Vec<(u32, f32)> {
     idx[..5].iter().map(|&i| (i as u32, l[i])).collect()
 }
 
+/// What the runner's KV cache type adds to a logit tolerance: nothing for f32, the given measured
+/// margins for f16 and bf16 keys and values (they round the attention's inputs).
+fn kv_cache_tolerance(runner: &ModelRunner, f16: f32, bf16: f32) -> f32 {
+    match runner.cache_types().k.coarser(runner.cache_types().v) {
+        KvCacheType::F32 => 0.0,
+        KvCacheType::F16 => f16,
+        KvCacheType::Bf16 => bf16,
+    }
+}
+
 fn check_model(folder: &str, want_top5: &[(u32, f32)], tolerance: f32) {
     let Some((mut runner, tok)) = load(folder) else { return };
     // The chat template (with SmolLM's default system prompt) gives exactly the reference ids.
@@ -73,12 +83,7 @@ fn check_model(folder: &str, want_top5: &[(u32, f32)], tolerance: f32) {
 
     // Keys and values kept in f16 (the default) or bf16 round the attention's inputs: measured on the
     // 4-bit folder against the f32 reference, f16 moves these logits by ≤ 0.015 and bf16 by ≤ 0.06.
-    let tolerance = tolerance
-        + match runner.cache_types().k.coarser(runner.cache_types().v) {
-            KvCacheType::F32 => 0.0,
-            KvCacheType::F16 => 0.02,
-            KvCacheType::Bf16 => 0.08,
-        };
+    let tolerance = tolerance + kv_cache_tolerance(&runner, 0.02, 0.08);
     let got = top5(&mut runner, &ids);
     let got_set: std::collections::BTreeSet<u32> = got.iter().map(|g| g.0).collect();
     let want_set: std::collections::BTreeSet<u32> = want_top5.iter().map(|w| w.0).collect();
@@ -204,12 +209,7 @@ const GEMMA3: &str = "gemma-3-270m-mlx-4bit";
 /// 1e-4; with the default f16 cache 0.009 (also the MLX backend); int16 activations 0.010 (f32 cache) to
 /// 0.018 (f16 cache, the scalar path); the bf16 cache 0.064.
 fn gemma3_tolerance(runner: &ModelRunner) -> f32 {
-    let kv = match runner.cache_types().k.coarser(runner.cache_types().v) {
-        KvCacheType::F32 => 0.0,
-        KvCacheType::F16 => 0.01,
-        KvCacheType::Bf16 => 0.07,
-    };
-    kv + if cpu_int16() { 0.03 } else { 0.005 }
+    kv_cache_tolerance(runner, 0.01, 0.07) + if cpu_int16() { 0.03 } else { 0.005 }
 }
 
 #[test]
