@@ -27,6 +27,8 @@ pub struct SamplingParams {
     /// How many recent tokens the penalties look at (0 = none).
     pub penalty_last_n: usize,
     pub seed: Option<u64>,
+    /// Added to these tokens' logits before anything else (`-inf` bans a token).
+    pub logit_bias: Vec<(u32, f32)>,
 }
 
 impl Default for SamplingParams {
@@ -42,6 +44,7 @@ impl Default for SamplingParams {
             frequency_penalty: 0.0,
             penalty_last_n: 64,
             seed: None,
+            logit_bias: Vec::new(),
         }
     }
 }
@@ -67,6 +70,9 @@ impl SamplingParams {
         }
         if !self.presence_penalty.is_finite() || !self.frequency_penalty.is_finite() {
             return Err("presence_penalty and frequency_penalty must be finite".into());
+        }
+        if let Some((t, b)) = self.logit_bias.iter().find(|(_, b)| b.is_nan() || *b == f32::INFINITY) {
+            return Err(format!("logit_bias of token {t} must be a number or -inf, got {b}"));
         }
         Ok(())
     }
@@ -150,9 +156,13 @@ impl Sampler {
 
     /// How many of a row's largest logits this sampler needs, when that is all it needs: greedy
     /// decoding needs 1, top-k sampling `top_k`; penalties (which can lift any token) need the whole
-    /// row (`None`), as does sampling without a top-k. The engine then has the backend select them.
+    /// row (`None`), as do logit biases and sampling without a top-k. The engine then has the backend
+    /// select them.
     pub fn top_k_needed(&self) -> Option<usize> {
         let p = &self.params;
+        if !p.logit_bias.is_empty() {
+            return None;
+        }
         let penalties = p.repeat_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
         if penalties && p.penalty_last_n > 0 {
             return None;
@@ -165,6 +175,11 @@ impl Sampler {
 
     /// Picks the next token from `logits` given the tokens so far (`history`, for penalties).
     pub fn sample(&mut self, logits: &mut [f32], history: &[u32]) -> u32 {
+        for &(t, b) in &self.params.logit_bias {
+            if let Some(l) = logits.get_mut(t as usize) {
+                *l += b;
+            }
+        }
         self.apply_penalties(logits, history);
         if self.params.temperature <= 0.0 {
             return argmax(logits);
@@ -289,6 +304,21 @@ mod tests {
         };
         assert_eq!(run(), run());
         assert!(run().iter().collect::<std::collections::HashSet<_>>().len() > 1, "sampling should vary");
+    }
+
+    #[test]
+    fn logit_bias_moves_and_bans_tokens_and_needs_the_whole_row() {
+        let p = SamplingParams { logit_bias: vec![(1, -100.0), (2, 0.5)], ..SamplingParams::greedy() };
+        let mut s = Sampler::new(p);
+        assert_eq!(s.top_k_needed(), None);
+        assert_eq!(s.sample(&mut [0.1, 3.0, 2.0], &[]), 2);
+        let p = SamplingParams { logit_bias: vec![(0, f32::NEG_INFINITY)], seed: Some(2), ..Default::default() };
+        let mut s = Sampler::new(p.clone());
+        for _ in 0..20 {
+            assert_ne!(s.sample(&mut [5.0, 1.0, 1.0], &[]), 0);
+        }
+        assert!(p.validate().is_ok());
+        assert!(SamplingParams { logit_bias: vec![(0, f32::NAN)], ..p }.validate().is_err());
     }
 
     #[test]

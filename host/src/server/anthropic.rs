@@ -142,6 +142,9 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
         return Err(ApiError::field("max_tokens", "max_tokens must be at least 1"));
     }
     let prompt = prompt_of(model, &r)?;
+    if let Some(t) = r.temperature.filter(|t| !(0.0..=1.0).contains(t)) {
+        return Err(ApiError::field("temperature", format!("temperature: must be between 0 and 1, got {t}")));
+    }
     let mut sampling = model.facts.default_sampling.clone();
     sampling.temperature = r.temperature.unwrap_or(sampling.temperature);
     sampling.top_p = r.top_p.unwrap_or(sampling.top_p);

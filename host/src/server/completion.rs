@@ -57,7 +57,11 @@ impl Job {
             )
             .with_code("context_length_exceeded"));
         }
-        self.sampling.validate().map_err(ApiError::invalid)?;
+        // Its messages start with the field at fault.
+        self.sampling.validate().map_err(|e| {
+            let field = e.split_whitespace().next().unwrap_or_default().to_owned();
+            ApiError::field(&field, e)
+        })?;
         let room = ctx - self.prompt.len();
         let max_tokens = self.max_tokens.or(state.config.n_predict).unwrap_or(room).min(room);
         let mut r = GenerationRequest::new(self.prompt, self.sampling, max_tokens);
@@ -303,4 +307,70 @@ pub fn unix_time() -> u64 {
 /// The text of one token, for logprobs.
 pub fn token_text(tok: &TextTokenizer, id: u32) -> String {
     tok.inner.decode(&[id], false).unwrap_or_default()
+}
+
+/// `logit_bias` as the dialects send it: OpenAI's `{"token id": bias}` with biases in [-100, 100];
+/// llama-server's also `[[token, bias], …]` where a token is an id or a string (each of its tokens
+/// biased) and a bias `false` bans the token.
+pub fn logit_bias(v: &serde_json::Value, model: &LoadedModel, openai: bool) -> Result<Vec<(u32, f32)>, ApiError> {
+    use serde_json::Value;
+    let vocab = model.facts.vocab_size as u32;
+    let err = |m: String| ApiError::field("logit_bias", format!("invalid logit_bias: {m}"));
+    let tokens = |key: &Value| -> Result<Vec<u32>, ApiError> {
+        let id = match key {
+            Value::Number(n) => n.as_u64(),
+            Value::String(s) => s.parse::<u64>().ok(),
+            _ => None,
+        };
+        match (id, key) {
+            (Some(id), _) if id < vocab as u64 => Ok(vec![id as u32]),
+            (Some(id), _) => Err(err(format!("token id {id} is outside the vocabulary (size {vocab})"))),
+            (None, Value::String(s)) if !openai => {
+                model.text.encode(s, false).map_err(|e| ApiError::internal(e.to_string()))
+            }
+            _ => Err(err(format!("expected token ids as keys, got {key}"))),
+        }
+    };
+    let bias = |b: &Value| -> Result<f32, ApiError> {
+        match b {
+            Value::Bool(false) if !openai => Ok(f32::NEG_INFINITY),
+            Value::Number(n) => {
+                let x = n.as_f64().unwrap_or(f64::NAN) as f32;
+                if openai && !(-100.0..=100.0).contains(&x) {
+                    return Err(err(format!("biases must be in [-100, 100], got {x}")));
+                }
+                if x.is_finite() {
+                    Ok(x)
+                } else {
+                    Err(err(format!("bias {n} is out of range")))
+                }
+            }
+            _ => Err(err(format!("expected a number{} as a bias, got {b}", if openai { "" } else { " or false" }))),
+        }
+    };
+    let pairs: Vec<(&Value, &Value)> = match v {
+        Value::Null => vec![],
+        Value::Object(m) => {
+            let mut out = Vec::new();
+            for (k, b) in m {
+                let b = bias(b)?;
+                out.extend(tokens(&Value::String(k.clone()))?.into_iter().map(|t| (t, b)));
+            }
+            return Ok(out);
+        }
+        Value::Array(a) if !openai => a
+            .iter()
+            .map(|e| match e.as_array().map(Vec::as_slice) {
+                Some([t, b]) => Ok((t, b)),
+                _ => Err(err(format!("expected [token, bias] pairs, got {e}"))),
+            })
+            .collect::<Result<_, _>>()?,
+        _ => return Err(err("expected an object of token ids to biases".into())),
+    };
+    let mut out = Vec::new();
+    for (t, b) in pairs {
+        let b = bias(b)?;
+        out.extend(tokens(t)?.into_iter().map(|t| (t, b)));
+    }
+    Ok(out)
 }

@@ -190,14 +190,24 @@ fn expected_shape(type_name: &str) -> &'static str {
     }
 }
 
-/// Parses a JSON request body into `T`, reporting a wrong field by its path.
+/// Parses a JSON request body into `T`, reporting a wrong field by its path. A field `T` does not read
+/// is refused by name unless it is one of [`fields`](super::fields)' inert ones at an inert value.
 pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Err(ApiError::invalid("the request body is empty; send a JSON object"));
     }
+    let mut unread = Vec::new();
     let mut de = serde_json::Deserializer::from_slice(body);
-    let v = serde_path_to_error::deserialize(&mut de).map_err(json_error)?;
+    let mut note = |p: serde_ignored::Path| unread.push(super::fields::Unread::of(&p));
+    let v =
+        serde_path_to_error::deserialize(serde_ignored::Deserializer::new(&mut de, &mut note)).map_err(json_error)?;
     de.end().map_err(|e| ApiError::invalid(format!("the request body is not valid JSON: {e}")))?;
+    if !unread.is_empty() {
+        let whole: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body).unwrap_or_default();
+        for field in &unread {
+            super::fields::check(field, &whole)?;
+        }
+    }
     Ok(v)
 }
 
@@ -233,7 +243,15 @@ mod tests {
         assert_eq!(e.message, "invalid value for `stop`: expected a string or a list of strings");
         let e = parse_body::<R>(b"{not json").unwrap_err();
         assert!(e.message.contains("not valid JSON"), "{}", e.message);
-        assert!(parse_body::<R>(br#"{"unknown": 1}"#).is_ok());
+        // A field the type does not read is refused by name, an inert one at its inert value taken.
+        let e = parse_body::<R>(br#"{"unknown": 1}"#).unwrap_err();
+        assert_eq!(
+            (e.param.as_deref(), e.message.as_str()),
+            (Some("unknown"), "Unrecognized request argument supplied: unknown")
+        );
+        let e = parse_body::<R>(br#"{"messages": [{"role": "user", "colour": "red"}]}"#).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].colour"));
+        assert!(parse_body::<R>(br#"{"user": "u-1", "mirostat": 0}"#).is_ok());
     }
 
     #[test]

@@ -14,7 +14,9 @@ use axum::{Extension, Json};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::completion::{collect, data, stream_response, submit, timings, token_text, Ending, Job, StreamDialect};
+use super::completion::{
+    collect, data, logit_bias, stream_response, submit, timings, token_text, Ending, Job, StreamDialect,
+};
 use super::error::{parse_body, ApiError, Dialect, ErrorKind};
 use super::openai::{chat_messages, MessageIn, StopField};
 use super::state::{AppState, LoadedModel, RequestLog};
@@ -36,7 +38,7 @@ pub struct CompletionRequest {
     pub stream: Option<bool>,
     pub cache_prompt: Option<bool>,
     pub temperature: Option<f32>,
-    pub top_k: Option<usize>,
+    pub top_k: Option<i64>,
     pub top_p: Option<f32>,
     pub min_p: Option<f32>,
     pub repeat_penalty: Option<f32>,
@@ -49,14 +51,17 @@ pub struct CompletionRequest {
     pub n_probs: Option<usize>,
     pub add_special: Option<bool>,
     pub return_tokens: Option<bool>,
-    pub grammar: Option<String>,
-    pub json_schema: Option<Value>,
+    pub logit_bias: Option<Value>,
 }
+
+/// The most candidates `n_probs` may ask for per token (each answer carries them all).
+const MAX_N_PROBS: usize = 100;
 
 fn sampling(r: &CompletionRequest, defaults: &SamplingParams, ctx: usize) -> SamplingParams {
     let mut p = defaults.clone();
-    p.temperature = r.temperature.unwrap_or(p.temperature);
-    p.top_k = r.top_k.unwrap_or(p.top_k);
+    // llama-server: a temperature below 0 is greedy, a top-k of 0 or less is off.
+    p.temperature = r.temperature.map_or(p.temperature, |t| t.max(0.0));
+    p.top_k = r.top_k.map_or(p.top_k, |k| usize::try_from(k).unwrap_or(0));
     p.top_p = r.top_p.unwrap_or(p.top_p);
     p.min_p = r.min_p.unwrap_or(p.min_p);
     p.repeat_penalty = r.repeat_penalty.unwrap_or(p.repeat_penalty);
@@ -130,6 +135,7 @@ fn generation_settings(model: &LoadedModel, p: &SamplingParams, n_predict: i64) 
         "presence_penalty": p.presence_penalty,
         "frequency_penalty": p.frequency_penalty,
         "seed": p.seed.map_or(-1i64, |s| s as i64),
+        "logit_bias": p.logit_bias.iter().map(|(t, b)| json!([t, if b.is_finite() { json!(b) } else { json!(false) }])).collect::<Vec<_>>(),
         "n_ctx": model.facts.ctx_size,
         "model": model.facts.id,
     })
@@ -146,19 +152,19 @@ pub async fn completion(
 async fn completion_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Result<Response, ApiError> {
     let model = state.ready()?;
     let r: CompletionRequest = parse_body(body)?;
-    if r.grammar.as_deref().is_some_and(|g| !g.is_empty()) {
-        return Err(ApiError::field("grammar", "grammars are not supported by this server"));
-    }
-    if r.json_schema.as_ref().is_some_and(|s| !s.is_null() && s != &json!({})) {
-        return Err(ApiError::field("json_schema", "JSON schemas are not supported by this server"));
-    }
     let (prompt_text, ids) = prompt_ids(model, &r.prompt, r.add_special.unwrap_or(true))?;
-    let params = sampling(&r, &model.facts.default_sampling, model.facts.ctx_size);
+    let mut params = sampling(&r, &model.facts.default_sampling, model.facts.ctx_size);
+    if let Some(b) = &r.logit_bias {
+        params.logit_bias = logit_bias(b, model, false)?;
+    }
     let mut job = Job::new(ids, params.clone());
     job.max_tokens = r.n_predict.and_then(|n| usize::try_from(n).ok());
     job.stop = r.stop.map(StopField::into_vec).unwrap_or_default();
     job.cache_prompt = r.cache_prompt;
     job.ignore_eos = r.ignore_eos.unwrap_or(false);
+    if r.n_probs.is_some_and(|n| n > MAX_N_PROBS) {
+        return Err(ApiError::field("n_probs", format!("n_probs must be at most {MAX_N_PROBS}")));
+    }
     job.logprobs = r.n_probs.filter(|&n| n > 0);
     let stops = job.stop.clone();
     let prompt_n = job.prompt.len();

@@ -12,6 +12,7 @@ pub mod batch_engine;
 pub mod completion;
 pub mod embeddings;
 pub mod error;
+pub mod fields;
 pub mod generator;
 pub mod listen;
 pub mod llama;
@@ -33,7 +34,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use futures_util::StreamExt;
-use tower_http::cors::{Any, CorsLayer};
+use tower_http::cors::{AllowHeaders, AllowMethods, Any, CorsLayer};
 use tower_http::limit::RequestBodyLimitLayer;
 use tower_http::trace::TraceLayer;
 
@@ -54,6 +55,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))
         .route("/models", get(openai::models))
+        .route("/v1/models/{id}", get(openai::model))
+        .route("/models/{id}", get(openai::model))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/completion", post(llama::completion))
@@ -82,8 +85,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .layer(
             CorsLayer::new()
                 .allow_origin(Any)
-                .allow_methods(Any)
-                .allow_headers(Any)
+                .allow_methods(AllowMethods::mirror_request())
+                // Mirrored, not `*`: browsers do not count `Authorization` as covered by a wildcard.
+                .allow_headers(AllowHeaders::mirror_request())
                 .max_age(std::time::Duration::from_secs(3600)),
         )
         .with_state(state)

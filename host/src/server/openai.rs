@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{Path, State};
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
@@ -13,10 +13,10 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::completion::{
-    collect, data, new_id, stream_response, submit, timings, token_text, unix_time, Completion, Ending, Job,
-    StreamDialect,
+    collect, data, logit_bias, new_id, stream_response, submit, timings, token_text, unix_time, Completion, Ending,
+    Job, StreamDialect,
 };
-use super::error::{parse_body, ApiError, Dialect};
+use super::error::{parse_body, ApiError, Dialect, ErrorKind};
 use super::state::{AppState, LoadedModel, RequestLog};
 use crate::engine::{SamplingParams, TokenLogprob, Usage};
 use crate::text::{ChatMessage, TextTokenizer};
@@ -74,7 +74,7 @@ pub struct SamplingFields {
     pub seed: Option<i64>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
-    pub top_k: Option<usize>,
+    pub top_k: Option<i64>,
     pub min_p: Option<f32>,
     pub repeat_penalty: Option<f32>,
     pub repeat_last_n: Option<usize>,
@@ -87,14 +87,14 @@ impl SamplingFields {
         p.top_p = self.top_p.unwrap_or(p.top_p);
         p.presence_penalty = self.presence_penalty.unwrap_or(p.presence_penalty);
         p.frequency_penalty = self.frequency_penalty.unwrap_or(p.frequency_penalty);
-        p.top_k = self.top_k.unwrap_or(p.top_k);
+        // llama-server's extension: 0 or less turns top-k off.
+        p.top_k = self.top_k.map_or(p.top_k, |k| usize::try_from(k).unwrap_or(0));
         p.min_p = self.min_p.unwrap_or(p.min_p);
         p.repeat_penalty = self.repeat_penalty.unwrap_or(p.repeat_penalty);
         p.penalty_last_n = self.repeat_last_n.unwrap_or(p.penalty_last_n);
-        match self.seed {
-            None => {}
-            Some(s) if s >= 0 => p.seed = Some(s as u64),
-            Some(_) => p.seed = None,
+        // OpenAI's seed is any int64, negative ones as deterministic as the rest.
+        if let Some(s) = self.seed {
+            p.seed = Some(s as u64);
         }
         if !(-2.0..=2.0).contains(&p.presence_penalty) {
             return Err(ApiError::field("presence_penalty", "presence_penalty must be in [-2, 2]"));
@@ -144,12 +144,13 @@ pub struct ChatRequest {
     pub ignore_eos: Option<bool>,
     pub tools: Option<Vec<Value>>,
     pub response_format: Option<Value>,
+    pub logit_bias: Option<Value>,
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
     pub seed: Option<i64>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
-    pub top_k: Option<usize>,
+    pub top_k: Option<i64>,
     pub min_p: Option<f32>,
     pub repeat_penalty: Option<f32>,
     pub repeat_last_n: Option<usize>,
@@ -203,14 +204,21 @@ pub fn chat_messages(messages: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiErro
     Ok(out)
 }
 
-/// The token ids of a conversation through the model's chat template.
+/// The token ids of a conversation through the model's chat template. A conversation that ends with
+/// an assistant message is a prefill, as Anthropic's API and llama-server take it: the answer
+/// continues that message (the turns before it, the assistant's turn opened, then its text).
 pub fn chat_prompt(model: &LoadedModel, messages: &[ChatMessage]) -> Result<(String, Vec<u32>), ApiError> {
     let t = model.text.chat_template.as_ref().ok_or_else(|| {
         ApiError::invalid(
             "this model has no chat template; start the server with --chat-template-file, or use /v1/completions",
         )
     })?;
-    let text = t.render(messages, true).map_err(ApiError::invalid)?;
+    let text = match messages.split_last() {
+        Some((last, before)) if last.role == "assistant" && !before.is_empty() => {
+            t.render(before, true).map_err(ApiError::invalid)? + &last.content
+        }
+        _ => t.render(messages, true).map_err(ApiError::invalid)?,
+    };
     let ids = model.text.encode(&text, false).map_err(|e| ApiError::internal(e.to_string()))?;
     Ok((text, ids))
 }
@@ -273,6 +281,16 @@ fn check_n(n: Option<u32>, stream: bool) -> Result<usize, ApiError> {
     Ok(n)
 }
 
+fn check_stream_options(given: bool, stream: bool) -> Result<(), ApiError> {
+    if given && !stream {
+        return Err(ApiError::field(
+            "stream_options",
+            "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
+        ));
+    }
+    Ok(())
+}
+
 fn refuse_unsupported(tools: &Option<Vec<Value>>, response_format: &Option<Value>) -> Result<(), ApiError> {
     if tools.as_ref().is_some_and(|t| !t.is_empty()) {
         return Err(ApiError::field("tools", "tool calling is not supported by this server yet"));
@@ -328,9 +346,18 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     refuse_unsupported(&r.tools, &r.response_format)?;
     let stream = r.stream.unwrap_or(false);
     let n = check_n(r.n, stream)?;
+    check_stream_options(r.stream_options.is_some(), stream)?;
+    if let Some((field, 0)) =
+        r.max_completion_tokens.map(|v| ("max_completion_tokens", v)).or(r.max_tokens.map(|v| ("max_tokens", v)))
+    {
+        return Err(ApiError::field(field, format!("{field} must be at least 1")));
+    }
     let messages = chat_messages(&r.messages)?;
     let (_, prompt) = chat_prompt(model, &messages)?;
     let mut job = Job::new(prompt, sampling_fields!(r).apply(&model.facts.default_sampling)?);
+    if let Some(b) = &r.logit_bias {
+        job.sampling.logit_bias = logit_bias(b, model, true)?;
+    }
     job.max_tokens = r.max_completion_tokens.or(r.max_tokens).map(|v| v as usize);
     job.stop = r.stop.map(StopField::into_vec).unwrap_or_default();
     job.cache_prompt = r.cache_prompt;
@@ -477,12 +504,13 @@ pub struct CompletionRequest {
     pub best_of: Option<u32>,
     pub cache_prompt: Option<bool>,
     pub ignore_eos: Option<bool>,
+    pub logit_bias: Option<Value>,
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
     pub seed: Option<i64>,
     pub presence_penalty: Option<f32>,
     pub frequency_penalty: Option<f32>,
-    pub top_k: Option<usize>,
+    pub top_k: Option<i64>,
     pub min_p: Option<f32>,
     pub repeat_penalty: Option<f32>,
     pub repeat_last_n: Option<usize>,
@@ -546,11 +574,15 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
     }
     let stream = r.stream.unwrap_or(false);
     let n = check_n(r.n, stream)?;
+    check_stream_options(r.stream_options.is_some(), stream)?;
     let prompts = prompts(model, r.prompt)?;
     if stream && prompts.len() > 1 {
         return Err(ApiError::field("prompt", "several prompts are not supported with stream: true"));
     }
-    let sampling = sampling_fields!(r).apply(&model.facts.default_sampling)?;
+    let mut sampling = sampling_fields!(r).apply(&model.facts.default_sampling)?;
+    if let Some(b) = &r.logit_bias {
+        sampling.logit_bias = logit_bias(b, model, true)?;
+    }
     let stop = r.stop.map(StopField::into_vec).unwrap_or_default();
     let model_name = r.model.filter(|m| !m.is_empty()).unwrap_or_else(|| model.facts.id.clone());
     let id = new_id("cmpl-");
@@ -679,33 +711,56 @@ impl StreamDialect for CompletionStream {
 }
 
 /// `/v1/models` (and `/models`): the one served model.
-pub async fn models(State(state): State<Arc<AppState>>) -> Response {
+/// The served model as OpenAI's model object (a speech model's, on a transcription server).
+fn model_object(state: &AppState) -> Result<Value, ApiError> {
     if let Some(s) = state.speech.get() {
-        let data = json!([{"id": s.id, "object": "model", "created": state.started_unix, "owned_by": "mlxcel",
-                           "meta": {"task": "asr", "path": s.path}}]);
-        return Json(json!({"object": "list", "data": data})).into_response();
+        return Ok(json!({"id": s.id, "object": "model", "created": state.started_unix, "owned_by": "mlxcel",
+                         "meta": {"task": "asr", "path": s.path}}));
     }
-    let model = match state.ready() {
-        Ok(m) => m,
-        Err(e) => return e.in_dialect(Dialect::OpenAi).into_response(),
-    };
-    let f = &model.facts;
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": f.id,
-            "object": "model",
-            "created": state.started_unix,
-            "owned_by": "mlxcel",
-            "meta": {
-                "n_ctx": f.ctx_size,
-                "n_ctx_train": f.ctx_train,
-                "n_vocab": f.vocab_size,
-                "size": f.weight_bytes,
-                "architecture": f.architecture,
-                "path": f.path,
-            },
-        }],
+    let f = &state.ready()?.facts;
+    Ok(json!({
+        "id": f.id,
+        "object": "model",
+        "created": state.started_unix,
+        "owned_by": "mlxcel",
+        "meta": {
+            "n_ctx": f.ctx_size,
+            "n_ctx_train": f.ctx_train,
+            "n_vocab": f.vocab_size,
+            "size": f.weight_bytes,
+            "architecture": f.architecture,
+            "path": f.path,
+        },
     }))
-    .into_response()
+}
+
+/// `GET /v1/models`: the one served model.
+pub async fn models(State(state): State<Arc<AppState>>) -> Response {
+    match model_object(&state) {
+        Ok(m) => Json(json!({"object": "list", "data": [m]})).into_response(),
+        Err(e) => e.in_dialect(Dialect::OpenAi).into_response(),
+    }
+}
+
+/// `GET /v1/models/{id}`: the served model under its own name (or alias); any other name is a 404,
+/// as OpenAI answers for a model that does not exist.
+pub async fn model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    let found = model_object(&state).and_then(|m| {
+        if m["id"] == id.as_str() {
+            Ok(m)
+        } else {
+            Err(ApiError::new(
+                ErrorKind::NotFound,
+                format!(
+                    "The model `{id}` does not exist (this server serves `{}`)",
+                    m["id"].as_str().unwrap_or_default()
+                ),
+            )
+            .with_code("model_not_found"))
+        }
+    });
+    match found {
+        Ok(m) => Json(m).into_response(),
+        Err(e) => e.in_dialect(Dialect::OpenAi).into_response(),
+    }
 }

@@ -250,7 +250,7 @@ async fn chat_answers_with_usage_and_passes_the_request_through() {
             json!({"model": "anything", "messages": [
                 {"role": "developer", "content": "Be brief."},
                 {"role": "user", "content": [{"type": "text", "text": "What is the capital"}, {"type": "text", "text": "of France?"}]}
-            ], "temperature": 0, "max_completion_tokens": 10, "seed": 7, "stop": "##", "top_p": 0.5, "unknown_field": {"x": 1}}),
+            ], "temperature": 0, "max_completion_tokens": 10, "seed": 7, "stop": "##", "top_p": 0.5, "user": "u-1"}),
         )
         .await;
     assert_eq!(status, 200, "{v}");
@@ -517,6 +517,16 @@ async fn tokenize_detokenize_and_apply_template() {
     assert_eq!(v["content"], "Hello world");
     let (_, v) = s.post("/apply-template", json!({"messages": [{"role": "user", "content": "hi"}]})).await;
     assert_eq!(v["prompt"], "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
+    // A last assistant message is a prefill: the answer continues it.
+    let prefill = json!([{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]);
+    let want = "<|im_start|>user\nCount<|im_end|>\n<|im_start|>assistant\n1, 2,";
+    let (_, v) = s.post("/apply-template", json!({"messages": prefill})).await;
+    assert_eq!(v["prompt"], want);
+    let (status, _) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": prefill})).await;
+    let text = s.fake.text.as_ref().unwrap();
+    assert_eq!((status, s.last_request().prompt), (200, text.encode(want, false).unwrap()));
+    let (status, _) = s.post("/v1/chat/completions", json!({"messages": prefill})).await;
+    assert_eq!((status, s.last_request().prompt), (200, text.encode(want, false).unwrap()));
 }
 
 #[tokio::test]
@@ -616,6 +626,104 @@ async fn bad_bodies_get_400_in_each_dialect() {
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("tools")));
 }
 
+/// `logit_bias` reaches the sampler from each dialect's shape, and bad ones are 400s naming it.
+#[tokio::test]
+async fn logit_bias_in_each_dialect_reaches_the_sampler() {
+    let s = start().await;
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": -100, "7": 2.5}});
+    let (status, v) = s.post("/v1/chat/completions", chat).await;
+    assert_eq!(status, 200, "{v}");
+    let mut got = s.last_request().sampling.logit_bias;
+    got.sort_by_key(|b| b.0);
+    assert_eq!(got, vec![(5, -100.0), (7, 2.5)]);
+    let (status, _) = s.post("/v1/completions", json!({"prompt": "x", "logit_bias": {"9": 1}})).await;
+    assert_eq!((status, s.last_request().sampling.logit_bias), (200, vec![(9, 1.0)]));
+    let paris = s.fake.text.as_ref().unwrap().encode("Paris", false).unwrap();
+    let (status, v) = s.post("/completion", json!({"prompt": "x", "logit_bias": [[3, false], ["Paris", -1.5]]})).await;
+    assert_eq!(status, 200, "{v}");
+    let mut want = vec![(3, f32::NEG_INFINITY)];
+    want.extend(paris.iter().map(|&t| (t, -1.5)));
+    assert_eq!(s.last_request().sampling.logit_bias, want);
+    for (path, body) in [
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": -101}})),
+        ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"Paris": 1}})),
+        ("/v1/completions", json!({"prompt": "x", "logit_bias": {"99999999": 1}})),
+        ("/completion", json!({"prompt": "x", "logit_bias": [[1]]})),
+    ] {
+        let (status, v) = s.post(path, body).await;
+        assert_eq!(status, 400, "{path}: {v}");
+        assert!(
+            v["error"]["message"].as_str().unwrap().contains("logit_bias") || v["error"]["param"] == "logit_bias",
+            "{v}"
+        );
+    }
+}
+
+/// Smaller points of each dialect: a model looked up by name, `stream_options` only with `stream`,
+/// OpenAI's int64 seeds, Anthropic's temperature range, llama-server's "off" values and limits, and
+/// range errors that name their field.
+#[tokio::test]
+async fn dialect_details_models_seeds_ranges_and_off_values() {
+    let s = start().await;
+    let (status, body) = s.get("/v1/models/tiny").await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!((status, v["id"].as_str(), v["object"].as_str()), (200, Some("tiny"), Some("model")), "{v}");
+    let (status, body) = s.get("/v1/models/gpt-9").await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!((status, v["error"]["code"].as_str()), (404, Some("model_not_found")), "{v}");
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    let (status, v) =
+        s.post("/v1/chat/completions", json!({"messages": hi, "stream_options": {"include_usage": true}})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("stream_options")), "{v}");
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": hi, "max_tokens": 0})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("max_tokens")), "{v}");
+    let (status, _) = s.post("/v1/chat/completions", json!({"messages": hi, "seed": -5})).await;
+    assert_eq!((status, s.last_request().sampling.seed), (200, Some(-5i64 as u64)));
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": hi, "top_p": 1.5})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("top_p")), "{v}");
+    let (status, v) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": hi, "temperature": 1.5})).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("temperature"), "{v}");
+    let (status, _) = s.post("/completion", json!({"prompt": "x", "top_k": -1, "temperature": -1})).await;
+    let p = s.last_request().sampling;
+    assert_eq!((status, p.top_k, p.temperature), (200, 0, 0.0));
+    let (status, v) = s.post("/completion", json!({"prompt": "x", "n_probs": 100000})).await;
+    assert_eq!(status, 400, "{v}");
+}
+
+/// A field a route does not read is refused by name in the route's dialect; llama-server's settings
+/// of samplers this server lacks pass while those samplers are off (as llama.cpp's web UI sends them).
+#[tokio::test]
+async fn unread_fields_are_refused_by_name_and_inert_ones_pass() {
+    let s = start().await;
+    let chat = json!({"messages": [{"role": "user", "content": "hi"}], "functions": [{"name": "f"}]});
+    let (status, v) = s.post("/v1/chat/completions", chat).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("functions")), "{v}");
+    assert_eq!(v["error"]["message"], "Unrecognized request argument supplied: functions");
+    let (status, v) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": [], "speed": "fast"})).await;
+    assert_eq!(
+        (status, v["type"].as_str(), v["error"]["type"].as_str()),
+        (400, Some("error"), Some("invalid_request_error"))
+    );
+    assert!(v["error"]["message"].as_str().unwrap().contains("speed"), "{v}");
+    let (status, v) = s.post("/completion", json!({"prompt": "x", "mirostat": 2})).await;
+    assert_eq!((status, v["error"]["code"].as_i64()), (400, Some(400)), "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("Mirostat is not implemented"), "{v}");
+    let (status, v) = s.post("/v1/completions", json!({"prompt": "x", "grammar": "root ::= \"yes\""})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("grammar")), "{v}");
+    let webui = json!({"prompt": "x", "n_predict": 2, "mirostat": 0, "mirostat_tau": 5, "typical_p": 1, "dry_multiplier": 0,
+        "dry_base": 1.75, "xtc_probability": 0, "xtc_threshold": 0.1, "samplers": "edskypmxt", "id_slot": -1, "n_keep": 0});
+    let (status, v) = s.post("/completion", webui).await;
+    assert_eq!(status, 200, "{v}");
+    let (status, _) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "hi"}], "user": "u-1", "store": false}),
+        )
+        .await;
+    assert_eq!(status, 200);
+}
+
 #[tokio::test]
 async fn prompt_over_the_context_is_400_with_the_numbers() {
     let s = start().await;
@@ -691,6 +799,9 @@ async fn unknown_routes_wrong_methods_and_cors_preflight() {
         .unwrap();
     assert!(r.status().is_success(), "{}", r.status());
     assert_eq!(r.headers()["access-control-allow-origin"], "*");
+    // The requested headers named back (a browser does not count `Authorization` as covered by `*`).
+    let allowed = r.headers()["access-control-allow-headers"].to_str().unwrap().to_ascii_lowercase();
+    assert!(allowed.contains("authorization") && allowed.contains("content-type"), "{allowed}");
     let r = s.client.get(s.url("/health")).header("Origin", "http://example.test").send().await.unwrap();
     assert_eq!(r.headers()["access-control-allow-origin"], "*");
 }

@@ -1,0 +1,198 @@
+//! Request fields a route does not read. OpenAI's and Anthropic's APIs refuse a field they do not
+//! know, and an option this server accepted without acting on it would be a silent lie, so a field
+//! outside a route's request type is refused by name — except the ones in [`inert`]: fields clients
+//! send routinely (llama.cpp's web UI sends every sampler's settings, OpenAI's SDK users an end-user
+//! id) that are accepted at the values where they do nothing, and refused at any other.
+
+use serde_json::{Map, Value};
+
+use super::error::ApiError;
+
+/// A field the request type did not take: `path` as the error names it (`messages[0].name`), `top`
+/// its top-level key when it is one.
+pub struct Unread {
+    pub path: String,
+    pub top: Option<String>,
+}
+
+impl Unread {
+    pub fn of(p: &serde_ignored::Path) -> Unread {
+        use serde_ignored::Path;
+        let top = match p {
+            Path::Map { parent: Path::Root, key } => Some(key.clone()),
+            _ => None,
+        };
+        Unread { path: spell(p), top }
+    }
+}
+
+fn spell(p: &serde_ignored::Path) -> String {
+    use serde_ignored::Path;
+    match p {
+        Path::Root => String::new(),
+        Path::Seq { parent, index } => format!("{}[{index}]", spell(parent)),
+        Path::Map { parent, key } => match spell(parent) {
+            s if s.is_empty() => key.clone(),
+            s => format!("{s}.{key}"),
+        },
+        Path::Some { parent } | Path::NewtypeStruct { parent } | Path::NewtypeVariant { parent } => spell(parent),
+    }
+}
+
+/// Accepts `field` where it is an inert field at an inert value, else the error that refuses it.
+pub fn check(field: &Unread, body: &Map<String, Value>) -> Result<(), ApiError> {
+    let refuse = |why: String| Err(ApiError::field(&field.path, why));
+    let Some(name) = field.top.as_deref() else {
+        return refuse(format!("Unrecognized request argument supplied: {}", field.path));
+    };
+    let value = body.get(name).unwrap_or(&Value::Null);
+    match inert(name, value, body) {
+        Some(Ok(())) => Ok(()),
+        Some(Err(why)) => refuse(format!("`{name}` = {value} is not supported by this server: {why}")),
+        None => refuse(format!("Unrecognized request argument supplied: {name}")),
+    }
+}
+
+/// `Some(Ok)` for a known field at a value where it changes nothing, `Some(Err(why))` for a known
+/// field at a value that would act, `None` for a field this server does not know.
+fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), String>> {
+    let num = |x: f64| v.is_null() || v.as_f64() == Some(x);
+    let off = |switch: &str, x: f64| body.get(switch).is_none_or(|s| s.is_null() || s.as_f64() == Some(x));
+    let ok = |cond: bool, why: &str| if cond { Ok(()) } else { Err(why.to_string()) };
+    Some(match name {
+        // Bookkeeping for the client (OpenAI's end-user id, OpenAI's and Anthropic's metadata): no
+        // effect on an answer here or upstream.
+        "user" => ok(v.is_null() || v.is_string(), "expected a string"),
+        "metadata" => ok(v.is_null() || v.is_object(), "expected an object"),
+        "store" => ok(v.is_null() || v == &Value::Bool(false), "completions are not stored"),
+        "service_tier" => ok(
+            v.is_null() || matches!(v.as_str(), Some("auto" | "default" | "standard_only")),
+            "there is one service tier",
+        ),
+        // Tool use is refused where `tools` is given; without tools these say nothing.
+        "parallel_tool_calls" => ok(v.is_null() || v.is_boolean(), "expected true or false"),
+        "tool_choice" => ok(
+            v.is_null() || v.as_str() == Some("none") || v.get("type").and_then(Value::as_str) == Some("none"),
+            "tool calling is not supported by this server yet",
+        ),
+        "modalities" => ok(v.is_null() || v == &serde_json::json!(["text"]), "this server answers in text only"),
+        // llama-server's samplers that this one does not have, each at its "off" value; their
+        // settings are inert while the sampler is off.
+        "typical_p" => ok(num(1.0), "locally typical sampling is not implemented (1.0 turns it off)"),
+        "mirostat" => ok(num(0.0), "Mirostat is not implemented (0 turns it off)"),
+        "mirostat_tau" | "mirostat_eta" => ok(off("mirostat", 0.0), "Mirostat is not implemented"),
+        "dry_multiplier" => ok(num(0.0), "DRY is not implemented (0 turns it off)"),
+        "dry_base" | "dry_allowed_length" | "dry_penalty_last_n" | "dry_sequence_breakers" => {
+            ok(off("dry_multiplier", 0.0), "DRY is not implemented")
+        }
+        "xtc_probability" => ok(num(0.0), "XTC is not implemented (0 turns it off)"),
+        "xtc_threshold" => ok(off("xtc_probability", 0.0), "XTC is not implemented"),
+        "top_n_sigma" => ok(v.is_null() || v.as_f64().is_some_and(|x| x <= 0.0), "top-n-sigma is not implemented"),
+        "dynatemp_range" => ok(num(0.0), "dynamic temperature is not implemented (0 turns it off)"),
+        "dynatemp_exponent" => ok(off("dynatemp_range", 0.0), "dynamic temperature is not implemented"),
+        "min_keep" => ok(num(0.0), "min_keep is not implemented"),
+        "n_indent" => ok(num(0.0), "n_indent is not implemented"),
+        "samplers" => ok(
+            v.is_null() || default_sampler_order(v),
+            "the sampler order is fixed: penalties, top_k, top_p, min_p, temperature",
+        ),
+        // Tokens kept when the context shifts: this server never shifts (generation stops at the end
+        // of the context), as llama-server without --context-shift.
+        "n_keep" => ok(v.is_null() || v.is_i64(), "expected an integer"),
+        "id_slot" => ok(num(-1.0), "slots are assigned by the scheduler (-1)"),
+        "t_max_prompt_ms" | "t_max_predict_ms" => {
+            ok(v.is_null() || v.as_f64().is_some_and(|x| x <= 0.0), "use the server's --timeout")
+        }
+        "post_sampling_probs" => {
+            ok(v.is_null() || v == &Value::Bool(false), "probabilities are reported before sampling")
+        }
+        "timings_per_token" | "return_progress" => ok(v.is_null() || v == &Value::Bool(false), "not implemented"),
+        "response_fields" | "lora" => ok(v.is_null() || v.as_array().is_some_and(Vec::is_empty), "not implemented"),
+        "chat_template_kwargs" => ok(v.is_null() || v.as_object().is_some_and(Map::is_empty), "not implemented"),
+        "grammar" => ok(v.is_null() || v.as_str() == Some(""), "grammars are not implemented"),
+        "json_schema" => ok(
+            v.is_null() || v.as_object().is_some_and(Map::is_empty),
+            "JSON schemas (constrained output) are not implemented",
+        ),
+        "response_format" => ok(
+            v.is_null() || v.get("type").and_then(Value::as_str) == Some("text"),
+            "only `text` (grammars and JSON schemas are not implemented)",
+        ),
+        _ => return None,
+    })
+}
+
+/// Whether `samplers` (llama-server's names or its one-letter string) orders this server's samplers
+/// as it applies them — penalties, top-k, top-p, min-p, temperature — whatever it says of the
+/// samplers it lacks (each refused by its own field when switched on).
+fn default_sampler_order(v: &Value) -> bool {
+    const OURS: [&str; 5] = ["penalties", "top_k", "top_p", "min_p", "temperature"];
+    let names: Vec<String> = match v {
+        Value::String(s) => s
+            .chars()
+            .map(|c| match c {
+                'e' => "penalties",
+                'k' => "top_k",
+                'p' => "top_p",
+                'm' => "min_p",
+                't' => "temperature",
+                _ => "",
+            })
+            .map(str::to_string)
+            .collect(),
+        Value::Array(a) => a.iter().filter_map(Value::as_str).map(str::to_string).collect(),
+        _ => return false,
+    };
+    let ours: Vec<&str> = names.iter().map(String::as_str).filter(|n| OURS.contains(n)).collect();
+    ours == OURS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn body(v: Value) -> Map<String, Value> {
+        v.as_object().unwrap().clone()
+    }
+
+    fn top(name: &str) -> Unread {
+        Unread { path: name.into(), top: Some(name.into()) }
+    }
+
+    #[test]
+    fn inert_values_pass_and_acting_ones_are_refused_by_name() {
+        let b =
+            body(json!({"mirostat": 0, "mirostat_tau": 5.0, "typical_p": 1.0, "user": "u1", "dry_multiplier": 0.8}));
+        for f in ["mirostat", "mirostat_tau", "typical_p", "user"] {
+            check(&top(f), &b).unwrap();
+        }
+        let e = check(&top("dry_multiplier"), &b).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("dry_multiplier"));
+        assert!(e.message.contains("DRY is not implemented"), "{}", e.message);
+        // A sampler's setting is inert only while the sampler is off.
+        let b = body(json!({"mirostat": 2, "mirostat_tau": 5.0}));
+        assert!(check(&top("mirostat_tau"), &b).is_err());
+        let e = check(&top("frobnicate"), &body(json!({"frobnicate": 1}))).unwrap_err();
+        assert_eq!(e.message, "Unrecognized request argument supplied: frobnicate");
+        let nested = Unread { path: "messages[0].colour".into(), top: None };
+        assert!(check(&nested, &b).unwrap_err().message.contains("messages[0].colour"));
+    }
+
+    #[test]
+    fn sampler_orders_that_match_this_servers_pass() {
+        assert!(default_sampler_order(&json!("edskypmxt")));
+        assert!(default_sampler_order(&json!([
+            "penalties",
+            "dry",
+            "top_k",
+            "typ_p",
+            "top_p",
+            "min_p",
+            "xtc",
+            "temperature"
+        ])));
+        assert!(!default_sampler_order(&json!(["top_k", "temperature"])));
+        assert!(!default_sampler_order(&json!("ektpm")));
+    }
+}
