@@ -309,6 +309,20 @@ pub fn token_text(tok: &TextTokenizer, id: u32) -> String {
     tok.inner.decode(&[id], false).unwrap_or_default()
 }
 
+/// A token as OpenAI's logprobs name it: its text, or for a token that is only part of a UTF-8
+/// character, `bytes:` and its bytes escaped (`bytes:\xf0\x9f`), so that two such tokens never
+/// share a name.
+pub fn token_label(tok: &TextTokenizer, id: u32) -> String {
+    let bytes = tok.token_bytes(id);
+    match String::from_utf8(bytes) {
+        Ok(s) => s,
+        Err(e) => e.into_bytes().iter().fold("bytes:".to_string(), |mut s, b| {
+            s.push_str(&format!("\\x{b:02x}"));
+            s
+        }),
+    }
+}
+
 /// `logit_bias` as the dialects send it: OpenAI's `{"token id": bias}` with biases in [-100, 100];
 /// llama-server's also `[[token, bias], …]` where a token is an id or a string (each of its tokens
 /// biased) and a bias `false` bans the token.

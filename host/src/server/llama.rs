@@ -282,6 +282,8 @@ fn llama_err(e: ApiError) -> Response {
 struct TokenizeRequest {
     content: String,
     add_special: Option<bool>,
+    /// Special-token text read as special tokens (llama-server's default) or as plain text.
+    parse_special: Option<bool>,
     with_pieces: Option<bool>,
 }
 
@@ -289,24 +291,23 @@ pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
     let run = || -> Result<Response, ApiError> {
         let model = state.ready()?;
         let r: TokenizeRequest = parse_body(&body)?;
-        let ids = model
-            .text
-            .encode(&r.content, r.add_special.unwrap_or(false))
-            .map_err(|e| ApiError::internal(e.to_string()))?;
+        let add_special = r.add_special.unwrap_or(false);
+        let ids = if r.parse_special.unwrap_or(true) {
+            model.text.encode(&r.content, add_special)
+        } else {
+            model.text.encode_literal(&r.content, add_special)
+        }
+        .map_err(|e| ApiError::internal(e.to_string()))?;
         if !r.with_pieces.unwrap_or(false) {
             return Ok(Json(json!({"tokens": ids})).into_response());
         }
-        // A piece that is not valid UTF-8 by itself (part of a multi-byte character) is given as bytes.
+        // A piece that is not valid UTF-8 by itself (part of a multi-byte character) is given as its
+        // bytes, as llama-server gives it.
         let tokens: Vec<Value> = ids
             .iter()
-            .map(|&id| {
-                let piece = model.text.inner.id_to_token(id).unwrap_or_default();
-                let text = token_text(&model.text, id);
-                if text.contains('\u{FFFD}') && !piece.contains('\u{FFFD}') {
-                    json!({"id": id, "piece": text.as_bytes()})
-                } else {
-                    json!({"id": id, "piece": text})
-                }
+            .map(|&id| match String::from_utf8(model.text.token_bytes(id)) {
+                Ok(piece) => json!({"id": id, "piece": piece}),
+                Err(e) => json!({"id": id, "piece": e.into_bytes()}),
             })
             .collect();
         Ok(Json(json!({"tokens": tokens})).into_response())

@@ -13,7 +13,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::completion::{
-    collect, data, logit_bias, new_id, stream_response, submit, timings, token_text, unix_time, Completion, Ending,
+    collect, data, logit_bias, new_id, stream_response, submit, timings, token_label, unix_time, Completion, Ending,
     Job, StreamDialect,
 };
 use super::error::{parse_body, ApiError, Dialect, ErrorKind};
@@ -233,8 +233,7 @@ fn usage_json(prompt_tokens: usize, cached: usize, completion_tokens: usize) -> 
 }
 
 fn token_entry(tok: &TextTokenizer, id: u32, logprob: f32) -> Value {
-    let t = token_text(tok, id);
-    json!({"token": t, "logprob": logprob, "bytes": t.as_bytes()})
+    json!({"token": token_label(tok, id), "logprob": logprob, "bytes": tok.token_bytes(id)})
 }
 
 /// Chat logprobs: `{"content": [{token, logprob, bytes, top_logprobs: [...]}]}`.
@@ -250,7 +249,8 @@ fn chat_logprobs(tok: &TextTokenizer, lps: &[TokenLogprob]) -> Value {
     json!({ "content": content })
 }
 
-/// Legacy completions logprobs: parallel lists.
+/// Legacy completions logprobs: parallel lists. `text_offset` counts characters from `start_offset`:
+/// a token's offset is the number of characters begun before its bytes.
 fn completion_logprobs(tok: &TextTokenizer, lps: &[TokenLogprob], start_offset: usize) -> Value {
     let mut offset = start_offset;
     let mut tokens = vec![];
@@ -258,13 +258,13 @@ fn completion_logprobs(tok: &TextTokenizer, lps: &[TokenLogprob], start_offset: 
     let mut top = vec![];
     let mut offsets = vec![];
     for l in lps {
-        let t = token_text(tok, l.token);
         offsets.push(offset);
-        offset += t.len();
-        tokens.push(t);
+        // Every byte but a UTF-8 continuation byte begins a character.
+        offset += tok.token_bytes(l.token).iter().filter(|&&b| b & 0xC0 != 0x80).count();
+        tokens.push(token_label(tok, l.token));
         token_logprobs.push(l.logprob);
         let m: serde_json::Map<String, Value> =
-            l.top.iter().map(|(id, lp)| (token_text(tok, *id), json!(lp))).collect();
+            l.top.iter().map(|(id, lp)| (token_label(tok, *id), json!(lp))).collect();
         top.push(Value::Object(m));
     }
     json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
@@ -687,7 +687,7 @@ impl StreamDialect for CompletionStream {
 
     fn text(&mut self, text: &str, _tokens: &[u32], logprobs: &[TokenLogprob]) -> Vec<Event> {
         let lp = if self.logprobs { completion_logprobs(&self.tok, logprobs, self.offset) } else { Value::Null };
-        self.offset += text.len();
+        self.offset += text.chars().count();
         vec![data(&self.chunk(text, None, lp))]
     }
 

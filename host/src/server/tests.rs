@@ -691,6 +691,36 @@ async fn dialect_details_models_seeds_ranges_and_off_values() {
     assert_eq!(status, 400, "{v}");
 }
 
+/// Tokens that are only part of a UTF-8 character keep their own bytes: `/tokenize`'s pieces, the
+/// logprobs' `bytes` and names (`bytes:\\x..`, never a shared U+FFFD); `parse_special: false` reads
+/// special-token text as text.
+#[tokio::test]
+async fn partial_character_tokens_keep_their_bytes() {
+    let s = start().await;
+    let tok = s.fake.text.clone().unwrap();
+    let ids = tok.encode("😀🙂", false).unwrap();
+    let bytes: Vec<u8> = ids.iter().flat_map(|&id| tok.token_bytes(id)).collect();
+    assert_eq!(bytes, "😀🙂".as_bytes());
+    let labels: Vec<String> = ids.iter().map(|&id| completion::token_label(&tok, id)).collect();
+    assert!(labels.iter().any(|l| l.starts_with("bytes:\\x")), "{labels:?}");
+    assert!(labels.iter().all(|l| !l.contains('\u{FFFD}')), "{labels:?}");
+    let (status, v) = s.post("/tokenize", json!({"content": "😀🙂", "with_pieces": true})).await;
+    assert_eq!(status, 200);
+    let mut got = Vec::new();
+    for t in v["tokens"].as_array().unwrap() {
+        match &t["piece"] {
+            Value::String(p) => got.extend_from_slice(p.as_bytes()),
+            Value::Array(b) => got.extend(b.iter().map(|x| x.as_u64().unwrap() as u8)),
+            other => panic!("piece {other}"),
+        }
+    }
+    assert_eq!(got, "😀🙂".as_bytes());
+    let special = tok.encode("<|endoftext|>", false).unwrap();
+    assert_eq!(special.len(), 1, "the fixture knows <|endoftext|> as one special token");
+    let (_, v) = s.post("/tokenize", json!({"content": "<|endoftext|>", "parse_special": false})).await;
+    assert!(v["tokens"].as_array().unwrap().len() > 1, "{v}");
+}
+
 /// A field a route does not read is refused by name in the route's dialect; llama-server's settings
 /// of samplers this server lacks pass while those samplers are off (as llama.cpp's web UI sends them).
 #[tokio::test]

@@ -17,6 +17,8 @@ pub struct TextTokenizer {
     /// Every id that ends generation.
     pub eos_ids: Vec<u32>,
     pub chat_template: Option<ChatTemplate>,
+    /// A copy of `inner` that reads special-token text as plain text, made on first use.
+    literal: std::sync::OnceLock<Tokenizer>,
 }
 
 /// A special token in `tokenizer_config.json`: a string or `{"content": ...}`.
@@ -82,7 +84,7 @@ impl TextTokenizer {
             ),
             None => None,
         };
-        Ok(TextTokenizer { inner, bos_token, eos_token, eos_ids, chat_template })
+        Ok(TextTokenizer { inner, bos_token, eos_token, eos_ids, chat_template, literal: Default::default() })
     }
 
     /// Token ids of `text`. With `add_special`, the tokenizer's own post-processor adds BOS etc., but a
@@ -108,6 +110,46 @@ impl TextTokenizer {
         )?;
         let text = t.render(messages, true).map_err(|e| anyhow::anyhow!(e))?;
         self.encode(&text, false)
+    }
+
+    /// Token ids of `text` with special-token text (`<|im_start|>`) tokenized as ordinary text, as
+    /// llama-server's `parse_special: false` asks.
+    pub fn encode_literal(&self, text: &str, add_special: bool) -> Result<Vec<u32>> {
+        let t = self.literal.get_or_init(|| {
+            let mut t = self.inner.clone();
+            t.set_encode_special_tokens(true);
+            t
+        });
+        let enc = t.encode(text, add_special).map_err(|e| anyhow::anyhow!("tokenizing failed: {e}"))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The bytes token `id` stands for, also where they are only part of a UTF-8 character (a
+    /// byte-level BPE piece, or a SentencePiece `<0xNN>` byte-fallback token), where decoding the
+    /// token alone gives U+FFFD.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let text = self.inner.decode(&[id], false).unwrap_or_default();
+        if !text.contains('\u{FFFD}') {
+            return text.into_bytes();
+        }
+        let piece = self.inner.id_to_token(id).unwrap_or_default();
+        if let Some(b) =
+            piece.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')).and_then(|h| u8::from_str_radix(h, 16).ok())
+        {
+            return vec![b];
+        }
+        // GPT-2's byte-level alphabet: a char per byte, printable bytes as themselves.
+        let byte_of = |c: char| -> Option<u8> {
+            let c = c as u32;
+            let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+            if c < 256 && printable(c) {
+                return Some(c as u8);
+            }
+            // The others, in order, were moved to 256, 257, ….
+            let k = c.checked_sub(256)?;
+            (0u32..256).filter(|&b| !printable(b)).nth(k as usize).map(|b| b as u8)
+        };
+        piece.chars().map(byte_of).collect::<Option<Vec<u8>>>().unwrap_or_else(|| text.into_bytes())
     }
 
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
