@@ -185,7 +185,7 @@ fn expected_shape(type_name: &str) -> &'static str {
         "Content" => "a string or a list of content parts",
         "Blocks" => "a string or a list of content blocks",
         "PromptField" => "a string, a list of strings, a list of token ids or a list of token-id lists",
-        "Prompt" => "a string or a list of token ids",
+        "Prompt" => "a string, a list of token ids, or token ids and strings mixed",
         _ => "another type",
     }
 }

@@ -22,13 +22,22 @@ use super::openai::{chat_messages, MessageIn, StopField};
 use super::state::{AppState, LoadedModel, RequestLog};
 use crate::engine::{SamplingParams, TokenLogprob, Usage};
 
-/// A prompt as a string or token ids (a one-element list of either is taken as that element).
+/// A prompt as a string, token ids, or token ids and strings mixed (each string tokenized in its
+/// place); a one-element list of either is taken as that element.
 #[derive(Deserialize, Debug)]
 #[serde(untagged)]
 pub enum Prompt {
     Text(String),
     Tokens(Vec<u32>),
     One((Box<Prompt>,)),
+    Mixed(Vec<Piece>),
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(untagged)]
+pub enum Piece {
+    Token(u32),
+    Text(String),
 }
 
 #[derive(Deserialize, Debug)]
@@ -97,6 +106,23 @@ fn prompt_ids(model: &LoadedModel, p: &Prompt, add_special: bool) -> Result<(Str
             Ok((model.text.decode(ids).unwrap_or_default(), ids.clone()))
         }
         Prompt::One((inner,)) => prompt_ids(model, inner, add_special),
+        Prompt::Mixed(pieces) if pieces.iter().all(|p| matches!(p, Piece::Text(_))) => Err(ApiError::field(
+            "prompt",
+            "several prompts in one request are not supported by this route; send one request per prompt (or use /v1/completions)",
+        )),
+        Prompt::Mixed(pieces) => {
+            // As llama-server: specials (BOS) only before a leading string.
+            let mut ids = Vec::new();
+            for (i, p) in pieces.iter().enumerate() {
+                match p {
+                    Piece::Token(t) => ids.push(*t),
+                    Piece::Text(s) => ids.extend(
+                        model.text.encode(s, add_special && i == 0).map_err(|e| ApiError::internal(e.to_string()))?,
+                    ),
+                }
+            }
+            prompt_ids(model, &Prompt::Tokens(ids), add_special)
+        }
     }
 }
 

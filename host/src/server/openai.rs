@@ -62,6 +62,17 @@ pub struct ContentPart {
 pub struct MessageIn {
     pub role: String,
     pub content: Option<Content>,
+    /// A participant's name.
+    pub name: Option<String>,
+    /// An assistant turn's calls and a tool result's answer to one (history of an earlier tool use).
+    pub tool_calls: Option<Vec<Value>>,
+    pub tool_call_id: Option<String>,
+    /// Output-only fields of an assistant message that clients echo back into the history: taken
+    /// where they say nothing (see [`chat_messages`]).
+    pub refusal: Option<String>,
+    pub annotations: Option<Vec<Value>>,
+    pub audio: Option<Value>,
+    pub function_call: Option<Value>,
 }
 
 /// Sampling fields shared by both generating routes (OpenAI's, plus llama-server's extensions).
@@ -199,9 +210,39 @@ pub fn chat_messages(messages: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiErro
                 texts.join("\n")
             }
         };
-        out.push(ChatMessage::new(role, &content));
+        if m.audio.as_ref().is_some_and(|a| !a.is_null()) || m.function_call.as_ref().is_some_and(|f| !f.is_null()) {
+            let field = if m.audio.as_ref().is_some_and(|a| !a.is_null()) { "audio" } else { "function_call" };
+            return Err(ApiError::field(
+                &format!("messages[{i}].{field}"),
+                format!("`{field}` in a message is not supported (audio output and legacy function calls are not implemented)"),
+            ));
+        }
+        // A refusal stands in for the content it refused to give.
+        let content = match (&m.refusal, content.is_empty()) {
+            (Some(r), true) => r.clone(),
+            _ => content,
+        };
+        let tool_calls = m.tool_calls.as_ref().map(|calls| calls.iter().map(template_tool_call).collect());
+        out.push(ChatMessage {
+            name: m.name.clone(),
+            tool_calls,
+            tool_call_id: m.tool_call_id.clone(),
+            ..ChatMessage::new(role, &content)
+        });
     }
     Ok(out)
+}
+
+/// An OpenAI tool call as chat templates read it: `function.arguments`, a JSON string on the wire, as
+/// the object it encodes (Hugging Face templates write it with `tojson`), as llama-server does.
+fn template_tool_call(call: &Value) -> Value {
+    let mut call = call.clone();
+    if let Some(args) = call.pointer_mut("/function/arguments") {
+        if let Some(parsed) = args.as_str().and_then(|s| serde_json::from_str::<Value>(s).ok()) {
+            *args = parsed;
+        }
+    }
+    call
 }
 
 /// The token ids of a conversation through the model's chat template. A conversation that ends with

@@ -689,6 +689,16 @@ async fn dialect_details_models_seeds_ranges_and_off_values() {
     assert_eq!((status, p.top_k, p.temperature), (200, 0, 0.0));
     let (status, v) = s.post("/completion", json!({"prompt": "x", "n_probs": 100000})).await;
     assert_eq!(status, 400, "{v}");
+    // llama-server's mixed prompts: ids and strings, each string tokenized in its place.
+    let (status, v) = s.post("/completion", json!({"prompt": [5, " hello", 7]})).await;
+    assert_eq!(status, 200, "{v}");
+    let mut want = vec![5];
+    want.extend(s.fake.text.as_ref().unwrap().encode(" hello", false).unwrap());
+    want.push(7);
+    assert_eq!(s.last_request().prompt, want);
+    let (status, v) = s.post("/completion", json!({"prompt": ["abc", "def"]})).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("several prompts"), "{v}");
 }
 
 /// Tokens that are only part of a UTF-8 character keep their own bytes: `/tokenize`'s pieces, the
@@ -719,6 +729,39 @@ async fn partial_character_tokens_keep_their_bytes() {
     assert_eq!(special.len(), 1, "the fixture knows <|endoftext|> as one special token");
     let (_, v) = s.post("/tokenize", json!({"content": "<|endoftext|>", "parse_special": false})).await;
     assert!(v["tokens"].as_array().unwrap().len() > 1, "{v}");
+}
+
+/// An earlier tool use in the history reaches the template: the assistant's `tool_calls` (arguments
+/// as an object) and the tool result's `tool_call_id`; echoed output-only fields are taken.
+#[tokio::test]
+async fn tool_call_history_reaches_the_template() {
+    let s = start().await;
+    let history = json!([
+        {"role": "user", "content": "Weather in Paris?", "name": "ann"},
+        {"role": "assistant", "content": null, "refusal": null, "annotations": [], "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]);
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": history})).await;
+    assert_eq!(status, 200, "{v}");
+    let msgs: Vec<openai::MessageIn> = serde_json::from_value(history).unwrap();
+    let conv = openai::chat_messages(&msgs).unwrap();
+    assert_eq!(conv[0].name.as_deref(), Some("ann"));
+    assert_eq!(conv[2].tool_call_id.as_deref(), Some("call_1"));
+    let t = ChatTemplate::new(
+        "{% for m in messages %}{% if m.tool_calls %}{{ m.tool_calls[0].function.name }}({{ m.tool_calls[0].function.arguments.city }}){% endif %}{% if m.tool_call_id %}[{{ m.tool_call_id }}]{{ m.content }}{% endif %}{% endfor %}",
+        "",
+        "",
+    )
+    .unwrap();
+    assert_eq!(t.render(&conv, false).unwrap(), "weather(Paris)[call_1]sunny");
+    let (status, v) = s
+        .post(
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "assistant", "content": "x", "audio": {"id": "a"}}]}),
+        )
+        .await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("messages[0].audio")), "{v}");
 }
 
 /// A field a route does not read is refused by name in the route's dialect; llama-server's settings

@@ -7,16 +7,24 @@ use std::path::Path;
 use minijinja::{context, Environment, Error, ErrorKind, Value};
 use serde::Serialize;
 
-/// One chat message.
-#[derive(Debug, Clone, Serialize, PartialEq)]
+/// One chat message, as templates read it: `role` and `content`, and where a conversation has them,
+/// a participant's `name`, an assistant turn's `tool_calls` (each call's `function.arguments` an
+/// object, as Hugging Face templates expect) and a tool result's `tool_call_id`.
+#[derive(Debug, Clone, Serialize, PartialEq, Default)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
 }
 
 impl ChatMessage {
     pub fn new(role: &str, content: &str) -> Self {
-        ChatMessage { role: role.to_string(), content: content.to_string() }
+        ChatMessage { role: role.to_string(), content: content.to_string(), ..Default::default() }
     }
 }
 
