@@ -23,7 +23,7 @@ use super::kv_cache::{KvCache, SeqBlocks};
 use super::prefix_cache::{PrefixCache, ROOT};
 use super::request::{EngineError, GenerationEvent, GenerationRequest, TokenLogprob, Usage};
 use super::runner::{Logits, ModelRunner, RowsWanted, SeqChunk, StepRows};
-use super::sampler::Sampler;
+use super::sampler::{Sampler, SamplingParams};
 use super::streaming_text::StreamingText;
 use crate::text::TextTokenizer;
 
@@ -144,7 +144,7 @@ impl SlotState {
 }
 
 /// One slot of `parallel`, as `/slots` shows it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct SlotStats {
     pub id: usize,
     pub state: SlotState,
@@ -155,6 +155,9 @@ pub struct SlotStats {
     pub generated_tokens: usize,
     /// Positions whose KV the sequence holds.
     pub kv_tokens: usize,
+    /// The request's sampling, and the tokens it may still generate.
+    pub sampling: Option<SamplingParams>,
+    pub remaining_tokens: usize,
 }
 
 /// Totals since the engine started, as `/metrics` shows them.
@@ -501,6 +504,8 @@ impl<M: StepModel> Scheduler<M> {
                 cached_tokens: 0,
                 generated_tokens: 0,
                 kv_tokens: 0,
+                sampling: None,
+                remaining_tokens: 0,
             })
             .collect();
         for s in &self.running {
@@ -517,6 +522,8 @@ impl<M: StepModel> Scheduler<M> {
                 cached_tokens: s.cached_tokens,
                 generated_tokens: s.text.generated(),
                 kv_tokens: s.kv.len,
+                sampling: Some(s.sampler.params().clone()),
+                remaining_tokens: s.text.remaining(),
             };
         }
         EngineStats {

@@ -84,6 +84,9 @@ impl Generator for BatchEngine {
                 is_processing: slot.state != SlotState::Idle,
                 n_prompt_tokens: slot.prompt_tokens,
                 n_decoded: slot.generated_tokens,
+                id_task: slot.request,
+                params: slot.sampling.clone(),
+                n_remain: slot.remaining_tokens,
             })
             .collect();
         EngineStats {

@@ -31,6 +31,12 @@ pub struct SlotStats {
     pub n_prompt_tokens: usize,
     /// Tokens generated so far for that request.
     pub n_decoded: usize,
+    /// The engine's id of the request in the slot.
+    pub id_task: Option<u64>,
+    /// Its sampling, and the tokens it may still generate.
+    #[serde(skip)]
+    pub params: Option<crate::engine::SamplingParams>,
+    pub n_remain: usize,
 }
 
 /// The engine's state; counters are totals since start.

@@ -395,8 +395,11 @@ pub async fn props(State(state): State<Arc<AppState>>) -> Response {
     let c = &state.config;
     let stats = model.generator.stats();
     let n_predict = c.n_predict.map_or(-1, |n| n as i64);
+    // llama-server's shape (`n_ctx` and `params`), the settings also at the top as before.
+    let mut defaults = generation_settings(model, &f.default_sampling, n_predict);
+    defaults["params"] = defaults.clone();
     Json(json!({
-        "default_generation_settings": generation_settings(model, &f.default_sampling, n_predict),
+        "default_generation_settings": defaults,
         "total_slots": stats.slots.len().max(1),
         "model_alias": f.id,
         "model_path": f.path,
@@ -442,12 +445,20 @@ pub async fn slots(State(state): State<Arc<AppState>>) -> Response {
         .slots
         .iter()
         .map(|s| {
+            let params = s.params.as_ref().unwrap_or(&model.facts.default_sampling);
             json!({
                 "id": s.id,
+                "id_task": s.id_task.map_or(-1, |t| t as i64),
                 "n_ctx": n_ctx,
+                "speculative": false,
                 "is_processing": s.is_processing,
+                "params": generation_settings(model, params, s.n_remain as i64 + s.n_decoded as i64),
                 "n_prompt_tokens": s.n_prompt_tokens,
-                "next_token": {"n_decoded": s.n_decoded},
+                "next_token": {
+                    "has_next_token": s.is_processing,
+                    "n_remain": if s.is_processing { s.n_remain as i64 } else { -1 },
+                    "n_decoded": s.n_decoded,
+                },
             })
         })
         .collect();

@@ -96,7 +96,18 @@ impl Generator for Fake {
             kv_block_size: 16,
             n_decode_total: 10,
             n_busy_slots_total: 10,
-            slots: vec![SlotStats { id: 0, is_processing: false, n_prompt_tokens: 0, n_decoded: 0 }],
+            slots: vec![
+                SlotStats { id: 0, ..Default::default() },
+                SlotStats {
+                    id: 1,
+                    is_processing: true,
+                    n_prompt_tokens: 9,
+                    n_decoded: 3,
+                    id_task: Some(42),
+                    params: Some(SamplingParams { temperature: 0.25, ..Default::default() }),
+                    n_remain: 5,
+                },
+            ],
             ..Default::default()
         }
     }
@@ -536,13 +547,22 @@ async fn health_props_slots_and_metrics() {
     let (status, body) = s.get("/props").await;
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(status, 200);
-    assert_eq!(v["total_slots"], 1);
+    assert_eq!(v["total_slots"], 2);
     assert_eq!(v["default_generation_settings"]["n_ctx"], 64);
+    assert_eq!(v["default_generation_settings"]["params"]["top_k"], v["default_generation_settings"]["top_k"]);
     assert_eq!(v["mlxcel"]["batch_size"], 2048);
     assert_eq!(v["mlxcel"]["kv_budget_bytes"], 64 * 16 * 64);
     let (status, body) = s.get("/slots").await;
     assert_eq!(status, 200);
-    assert_eq!(serde_json::from_str::<Value>(&body).unwrap()[0]["id"], 0);
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (v[0]["id"].as_i64(), v[0]["id_task"].as_i64(), v[0]["next_token"]["n_remain"].as_i64()),
+        (Some(0), Some(-1), Some(-1))
+    );
+    let busy = &v[1];
+    assert_eq!((busy["id_task"].as_i64(), busy["is_processing"].as_bool()), (Some(42), Some(true)), "{busy}");
+    assert_eq!((busy["params"]["temperature"].as_f64(), busy["params"]["n_predict"].as_i64()), (Some(0.25), Some(8)));
+    assert_eq!(busy["next_token"], json!({"has_next_token": true, "n_remain": 5, "n_decoded": 3}));
     s.post("/completion", json!({"prompt": "x"})).await;
     let (status, body) = s.get("/metrics").await;
     assert_eq!(status, 200);
