@@ -752,33 +752,43 @@ impl StreamDialect for CompletionStream {
 }
 
 /// `/v1/models` (and `/models`): the one served model.
-/// The served model as OpenAI's model object (a speech model's, on a transcription server).
+/// The served model as a model object of both APIs that list models at `/v1/models` — OpenAI's
+/// (`object`, `created`, `owned_by`) and Anthropic's (`type`, `display_name`, `created_at`) — so
+/// either SDK reads it (a speech model's, on a transcription server).
 fn model_object(state: &AppState) -> Result<Value, ApiError> {
+    let created_at = chrono::DateTime::from_timestamp(state.started_unix as i64, 0)
+        .unwrap_or_default()
+        .to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    let common = |id: &str| {
+        json!({"id": id, "object": "model", "created": state.started_unix, "owned_by": "mlxcel",
+               "type": "model", "display_name": id, "created_at": created_at})
+    };
     if let Some(s) = state.speech.get() {
-        return Ok(json!({"id": s.id, "object": "model", "created": state.started_unix, "owned_by": "mlxcel",
-                         "meta": {"task": "asr", "path": s.path}}));
+        let mut m = common(&s.id);
+        m["meta"] = json!({"task": "asr", "path": s.path});
+        return Ok(m);
     }
     let f = &state.ready()?.facts;
-    Ok(json!({
-        "id": f.id,
-        "object": "model",
-        "created": state.started_unix,
-        "owned_by": "mlxcel",
-        "meta": {
+    let mut m = common(&f.id);
+    m["meta"] = json!({
             "n_ctx": f.ctx_size,
             "n_ctx_train": f.ctx_train,
             "n_vocab": f.vocab_size,
             "size": f.weight_bytes,
             "architecture": f.architecture,
             "path": f.path,
-        },
-    }))
+    });
+    Ok(m)
 }
 
-/// `GET /v1/models`: the one served model.
+/// `GET /v1/models`: the one served model, as OpenAI's list and Anthropic's page.
 pub async fn models(State(state): State<Arc<AppState>>) -> Response {
     match model_object(&state) {
-        Ok(m) => Json(json!({"object": "list", "data": [m]})).into_response(),
+        Ok(m) => {
+            let id = m["id"].clone();
+            Json(json!({"object": "list", "data": [m], "has_more": false, "first_id": id, "last_id": id}))
+                .into_response()
+        }
         Err(e) => e.in_dialect(Dialect::OpenAi).into_response(),
     }
 }

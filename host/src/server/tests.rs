@@ -400,6 +400,9 @@ async fn models_lists_the_served_model_on_both_paths() {
         assert_eq!(status, 200);
         assert_eq!((v["object"].as_str(), v["data"][0]["id"].as_str()), (Some("list"), Some("tiny")));
         assert_eq!(v["data"][0]["object"], "model");
+        // Anthropic's page of models in the same answer.
+        assert_eq!((v["data"][0]["type"].as_str(), v["has_more"].as_bool()), (Some("model"), Some(false)));
+        assert!(v["data"][0]["created_at"].as_str().unwrap().ends_with('Z'), "{v}");
     }
 }
 

@@ -5,8 +5,10 @@ Run by host/tests/server.rs in the venv it prepares (target/sdk-venv). Prints on
 a closing 'N passed, N failed' line; exits non-zero on any failure.
 """
 
+import json
 import sys
 import traceback
+import urllib.request
 
 import anthropic
 import openai
@@ -65,6 +67,42 @@ def openai_models():
     models = oa.models.list()
     ids = [m.id for m in models.data]
     assert ids == [MODEL], ids
+    assert oa.models.retrieve(MODEL).id == MODEL
+    try:
+        oa.models.retrieve("no-such-model")
+        raise AssertionError("an unknown model was found")
+    except openai.NotFoundError:
+        pass
+
+
+def anthropic_models():
+    page = an.models.list()
+    assert [m.id for m in page.data] == [MODEL], page
+    assert page.data[0].type == "model" and page.data[0].created_at is not None, page.data[0]
+    assert an.models.retrieve(MODEL).display_name == MODEL
+
+
+def anthropic_prefill_is_continued():
+    # A last assistant turn is a prefill: the answer continues it (Anthropic's behaviour).
+    prefill = QUESTION + [{"role": "assistant", "content": "The capital of France is"}]
+    m = an.messages.create(model=MODEL, max_tokens=8, messages=prefill, extra_body=GREEDY)
+    text = m.content[0].text
+    assert "Paris" in text and not text.startswith("The capital"), text
+
+
+def openai_logit_bias_acts():
+    plain = oa.chat.completions.create(model=MODEL, messages=QUESTION, temperature=0, max_tokens=4, logprobs=True)
+    first = plain.choices[0].logprobs.content[0].token
+    req = urllib.request.Request(
+        BASE + "/tokenize",
+        json.dumps({"content": first}).encode(),
+        {"Content-Type": "application/json", "Authorization": "Bearer " + KEY},
+    )
+    (token_id,) = json.loads(urllib.request.urlopen(req).read())["tokens"]
+    banned = oa.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=4, logprobs=True, logit_bias={str(token_id): -100}
+    )
+    assert banned.choices[0].logprobs.content[0].token != first, (first, banned.choices[0].message.content)
 
 
 def openai_wrong_key_is_authentication_error():
