@@ -44,12 +44,12 @@ impl StreamingText {
         }
     }
 
-    /// Tokens accepted so far.
     /// Tokens it may still take before the token limit.
     pub fn remaining(&self) -> usize {
         self.max_tokens.saturating_sub(self.generated)
     }
 
+    /// Tokens accepted so far.
     pub fn generated(&self) -> usize {
         self.generated
     }

@@ -3,6 +3,10 @@
 //! outside a route's request type is refused by name — except the ones in [`inert`]: fields clients
 //! send routinely (llama.cpp's web UI sends every sampler's settings, OpenAI's SDK users an end-user
 //! id) that are accepted at the values where they do nothing, and refused at any other.
+//!
+//! (A field inside a value the request types read as one of several shapes — a content part, an
+//! Anthropic block, a rerank document — is not seen here: serde buffers those values whole. The
+//! routes refuse unknown part and block *types* by name.)
 
 use serde_json::{Map, Value};
 
@@ -62,7 +66,12 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
     Some(match name {
         // Bookkeeping for the client (OpenAI's end-user id, OpenAI's and Anthropic's metadata): no
         // effect on an answer here or upstream.
-        "user" => ok(v.is_null() || v.is_string(), "expected a string"),
+        // Like llama-server, any model name is answered by the served model (the routes that report
+        // a model echo it back).
+        "model" => ok(v.is_null() || v.is_string(), "expected a string"),
+        "user" | "safety_identifier" => ok(v.is_null() || v.is_string(), "expected a string"),
+        // A hint for OpenAI's prompt cache; the prefix cache here keys on the tokens themselves.
+        "prompt_cache_key" => ok(v.is_null() || v.is_string(), "expected a string"),
         "metadata" => ok(v.is_null() || v.is_object(), "expected an object"),
         "store" => ok(v.is_null() || v == &Value::Bool(false), "completions are not stored"),
         "service_tier" => ok(
@@ -78,7 +87,7 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
         "modalities" => ok(v.is_null() || v == &serde_json::json!(["text"]), "this server answers in text only"),
         // llama-server's samplers that this one does not have, each at its "off" value; their
         // settings are inert while the sampler is off.
-        "typical_p" => ok(num(1.0), "locally typical sampling is not implemented (1.0 turns it off)"),
+        "typical_p" | "typ_p" => ok(num(1.0), "locally typical sampling is not implemented (1.0 turns it off)"),
         "mirostat" => ok(num(0.0), "Mirostat is not implemented (0 turns it off)"),
         "mirostat_tau" | "mirostat_eta" => ok(off("mirostat", 0.0), "Mirostat is not implemented"),
         "dry_multiplier" => ok(num(0.0), "DRY is not implemented (0 turns it off)"),
@@ -106,7 +115,13 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
         "post_sampling_probs" => {
             ok(v.is_null() || v == &Value::Bool(false), "probabilities are reported before sampling")
         }
-        "timings_per_token" | "return_progress" => ok(v.is_null() || v == &Value::Bool(false), "not implemented"),
+        "timings_per_token" | "return_progress" | "backend_sampling" => {
+            ok(v.is_null() || v == &Value::Bool(false), "not implemented")
+        }
+        "reasoning_format" => ok(
+            v.is_null() || v.as_str() == Some("none"),
+            "reasoning is not split from the answer here (`none` leaves it in the content)",
+        ),
         "response_fields" | "lora" => ok(v.is_null() || v.as_array().is_some_and(Vec::is_empty), "not implemented"),
         "chat_template_kwargs" => ok(v.is_null() || v.as_object().is_some_and(Map::is_empty), "not implemented"),
         "grammar" => ok(v.is_null() || v.as_str() == Some(""), "grammars are not implemented"),
@@ -124,7 +139,8 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
 
 /// Whether `samplers` (llama-server's names or its one-letter string) orders this server's samplers
 /// as it applies them — penalties, top-k, top-p, min-p, temperature — whatever it says of the
-/// samplers it lacks (each refused by its own field when switched on).
+/// samplers it lacks (each refused by its own field when switched on). Penalties may go unnamed (as
+/// llama.cpp's web UI leaves them, off by default); named, they come first.
 fn default_sampler_order(v: &Value) -> bool {
     const OURS: [&str; 5] = ["penalties", "top_k", "top_p", "min_p", "temperature"];
     let names: Vec<String> = match v {
@@ -144,7 +160,7 @@ fn default_sampler_order(v: &Value) -> bool {
         _ => return false,
     };
     let ours: Vec<&str> = names.iter().map(String::as_str).filter(|n| OURS.contains(n)).collect();
-    ours == OURS
+    ours == OURS || ours == OURS[1..]
 }
 
 #[cfg(test)]
@@ -192,6 +208,7 @@ mod tests {
             "xtc",
             "temperature"
         ])));
+        assert!(default_sampler_order(&json!(["top_k", "typ_p", "top_p", "min_p", "temperature"])));
         assert!(!default_sampler_order(&json!(["top_k", "temperature"])));
         assert!(!default_sampler_order(&json!("ektpm")));
     }

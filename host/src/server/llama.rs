@@ -44,6 +44,8 @@ pub enum Piece {
 pub struct CompletionRequest {
     pub prompt: Prompt,
     pub n_predict: Option<i64>,
+    /// llama-server's other name for `n_predict` (OpenAI's).
+    pub max_tokens: Option<i64>,
     pub stream: Option<bool>,
     pub cache_prompt: Option<bool>,
     pub temperature: Option<f32>,
@@ -184,7 +186,7 @@ async fn completion_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) ->
         params.logit_bias = logit_bias(b, model, false)?;
     }
     let mut job = Job::new(ids, params.clone());
-    job.max_tokens = r.n_predict.and_then(|n| usize::try_from(n).ok());
+    job.max_tokens = r.n_predict.or(r.max_tokens).and_then(|n| usize::try_from(n).ok());
     job.stop = r.stop.map(StopField::into_vec).unwrap_or_default();
     job.cache_prompt = r.cache_prompt;
     job.ignore_eos = r.ignore_eos.unwrap_or(false);
@@ -195,7 +197,7 @@ async fn completion_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) ->
     let stops = job.stop.clone();
     let prompt_n = job.prompt.len();
     let req = job.into_request(&state, model, "prompt")?;
-    let n_predict = r.n_predict.unwrap_or(-1);
+    let n_predict = r.n_predict.or(r.max_tokens).unwrap_or(-1);
     let settings = generation_settings(model, &params, n_predict);
     let events = submit(model, req)?;
 
@@ -452,7 +454,7 @@ pub async fn slots(State(state): State<Arc<AppState>>) -> Response {
                 "n_ctx": n_ctx,
                 "speculative": false,
                 "is_processing": s.is_processing,
-                "params": generation_settings(model, params, s.n_remain as i64 + s.n_decoded as i64),
+                "params": generation_settings(model, params, if s.is_processing { (s.n_remain + s.n_decoded) as i64 } else { -1 }),
                 "n_prompt_tokens": s.n_prompt_tokens,
                 "next_token": {
                     "has_next_token": s.is_processing,

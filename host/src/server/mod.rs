@@ -55,8 +55,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))
         .route("/models", get(openai::models))
-        .route("/v1/models/{id}", get(openai::model))
-        .route("/models/{id}", get(openai::model))
+        // `{*id}`: names given as hub ids or paths hold slashes.
+        .route("/v1/models/{*id}", get(openai::model))
+        .route("/models/{*id}", get(openai::model))
         .route("/v1/messages", post(anthropic::messages))
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/completion", post(llama::completion))

@@ -41,6 +41,8 @@ impl StopField {
 #[derive(Deserialize, Debug, Default)]
 pub struct StreamOptions {
     pub include_usage: Option<bool>,
+    /// OpenAI's random padding of stream chunks (against length side channels): not added here.
+    pub include_obfuscation: Option<bool>,
 }
 
 /// Message content: a string or a list of parts.
@@ -71,6 +73,8 @@ pub struct MessageIn {
     /// where they say nothing (see [`chat_messages`]).
     pub refusal: Option<String>,
     pub annotations: Option<Vec<Value>>,
+    /// A reasoning model's thinking in an earlier turn (templates that show it read it).
+    pub reasoning_content: Option<String>,
     pub audio: Option<Value>,
     pub function_call: Option<Value>,
 }
@@ -103,9 +107,12 @@ impl SamplingFields {
         p.min_p = self.min_p.unwrap_or(p.min_p);
         p.repeat_penalty = self.repeat_penalty.unwrap_or(p.repeat_penalty);
         p.penalty_last_n = self.repeat_last_n.unwrap_or(p.penalty_last_n);
-        // OpenAI's seed is any int64, negative ones as deterministic as the rest.
-        if let Some(s) = self.seed {
-            p.seed = Some(s as u64);
+        // OpenAI's seed is any int64, negative ones as deterministic as the rest — but -1 (and its
+        // 32-bit spelling), which llama-server's clients send for "random", is random.
+        match self.seed {
+            Some(-1) | Some(0xFFFF_FFFF) => p.seed = None,
+            Some(s) => p.seed = Some(s as u64),
+            None => {}
         }
         if !(-2.0..=2.0).contains(&p.presence_penalty) {
             return Err(ApiError::field("presence_penalty", "presence_penalty must be in [-2, 2]"));
@@ -227,6 +234,7 @@ pub fn chat_messages(messages: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiErro
             name: m.name.clone(),
             tool_calls,
             tool_call_id: m.tool_call_id.clone(),
+            reasoning_content: m.reasoning_content.clone(),
             ..ChatMessage::new(role, &content)
         });
     }
@@ -255,7 +263,7 @@ pub fn chat_prompt(model: &LoadedModel, messages: &[ChatMessage]) -> Result<(Str
         )
     })?;
     let text = match messages.split_last() {
-        Some((last, before)) if last.role == "assistant" && !before.is_empty() => {
+        Some((last, before)) if last.role == "assistant" && last.tool_calls.is_none() && !before.is_empty() => {
             t.render(before, true).map_err(ApiError::invalid)? + &last.content
         }
         _ => t.render(messages, true).map_err(ApiError::invalid)?,
@@ -322,8 +330,14 @@ fn check_n(n: Option<u32>, stream: bool) -> Result<usize, ApiError> {
     Ok(n)
 }
 
-fn check_stream_options(given: bool, stream: bool) -> Result<(), ApiError> {
-    if given && !stream {
+fn check_stream_options(options: &Option<StreamOptions>, stream: bool) -> Result<(), ApiError> {
+    if options.as_ref().and_then(|o| o.include_obfuscation) == Some(true) {
+        return Err(ApiError::field(
+            "stream_options.include_obfuscation",
+            "stream obfuscation is not implemented; send include_obfuscation: false",
+        ));
+    }
+    if options.is_some() && !stream {
         return Err(ApiError::field(
             "stream_options",
             "The 'stream_options' parameter is only allowed when 'stream' is enabled.",
@@ -387,7 +401,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     refuse_unsupported(&r.tools, &r.response_format)?;
     let stream = r.stream.unwrap_or(false);
     let n = check_n(r.n, stream)?;
-    check_stream_options(r.stream_options.is_some(), stream)?;
+    check_stream_options(&r.stream_options, stream)?;
     if let Some((field, 0)) =
         r.max_completion_tokens.map(|v| ("max_completion_tokens", v)).or(r.max_tokens.map(|v| ("max_tokens", v)))
     {
@@ -615,7 +629,7 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
     }
     let stream = r.stream.unwrap_or(false);
     let n = check_n(r.n, stream)?;
-    check_stream_options(r.stream_options.is_some(), stream)?;
+    check_stream_options(&r.stream_options, stream)?;
     let prompts = prompts(model, r.prompt)?;
     if stream && prompts.len() > 1 {
         return Err(ApiError::field("prompt", "several prompts are not supported with stream: true"));
@@ -796,8 +810,9 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Response {
 /// `GET /v1/models/{id}`: the served model under its own name (or alias); any other name is a 404,
 /// as OpenAI answers for a model that does not exist.
 pub async fn model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    let id = id.trim_start_matches('/');
     let found = model_object(&state).and_then(|m| {
-        if m["id"] == id.as_str() {
+        if m["id"] == id {
             Ok(m)
         } else {
             Err(ApiError::new(

@@ -702,6 +702,16 @@ async fn dialect_details_models_seeds_ranges_and_off_values() {
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("max_tokens")), "{v}");
     let (status, _) = s.post("/v1/chat/completions", json!({"messages": hi, "seed": -5})).await;
     assert_eq!((status, s.last_request().sampling.seed), (200, Some(-5i64 as u64)));
+    // -1 is llama-server's "random", on its OpenAI routes too.
+    let (status, _) = s.post("/v1/chat/completions", json!({"messages": hi, "seed": -1})).await;
+    assert_eq!((status, s.last_request().sampling.seed), (200, None));
+    // Model names with slashes (hub ids, paths) reach the lookup, which finds no such model.
+    let (status, body) = s.get("/v1/models/org/other").await;
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!((status, v["error"]["code"].as_str()), (404, Some("model_not_found")), "{v}");
+    // llama-server's /completion: `model` and `max_tokens` (its other name for n_predict) are read.
+    let (status, v) = s.post("/completion", json!({"prompt": "x", "model": "m", "max_tokens": 3})).await;
+    assert_eq!((status, s.last_request().max_tokens), (200, 3), "{v}");
     let (status, v) = s.post("/v1/chat/completions", json!({"messages": hi, "top_p": 1.5})).await;
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("top_p")), "{v}");
     let (status, v) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": hi, "temperature": 1.5})).await;
@@ -818,6 +828,15 @@ async fn unread_fields_are_refused_by_name_and_inert_ones_pass() {
         )
         .await;
     assert_eq!(status, 200);
+    // What llama.cpp's web UI sends with its defaults.
+    let webui_chat = json!({"messages": [{"role": "user", "content": "hi"}], "stream": false, "typ_p": 1, "reasoning_format": "none",
+        "backend_sampling": false, "samplers": ["top_k", "typ_p", "top_p", "min_p", "temperature"], "prompt_cache_key": "k",
+        "dry_multiplier": 0, "xtc_probability": 0, "timings_per_token": false});
+    let (status, v) = s.post("/v1/chat/completions", webui_chat).await;
+    assert_eq!(status, 200, "{v}");
+    let deepseek = json!({"messages": [{"role": "user", "content": "hi"}], "reasoning_format": "deepseek"});
+    let (status, v) = s.post("/v1/chat/completions", deepseek).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("reasoning_format")), "{v}");
 }
 
 #[tokio::test]
