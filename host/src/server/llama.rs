@@ -63,6 +63,8 @@ pub struct CompletionRequest {
     pub add_special: Option<bool>,
     pub return_tokens: Option<bool>,
     pub logit_bias: Option<Value>,
+    /// Only these fields in the answer (`a/b` takes `b` out of `a`, named `b`).
+    pub response_fields: Option<Vec<String>>,
 }
 
 /// The most candidates `n_probs` may ask for per token (each answer carries them all).
@@ -199,6 +201,10 @@ async fn completion_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) ->
     let req = job.into_request(&state, model, "prompt")?;
     let n_predict = r.n_predict.or(r.max_tokens).unwrap_or(-1);
     let settings = generation_settings(model, &params, n_predict);
+    let response_fields = r.response_fields.clone().filter(|f| !f.is_empty());
+    if response_fields.is_some() && r.stream.unwrap_or(false) {
+        return Err(ApiError::field("response_fields", "response_fields applies to answers without stream: true"));
+    }
     let events = submit(model, req)?;
 
     if r.stream.unwrap_or(false) {
@@ -236,7 +242,23 @@ async fn completion_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) ->
     if r.n_probs.is_some_and(|n| n > 0) {
         out["completion_probabilities"] = probabilities(model, &c.logprobs);
     }
+    if let Some(fields) = response_fields {
+        out = pick_fields(&out, &fields);
+    }
     Ok(Json(out).into_response())
+}
+
+/// llama-server's `response_fields`: the answer's fields at these paths (`generation_settings/n_predict`
+/// as `n_predict`), missing ones left out.
+fn pick_fields(answer: &Value, paths: &[String]) -> Value {
+    let mut out = serde_json::Map::new();
+    for path in paths {
+        let found = path.split('/').try_fold(answer, |v, key| v.get(key));
+        if let Some(v) = found {
+            out.insert(path.rsplit('/').next().unwrap_or(path).to_string(), v.clone());
+        }
+    }
+    Value::Object(out)
 }
 
 struct CompletionStream {

@@ -729,6 +729,13 @@ async fn dialect_details_models_seeds_ranges_and_off_values() {
     want.extend(s.fake.text.as_ref().unwrap().encode(" hello", false).unwrap());
     want.push(7);
     assert_eq!(s.last_request().prompt, want);
+    let picked =
+        json!({"prompt": "x", "response_fields": ["content", "generation_settings/n_predict", "nothing/here"]});
+    let (status, v) = s.post("/completion", picked).await;
+    assert_eq!((status, v), (200, json!({"content": ANSWER.concat(), "n_predict": -1})));
+    let streamed = json!({"prompt": "x", "stream": true, "response_fields": ["content"]});
+    let (status, v) = s.post("/completion", streamed).await;
+    assert_eq!(status, 400, "{v}");
     let (status, v) = s.post("/completion", json!({"prompt": ["abc", "def"]})).await;
     assert_eq!(status, 400, "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("several prompts"), "{v}");
