@@ -138,9 +138,6 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
     let model = state.ready()?;
     let r: MessagesRequest = parse_body(body)?;
     let max_tokens = r.max_tokens.ok_or_else(|| ApiError::field("max_tokens", "max_tokens: Field required"))?;
-    if max_tokens == 0 {
-        return Err(ApiError::field("max_tokens", "max_tokens must be at least 1"));
-    }
     let prompt = prompt_of(model, &r)?;
     if let Some(t) = r.temperature.filter(|t| !(0.0..=1.0).contains(t)) {
         return Err(ApiError::field("temperature", format!("temperature: must be between 0 and 1, got {t}")));

@@ -50,6 +50,10 @@ pub fn check(field: &Unread, body: &Map<String, Value>) -> Result<(), ApiError> 
         return refuse(format!("Unrecognized request argument supplied: {}", field.path));
     };
     let value = body.get(name).unwrap_or(&Value::Null);
+    // A typed client that writes every field it knows sends the rest as null: not sent.
+    if value.is_null() {
+        return Ok(());
+    }
     match inert(name, value, body) {
         Some(Ok(())) => Ok(()),
         Some(Err(why)) => refuse(format!("`{name}` = {value} is not supported by this server: {why}")),
@@ -71,7 +75,9 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
         "model" => ok(v.is_null() || v.is_string(), "expected a string"),
         "user" | "safety_identifier" => ok(v.is_null() || v.is_string(), "expected a string"),
         // A hint for OpenAI's prompt cache; the prefix cache here keys on the tokens themselves.
-        "prompt_cache_key" => ok(v.is_null() || v.is_string(), "expected a string"),
+        "prompt_cache_key" | "prompt_cache_retention" => ok(v.is_null() || v.is_string(), "expected a string"),
+        // Anthropic's request-level cache marker: prefixes are cached here without being asked.
+        "cache_control" => ok(v.is_null() || v.is_object(), "expected an object"),
         "metadata" => ok(v.is_null() || v.is_object(), "expected an object"),
         "store" => ok(v.is_null() || v == &Value::Bool(false), "completions are not stored"),
         "service_tier" => ok(
@@ -108,7 +114,12 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
         // Tokens kept when the context shifts: this server never shifts (generation stops at the end
         // of the context), as llama-server without --context-shift.
         "n_keep" => ok(v.is_null() || v.is_i64(), "expected an integer"),
-        "id_slot" => ok(num(-1.0), "slots are assigned by the scheduler (-1)"),
+        "id_slot" | "slot_id" => ok(num(-1.0), "slots are assigned by the scheduler (-1)"),
+        // Older llama-server clients' fields, at the values that do nothing.
+        "penalize_nl" => ok(v == &Value::Bool(false), "newline penalties are not implemented"),
+        "tfs_z" => ok(num(1.0), "tail-free sampling is not implemented (1.0 turns it off)"),
+        "image_data" => ok(v.as_array().is_some_and(Vec::is_empty), "images are not supported"),
+        "api_key" => ok(v.as_str() == Some(""), "send API keys in the Authorization or x-api-key header"),
         "t_max_prompt_ms" | "t_max_predict_ms" => {
             ok(v.is_null() || v.as_f64().is_some_and(|x| x <= 0.0), "use the server's --timeout")
         }

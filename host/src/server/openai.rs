@@ -92,11 +92,12 @@ pub struct SamplingFields {
     pub top_k: Option<i64>,
     pub min_p: Option<f32>,
     pub repeat_penalty: Option<f32>,
-    pub repeat_last_n: Option<usize>,
+    pub repeat_last_n: Option<i64>,
 }
 
 impl SamplingFields {
-    pub fn apply(&self, defaults: &SamplingParams) -> Result<SamplingParams, ApiError> {
+    /// The request's sampling over `defaults`; `ctx` is what a `repeat_last_n` of -1 means.
+    pub fn apply(&self, defaults: &SamplingParams, ctx: usize) -> Result<SamplingParams, ApiError> {
         let mut p = defaults.clone();
         p.temperature = self.temperature.unwrap_or(p.temperature);
         p.top_p = self.top_p.unwrap_or(p.top_p);
@@ -106,7 +107,13 @@ impl SamplingFields {
         p.top_k = self.top_k.map_or(p.top_k, |k| usize::try_from(k).unwrap_or(0));
         p.min_p = self.min_p.unwrap_or(p.min_p);
         p.repeat_penalty = self.repeat_penalty.unwrap_or(p.repeat_penalty);
-        p.penalty_last_n = self.repeat_last_n.unwrap_or(p.penalty_last_n);
+        p.penalty_last_n = match self.repeat_last_n {
+            None => p.penalty_last_n,
+            // llama-server's -1: the whole context.
+            Some(-1) => ctx,
+            Some(n) => usize::try_from(n)
+                .map_err(|_| ApiError::field("repeat_last_n", format!("repeat_last_n must be -1 or more, got {n}")))?,
+        };
         // OpenAI's seed is any int64, negative ones as deterministic as the rest — but -1 (and its
         // 32-bit spelling), which llama-server's clients send for "random", is random.
         match self.seed {
@@ -152,8 +159,10 @@ pub struct ChatRequest {
     pub messages: Vec<MessageIn>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
-    pub max_tokens: Option<u64>,
-    pub max_completion_tokens: Option<u64>,
+    pub max_tokens: Option<i64>,
+    pub max_completion_tokens: Option<i64>,
+    /// llama-server's name for the same limit, which it reads here too.
+    pub n_predict: Option<i64>,
     pub stop: Option<StopField>,
     pub n: Option<u32>,
     pub logprobs: Option<bool>,
@@ -171,7 +180,7 @@ pub struct ChatRequest {
     pub top_k: Option<i64>,
     pub min_p: Option<f32>,
     pub repeat_penalty: Option<f32>,
-    pub repeat_last_n: Option<usize>,
+    pub repeat_last_n: Option<i64>,
 }
 
 /// A conversation in the roles chat templates know: `developer` is a system message; content parts
@@ -330,6 +339,18 @@ fn check_n(n: Option<u32>, stream: bool) -> Result<usize, ApiError> {
     Ok(n)
 }
 
+/// The token limit of the first of `fields` given: -1 is "no limit" (llama-server's, which its
+/// clients send on these routes too), otherwise at least `min`.
+fn token_limit(fields: &[(&str, Option<i64>)], min: i64) -> Result<Option<usize>, ApiError> {
+    match fields.iter().find_map(|(f, v)| v.map(|v| (*f, v))) {
+        None | Some((_, -1)) => Ok(None),
+        Some((f, v)) if v < min => {
+            Err(ApiError::field(f, format!("{f} must be at least {min} (or -1 for no limit), got {v}")))
+        }
+        Some((_, v)) => Ok(Some(v as usize)),
+    }
+}
+
 fn check_stream_options(options: &Option<StreamOptions>, stream: bool) -> Result<(), ApiError> {
     if options.as_ref().and_then(|o| o.include_obfuscation) == Some(true) {
         return Err(ApiError::field(
@@ -402,18 +423,17 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     let stream = r.stream.unwrap_or(false);
     let n = check_n(r.n, stream)?;
     check_stream_options(&r.stream_options, stream)?;
-    if let Some((field, 0)) =
-        r.max_completion_tokens.map(|v| ("max_completion_tokens", v)).or(r.max_tokens.map(|v| ("max_tokens", v)))
-    {
-        return Err(ApiError::field(field, format!("{field} must be at least 1")));
-    }
+    let limit = token_limit(
+        &[("max_completion_tokens", r.max_completion_tokens), ("max_tokens", r.max_tokens), ("n_predict", r.n_predict)],
+        1,
+    )?;
     let messages = chat_messages(&r.messages)?;
     let (_, prompt) = chat_prompt(model, &messages)?;
-    let mut job = Job::new(prompt, sampling_fields!(r).apply(&model.facts.default_sampling)?);
+    let mut job = Job::new(prompt, sampling_fields!(r).apply(&model.facts.default_sampling, model.facts.ctx_size)?);
     if let Some(b) = &r.logit_bias {
         job.sampling.logit_bias = logit_bias(b, model, true)?;
     }
-    job.max_tokens = r.max_completion_tokens.or(r.max_tokens).map(|v| v as usize);
+    job.max_tokens = limit;
     job.stop = r.stop.map(StopField::into_vec).unwrap_or_default();
     job.cache_prompt = r.cache_prompt;
     job.ignore_eos = r.ignore_eos.unwrap_or(false);
@@ -550,7 +570,8 @@ pub struct CompletionRequest {
     pub prompt: PromptField,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
-    pub max_tokens: Option<u64>,
+    pub max_tokens: Option<i64>,
+    pub n_predict: Option<i64>,
     pub stop: Option<StopField>,
     pub n: Option<u32>,
     pub logprobs: Option<u32>,
@@ -568,7 +589,7 @@ pub struct CompletionRequest {
     pub top_k: Option<i64>,
     pub min_p: Option<f32>,
     pub repeat_penalty: Option<f32>,
-    pub repeat_last_n: Option<usize>,
+    pub repeat_last_n: Option<i64>,
 }
 
 /// The prompts of a completion request as (text, token ids).
@@ -634,16 +655,17 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
     if stream && prompts.len() > 1 {
         return Err(ApiError::field("prompt", "several prompts are not supported with stream: true"));
     }
-    let mut sampling = sampling_fields!(r).apply(&model.facts.default_sampling)?;
+    let mut sampling = sampling_fields!(r).apply(&model.facts.default_sampling, model.facts.ctx_size)?;
     if let Some(b) = &r.logit_bias {
         sampling.logit_bias = logit_bias(b, model, true)?;
     }
     let stop = r.stop.map(StopField::into_vec).unwrap_or_default();
     let model_name = r.model.filter(|m| !m.is_empty()).unwrap_or_else(|| model.facts.id.clone());
     let id = new_id("cmpl-");
+    let limit = token_limit(&[("max_tokens", r.max_tokens), ("n_predict", r.n_predict)], 0)?;
     let make_job = |ids: Vec<u32>| {
         let mut job = Job::new(ids, sampling.clone());
-        job.max_tokens = r.max_tokens.map(|v| v as usize);
+        job.max_tokens = limit;
         job.stop = stop.clone();
         job.cache_prompt = r.cache_prompt;
         job.ignore_eos = r.ignore_eos.unwrap_or(false);
@@ -812,7 +834,8 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Response {
 pub async fn model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
     let id = id.trim_start_matches('/');
     let found = model_object(&state).and_then(|m| {
-        if m["id"] == id {
+        // The route drops a leading slash, which an id given as an absolute path has.
+        if m["id"].as_str().map(|s| s.trim_start_matches('/')) == Some(id) {
             Ok(m)
         } else {
             Err(ApiError::new(

@@ -702,6 +702,27 @@ async fn dialect_details_models_seeds_ranges_and_off_values() {
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("max_tokens")), "{v}");
     let (status, _) = s.post("/v1/chat/completions", json!({"messages": hi, "seed": -5})).await;
     assert_eq!((status, s.last_request().sampling.seed), (200, Some(-5i64 as u64)));
+    // llama-server's -1s (no token limit, the whole context) and its n_predict, on its OpenAI routes too.
+    let (status, v) =
+        s.post("/v1/chat/completions", json!({"messages": hi, "max_tokens": -1, "repeat_last_n": -1})).await;
+    let r = s.last_request();
+    assert_eq!((status, r.max_tokens, r.sampling.penalty_last_n), (200, 64 - r.prompt.len(), 64), "{v}");
+    let (status, _) = s.post("/v1/chat/completions", json!({"messages": hi, "n_predict": 3})).await;
+    assert_eq!((status, s.last_request().max_tokens), (200, 3));
+    let (status, v) = s.post("/v1/completions", json!({"prompt": "x", "max_tokens": -2})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("max_tokens")), "{v}");
+    // Fields a typed client sends as null are not sent; older llama-server clients' no-op values pass.
+    let (status, v) =
+        s.post("/v1/chat/completions", json!({"messages": hi, "reasoning_effort": null, "audio": null})).await;
+    assert_eq!(status, 200, "{v}");
+    let old =
+        json!({"prompt": "x", "penalize_nl": false, "tfs_z": 1.0, "image_data": [], "slot_id": -1, "api_key": ""});
+    let (status, v) = s.post("/completion", old).await;
+    assert_eq!(status, 200, "{v}");
+    // Anthropic's max_tokens 0 computes (and caches) the prompt, generating nothing.
+    let (status, v) =
+        s.post("/v1/messages", json!({"max_tokens": 0, "messages": hi, "cache_control": {"type": "ephemeral"}})).await;
+    assert_eq!((status, s.last_request().max_tokens), (200, 0), "{v}");
     // -1 is llama-server's "random", on its OpenAI routes too.
     let (status, _) = s.post("/v1/chat/completions", json!({"messages": hi, "seed": -1})).await;
     assert_eq!((status, s.last_request().sampling.seed), (200, None));
