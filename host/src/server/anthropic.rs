@@ -106,7 +106,7 @@ fn conversation(r: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
 }
 
 fn prompt_of(model: &LoadedModel, r: &MessagesRequest) -> Result<Vec<u32>, ApiError> {
-    Ok(chat_prompt(model, &conversation(r)?)?.1)
+    Ok(chat_prompt(model, &conversation(r)?, None)?.1)
 }
 
 fn stop_reason(e: &Ending) -> (&'static str, Value) {

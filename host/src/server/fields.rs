@@ -134,7 +134,6 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
             "reasoning is not split from the answer here (`none` leaves it in the content)",
         ),
         "lora" => ok(v.is_null() || v.as_array().is_some_and(Vec::is_empty), "LoRA adapters are not implemented"),
-        "chat_template_kwargs" => ok(v.is_null() || v.as_object().is_some_and(Map::is_empty), "not implemented"),
         "grammar" => ok(v.is_null() || v.as_str() == Some(""), "grammars are not implemented"),
         "json_schema" => ok(
             v.is_null() || v.as_object().is_some_and(Map::is_empty),

@@ -387,13 +387,15 @@ pub async fn detokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Resp
 #[derive(Deserialize)]
 struct ApplyTemplateRequest {
     messages: Vec<MessageIn>,
+    chat_template_kwargs: Option<serde_json::Map<String, Value>>,
 }
 
 pub async fn apply_template(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let run = || -> Result<Response, ApiError> {
         let model = state.ready()?;
         let r: ApplyTemplateRequest = parse_body(&body)?;
-        let (prompt, _) = super::openai::chat_prompt(model, &chat_messages(&r.messages)?)?;
+        let kwargs = r.chat_template_kwargs.as_ref();
+        let (prompt, _) = super::openai::chat_prompt(model, &chat_messages(&r.messages)?, kwargs)?;
         Ok(Json(json!({"prompt": prompt})).into_response())
     };
     run().unwrap_or_else(llama_err)

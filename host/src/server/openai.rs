@@ -172,6 +172,8 @@ pub struct ChatRequest {
     pub tools: Option<Vec<Value>>,
     pub response_format: Option<Value>,
     pub logit_bias: Option<Value>,
+    /// More variables for the chat template (llama-server's; Qwen3's `enable_thinking`, …).
+    pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
     pub seed: Option<i64>,
@@ -265,7 +267,11 @@ fn template_tool_call(call: &Value) -> Value {
 /// The token ids of a conversation through the model's chat template. A conversation that ends with
 /// an assistant message is a prefill, as Anthropic's API and llama-server take it: the answer
 /// continues that message (the turns before it, the assistant's turn opened, then its text).
-pub fn chat_prompt(model: &LoadedModel, messages: &[ChatMessage]) -> Result<(String, Vec<u32>), ApiError> {
+pub fn chat_prompt(
+    model: &LoadedModel,
+    messages: &[ChatMessage],
+    kwargs: Option<&serde_json::Map<String, Value>>,
+) -> Result<(String, Vec<u32>), ApiError> {
     let t = model.text.chat_template.as_ref().ok_or_else(|| {
         ApiError::invalid(
             "this model has no chat template; start the server with --chat-template-file, or use /v1/completions",
@@ -273,9 +279,9 @@ pub fn chat_prompt(model: &LoadedModel, messages: &[ChatMessage]) -> Result<(Str
     })?;
     let text = match messages.split_last() {
         Some((last, before)) if last.role == "assistant" && last.tool_calls.is_none() && !before.is_empty() => {
-            t.render(before, true).map_err(ApiError::invalid)? + &last.content
+            t.render_with(before, true, kwargs).map_err(ApiError::invalid)? + &last.content
         }
-        _ => t.render(messages, true).map_err(ApiError::invalid)?,
+        _ => t.render_with(messages, true, kwargs).map_err(ApiError::invalid)?,
     };
     let ids = model.text.encode(&text, false).map_err(|e| ApiError::internal(e.to_string()))?;
     Ok((text, ids))
@@ -428,7 +434,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
         1,
     )?;
     let messages = chat_messages(&r.messages)?;
-    let (_, prompt) = chat_prompt(model, &messages)?;
+    let (_, prompt) = chat_prompt(model, &messages, r.chat_template_kwargs.as_ref())?;
     let mut job = Job::new(prompt, sampling_fields!(r).apply(&model.facts.default_sampling, model.facts.ctx_size)?);
     if let Some(b) = &r.logit_bias {
         job.sampling.logit_bias = logit_bias(b, model, true)?;

@@ -859,7 +859,8 @@ async fn unread_fields_are_refused_by_name_and_inert_ones_pass() {
     // What llama.cpp's web UI sends with its defaults.
     let webui_chat = json!({"messages": [{"role": "user", "content": "hi"}], "stream": false, "typ_p": 1, "reasoning_format": "none",
         "backend_sampling": false, "samplers": ["top_k", "typ_p", "top_p", "min_p", "temperature"], "prompt_cache_key": "k",
-        "dry_multiplier": 0, "xtc_probability": 0, "timings_per_token": false});
+        "dry_multiplier": 0, "xtc_probability": 0, "timings_per_token": false,
+        "chat_template_kwargs": {"enable_thinking": false}});
     let (status, v) = s.post("/v1/chat/completions", webui_chat).await;
     assert_eq!(status, 200, "{v}");
     let deepseek = json!({"messages": [{"role": "user", "content": "hi"}], "reasoning_format": "deepseek"});

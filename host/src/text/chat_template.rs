@@ -79,13 +79,27 @@ impl ChatTemplate {
     }
 
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, String> {
+        self.render_with(messages, add_generation_prompt, None)
+    }
+
+    /// [`ChatTemplate::render`] with more variables for the template (a request's
+    /// `chat_template_kwargs`, such as Qwen3's `enable_thinking`); they never replace the messages,
+    /// the generation prompt switch or the special tokens.
+    pub fn render_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        extra: Option<&serde_json::Map<String, serde_json::Value>>,
+    ) -> Result<String, String> {
         let tmpl = self.env.get_template("chat").map_err(|e| e.to_string())?;
+        let extra = Value::from_serialize(extra.cloned().unwrap_or_default());
         tmpl.render(context! {
             messages => messages,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token,
             eos_token => self.eos_token,
             tools => Value::UNDEFINED,
+            ..extra
         })
         .map_err(|e| {
             let mut msg = format!("chat template failed: {e}");
@@ -102,6 +116,22 @@ impl ChatTemplate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn extra_variables_reach_the_template_but_never_replace_its_own() {
+        let t = ChatTemplate::new(
+            "{% for m in messages %}{{ m.content }}{% endfor %}{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{{ add_generation_prompt }}",
+            "",
+            "",
+        )
+        .unwrap();
+        let msgs = [ChatMessage::new("user", "Hi")];
+        assert_eq!(t.render(&msgs, true).unwrap(), "HiTrue");
+        let kw: serde_json::Map<String, serde_json::Value> =
+            serde_json::from_str(r#"{"enable_thinking": false, "add_generation_prompt": false, "messages": []}"#)
+                .unwrap();
+        assert_eq!(t.render_with(&msgs, true, Some(&kw)).unwrap(), "Hi<think></think>True");
+    }
 
     const CHATML: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are helpful<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
