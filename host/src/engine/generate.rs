@@ -192,7 +192,7 @@ impl Session {
         };
         // Ended from outside the text (context, cancel): what was held back as a possible stop-string
         // prefix belongs to the answer. (A token that ended it has already released its text.)
-        let rest = out.flush();
+        let rest = out.flush(tokenizer);
         on_text(&rest);
         text.push_str(&rest);
         stats.generated_tokens = generated.len();

@@ -819,7 +819,7 @@ impl<M: StepModel> Scheduler<M> {
                 }
                 // Text held back for a possible stop string belongs to the answer when something else
                 // ended it (a token that ended it has already released its text).
-                let rest = seq.text.flush();
+                let rest = seq.text.flush(&self.tokenizer);
                 if !rest.is_empty() {
                     seq.send(GenerationEvent::Text { text: rest, tokens: vec![], logprobs: vec![] });
                 }

@@ -594,7 +594,7 @@ fn stop_strings_end_the_request_and_are_not_shown() {
     let req = request(prompt(2, 10), 30);
     let full = solo(&req);
     // Stop at a piece of text from the middle of the answer.
-    let cut = full.text.len() / 2;
+    let cut = (0..=full.text.len() / 2).rev().find(|&i| full.text.is_char_boundary(i)).unwrap();
     let stop: String = full.text[cut..].chars().take(2).collect();
     let mut r = req.clone();
     r.stop = vec![stop.clone()];

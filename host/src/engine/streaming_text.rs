@@ -62,7 +62,7 @@ impl StreamingText {
     /// Takes the next sampled token.
     pub fn push(&mut self, tokenizer: &TextTokenizer, token: u32) -> Result<TokenStep, String> {
         if !self.ignore_eos && tokenizer.eos_ids.contains(&token) {
-            return Ok(TokenStep { text: self.flush(), accepted: false, finish: Some(FinishReason::Stop) });
+            return Ok(TokenStep { text: self.flush(tokenizer), accepted: false, finish: Some(FinishReason::Stop) });
         }
         self.generated += 1;
         let piece = tokenizers::tokenizer::step_decode_stream(
@@ -85,15 +85,64 @@ impl StreamingText {
             }
         }
         if self.exhausted() {
-            text.push_str(&self.flush());
+            text.push_str(&self.flush(tokenizer));
             return Ok(TokenStep { text, accepted: true, finish: Some(FinishReason::Length) });
         }
         Ok(TokenStep { text, accepted: true, finish: None })
     }
 
     /// Text held back as a possible stop-string prefix, released when generation ends for a reason
-    /// other than a stop string (the context limit, a cancellation).
-    pub fn flush(&mut self) -> String {
-        self.stop.flush()
+    /// other than a stop string (the context limit, a cancellation), then the text of tokens that
+    /// ended inside a UTF-8 character (their bytes so far as U+FFFD, after whatever whole
+    /// characters they hold, as llama-server shows them).
+    pub fn flush(&mut self, tokenizer: &TextTokenizer) -> String {
+        let mut text = self.stop.flush();
+        if self.ids.len() > self.prefix_index {
+            let whole = tokenizer.inner.decode(&self.ids, true).unwrap_or_default();
+            if let Some(rest) = whole.strip_prefix(self.prefix.as_str()) {
+                text.push_str(rest);
+            }
+            self.prefix = whole;
+            self.prefix_index = self.ids.len();
+        }
+        text
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tokenizer() -> TextTokenizer {
+        let dir = crate::testing::workspace_root().join("families/llama/tests/fixtures/llama-f32");
+        let config: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
+        TextTokenizer::load(&dir, &config, None).unwrap()
+    }
+
+    /// A generation cut off inside a character keeps what its tokens hold: the whole characters
+    /// before the cut, then U+FFFD for the bytes of the unfinished one.
+    #[test]
+    fn an_end_inside_a_character_keeps_the_text_before_it() {
+        let tok = tokenizer();
+        let ids = tok.encode("a 😀", false).unwrap();
+        let whole = ids.len();
+        assert!(whole >= 3, "the fixture splits the emoji into several tokens: {ids:?}");
+        // Stop one token before the emoji is complete.
+        let mut out = StreamingText::new(&[], true, whole - 1);
+        let mut text = String::new();
+        for &id in &ids[..whole - 1] {
+            let step = out.push(&tok, id).unwrap();
+            text.push_str(&step.text);
+            if step.finish.is_some() {
+                assert_eq!(step.finish, Some(FinishReason::Length));
+                break;
+            }
+        }
+        assert!(text.starts_with("a ") && text.ends_with('\u{FFFD}'), "{text:?}");
+        // A complete answer is unchanged.
+        let mut out = StreamingText::new(&[], true, whole);
+        let text: String = ids.iter().map(|&id| out.push(&tok, id).unwrap().text).collect();
+        assert_eq!(text, "a 😀");
     }
 }
