@@ -68,11 +68,11 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
     let off = |switch: &str, x: f64| body.get(switch).is_none_or(|s| s.is_null() || s.as_f64() == Some(x));
     let ok = |cond: bool, why: &str| if cond { Ok(()) } else { Err(why.to_string()) };
     Some(match name {
-        // Bookkeeping for the client (OpenAI's end-user id, OpenAI's and Anthropic's metadata): no
-        // effect on an answer here or upstream.
         // Like llama-server, any model name is answered by the served model (the routes that report
         // a model echo it back).
         "model" => ok(v.is_null() || v.is_string(), "expected a string"),
+        // Bookkeeping for the client (OpenAI's end-user id, OpenAI's and Anthropic's metadata): no
+        // effect on an answer here or upstream.
         "user" | "safety_identifier" => ok(v.is_null() || v.is_string(), "expected a string"),
         // A hint for OpenAI's prompt cache; the prefix cache here keys on the tokens themselves.
         "prompt_cache_key" | "prompt_cache_retention" => ok(v.is_null() || v.is_string(), "expected a string"),
