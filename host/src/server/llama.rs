@@ -140,15 +140,12 @@ fn stop_type(e: &Ending) -> (&'static str, String) {
 }
 
 /// `completion_probabilities`: per token, its probability list in llama-server's shape.
-fn probabilities(model: &LoadedModel, lps: &[TokenLogprob]) -> Value {
+fn probabilities(tok: &crate::text::TextTokenizer, lps: &[TokenLogprob]) -> Value {
     lps.iter()
         .map(|l| {
-            let top: Vec<Value> = l
-                .top
-                .iter()
-                .map(|(id, lp)| json!({"id": id, "token": token_text(&model.text, *id), "logprob": lp}))
-                .collect();
-            json!({"id": l.token, "token": token_text(&model.text, l.token), "logprob": l.logprob, "top_logprobs": top})
+            let top: Vec<Value> =
+                l.top.iter().map(|(id, lp)| json!({"id": id, "token": token_text(tok, *id), "logprob": lp})).collect();
+            json!({"id": l.token, "token": token_text(tok, l.token), "logprob": l.logprob, "top_logprobs": top})
         })
         .collect()
 }
@@ -188,7 +185,8 @@ async fn completion_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) ->
         params.logit_bias = logit_bias(b, model, false)?;
     }
     let mut job = Job::new(ids, params.clone());
-    job.max_tokens = r.n_predict.or(r.max_tokens).and_then(|n| usize::try_from(n).ok());
+    let n_predict = r.n_predict.or(r.max_tokens);
+    job.max_tokens = n_predict.and_then(|n| usize::try_from(n).ok());
     job.stop = r.stop.map(StopField::into_vec).unwrap_or_default();
     job.cache_prompt = r.cache_prompt;
     job.ignore_eos = r.ignore_eos.unwrap_or(false);
@@ -199,8 +197,7 @@ async fn completion_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) ->
     let stops = job.stop.clone();
     let prompt_n = job.prompt.len();
     let req = job.into_request(&state, model, "prompt")?;
-    let n_predict = r.n_predict.or(r.max_tokens).unwrap_or(-1);
-    let settings = generation_settings(model, &params, n_predict);
+    let settings = generation_settings(model, &params, n_predict.unwrap_or(-1));
     let response_fields = r.response_fields.clone().filter(|f| !f.is_empty());
     if response_fields.is_some() && r.stream.unwrap_or(false) {
         return Err(ApiError::field("response_fields", "response_fields applies to answers without stream: true"));
@@ -240,7 +237,7 @@ async fn completion_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) ->
         "timings": timings(&c.usage),
     });
     if r.n_probs.is_some_and(|n| n > 0) {
-        out["completion_probabilities"] = probabilities(model, &c.logprobs);
+        out["completion_probabilities"] = probabilities(&model.text, &c.logprobs);
     }
     if let Some(fields) = response_fields {
         out = pick_fields(&out, &fields);
@@ -288,12 +285,7 @@ impl StreamDialect for CompletionStream {
             "tokens_evaluated": self.prompt_n,
         });
         if self.with_probs {
-            let probs: Vec<Value> = logprobs
-                .iter()
-                .map(|l| json!({"id": l.token, "token": token_text(&self.tok, l.token), "logprob": l.logprob,
-                    "top_logprobs": l.top.iter().map(|(id, lp)| json!({"id": id, "token": token_text(&self.tok, *id), "logprob": lp})).collect::<Vec<_>>()}))
-                .collect();
-            v["completion_probabilities"] = json!(probs);
+            v["completion_probabilities"] = probabilities(&self.tok, logprobs);
         }
         vec![data(&v)]
     }
