@@ -45,7 +45,7 @@ fn collect(mut s: RequestStream) -> Answer {
                 a.text.push_str(&text);
                 a.tokens.extend(tokens);
             }
-            GenerationEvent::Started { .. } => {}
+            GenerationEvent::Started { .. } | GenerationEvent::PromptProgress { .. } => {}
             GenerationEvent::Done { finish, usage } => {
                 a.finish = Some(finish);
                 a.usage = usage;
@@ -145,9 +145,18 @@ fn fixture_small_kv_budget_evicts_and_preempts_without_changing_answers() {
 
 #[test]
 fn fixture_dropping_the_stream_frees_the_pages() {
-    let (engine, _) = start(&fixture(), 512, 1, opts(2));
+    let (engine, _) = start(&fixture(), 512, 1, EngineOptions { ubatch_size: 16, batch_size: 16, ..opts(2) });
     let mut s = engine.submit(greedy(random_prompt(70, 50), 400)).unwrap();
-    assert!(matches!(s.blocking_next(), Some(GenerationEvent::Started { cached_tokens: 0 })));
+    assert!(matches!(s.blocking_next(), Some(GenerationEvent::Started { cached_tokens: 0, slot: 0 })));
+    // The prompt's progress, one event per 16-token chunk, up to the whole prompt.
+    let mut seen = vec![];
+    while seen.last() != Some(&50) {
+        match s.blocking_next() {
+            Some(GenerationEvent::PromptProgress { processed, total: 50, cached: 0, .. }) => seen.push(processed),
+            e => panic!("expected prompt progress, got {e:?}"),
+        }
+    }
+    assert_eq!(seen, [16, 32, 48, 50]);
     for _ in 0..5 {
         assert!(matches!(s.blocking_next(), Some(GenerationEvent::Text { .. })));
     }
@@ -177,10 +186,13 @@ fn fixture_hundred_requests_with_random_disconnects_leak_no_pages() {
         let mut s = engine.submit(greedy(p, rng.gen_range(1..30))).unwrap();
         let keep = rng.gen_range(0..12);
         handles.push(std::thread::spawn(move || {
-            // Read `keep` events, then hang up (or read to the end).
-            for _ in 0..keep {
-                if s.blocking_next().is_none() {
-                    return true;
+            // Read `keep` events (prompt progress aside), then hang up (or read to the end).
+            let mut read = 0;
+            while read < keep {
+                match s.blocking_next() {
+                    None => return true,
+                    Some(GenerationEvent::PromptProgress { .. }) => {}
+                    Some(_) => read += 1,
                 }
             }
             false

@@ -188,7 +188,7 @@ fn stream_answer(stream: &mut RequestStream) -> Result<(String, FinishReason, Us
                 let _ = out.flush();
                 text.push_str(&piece);
             }
-            GenerationEvent::Started { .. } => {}
+            GenerationEvent::Started { .. } | GenerationEvent::PromptProgress { .. } => {}
             GenerationEvent::Done { finish, usage } => return Ok((text, finish, usage)),
             GenerationEvent::Error(e) => bail!("{e}"),
         }

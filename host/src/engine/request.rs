@@ -74,8 +74,12 @@ pub struct Usage {
 #[derive(Debug, Clone)]
 pub enum GenerationEvent {
     /// The request was admitted (sent once, before any text): how many prompt tokens come from the
-    /// prefix cache, which Anthropic's `message_start` reports.
-    Started { cached_tokens: usize },
+    /// prefix cache, which Anthropic's `message_start` reports, and the slot it runs in.
+    Started { cached_tokens: usize, slot: usize },
+    /// Prompt processing went on (after each prompt chunk the engine computes, the last one too):
+    /// `processed` of the prompt's `total` tokens are in the KV, `cached` of them from the prefix
+    /// cache, `elapsed` since admission.
+    PromptProgress { processed: usize, total: usize, cached: usize, elapsed: Duration },
     /// New text (already through the streaming detokenizer and the stop-string matcher; may be empty
     /// when a token only completes a multi-byte character later) and the token ids behind it.
     Text { text: String, tokens: Vec<u32>, logprobs: Vec<TokenLogprob> },

@@ -588,13 +588,13 @@ impl<M: StepModel> Scheduler<M> {
                 reused += self.reuse_page_head(&mut seq, hit.key);
             }
             self.counters.cache_hit_tokens += reused as u64;
+            seq.slot = self.free_slots.pop();
             if seq.admitted.is_none() {
                 seq.admitted = Some(Instant::now());
                 seq.cached_tokens = reused;
                 self.counts.leave();
-                seq.send(GenerationEvent::Started { cached_tokens: reused });
+                seq.send(GenerationEvent::Started { cached_tokens: reused, slot: seq.slot.unwrap_or(0) });
             }
-            seq.slot = self.free_slots.pop();
             let at = self.running.partition_point(|s| s.id < seq.id);
             self.running.insert(at, seq);
         }
@@ -770,6 +770,14 @@ impl<M: StepModel> Scheduler<M> {
                 self.counters.prompt_tokens += n as u64;
             }
             seq.kv.len += n;
+            if seq.first_token.is_none() {
+                seq.send(GenerationEvent::PromptProgress {
+                    processed: seq.kv.len.min(seq.prompt_len),
+                    total: seq.prompt_len,
+                    cached: seq.cached_tokens,
+                    elapsed: seq.admitted.map_or(Duration::ZERO, |t| t.elapsed()),
+                });
+            }
             if self.reuse_prefixes && seq.cache_prompt {
                 offer_full_pages(&mut self.cache, seq, page_size);
             }

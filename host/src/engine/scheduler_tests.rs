@@ -180,7 +180,7 @@ impl Client {
                     self.got.text.push_str(&text);
                     self.got.tokens.extend(tokens);
                 }
-                GenerationEvent::Started { .. } => {}
+                GenerationEvent::Started { .. } | GenerationEvent::PromptProgress { .. } => {}
                 GenerationEvent::Done { finish, usage } => {
                     self.got.finish = Some(finish);
                     self.got.usage = usage;

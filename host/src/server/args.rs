@@ -8,6 +8,7 @@ use std::time::Duration;
 use anyhow::{bail, Context, Result};
 use clap::Args;
 
+use super::reasoning::ReasoningFormat;
 use crate::checkpoint::sentence_transformers::PoolingFlag;
 use crate::cli::cache_type::CacheTypeArgs;
 use crate::engine::{EmbeddingFlags, KvCacheTypes, SamplingOverrides};
@@ -93,6 +94,19 @@ pub struct ServerArgs {
     /// A Jinja chat template (source text) to use instead of the model's.
     #[arg(long = "chat-template", env = "LLAMA_ARG_CHAT_TEMPLATE", conflicts_with = "chat_template_file")]
     pub chat_template: Option<String>,
+    /// Extra chat-template variables for every request, as a JSON object (e.g. '{"enable_thinking":
+    /// false}'); a request's `chat_template_kwargs` override them by name.
+    #[arg(long = "chat-template-kwargs", env = "LLAMA_CHAT_TEMPLATE_KWARGS", value_name = "JSON")]
+    pub chat_template_kwargs: Option<String>,
+    /// How a reasoning model's thinking is returned: auto or deepseek (split out into
+    /// `reasoning_content` and Anthropic `thinking` blocks), deepseek-legacy (split out and also left
+    /// in the content), none (left in the content).
+    #[arg(long = "reasoning-format", env = "LLAMA_ARG_THINK", default_value = "auto", value_parser = ReasoningFormat::parse)]
+    pub reasoning_format: ReasoningFormat,
+    /// -1: the model thinks as its template lets it; 0: no thinking (the template's
+    /// `enable_thinking: false`). Token budgets between are not supported.
+    #[arg(long = "reasoning-budget", env = "LLAMA_ARG_THINK_BUDGET", default_value_t = -1, allow_negative_numbers = true)]
+    pub reasoning_budget: i64,
     /// Use the Jinja chat template (mlxcel always does; accepted for llama-server command lines).
     #[arg(long = "jinja", env = "LLAMA_ARG_JINJA")]
     pub jinja: bool,
@@ -247,11 +261,6 @@ const REFUSED: &[(&[&str], &str, &str)] = &[
         "",
         "not supported by mlxcel's engine",
     ),
-    (
-        &["--reasoning-format", "--reasoning-budget", "--chat-template-kwargs"],
-        "",
-        "reasoning and template options are not supported",
-    ),
     (&["--no-jinja"], "", "mlxcel only renders Jinja chat templates"),
     (&["--api-prefix", "--path", "--props", "--no-webui", "--webui"], "", "not supported by mlxcel-server"),
     (
@@ -330,6 +339,9 @@ pub struct ServerConfig {
     pub warmup: bool,
     /// Chat template source replacing the model's.
     pub chat_template: Option<String>,
+    /// Chat-template variables every request starts from.
+    pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
+    pub reasoning_format: ReasoningFormat,
     pub backend: Option<String>,
     pub plugin_dirs: Vec<PathBuf>,
     pub force: bool,
@@ -373,6 +385,20 @@ impl ServerArgs {
             ),
             _ => None,
         };
+        let mut chat_template_kwargs = match &self.chat_template_kwargs {
+            None => serde_json::Map::new(),
+            Some(s) => match serde_json::from_str(s) {
+                Ok(serde_json::Value::Object(m)) => m,
+                _ => bail!("--chat-template-kwargs must be a JSON object, got {s}"),
+            },
+        };
+        match self.reasoning_budget {
+            -1 => {}
+            0 => {
+                chat_template_kwargs.insert("enable_thinking".into(), serde_json::Value::Bool(false));
+            }
+            n => bail!("--reasoning-budget {n}: only -1 (unrestricted) and 0 (no thinking) are supported"),
+        }
         if self.parallel == 0 {
             bail!("--parallel must be at least 1");
         }
@@ -416,6 +442,8 @@ impl ServerArgs {
             cache_prompt: !self.no_cache_prompt,
             warmup: !self.no_warmup,
             chat_template,
+            chat_template_kwargs,
+            reasoning_format: self.reasoning_format,
             backend: self.backend.clone(),
             plugin_dirs: plugin_dirs.to_vec(),
             force: self.force,
@@ -501,6 +529,32 @@ mod tests {
         }
         let e = parse(&["-m", "m", "--flash-attn=on"]).unwrap_err().to_string();
         assert!(e.contains("--flash-attn"), "{e}");
+    }
+
+    #[test]
+    fn reasoning_flags_set_the_format_and_the_template_variables() {
+        let c = parse(&["-m", "m"]).unwrap();
+        assert_eq!((c.reasoning_format, c.chat_template_kwargs.len()), (ReasoningFormat::Split, 0));
+        let c = parse(&[
+            "-m",
+            "m",
+            "--reasoning-format",
+            "none",
+            "--reasoning-budget",
+            "0",
+            "--chat-template-kwargs",
+            r#"{"tone": "dry"}"#,
+        ])
+        .unwrap();
+        assert_eq!(c.reasoning_format, ReasoningFormat::None);
+        assert_eq!(
+            serde_json::Value::Object(c.chat_template_kwargs),
+            serde_json::json!({"tone": "dry", "enable_thinking": false})
+        );
+        let e = parse(&["-m", "m", "--reasoning-budget", "512"]).unwrap_err().to_string();
+        assert!(e.contains("only -1 (unrestricted) and 0"), "{e}");
+        assert!(parse(&["-m", "m", "--chat-template-kwargs", "[1]"]).is_err());
+        assert!(parse(&["-m", "m", "--reasoning-format", "bogus"]).is_err());
     }
 
     #[test]

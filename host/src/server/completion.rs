@@ -4,6 +4,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -110,6 +111,8 @@ pub struct Completion {
     pub logprobs: Vec<TokenLogprob>,
     pub ending: Ending,
     pub usage: Usage,
+    /// The engine's slot that served it.
+    pub slot: usize,
 }
 
 /// Text and tokens received so far, and how to tell which stop string ended them.
@@ -156,15 +159,18 @@ pub async fn collect(
     log: &RequestLog,
 ) -> Result<Completion, ApiError> {
     let mut got = Received::default();
+    let mut slot = 0;
     while let Some(ev) = events.recv().await {
         match ev {
-            GenerationEvent::Started { .. } => {}
+            GenerationEvent::Started { slot: s, .. } => slot = s,
+            GenerationEvent::PromptProgress { .. } => {}
             GenerationEvent::Text { text, tokens, logprobs } => got.push(&text, &tokens, &logprobs),
             GenerationEvent::Done { finish, usage } => {
                 let ending = got.ending(finish, stops, tok);
                 state.metrics.record(&usage);
                 log.usage(&usage, ending.openai());
-                return Ok(Completion { text: got.text, tokens: got.tokens, logprobs: got.logprobs, ending, usage });
+                let (text, tokens, logprobs) = (got.text, got.tokens, got.logprobs);
+                return Ok(Completion { text, tokens, logprobs, ending, usage, slot });
             }
             GenerationEvent::Error(e) => {
                 state.metrics.failed();
@@ -196,12 +202,55 @@ pub fn timings(u: &Usage) -> serde_json::Value {
     })
 }
 
+/// Where a streamed request stands, for the chunks that report it as they go (llama-server's
+/// `timings_per_token`, `id_slot`, `tokens_predicted`): the engine's counts, timed as the events
+/// arrive (the last chunk's `timings` are the engine's own).
+#[derive(Debug, Clone)]
+pub struct Live {
+    pub prompt_tokens: usize,
+    pub cached_tokens: usize,
+    pub slot: usize,
+    /// Tokens generated so far.
+    pub generated: usize,
+    admitted: std::time::Instant,
+    first_token: Option<std::time::Instant>,
+}
+
+impl Live {
+    fn new(prompt_tokens: usize) -> Live {
+        let now = std::time::Instant::now();
+        Live { prompt_tokens, cached_tokens: 0, slot: 0, generated: 0, admitted: now, first_token: None }
+    }
+
+    /// The usage so far (what [`timings`] reports).
+    pub fn usage(&self) -> Usage {
+        let now = std::time::Instant::now();
+        Usage {
+            prompt_tokens: self.prompt_tokens,
+            cached_tokens: self.cached_tokens,
+            completion_tokens: self.generated,
+            prompt_time: self.first_token.unwrap_or(now).saturating_duration_since(self.admitted),
+            generation_time: self.first_token.map_or(Duration::ZERO, |t| now.saturating_duration_since(t)),
+            queue_time: Duration::ZERO,
+        }
+    }
+}
+
+/// llama-server's `prompt_progress` object.
+pub fn prompt_progress(processed: usize, total: usize, cached: usize, elapsed: Duration) -> serde_json::Value {
+    json!({"total": total, "cache": cached, "processed": processed, "time_ms": elapsed.as_millis() as u64})
+}
+
 /// A dialect's streaming format: which server-sent events each stage of a request becomes.
 pub trait StreamDialect: Send + 'static {
-    /// Before any text, once the engine has admitted the request: `cached_tokens` of the prompt come
-    /// from the prefix cache.
-    fn start(&mut self, cached_tokens: usize) -> Vec<Event>;
-    fn text(&mut self, text: &str, tokens: &[u32], logprobs: &[TokenLogprob]) -> Vec<Event>;
+    /// Before any text, once the engine has admitted the request (`live` says what the prefix cache
+    /// served and which slot runs it).
+    fn start(&mut self, live: &Live) -> Vec<Event>;
+    /// Prompt processing went on (llama-server's `return_progress`); nothing by default.
+    fn progress(&mut self, _live: &Live, _progress: serde_json::Value) -> Vec<Event> {
+        vec![]
+    }
+    fn text(&mut self, text: &str, tokens: &[u32], logprobs: &[TokenLogprob], live: &Live) -> Vec<Event>;
     fn done(&mut self, ending: &Ending, usage: &Usage) -> Vec<Event>;
     /// The request failed after the stream began.
     fn error(&mut self, e: &ApiError) -> Vec<Event>;
@@ -215,80 +264,136 @@ pub fn data(v: &serde_json::Value) -> Event {
 /// Relays `events` as SSE through `dialect`. A client that goes away drops the engine's stream, which
 /// cancels the request.
 pub fn stream_response(
-    mut events: EventStream,
-    mut dialect: impl StreamDialect,
+    events: EventStream,
+    dialect: impl StreamDialect,
+    prompt_tokens: usize,
     stops: Vec<String>,
     tok: Arc<TextTokenizer>,
     state: Arc<AppState>,
     log: RequestLog,
 ) -> Response {
+    stream_many(vec![(events, dialect, prompt_tokens)], stops, tok, state, log)
+}
+
+/// [`stream_response`] for several requests of one HTTP request (llama-server's several prompts),
+/// their events interleaved as they come, each through its own dialect (which says its index).
+pub fn stream_many<D: StreamDialect>(
+    requests: Vec<(EventStream, D, usize)>,
+    stops: Vec<String>,
+    tok: Arc<TextTokenizer>,
+    state: Arc<AppState>,
+    log: RequestLog,
+) -> Response {
+    use futures_util::StreamExt;
     log.update(|l| l.stream = true);
     let (tx, rx) = mpsc::channel::<Event>(64);
+    let mut relays: Vec<Relay<D>> = Vec::with_capacity(requests.len());
+    let mut sources = Vec::with_capacity(requests.len());
+    for (i, (events, dialect, prompt_tokens)) in requests.into_iter().enumerate() {
+        let live = Live::new(prompt_tokens);
+        relays.push(Relay { dialect, got: Received::default(), started: false, over: false, live });
+        // Each request's events, then `None` once its channel closes.
+        let events = stream::unfold(events, |mut rx| async move { rx.recv().await.map(|e| (Some(e), rx)) })
+            .chain(stream::once(async { None }))
+            .map(move |e| (i, e));
+        sources.push(Box::pin(events));
+    }
     tokio::spawn(async move {
-        let send_all = |evs: Vec<Event>| {
-            let tx = tx.clone();
-            async move {
-                for e in evs {
-                    tx.send(e).await.map_err(|_| ())?;
-                }
-                Ok::<(), ()>(())
-            }
-        };
-        let mut got = Received::default();
-        let mut started = false;
-        loop {
-            let ev = tokio::select! {
-                ev = events.recv() => ev,
+        let mut merged = stream::select_all(sources);
+        let mut open = relays.len();
+        while open > 0 {
+            let next = tokio::select! {
+                next = merged.next() => next,
                 _ = tx.closed() => return,
             };
-            // The stream opens when the engine admits the request (so the opening event can say what the
-            // prefix cache served), or with whatever comes first from an engine that does not say.
-            if !started {
-                started = true;
-                let cached = match ev {
-                    Some(GenerationEvent::Started { cached_tokens }) => cached_tokens,
-                    _ => 0,
-                };
-                if send_all(dialect.start(cached)).await.is_err() {
-                    return;
-                }
+            let Some((i, ev)) = next else { return };
+            let relay = &mut relays[i];
+            if relay.over {
+                continue;
             }
-            let out = match ev {
-                Some(GenerationEvent::Started { .. }) => continue,
-                Some(GenerationEvent::Text { text, tokens, logprobs }) => {
-                    got.push(&text, &tokens, &logprobs);
-                    if text.is_empty() && logprobs.is_empty() {
-                        continue;
-                    }
-                    dialect.text(&text, &tokens, &logprobs)
-                }
-                Some(GenerationEvent::Done { finish, usage }) => {
-                    let ending = got.ending(finish, &stops, &tok);
-                    state.metrics.record(&usage);
-                    log.usage(&usage, ending.openai());
-                    let _ = send_all(dialect.done(&ending, &usage)).await;
+            let out = relay.on(ev, &stops, &tok, &state, &log);
+            if relay.over {
+                open -= 1;
+            }
+            for e in out {
+                if tx.send(e).await.is_err() {
                     return;
                 }
-                Some(GenerationEvent::Error(e)) => {
-                    state.metrics.failed();
-                    let _ = send_all(dialect.error(&e.into())).await;
-                    return;
-                }
-                None => {
-                    state.metrics.failed();
-                    let _ =
-                        send_all(dialect.error(&ApiError::internal("the engine ended the request without an answer")))
-                            .await;
-                    return;
-                }
-            };
-            if send_all(out).await.is_err() {
-                return;
             }
         }
     });
     let body = stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (Ok::<_, Infallible>(e), rx)) });
     Sse::new(body).keep_alive(KeepAlive::default()).into_response()
+}
+
+/// One request of a stream: its dialect and what it has received.
+struct Relay<D> {
+    dialect: D,
+    got: Received,
+    /// Whether the dialect's opening events went out.
+    started: bool,
+    /// Whether its last event went out.
+    over: bool,
+    live: Live,
+}
+
+impl<D: StreamDialect> Relay<D> {
+    /// The SSE events for one engine event (`None`: the engine's stream closed).
+    fn on(
+        &mut self,
+        ev: Option<GenerationEvent>,
+        stops: &[String],
+        tok: &TextTokenizer,
+        state: &AppState,
+        log: &RequestLog,
+    ) -> Vec<Event> {
+        let mut out = Vec::new();
+        // The stream opens when the engine admits the request (so the opening event can say what the
+        // prefix cache served), or with whatever comes first from an engine that does not say.
+        if !self.started {
+            self.started = true;
+            self.live.admitted = std::time::Instant::now();
+            if let Some(GenerationEvent::Started { cached_tokens, slot }) = ev {
+                (self.live.cached_tokens, self.live.slot) = (cached_tokens, slot);
+            }
+            out.extend(self.dialect.start(&self.live));
+        }
+        let live = &mut self.live;
+        match ev {
+            Some(GenerationEvent::Started { .. }) => {}
+            Some(GenerationEvent::PromptProgress { processed, total, cached, elapsed }) => {
+                out.extend(self.dialect.progress(live, prompt_progress(processed, total, cached, elapsed)))
+            }
+            Some(GenerationEvent::Text { text, tokens, logprobs }) => {
+                self.got.push(&text, &tokens, &logprobs);
+                live.generated += tokens.len();
+                if !tokens.is_empty() && live.first_token.is_none() {
+                    live.first_token = Some(std::time::Instant::now());
+                }
+                if !text.is_empty() || !logprobs.is_empty() {
+                    out.extend(self.dialect.text(&text, &tokens, &logprobs, live));
+                }
+            }
+            Some(GenerationEvent::Done { finish, usage }) => {
+                let ending = self.got.ending(finish, stops, tok);
+                state.metrics.record(&usage);
+                log.usage(&usage, ending.openai());
+                out.extend(self.dialect.done(&ending, &usage));
+                self.over = true;
+            }
+            Some(GenerationEvent::Error(e)) => {
+                state.metrics.failed();
+                out.extend(self.dialect.error(&e.into()));
+                self.over = true;
+            }
+            None => {
+                state.metrics.failed();
+                out.extend(self.dialect.error(&ApiError::internal("the engine ended the request without an answer")));
+                self.over = true;
+            }
+        }
+        out
+    }
 }
 
 /// A random id with a prefix (`chatcmpl-…`, `msg_…`).

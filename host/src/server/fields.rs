@@ -126,13 +126,7 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
         "post_sampling_probs" => {
             ok(v.is_null() || v == &Value::Bool(false), "probabilities are reported before sampling")
         }
-        "timings_per_token" | "return_progress" | "backend_sampling" => {
-            ok(v.is_null() || v == &Value::Bool(false), "not implemented")
-        }
-        "reasoning_format" => ok(
-            v.is_null() || v.as_str() == Some("none"),
-            "reasoning is not split from the answer here (`none` leaves it in the content)",
-        ),
+        "backend_sampling" => ok(v.is_null() || v == &Value::Bool(false), "not implemented"),
         "lora" => ok(v.is_null() || v.as_array().is_some_and(Vec::is_empty), "LoRA adapters are not implemented"),
         "grammar" => ok(v.is_null() || v.as_str() == Some(""), "grammars are not implemented"),
         "json_schema" => ok(

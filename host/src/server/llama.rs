@@ -15,22 +15,24 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::completion::{
-    collect, data, logit_bias, stream_response, submit, timings, token_text, Ending, Job, StreamDialect,
+    collect, data, logit_bias, stream_many, submit, timings, token_text, Ending, Job, Live, StreamDialect,
 };
 use super::error::{parse_body, ApiError, Dialect, ErrorKind};
-use super::openai::{chat_messages, MessageIn, StopField};
+use super::openai::{chat_messages, MessageIn, StopField, StreamExtras};
 use super::state::{AppState, LoadedModel, RequestLog};
 use crate::engine::{SamplingParams, TokenLogprob, Usage};
 
-/// A prompt as a string, token ids, or token ids and strings mixed (each string tokenized in its
-/// place); a one-element list of either is taken as that element.
+/// `prompt`, as llama-server reads it: a string, token ids, or ids and strings mixed (each string
+/// tokenized in its place) — or several prompts: a list without ids at its top level (strings, or
+/// lists of ids or mixed pieces), each answered on its own.
 #[derive(Deserialize, Debug)]
 #[serde(untagged)]
 pub enum Prompt {
     Text(String),
     Tokens(Vec<u32>),
-    One((Box<Prompt>,)),
+    /// With an id among them, one prompt; strings only, one prompt each.
     Mixed(Vec<Piece>),
+    Many(Vec<Prompt>),
 }
 
 #[derive(Deserialize, Debug)]
@@ -65,6 +67,9 @@ pub struct CompletionRequest {
     pub logit_bias: Option<Value>,
     /// Only these fields in the answer (`a/b` takes `b` out of `a`, named `b`).
     pub response_fields: Option<Vec<String>>,
+    /// `timings` in every stream chunk, and prompt-progress chunks.
+    pub timings_per_token: Option<bool>,
+    pub return_progress: Option<bool>,
 }
 
 /// The most candidates `n_probs` may ask for per token (each answer carries them all).
@@ -94,6 +99,30 @@ fn sampling(r: &CompletionRequest, defaults: &SamplingParams, ctx: usize) -> Sam
     p
 }
 
+/// The prompts of a request as (text, token ids).
+fn prompt_list(model: &LoadedModel, p: &Prompt, add_special: bool) -> Result<Vec<(String, Vec<u32>)>, ApiError> {
+    match p {
+        Prompt::Mixed(pieces) if pieces.iter().all(|p| matches!(p, Piece::Text(_))) => pieces
+            .iter()
+            .map(|p| match p {
+                Piece::Text(s) => prompt_ids(model, &Prompt::Text(s.clone()), add_special),
+                Piece::Token(_) => unreachable!("strings only"),
+            })
+            .collect(),
+        Prompt::Many(list) => list
+            .iter()
+            .map(|p| match p {
+                Prompt::Many(_) => {
+                    Err(ApiError::field("prompt", "a prompt in a list of prompts cannot itself be several prompts"))
+                }
+                p => prompt_ids(model, p, add_special),
+            })
+            .collect(),
+        p => Ok(vec![prompt_ids(model, p, add_special)?]),
+    }
+}
+
+/// One prompt's text and token ids.
 fn prompt_ids(model: &LoadedModel, p: &Prompt, add_special: bool) -> Result<(String, Vec<u32>), ApiError> {
     match p {
         Prompt::Text(s) => {
@@ -109,11 +138,6 @@ fn prompt_ids(model: &LoadedModel, p: &Prompt, add_special: bool) -> Result<(Str
             }
             Ok((model.text.decode(ids).unwrap_or_default(), ids.clone()))
         }
-        Prompt::One((inner,)) => prompt_ids(model, inner, add_special),
-        Prompt::Mixed(pieces) if pieces.iter().all(|p| matches!(p, Piece::Text(_))) => Err(ApiError::field(
-            "prompt",
-            "several prompts in one request are not supported by this route; send one request per prompt (or use /v1/completions)",
-        )),
         Prompt::Mixed(pieces) => {
             // As llama-server: specials (BOS) only before a leading string.
             let mut ids = Vec::new();
@@ -127,6 +151,7 @@ fn prompt_ids(model: &LoadedModel, p: &Prompt, add_special: bool) -> Result<(Str
             }
             prompt_ids(model, &Prompt::Tokens(ids), add_special)
         }
+        Prompt::Many(_) => Err(ApiError::field("prompt", "expected one prompt")),
     }
 }
 
@@ -179,70 +204,92 @@ pub async fn completion(
 async fn completion_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Result<Response, ApiError> {
     let model = state.ready()?;
     let r: CompletionRequest = parse_body(body)?;
-    let (prompt_text, ids) = prompt_ids(model, &r.prompt, r.add_special.unwrap_or(true))?;
+    let prompts = prompt_list(model, &r.prompt, r.add_special.unwrap_or(true))?;
+    let stream = r.stream.unwrap_or(false);
+    let extras = StreamExtras::new(r.timings_per_token, r.return_progress, stream)?;
     let mut params = sampling(&r, &model.facts.default_sampling, model.facts.ctx_size);
     if let Some(b) = &r.logit_bias {
         params.logit_bias = logit_bias(b, model, false)?;
     }
-    let mut job = Job::new(ids, params.clone());
-    let n_predict = r.n_predict.or(r.max_tokens);
-    job.max_tokens = n_predict.and_then(|n| usize::try_from(n).ok());
-    job.stop = r.stop.map(StopField::into_vec).unwrap_or_default();
-    job.cache_prompt = r.cache_prompt;
-    job.ignore_eos = r.ignore_eos.unwrap_or(false);
     if r.n_probs.is_some_and(|n| n > MAX_N_PROBS) {
         return Err(ApiError::field("n_probs", format!("n_probs must be at most {MAX_N_PROBS}")));
     }
-    job.logprobs = r.n_probs.filter(|&n| n > 0);
-    let stops = job.stop.clone();
-    let prompt_n = job.prompt.len();
-    let req = job.into_request(&state, model, "prompt")?;
+    let n_predict = r.n_predict.or(r.max_tokens);
+    let stops = r.stop.map(StopField::into_vec).unwrap_or_default();
     let settings = generation_settings(model, &params, n_predict.unwrap_or(-1));
     let response_fields = r.response_fields.clone().filter(|f| !f.is_empty());
-    if response_fields.is_some() && r.stream.unwrap_or(false) {
+    if response_fields.is_some() && stream {
         return Err(ApiError::field("response_fields", "response_fields applies to answers without stream: true"));
     }
-    let events = submit(model, req)?;
+    let with_probs = r.n_probs.is_some_and(|n| n > 0);
+    // Every prompt is checked and queued before any answer is awaited (a refusal drops the rest).
+    let mut pending = Vec::with_capacity(prompts.len());
+    for (text, ids) in prompts {
+        let mut job = Job::new(ids, params.clone());
+        job.max_tokens = n_predict.and_then(|n| usize::try_from(n).ok());
+        job.stop = stops.clone();
+        job.cache_prompt = r.cache_prompt;
+        job.ignore_eos = r.ignore_eos.unwrap_or(false);
+        job.logprobs = r.n_probs.filter(|&n| n > 0);
+        let prompt_n = job.prompt.len();
+        let req = job.into_request(&state, model, "prompt")?;
+        pending.push((text, prompt_n, submit(model, req)?));
+    }
 
-    if r.stream.unwrap_or(false) {
-        let dialect = CompletionStream {
-            model: model.facts.id.clone(),
-            prompt_n,
-            predicted: 0,
-            settings,
-            prompt: prompt_text,
-            with_probs: r.n_probs.is_some_and(|n| n > 0),
-            tok: model.text.clone(),
-        };
-        return Ok(stream_response(events, dialect, stops, model.text.clone(), state.clone(), log));
+    if stream {
+        let streams = pending
+            .into_iter()
+            .enumerate()
+            .map(|(index, (prompt, prompt_n, events))| {
+                let dialect = CompletionStream {
+                    index,
+                    slot: 0,
+                    model: model.facts.id.clone(),
+                    predicted: 0,
+                    settings: settings.clone(),
+                    prompt,
+                    with_probs,
+                    extras,
+                    tok: model.text.clone(),
+                };
+                (events, dialect, prompt_n)
+            })
+            .collect();
+        return Ok(stream_many(streams, stops, model.text.clone(), state.clone(), log));
     }
-    let c = collect(events, &stops, &model.text, &state, &log).await?;
-    let (kind, word) = stop_type(&c.ending);
-    let mut out = json!({
-        "index": 0,
-        "content": c.text,
-        "tokens": if r.return_tokens.unwrap_or(false) { json!(c.tokens) } else { json!([]) },
-        "id_slot": 0,
-        "stop": true,
-        "model": model.facts.id,
-        "tokens_predicted": c.usage.completion_tokens,
-        "tokens_evaluated": c.usage.prompt_tokens,
-        "generation_settings": settings,
-        "prompt": prompt_text,
-        "has_new_line": c.text.contains('\n'),
-        "truncated": false,
-        "stop_type": kind,
-        "stopping_word": word,
-        "tokens_cached": c.usage.prompt_tokens + c.usage.completion_tokens,
-        "timings": timings(&c.usage),
-    });
-    if r.n_probs.is_some_and(|n| n > 0) {
-        out["completion_probabilities"] = probabilities(&model.text, &c.logprobs);
+    let several = pending.len() > 1;
+    let mut answers = Vec::with_capacity(pending.len());
+    for (index, (prompt, _, events)) in pending.into_iter().enumerate() {
+        let c = collect(events, &stops, &model.text, &state, &log).await?;
+        let (kind, word) = stop_type(&c.ending);
+        let mut out = json!({
+            "index": index,
+            "content": c.text,
+            "tokens": if r.return_tokens.unwrap_or(false) { json!(c.tokens) } else { json!([]) },
+            "id_slot": c.slot,
+            "stop": true,
+            "model": model.facts.id,
+            "tokens_predicted": c.usage.completion_tokens,
+            "tokens_evaluated": c.usage.prompt_tokens,
+            "generation_settings": settings,
+            "prompt": prompt,
+            "has_new_line": c.text.contains('\n'),
+            "truncated": false,
+            "stop_type": kind,
+            "stopping_word": word,
+            "tokens_cached": c.usage.prompt_tokens + c.usage.completion_tokens,
+            "timings": timings(&c.usage),
+        });
+        if with_probs {
+            out["completion_probabilities"] = probabilities(&model.text, &c.logprobs);
+        }
+        if let Some(fields) = &response_fields {
+            out = pick_fields(&out, fields);
+        }
+        answers.push(out);
     }
-    if let Some(fields) = response_fields {
-        out = pick_fields(&out, &fields);
-    }
-    Ok(Json(out).into_response())
+    // One prompt, one answer; several, a list of them (as llama-server answers).
+    Ok(if several { Json(json!(answers)) } else { Json(answers.remove(0)) }.into_response())
 }
 
 /// llama-server's `response_fields`: the answer's fields at these paths (`generation_settings/n_predict`
@@ -259,33 +306,56 @@ fn pick_fields(answer: &Value, paths: &[String]) -> Value {
 }
 
 struct CompletionStream {
+    /// Which of the request's prompts this is, and the slot serving it.
+    index: usize,
+    slot: usize,
     model: String,
-    prompt_n: usize,
     predicted: usize,
     settings: Value,
     prompt: String,
     with_probs: bool,
+    extras: StreamExtras,
     tok: Arc<crate::text::TextTokenizer>,
 }
 
-impl StreamDialect for CompletionStream {
-    fn start(&mut self, _cached_tokens: usize) -> Vec<Event> {
-        vec![]
-    }
-
-    fn text(&mut self, text: &str, tokens: &[u32], logprobs: &[TokenLogprob]) -> Vec<Event> {
-        self.predicted += tokens.len();
-        let mut v = json!({
-            "index": 0,
+impl CompletionStream {
+    /// A chunk before the end, as llama-server streams them.
+    fn partial(&self, text: &str, tokens: &[u32], live: &Live) -> Value {
+        json!({
+            "index": self.index,
             "content": text,
             "tokens": tokens,
             "stop": false,
-            "id_slot": -1,
+            "id_slot": live.slot,
             "tokens_predicted": self.predicted,
-            "tokens_evaluated": self.prompt_n,
-        });
+            "tokens_evaluated": live.prompt_tokens,
+        })
+    }
+}
+
+impl StreamDialect for CompletionStream {
+    fn start(&mut self, live: &Live) -> Vec<Event> {
+        self.slot = live.slot;
+        vec![]
+    }
+
+    fn progress(&mut self, live: &Live, progress: Value) -> Vec<Event> {
+        if !self.extras.return_progress {
+            return vec![];
+        }
+        let mut v = self.partial("", &[], live);
+        v["prompt_progress"] = progress;
+        vec![data(&v)]
+    }
+
+    fn text(&mut self, text: &str, tokens: &[u32], logprobs: &[TokenLogprob], live: &Live) -> Vec<Event> {
+        self.predicted += tokens.len();
+        let mut v = self.partial(text, tokens, live);
         if self.with_probs {
             v["completion_probabilities"] = probabilities(&self.tok, logprobs);
+        }
+        if self.extras.timings_per_token {
+            v["timings"] = timings(&live.usage());
         }
         vec![data(&v)]
     }
@@ -293,10 +363,10 @@ impl StreamDialect for CompletionStream {
     fn done(&mut self, ending: &Ending, usage: &Usage) -> Vec<Event> {
         let (kind, word) = stop_type(ending);
         vec![data(&json!({
-            "index": 0,
+            "index": self.index,
             "content": "",
             "tokens": [],
-            "id_slot": 0,
+            "id_slot": self.slot,
             "stop": true,
             "model": self.model,
             "tokens_predicted": usage.completion_tokens,
@@ -386,8 +456,8 @@ pub async fn apply_template(State(state): State<Arc<AppState>>, body: Bytes) -> 
     let run = || -> Result<Response, ApiError> {
         let model = state.ready()?;
         let r: ApplyTemplateRequest = parse_body(&body)?;
-        let kwargs = r.chat_template_kwargs.as_ref();
-        let (prompt, _) = super::openai::chat_prompt(model, &chat_messages(&r.messages)?, kwargs)?;
+        let kwargs = state.template_kwargs(r.chat_template_kwargs.as_ref());
+        let (prompt, _) = super::openai::chat_prompt(model, &chat_messages(&r.messages)?, kwargs.as_ref())?;
         Ok(Json(json!({"prompt": prompt})).into_response())
     };
     run().unwrap_or_else(llama_err)

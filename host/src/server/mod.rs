@@ -18,6 +18,7 @@ pub mod listen;
 pub mod llama;
 pub mod model;
 pub mod openai;
+pub mod reasoning;
 pub mod state;
 #[cfg(test)]
 mod tests;

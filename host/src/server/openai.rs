@@ -14,9 +14,10 @@ use serde_json::{json, Value};
 
 use super::completion::{
     collect, data, logit_bias, new_id, stream_response, submit, timings, token_label, unix_time, Completion, Ending,
-    Job, StreamDialect,
+    Job, Live, StreamDialect,
 };
 use super::error::{parse_body, ApiError, Dialect, ErrorKind};
+use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
 use super::state::{AppState, LoadedModel, RequestLog};
 use crate::engine::{SamplingParams, TokenLogprob, Usage};
 use crate::text::{ChatMessage, TextTokenizer};
@@ -174,6 +175,11 @@ pub struct ChatRequest {
     pub logit_bias: Option<Value>,
     /// More variables for the chat template (llama-server's; Qwen3's `enable_thinking`, …).
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    /// llama-server's: how thinking is returned (the server's `--reasoning-format` by default).
+    pub reasoning_format: Option<String>,
+    /// llama-server's: `timings` in every stream chunk, and prompt-progress chunks.
+    pub timings_per_token: Option<bool>,
+    pub return_progress: Option<bool>,
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
     pub seed: Option<i64>,
@@ -357,6 +363,28 @@ fn token_limit(fields: &[(&str, Option<i64>)], min: i64) -> Result<Option<usize>
     }
 }
 
+/// llama-server's stream extras: `timings` in every chunk, and chunks that report prompt processing
+/// (which only a stream can carry).
+#[derive(Clone, Copy, Default)]
+pub struct StreamExtras {
+    pub timings_per_token: bool,
+    pub return_progress: bool,
+}
+
+impl StreamExtras {
+    pub fn new(timings_per_token: Option<bool>, return_progress: Option<bool>, stream: bool) -> Result<Self, ApiError> {
+        let return_progress = return_progress.unwrap_or(false);
+        if return_progress && !stream {
+            return Err(ApiError::field(
+                "return_progress",
+                "return_progress reports prompt processing in stream chunks; it needs stream: true",
+            ));
+        }
+        // Without a stream the answer carries its timings anyway.
+        Ok(StreamExtras { timings_per_token: timings_per_token.unwrap_or(false), return_progress })
+    }
+}
+
 fn check_stream_options(options: &Option<StreamOptions>, stream: bool) -> Result<(), ApiError> {
     if options.as_ref().and_then(|o| o.include_obfuscation) == Some(true) {
         return Err(ApiError::field(
@@ -433,8 +461,15 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
         &[("max_completion_tokens", r.max_completion_tokens), ("max_tokens", r.max_tokens), ("n_predict", r.n_predict)],
         1,
     )?;
+    let extras = StreamExtras::new(r.timings_per_token, r.return_progress, stream)?;
+    let reasoning = match r.reasoning_format.as_deref() {
+        None => state.config.reasoning_format,
+        Some(f) => ReasoningFormat::parse(f).map_err(|e| ApiError::field("reasoning_format", e))?,
+    };
     let messages = chat_messages(&r.messages)?;
-    let (_, prompt) = chat_prompt(model, &messages, r.chat_template_kwargs.as_ref())?;
+    let kwargs = state.template_kwargs(r.chat_template_kwargs.as_ref());
+    let (prompt_text, prompt) = chat_prompt(model, &messages, kwargs.as_ref())?;
+    let thinking = reasoning::forced_open(&prompt_text);
     let mut job = Job::new(prompt, sampling_fields!(r).apply(&model.facts.default_sampling, model.facts.ctx_size)?);
     if let Some(b) = &r.logit_bias {
         job.sampling.logit_bias = logit_bias(b, model, true)?;
@@ -458,6 +493,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
 
     if stream {
         let stops = job.stop.clone();
+        let prompt_tokens = job.prompt.len();
         let req = job.into_request(&state, model, "messages")?;
         let events = submit(model, req)?;
         let include_usage = r.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
@@ -468,8 +504,10 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
             include_usage,
             logprobs: want_logprobs,
             tok: model.text.clone(),
+            split: Splitter::new(reasoning, thinking),
+            extras,
         };
-        return Ok(stream_response(events, dialect, stops, model.text.clone(), state.clone(), log));
+        return Ok(stream_response(events, dialect, prompt_tokens, stops, model.text.clone(), state.clone(), log));
     }
 
     let jobs = (0..n).map(|i| seeded(&job, i)).collect();
@@ -478,9 +516,14 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
         .iter()
         .enumerate()
         .map(|(i, c)| {
+            let parts = Splitter::split_all(reasoning, thinking, &c.text);
+            let mut message = json!({"role": "assistant", "content": parts.content});
+            if !parts.reasoning.is_empty() {
+                message["reasoning_content"] = json!(parts.reasoning);
+            }
             json!({
                 "index": i,
-                "message": {"role": "assistant", "content": c.text},
+                "message": message,
                 "logprobs": if want_logprobs { chat_logprobs(&model.text, &c.logprobs) } else { Value::Null },
                 "finish_reason": c.ending.openai(),
             })
@@ -512,6 +555,8 @@ struct ChatStream {
     include_usage: bool,
     logprobs: bool,
     tok: Arc<TextTokenizer>,
+    split: Splitter,
+    extras: StreamExtras,
 }
 
 impl ChatStream {
@@ -531,20 +576,56 @@ impl ChatStream {
     }
 }
 
+impl ChatStream {
+    /// A delta of reasoning and answer text (`content` present unless the delta is reasoning alone).
+    fn delta(parts: &Parts) -> Value {
+        let mut d = json!({});
+        if !parts.reasoning.is_empty() {
+            d["reasoning_content"] = json!(parts.reasoning);
+        }
+        if !parts.content.is_empty() || parts.reasoning.is_empty() {
+            d["content"] = json!(parts.content);
+        }
+        d
+    }
+}
+
 impl StreamDialect for ChatStream {
-    fn start(&mut self, _cached_tokens: usize) -> Vec<Event> {
+    fn start(&mut self, _live: &Live) -> Vec<Event> {
         vec![data(&self.chunk(json!({"role": "assistant", "content": ""}), None, Value::Null))]
     }
 
-    fn text(&mut self, text: &str, _tokens: &[u32], logprobs: &[TokenLogprob]) -> Vec<Event> {
+    fn progress(&mut self, _live: &Live, progress: Value) -> Vec<Event> {
+        if !self.extras.return_progress {
+            return vec![];
+        }
+        let mut c = self.chunk(json!({"role": "assistant", "content": null}), None, Value::Null);
+        c["prompt_progress"] = progress;
+        vec![data(&c)]
+    }
+
+    fn text(&mut self, text: &str, _tokens: &[u32], logprobs: &[TokenLogprob], live: &Live) -> Vec<Event> {
+        let parts = self.split.push(text);
+        if parts.is_empty() && !self.logprobs {
+            return vec![];
+        }
         let lp = if self.logprobs { chat_logprobs(&self.tok, logprobs) } else { Value::Null };
-        vec![data(&self.chunk(json!({"content": text}), None, lp))]
+        let mut c = self.chunk(Self::delta(&parts), None, lp);
+        if self.extras.timings_per_token {
+            c["timings"] = timings(&live.usage());
+        }
+        vec![data(&c)]
     }
 
     fn done(&mut self, ending: &Ending, usage: &Usage) -> Vec<Event> {
+        let mut out = vec![];
+        let rest = self.split.finish();
+        if !rest.is_empty() {
+            out.push(data(&self.chunk(Self::delta(&rest), None, Value::Null)));
+        }
         let mut last = self.chunk(json!({}), Some(ending.openai()), Value::Null);
         last["timings"] = timings(usage);
-        let mut out = vec![data(&last)];
+        out.push(data(&last));
         if self.include_usage {
             let mut u = self.chunk(json!({}), None, Value::Null);
             u["choices"] = json!([]);
@@ -587,6 +668,8 @@ pub struct CompletionRequest {
     pub cache_prompt: Option<bool>,
     pub ignore_eos: Option<bool>,
     pub logit_bias: Option<Value>,
+    pub timings_per_token: Option<bool>,
+    pub return_progress: Option<bool>,
     pub temperature: Option<f32>,
     pub top_p: Option<f32>,
     pub seed: Option<i64>,
@@ -657,6 +740,7 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
     let stream = r.stream.unwrap_or(false);
     let n = check_n(r.n, stream)?;
     check_stream_options(&r.stream_options, stream)?;
+    let extras = StreamExtras::new(r.timings_per_token, r.return_progress, stream)?;
     let prompts = prompts(model, r.prompt)?;
     if stream && prompts.len() > 1 {
         return Err(ApiError::field("prompt", "several prompts are not supported with stream: true"));
@@ -683,6 +767,7 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
         let (text, ids) = prompts.into_iter().next().unwrap_or_default();
         let job = make_job(ids);
         let stops = job.stop.clone();
+        let prompt_tokens = job.prompt.len();
         let events = submit(model, job.into_request(&state, model, "prompt")?)?;
         let dialect = CompletionStream {
             id,
@@ -693,8 +778,9 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
             echo: echo.then_some(text),
             offset: 0,
             tok: model.text.clone(),
+            extras,
         };
-        return Ok(stream_response(events, dialect, stops, model.text.clone(), state.clone(), log));
+        return Ok(stream_response(events, dialect, prompt_tokens, stops, model.text.clone(), state.clone(), log));
     }
 
     let mut jobs = Vec::new();
@@ -741,6 +827,7 @@ struct CompletionStream {
     echo: Option<String>,
     offset: usize,
     tok: Arc<TextTokenizer>,
+    extras: StreamExtras,
 }
 
 impl CompletionStream {
@@ -761,17 +848,30 @@ impl CompletionStream {
 }
 
 impl StreamDialect for CompletionStream {
-    fn start(&mut self, _cached_tokens: usize) -> Vec<Event> {
+    fn start(&mut self, _live: &Live) -> Vec<Event> {
         match self.echo.take() {
             Some(p) => vec![data(&self.chunk(&p, None, Value::Null))],
             None => vec![],
         }
     }
 
-    fn text(&mut self, text: &str, _tokens: &[u32], logprobs: &[TokenLogprob]) -> Vec<Event> {
+    fn progress(&mut self, _live: &Live, progress: Value) -> Vec<Event> {
+        if !self.extras.return_progress {
+            return vec![];
+        }
+        let mut c = self.chunk("", None, Value::Null);
+        c["prompt_progress"] = progress;
+        vec![data(&c)]
+    }
+
+    fn text(&mut self, text: &str, _tokens: &[u32], logprobs: &[TokenLogprob], live: &Live) -> Vec<Event> {
         let lp = if self.logprobs { completion_logprobs(&self.tok, logprobs, self.offset) } else { Value::Null };
         self.offset += text.chars().count();
-        vec![data(&self.chunk(text, None, lp))]
+        let mut c = self.chunk(text, None, lp);
+        if self.extras.timings_per_token {
+            c["timings"] = timings(&live.usage());
+        }
+        vec![data(&c)]
     }
 
     fn done(&mut self, ending: &Ending, usage: &Usage) -> Vec<Event> {

@@ -45,6 +45,17 @@ impl AppState {
     }
 
     /// The model, or 503 while it is loading.
+    /// A request's chat-template variables: the server's `--chat-template-kwargs`, then the request's
+    /// own by name.
+    pub fn template_kwargs(
+        &self,
+        request: Option<&serde_json::Map<String, serde_json::Value>>,
+    ) -> Option<serde_json::Map<String, serde_json::Value>> {
+        let mut kwargs = self.config.chat_template_kwargs.clone();
+        kwargs.extend(request.into_iter().flatten().map(|(k, v)| (k.clone(), v.clone())));
+        (!kwargs.is_empty()).then_some(kwargs)
+    }
+
     pub fn ready(&self) -> Result<&LoadedModel, ApiError> {
         if let Some(speech) = self.speech.get() {
             return Err(super::audio::not_a_text_model(speech));

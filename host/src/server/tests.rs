@@ -30,6 +30,8 @@ struct Fake {
     cancelled: Arc<AtomicBool>,
     active: Arc<AtomicUsize>,
     text: Option<Arc<TextTokenizer>>,
+    /// Pieces to answer with instead of [`ANSWER`].
+    script: Option<Vec<&'static str>>,
 }
 
 impl Generator for Fake {
@@ -41,10 +43,17 @@ impl Generator for Fake {
         let (tx, rx) = mpsc::channel(16);
         let (slow, cancelled, active, tok) =
             (self.slow_ms, self.cancelled.clone(), self.active.clone(), self.text.clone().unwrap());
+        let answer: Vec<&str> = self.script.clone().unwrap_or(ANSWER.to_vec());
         active.fetch_add(1, Ordering::SeqCst);
         tokio::spawn(async move {
             let _guard = Decrement(active);
-            let _ = tx.send(GenerationEvent::Started { cached_tokens: 2 }).await;
+            let _ = tx.send(GenerationEvent::Started { cached_tokens: 2, slot: 1 }).await;
+            // The prompt past the cached tokens in two chunks.
+            let total = req.prompt.len();
+            for processed in [(total + 2) / 2, total] {
+                let elapsed = Duration::from_millis(processed as u64);
+                let _ = tx.send(GenerationEvent::PromptProgress { processed, total, cached: 2, elapsed }).await;
+            }
             let usage = |n| Usage {
                 prompt_tokens: req.prompt.len(),
                 cached_tokens: 2,
@@ -59,12 +68,12 @@ impl Generator for Fake {
                 let _ = tx.send(GenerationEvent::Done { finish: FinishReason::Stop, usage: usage(3) }).await;
                 return;
             }
-            let pieces = if slow > 0 { 1000 } else { ANSWER.len() };
+            let pieces = if slow > 0 { 1000 } else { answer.len() };
             for i in 0..pieces.min(req.max_tokens) {
                 if slow > 0 {
                     tokio::time::sleep(Duration::from_millis(slow)).await;
                 }
-                let text = ANSWER[i % ANSWER.len()].to_string();
+                let text = answer[i % answer.len()].to_string();
                 let tokens = tok.encode(&text, false).unwrap();
                 let logprobs = match req.logprobs {
                     Some(k) => tokens
@@ -82,7 +91,7 @@ impl Generator for Fake {
                     return;
                 }
             }
-            let finish = if req.max_tokens < ANSWER.len() { FinishReason::Length } else { FinishReason::Stop };
+            let finish = if req.max_tokens < answer.len() { FinishReason::Length } else { FinishReason::Stop };
             let _ = tx.send(GenerationEvent::Done { finish, usage: usage(pieces.min(req.max_tokens)) }).await;
         });
         Ok(rx)
@@ -149,6 +158,8 @@ fn config() -> ServerConfig {
         cache_prompt: true,
         warmup: false,
         chat_template: None,
+        chat_template_kwargs: Default::default(),
+        reasoning_format: reasoning::ReasoningFormat::Split,
         backend: None,
         plugin_dirs: vec![],
         force: false,
@@ -448,7 +459,7 @@ async fn anthropic_stream_follows_the_event_sequence() {
     assert_eq!(status, 200);
     let events = sse(&body);
     let names: Vec<&str> = events.iter().map(|e| e.0.as_deref().unwrap()).collect();
-    let mut want = vec!["message_start", "content_block_start", "ping"];
+    let mut want = vec!["message_start", "ping", "content_block_start"];
     want.extend(std::iter::repeat_n("content_block_delta", ANSWER.len()));
     want.extend(["content_block_stop", "message_delta", "message_stop"]);
     assert_eq!(names, want);
@@ -757,9 +768,26 @@ async fn dialect_details_models_seeds_ranges_and_off_values() {
     let streamed = json!({"prompt": "x", "stream": true, "response_fields": ["content"]});
     let (status, v) = s.post("/completion", streamed).await;
     assert_eq!(status, 400, "{v}");
+    // Several prompts: one answer each, in order, as a list.
     let (status, v) = s.post("/completion", json!({"prompt": ["abc", "def"]})).await;
-    assert_eq!(status, 400, "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("several prompts"), "{v}");
+    assert_eq!(status, 200, "{v}");
+    let got: Vec<(u64, &str, &str)> = v
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| (a["index"].as_u64().unwrap(), a["prompt"].as_str().unwrap(), a["content"].as_str().unwrap()))
+        .collect();
+    let answer = ANSWER.concat();
+    assert_eq!(got, [(0, "abc", answer.as_str()), (1, "def", answer.as_str())]);
+    let (status, v) = s.post("/completion", json!({"prompt": [[5, 6], "x", [7, "y"]], "n_predict": 1})).await;
+    assert_eq!((status, v.as_array().map(Vec::len)), (200, Some(3)), "{v}");
+    // A list with ids at its top is one prompt; one prompt in a list is one answer.
+    let (status, v) = s.post("/completion", json!({"prompt": [5, "x"]})).await;
+    assert_eq!((status, v["index"].as_u64()), (200, Some(0)), "{v}");
+    let (status, v) = s.post("/completion", json!({"prompt": [[5, 6]]})).await;
+    assert_eq!((status, v["id_slot"].as_u64()), (200, Some(1)), "{v}");
+    let (status, v) = s.post("/completion", json!({"prompt": [[[5]]]})).await;
+    assert_eq!((status, v["error"]["type"].as_str()), (400, Some("invalid_request_error")), "{v}");
 }
 
 /// Tokens that are only part of a UTF-8 character keep their own bytes: `/tokenize`'s pieces, the
@@ -857,14 +885,14 @@ async fn unread_fields_are_refused_by_name_and_inert_ones_pass() {
         .await;
     assert_eq!(status, 200);
     // What llama.cpp's web UI sends with its defaults.
-    let webui_chat = json!({"messages": [{"role": "user", "content": "hi"}], "stream": false, "typ_p": 1, "reasoning_format": "none",
+    let webui_chat = json!({"messages": [{"role": "user", "content": "hi"}], "stream": true, "typ_p": 1, "reasoning_format": "auto",
         "backend_sampling": false, "samplers": ["top_k", "typ_p", "top_p", "min_p", "temperature"], "prompt_cache_key": "k",
-        "dry_multiplier": 0, "xtc_probability": 0, "timings_per_token": false,
+        "dry_multiplier": 0, "xtc_probability": 0, "timings_per_token": true, "return_progress": true,
         "chat_template_kwargs": {"enable_thinking": false}});
-    let (status, v) = s.post("/v1/chat/completions", webui_chat).await;
-    assert_eq!(status, 200, "{v}");
-    let deepseek = json!({"messages": [{"role": "user", "content": "hi"}], "reasoning_format": "deepseek"});
-    let (status, v) = s.post("/v1/chat/completions", deepseek).await;
+    let (status, body, _) = s.post_text("/v1/chat/completions", webui_chat).await;
+    assert_eq!(status, 200, "{body}");
+    let bogus = json!({"messages": [{"role": "user", "content": "hi"}], "reasoning_format": "harmony"});
+    let (status, v) = s.post("/v1/chat/completions", bogus).await;
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("reasoning_format")), "{v}");
 }
 
@@ -1063,4 +1091,170 @@ async fn audio_routes_on_a_text_model_are_a_400_with_their_own_body_limit() {
     let loading = start_with(config(), Fake::default(), false).await;
     let r = audio_form(&loading, &[("model", "whisper-1".into())]).send().await.unwrap();
     assert_eq!(r.status(), 503);
+}
+
+/// A generation that thinks first: the Fake's pieces.
+const THOUGHT: [&str; 5] = ["<thi", "nk>\nFrance's capital", " is well known.\n</th", "ink>\n\n", "Paris."];
+
+/// The `data:` payloads of a stream as JSON (without `[DONE]`).
+fn chunks(body: &str) -> Vec<Value> {
+    sse(body).into_iter().filter(|(_, d)| d != "[DONE]").map(|(_, d)| serde_json::from_str(&d).unwrap()).collect()
+}
+
+/// A thought at the start of the answer comes back as `reasoning_content` (OpenAI dialect, whole
+/// and streamed), or left in the content with `reasoning_format: none`.
+#[tokio::test]
+async fn reasoning_is_split_from_the_answer() {
+    let s = start_with(config(), Fake { script: Some(THOUGHT.to_vec()), ..Default::default() }, true).await;
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": hi})).await;
+    assert_eq!(status, 200, "{v}");
+    let m = &v["choices"][0]["message"];
+    assert_eq!(
+        (m["reasoning_content"].as_str(), m["content"].as_str()),
+        (Some("France's capital is well known."), Some("Paris."))
+    );
+    let (_, v) = s.post("/v1/chat/completions", json!({"messages": hi, "reasoning_format": "none"})).await;
+    let m = &v["choices"][0]["message"];
+    assert_eq!((m.get("reasoning_content"), m["content"].as_str()), (None, Some(THOUGHT.concat().as_str())));
+    let (_, v) = s.post("/v1/chat/completions", json!({"messages": hi, "reasoning_format": "deepseek-legacy"})).await;
+    let m = &v["choices"][0]["message"];
+    assert_eq!(
+        (m["reasoning_content"].as_str(), m["content"].as_str()),
+        (Some("France's capital is well known."), Some(THOUGHT.concat().as_str()))
+    );
+
+    let (status, body, _) = s.post_text("/v1/chat/completions", json!({"messages": hi, "stream": true})).await;
+    assert_eq!(status, 200);
+    let (mut reasoning, mut content) = (String::new(), String::new());
+    for c in chunks(&body) {
+        let d = &c["choices"][0]["delta"];
+        reasoning += d["reasoning_content"].as_str().unwrap_or("");
+        content += d["content"].as_str().unwrap_or("");
+        assert!(
+            c.get("timings").is_none() || c["choices"][0]["finish_reason"].is_string(),
+            "no per-token timings unasked: {c}"
+        );
+    }
+    assert_eq!((reasoning.as_str(), content.as_str()), ("France's capital is well known.", "Paris."));
+}
+
+/// Anthropic: the thought is a `thinking` block before the text (whole and streamed, with its
+/// signature delta), thinking blocks in the history reach the template, and `thinking: disabled`
+/// turns the template's thinking off.
+#[tokio::test]
+async fn anthropic_thinking_blocks() {
+    let s = start_with(config(), Fake { script: Some(THOUGHT.to_vec()), ..Default::default() }, true).await;
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    let (status, v) = s.post("/v1/messages", json!({"max_tokens": 20, "messages": hi})).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(
+        v["content"],
+        json!([{"type": "thinking", "thinking": "France's capital is well known.", "signature": ""}, {"type": "text", "text": "Paris."}])
+    );
+    let (status, body, _) =
+        s.post_text("/v1/messages", json!({"max_tokens": 20, "messages": hi, "stream": true})).await;
+    assert_eq!(status, 200);
+    let events: Vec<Value> = sse(&body).into_iter().map(|(_, d)| serde_json::from_str(&d).unwrap()).collect();
+    let kinds: Vec<String> = events
+        .iter()
+        .map(|e| {
+            let t = e["type"].as_str().unwrap().to_string();
+            match (e["index"].as_u64(), e["delta"]["type"].as_str(), e["content_block"]["type"].as_str()) {
+                (Some(i), Some(d), _) => format!("{t}[{i}]:{d}"),
+                (Some(i), None, Some(b)) => format!("{t}[{i}]:{b}"),
+                (Some(i), _, _) => format!("{t}[{i}]"),
+                _ => t,
+            }
+        })
+        .collect();
+    let want = [
+        "message_start",
+        "ping",
+        "content_block_start[0]:thinking",
+        "content_block_delta[0]:thinking_delta",
+        "content_block_delta[0]:thinking_delta",
+        "content_block_delta[0]:signature_delta",
+        "content_block_stop[0]",
+        "content_block_start[1]:text",
+        "content_block_delta[1]:text_delta",
+        "content_block_stop[1]",
+        "message_delta",
+        "message_stop",
+    ];
+    assert_eq!(kinds, want);
+    let thought: String = events.iter().filter_map(|e| e["delta"]["thinking"].as_str()).collect();
+    assert_eq!(thought, "France's capital is well known.");
+
+    let history = json!([
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "t", "signature": "x"}, {"type": "redacted_thinking", "data": "x"}, {"type": "text", "text": "Hello"}]},
+        {"role": "user", "content": "again"}
+    ]);
+    let (status, v) =
+        s.post("/v1/messages", json!({"max_tokens": 5, "messages": history, "thinking": {"type": "disabled"}})).await;
+    assert_eq!(status, 200, "{v}");
+    let user_thinking = json!([{"role": "user", "content": [{"type": "thinking", "thinking": "t", "signature": "x"}]}]);
+    let (status, v) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": user_thinking})).await;
+    assert_eq!((status, v["error"]["type"].as_str()), (400, Some("invalid_request_error")), "{v}");
+    let budget = json!({"max_tokens": 5, "messages": hi, "thinking": {"type": "enabled", "budget_tokens": 1024}});
+    let (status, v) = s.post("/v1/messages", budget).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("budgets are not enforced"), "{v}");
+}
+
+/// llama-server's stream extras in all three of its dialects: prompt-progress chunks before the
+/// text (`return_progress`), `timings` in every chunk (`timings_per_token`), the serving slot.
+#[tokio::test]
+async fn stream_progress_and_per_token_timings() {
+    let s = start().await;
+    let extras = json!({"stream": true, "timings_per_token": true, "return_progress": true});
+    let with = |mut body: Value| {
+        for (k, v) in extras.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        body
+    };
+    for (path, body) in [
+        ("/v1/chat/completions", with(json!({"messages": [{"role": "user", "content": "hi"}]}))),
+        ("/v1/completions", with(json!({"prompt": "hello there"}))),
+        ("/completion", with(json!({"prompt": "hello there"}))),
+    ] {
+        let (status, text, _) = s.post_text(path, body).await;
+        assert_eq!(status, 200, "{path}: {text}");
+        let got = chunks(&text);
+        let total = s.last_request().prompt.len() as u64;
+        let progress: Vec<&Value> = got.iter().filter_map(|c| c.get("prompt_progress")).collect();
+        assert_eq!(progress.len(), 2, "{path}: {text}");
+        assert_eq!(progress[1]["processed"].as_u64(), Some(total), "{path}");
+        assert_eq!((progress[0]["total"].as_u64(), progress[0]["cache"].as_u64()), (Some(total), Some(2)), "{path}");
+        let first_text =
+            got.iter().position(|c| c.get("prompt_progress").is_none() && c.to_string().contains("capital"));
+        let last_progress = got.iter().rposition(|c| c.get("prompt_progress").is_some());
+        assert!(last_progress < first_text, "{path}: progress comes before the text");
+        let texts: Vec<&Value> = got.iter().filter(|c| c.to_string().contains("France")).collect();
+        assert!(!texts.is_empty());
+        for c in texts {
+            let t = &c["timings"];
+            assert!(
+                t["predicted_n"].as_u64().unwrap() >= 1 && t["prompt_n"].as_u64() == Some(total - 2),
+                "{path}: {c}"
+            );
+        }
+        if path == "/completion" {
+            assert!(got.iter().all(|c| c["id_slot"] == 1), "{text}");
+        }
+    }
+    // Progress can only be streamed.
+    let (status, v) = s.post("/completion", json!({"prompt": "x", "return_progress": true})).await;
+    assert_eq!((status, v["error"]["type"].as_str()), (400, Some("invalid_request_error")), "{v}");
+    // Several prompts stream together, each chunk saying which.
+    let (status, text, _) = s.post_text("/completion", json!({"prompt": ["a", "b"], "stream": true})).await;
+    assert_eq!(status, 200);
+    let got = chunks(&text);
+    for i in 0..2 {
+        let mine: String = got.iter().filter(|c| c["index"] == i).map(|c| c["content"].as_str().unwrap()).collect();
+        assert_eq!(mine, ANSWER.concat());
+        assert_eq!(got.iter().filter(|c| c["index"] == i && c["stop"] == true).count(), 1);
+    }
 }

@@ -53,6 +53,27 @@ def openai_chat_streamed():
     assert usage is not None and usage.completion_tokens > 0, usage
 
 
+def openai_stream_with_llama_server_extras():
+    # What llama.cpp's web UI asks for: prompt-progress chunks and timings in every chunk; the SDK
+    # keeps the fields it does not know in model_extra.
+    extras = {"return_progress": True, "timings_per_token": True, "reasoning_format": "auto"}
+    stream = oa.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=32, stream=True, extra_body=extras
+    )
+    text, progress, timed = "", [], 0
+    for chunk in stream:
+        extra = chunk.model_extra or {}
+        if "prompt_progress" in extra:
+            progress.append(extra["prompt_progress"])
+        for c in chunk.choices:
+            if c.delta.content:
+                text += c.delta.content
+                timed += "timings" in extra
+    assert "Paris" in text, text
+    assert progress and progress[-1]["processed"] == progress[-1]["total"] > 0, progress
+    assert timed > 0, "no timings in the text chunks"
+
+
 def openai_completions():
     r = oa.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert "Paris" in r.choices[0].text, r.choices[0].text
