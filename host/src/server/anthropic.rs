@@ -17,6 +17,7 @@ use super::error::{parse_body, ApiError, Dialect};
 use super::openai::{chat_prompt, StopField};
 use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
 use super::state::{AppState, LoadedModel, RequestLog};
+use super::tools::{CallParser, Piece, ToolCall, Tooling};
 use crate::engine::{TokenLogprob, Usage};
 use crate::text::ChatMessage;
 
@@ -35,6 +36,14 @@ pub struct Block {
     pub text: Option<String>,
     /// A `thinking` block's thought (an assistant turn's, echoed back in the history).
     pub thinking: Option<String>,
+    /// A `tool_use` block's call (an assistant turn's).
+    pub id: Option<String>,
+    pub name: Option<String>,
+    pub input: Option<Value>,
+    /// A `tool_result` block's answer to a call (a user turn's).
+    pub tool_use_id: Option<String>,
+    pub content: Option<Blocks>,
+    pub is_error: Option<bool>,
 }
 
 #[derive(Deserialize, Debug)]
@@ -55,50 +64,81 @@ pub struct MessagesRequest {
     pub top_k: Option<usize>,
     pub stream: Option<bool>,
     pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
     pub thinking: Option<Value>,
 }
 
 fn block_text(b: &Blocks, field: &str) -> Result<String, ApiError> {
-    Ok(blocks(b, field, false)?.0)
+    Ok(turn(b, field, "system")?.text)
 }
 
-/// The text of `system` or a message's content, and (where `thinking` allows, in an assistant
-/// turn) the thoughts of its `thinking` blocks; a `redacted_thinking` block is encrypted and left
-/// out.
-fn blocks(b: &Blocks, field: &str, thinking: bool) -> Result<(String, Option<String>), ApiError> {
-    match b {
-        Blocks::Text(s) => Ok((s.clone(), None)),
-        Blocks::List(list) => {
-            let mut out = Vec::new();
-            let mut thoughts = Vec::new();
-            for (j, block) in list.iter().enumerate() {
-                match (block.kind.as_str(), &block.text, &block.thinking) {
-                    ("text", Some(t), _) => out.push(t.as_str()),
-                    ("text", None, _) => {
-                        return Err(ApiError::field(&format!("{field}[{j}].text"), "a text block needs `text`"))
-                    }
-                    ("thinking", _, Some(t)) if thinking => thoughts.push(t.as_str()),
-                    ("redacted_thinking", _, _) if thinking => {}
-                    (kind, _, _) => {
-                        let also = if thinking { " and thinking" } else { "" };
-                        return Err(ApiError::field(
-                            &format!("{field}[{j}].type"),
-                            format!("`{kind}` blocks are not supported here; this server reads text{also} blocks only"),
-                        ));
-                    }
-                }
+/// What one message's content says, as chat templates take it.
+#[derive(Default)]
+struct Turn {
+    text: String,
+    /// Its `thinking` blocks' thoughts (an assistant turn; `redacted_thinking` is encrypted and left
+    /// out).
+    thinking: Option<String>,
+    /// Its `tool_use` blocks as template tool calls (an assistant turn).
+    calls: Vec<Value>,
+    /// Its `tool_result` blocks: (the call's id, the result's text) (a user turn).
+    results: Vec<(String, String)>,
+}
+
+/// The blocks of `system` or a message of `role`, each kind where Anthropic allows it.
+fn turn(b: &Blocks, field: &str, role: &str) -> Result<Turn, ApiError> {
+    let list = match b {
+        Blocks::Text(s) => return Ok(Turn { text: s.clone(), ..Default::default() }),
+        Blocks::List(list) => list,
+    };
+    let (assistant, user) = (role == "assistant", role == "user");
+    let mut t = Turn::default();
+    let mut texts = Vec::new();
+    let mut thoughts = Vec::new();
+    for (j, block) in list.iter().enumerate() {
+        let at = |f: &str| format!("{field}[{j}].{f}");
+        match block.kind.as_str() {
+            "text" => {
+                texts.push(block.text.clone().ok_or_else(|| ApiError::field(&at("text"), "a text block needs `text`"))?)
             }
-            Ok((out.join("\n"), (!thoughts.is_empty()).then(|| thoughts.join("\n"))))
+            "thinking" if assistant => thoughts.push(block.thinking.clone().unwrap_or_default()),
+            "redacted_thinking" if assistant => {}
+            "tool_use" if assistant => {
+                let (Some(id), Some(name)) = (&block.id, &block.name) else {
+                    return Err(ApiError::field(&at("id"), "a tool_use block needs `id` and `name`"));
+                };
+                t.calls.push(super::tools::template_call(id, name, block.input.clone().unwrap_or(json!({}))));
+            }
+            "tool_result" if user => {
+                let id = block
+                    .tool_use_id
+                    .clone()
+                    .ok_or_else(|| ApiError::field(&at("tool_use_id"), "a tool_result block needs `tool_use_id`"))?;
+                let text = match &block.content {
+                    None => String::new(),
+                    Some(c) => turn(c, &at("content"), "tool")?.text,
+                };
+                let text = if block.is_error == Some(true) { format!("Error: {text}") } else { text };
+                t.results.push((id, text));
+            }
+            kind => {
+                return Err(ApiError::field(
+                    &at("type"),
+                    format!(
+                        "`{kind}` blocks are not supported here; this server reads text, thinking and tool blocks only"
+                    ),
+                ));
+            }
         }
     }
+    t.text = texts.join("\n");
+    t.thinking = (!thoughts.is_empty()).then(|| thoughts.join("\n"));
+    Ok(t)
 }
 
 fn conversation(r: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
     if r.messages.is_empty() {
         return Err(ApiError::field("messages", "messages must hold at least one message"));
-    }
-    if r.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(ApiError::field("tools", "tool use is not supported by this server yet"));
     }
     let mut out = Vec::new();
     if let Some(s) = &r.system {
@@ -111,10 +151,64 @@ fn conversation(r: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
                 format!("unknown role `{}` (expected user or assistant; the system prompt goes in `system`)", m.role),
             ));
         }
-        let (text, thought) = blocks(&m.content, &format!("messages[{i}].content"), m.role == "assistant")?;
-        out.push(ChatMessage { reasoning_content: thought, ..ChatMessage::new(&m.role, &text) });
+        let t = turn(&m.content, &format!("messages[{i}].content"), &m.role)?;
+        // A user turn's tool results are the templates' `tool` messages, before its text.
+        for (id, result) in &t.results {
+            out.push(ChatMessage { tool_call_id: Some(id.clone()), ..ChatMessage::new("tool", result) });
+        }
+        if m.role == "user" && !t.results.is_empty() && t.text.is_empty() {
+            continue;
+        }
+        out.push(ChatMessage {
+            reasoning_content: t.thinking,
+            tool_calls: (!t.calls.is_empty()).then_some(t.calls),
+            ..ChatMessage::new(&m.role, &t.text)
+        });
     }
     Ok(out)
+}
+
+/// The request's tools in the template's shape (None: none, or `tool_choice: {"type": "none"}`). A
+/// call cannot be forced without constrained decoding, so `any` and a named tool are refused, as
+/// are Anthropic's server tools.
+fn request_tools(model: &LoadedModel, r: &MessagesRequest) -> Result<Option<Tooling>, ApiError> {
+    let choice = r.tool_choice.as_ref().filter(|c| !c.is_null());
+    let kind = choice.map(|c| c.get("type").and_then(Value::as_str).unwrap_or_default());
+    let parallel = !choice.and_then(|c| c.get("disable_parallel_tool_use")).and_then(Value::as_bool).unwrap_or(false);
+    match kind {
+        None | Some("auto") | Some("none") => {}
+        Some(k) => {
+            return Err(ApiError::field(
+                "tool_choice",
+                format!("tool_choice `{k}` is not supported: forcing a tool call needs constrained decoding, which this server does not implement (use auto or none)"),
+            ))
+        }
+    }
+    let Some(tools) = r.tools.as_ref().filter(|t| !t.is_empty()) else { return Ok(None) };
+    if kind == Some("none") {
+        return Ok(None);
+    }
+    let mut shaped = Vec::with_capacity(tools.len());
+    for (i, t) in tools.iter().enumerate() {
+        if t.get("type").and_then(Value::as_str).is_some_and(|k| k != "custom") {
+            return Err(ApiError::field(
+                &format!("tools[{i}].type"),
+                "Anthropic's server tools are not supported; give client tools (name, description, input_schema)",
+            ));
+        }
+        let name = t.get("name").and_then(Value::as_str).filter(|n| !n.is_empty());
+        let Some(name) = name else {
+            return Err(ApiError::field(&format!("tools[{i}].name"), "a tool needs a name"));
+        };
+        shaped.push(json!({"type": "function", "function": {
+            "name": name,
+            "description": t.get("description").cloned().unwrap_or(json!("")),
+            "parameters": t.get("input_schema").cloned().unwrap_or(json!({"type": "object"})),
+        }}));
+    }
+    Tooling::new(shaped, parallel, model.facts.chat_template.as_deref())
+        .map(Some)
+        .map_err(|e| ApiError::field("tools", e))
 }
 
 /// The chat-template variables `thinking` asks for: `{"type": "disabled"}` turns a reasoning
@@ -138,10 +232,16 @@ fn thinking_kwargs(state: &AppState, r: &MessagesRequest) -> Result<Option<serde
     Ok(state.template_kwargs(Some(&request)))
 }
 
-/// The prompt's text and token ids.
-fn prompt_of(state: &AppState, model: &LoadedModel, r: &MessagesRequest) -> Result<(String, Vec<u32>), ApiError> {
+/// The prompt's text and token ids, and the tools given to the model.
+fn prompt_of(
+    state: &AppState,
+    model: &LoadedModel,
+    r: &MessagesRequest,
+) -> Result<(String, Vec<u32>, Option<Tooling>), ApiError> {
     let conversation = conversation(r)?;
-    chat_prompt(model, &conversation, thinking_kwargs(state, r)?.as_ref())
+    let tools = request_tools(model, r)?;
+    let (text, ids) = chat_prompt(model, &conversation, thinking_kwargs(state, r)?.as_ref(), tools.as_ref())?;
+    Ok((text, ids, tools))
 }
 
 /// The server's reasoning format for Anthropic answers: thoughts go to `thinking` blocks, never
@@ -153,8 +253,10 @@ fn reasoning_format(state: &AppState) -> ReasoningFormat {
     }
 }
 
-fn stop_reason(e: &Ending) -> (&'static str, Value) {
+/// `stop_reason` and `stop_sequence`: an answer that called tools stopped to let them run.
+fn stop_reason(e: &Ending, calls: usize) -> (&'static str, Value) {
     match e {
+        Ending::Eos | Ending::StopWord(_) if calls > 0 => ("tool_use", Value::Null),
         Ending::Eos => ("end_turn", Value::Null),
         Ending::StopWord(s) => ("stop_sequence", json!(s)),
         Ending::Length | Ending::Cancelled => ("max_tokens", Value::Null),
@@ -182,7 +284,7 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
     let model = state.ready()?;
     let r: MessagesRequest = parse_body(body)?;
     let max_tokens = r.max_tokens.ok_or_else(|| ApiError::field("max_tokens", "max_tokens: Field required"))?;
-    let (prompt_text, prompt) = prompt_of(&state, model, &r)?;
+    let (prompt_text, prompt, tools) = prompt_of(&state, model, &r)?;
     let (format, open) = (reasoning_format(&state), reasoning::forced_open(&prompt_text));
     if let Some(t) = r.temperature.filter(|t| !(0.0..=1.0).contains(t)) {
         return Err(ApiError::field("temperature", format!("temperature: must be between 0 and 1, got {t}")));
@@ -203,19 +305,26 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
 
     if r.stream.unwrap_or(false) {
         let split = Splitter::new(format, open);
-        let dialect = MessageStream { id, model: model_name, prompt_tokens, split, open: None, blocks: 0 };
+        let calls = tools.as_ref().map(|t| (t.parser("toolu_"), t.parallel));
+        let dialect =
+            MessageStream { id, model: model_name, prompt_tokens, split, calls, sent_calls: 0, open: None, blocks: 0 };
         return Ok(stream_response(events, dialect, prompt_tokens, stops, model.text.clone(), state.clone(), log));
     }
     let c = collect(events, &stops, &model.text, &state, &log).await?;
-    let (reason, sequence) = stop_reason(&c.ending);
     let parts = Splitter::split_all(format, open, &c.text);
+    let (text, calls) = match &tools {
+        Some(t) => t.split("toolu_", &parts.content),
+        None => (parts.content, vec![]),
+    };
+    let (reason, sequence) = stop_reason(&c.ending, calls.len());
     let mut content = vec![];
     if !parts.reasoning.is_empty() {
         content.push(json!({"type": "thinking", "thinking": parts.reasoning, "signature": ""}));
     }
-    if !parts.content.is_empty() || content.is_empty() {
-        content.push(json!({"type": "text", "text": parts.content}));
+    if !text.trim().is_empty() || (content.is_empty() && calls.is_empty()) {
+        content.push(json!({"type": "text", "text": text}));
     }
+    content.extend(calls.iter().map(ToolCall::anthropic));
     Ok(Json(json!({
         "id": id,
         "type": "message",
@@ -240,6 +349,9 @@ struct MessageStream {
     model: String,
     prompt_tokens: usize,
     split: Splitter,
+    /// The answer's call reader and whether more than one call goes out.
+    calls: Option<(CallParser, bool)>,
+    sent_calls: usize,
     /// The content block open now (its index and kind), and how many were opened.
     open: Option<(usize, &'static str)>,
     blocks: usize,
@@ -285,13 +397,45 @@ impl MessageStream {
         }
     }
 
-    fn parts(&mut self, parts: Parts) -> Vec<Event> {
+    /// A `tool_use` block, whole: its start, its input as one JSON delta, its stop.
+    fn tool_block(&mut self, call: &ToolCall, out: &mut Vec<Event>) {
+        self.close(out);
+        let index = self.blocks;
+        self.blocks += 1;
+        self.sent_calls += 1;
+        let start = json!({"type": "tool_use", "id": call.id, "name": call.name, "input": {}});
+        out.push(event(json!({"type": "content_block_start", "index": index, "content_block": start})));
+        out.push(event(json!({"type": "content_block_delta", "index": index,
+            "delta": {"type": "input_json_delta", "partial_json": call.arguments.to_string()}})));
+        out.push(event(json!({"type": "content_block_stop", "index": index})));
+    }
+
+    /// The events for new reasoning and answer text (`end`: the answer is over, so the call reader
+    /// gives what it held).
+    fn parts(&mut self, parts: Parts, end: bool) -> Vec<Event> {
         let mut out = vec![];
         if !parts.reasoning.is_empty() {
             self.write_block("thinking", &parts.reasoning, &mut out);
         }
-        if !parts.content.is_empty() {
-            self.write_block("text", &parts.content, &mut out);
+        let pieces = match &mut self.calls {
+            None => vec![Piece::Text(parts.content)],
+            Some((parser, _)) => {
+                let mut pieces = parser.push(&parts.content);
+                if end {
+                    pieces.extend(parser.finish());
+                }
+                pieces
+            }
+        };
+        let parallel = self.calls.as_ref().is_none_or(|(_, p)| *p);
+        for piece in pieces {
+            match piece {
+                // Whitespace between calls opens no block.
+                Piece::Text(t) if t.is_empty() || (self.sent_calls > 0 && t.trim().is_empty()) => {}
+                Piece::Text(t) => self.write_block("text", &t, &mut out),
+                Piece::Call(c) if parallel || self.sent_calls == 0 => self.tool_block(&c, &mut out),
+                Piece::Call(_) => {}
+            }
         }
         out
     }
@@ -318,17 +462,17 @@ impl StreamDialect for MessageStream {
 
     fn text(&mut self, text: &str, _tokens: &[u32], _logprobs: &[TokenLogprob], _live: &Live) -> Vec<Event> {
         let parts = self.split.push(text);
-        self.parts(parts)
+        self.parts(parts, false)
     }
 
     fn done(&mut self, ending: &Ending, usage: &Usage) -> Vec<Event> {
         let rest = self.split.finish();
-        let mut out = self.parts(rest);
+        let mut out = self.parts(rest, true);
         if self.blocks == 0 {
             self.write_block("text", "", &mut out);
         }
         self.close(&mut out);
-        let (reason, sequence) = stop_reason(ending);
+        let (reason, sequence) = stop_reason(ending, self.sent_calls);
         out.extend([
             event(json!({"type": "message_delta",
                 "delta": {"stop_reason": reason, "stop_sequence": sequence},

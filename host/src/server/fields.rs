@@ -84,12 +84,6 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
             v.is_null() || matches!(v.as_str(), Some("auto" | "default" | "standard_only")),
             "there is one service tier",
         ),
-        // Tool use is refused where `tools` is given; without tools these say nothing.
-        "parallel_tool_calls" => ok(v.is_null() || v.is_boolean(), "expected true or false"),
-        "tool_choice" => ok(
-            v.is_null() || v.as_str() == Some("none") || v.get("type").and_then(Value::as_str) == Some("none"),
-            "tool calling is not supported by this server yet",
-        ),
         "modalities" => ok(v.is_null() || v == &serde_json::json!(["text"]), "this server answers in text only"),
         // llama-server's samplers that this one does not have, each at its "off" value; their
         // settings are inert while the sampler is off.

@@ -450,6 +450,8 @@ pub async fn detokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Resp
 struct ApplyTemplateRequest {
     messages: Vec<MessageIn>,
     chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
 }
 
 pub async fn apply_template(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
@@ -457,7 +459,9 @@ pub async fn apply_template(State(state): State<Arc<AppState>>, body: Bytes) -> 
         let model = state.ready()?;
         let r: ApplyTemplateRequest = parse_body(&body)?;
         let kwargs = state.template_kwargs(r.chat_template_kwargs.as_ref());
-        let (prompt, _) = super::openai::chat_prompt(model, &chat_messages(&r.messages)?, kwargs.as_ref())?;
+        let tools = super::openai::request_tools(model, &r.tools, r.tool_choice.as_ref(), None)?;
+        let messages = chat_messages(&r.messages)?;
+        let (prompt, _) = super::openai::chat_prompt(model, &messages, kwargs.as_ref(), tools.as_ref())?;
         Ok(Json(json!({"prompt": prompt})).into_response())
     };
     run().unwrap_or_else(llama_err)

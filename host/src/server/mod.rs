@@ -22,6 +22,7 @@ pub mod reasoning;
 pub mod state;
 #[cfg(test)]
 mod tests;
+pub mod tools;
 
 use std::sync::Arc;
 use std::time::Instant;

@@ -19,6 +19,7 @@ use super::completion::{
 use super::error::{parse_body, ApiError, Dialect, ErrorKind};
 use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
 use super::state::{AppState, LoadedModel, RequestLog};
+use super::tools::{CallParser, Piece, ToolCall, Tooling};
 use crate::engine::{SamplingParams, TokenLogprob, Usage};
 use crate::text::{ChatMessage, TextTokenizer};
 
@@ -171,6 +172,8 @@ pub struct ChatRequest {
     pub cache_prompt: Option<bool>,
     pub ignore_eos: Option<bool>,
     pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
     pub response_format: Option<Value>,
     pub logit_bias: Option<Value>,
     /// More variables for the chat template (llama-server's; Qwen3's `enable_thinking`, …).
@@ -277,7 +280,9 @@ pub fn chat_prompt(
     model: &LoadedModel,
     messages: &[ChatMessage],
     kwargs: Option<&serde_json::Map<String, Value>>,
+    tools: Option<&Tooling>,
 ) -> Result<(String, Vec<u32>), ApiError> {
+    let tools = tools.map(|t| t.tools.as_slice());
     let t = model.text.chat_template.as_ref().ok_or_else(|| {
         ApiError::invalid(
             "this model has no chat template; start the server with --chat-template-file, or use /v1/completions",
@@ -285,9 +290,9 @@ pub fn chat_prompt(
     })?;
     let text = match messages.split_last() {
         Some((last, before)) if last.role == "assistant" && last.tool_calls.is_none() && !before.is_empty() => {
-            t.render_with(before, true, kwargs).map_err(ApiError::invalid)? + &last.content
+            t.render_with(before, true, kwargs, tools).map_err(ApiError::invalid)? + &last.content
         }
-        _ => t.render_with(messages, true, kwargs).map_err(ApiError::invalid)?,
+        _ => t.render_with(messages, true, kwargs, tools).map_err(ApiError::invalid)?,
     };
     let ids = model.text.encode(&text, false).map_err(|e| ApiError::internal(e.to_string()))?;
     Ok((text, ids))
@@ -401,10 +406,49 @@ fn check_stream_options(options: &Option<StreamOptions>, stream: bool) -> Result
     Ok(())
 }
 
-fn refuse_unsupported(tools: &Option<Vec<Value>>, response_format: &Option<Value>) -> Result<(), ApiError> {
-    if tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(ApiError::field("tools", "tool calling is not supported by this server yet"));
+/// The request's tools, for the template and for reading calls back (None: no tools, or
+/// `tool_choice: none`). A call cannot be forced without constrained decoding, so `required`, a
+/// named function and `strict` schemas are refused.
+pub fn request_tools(
+    model: &LoadedModel,
+    tools: &Option<Vec<Value>>,
+    choice: Option<&Value>,
+    parallel: Option<bool>,
+) -> Result<Option<Tooling>, ApiError> {
+    let choice_str = match choice {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) if s == "auto" || s == "none" => Some(s.as_str()),
+        Some(v) => {
+            return Err(ApiError::field(
+                "tool_choice",
+                format!("tool_choice {v} is not supported: forcing a call needs constrained decoding, which this server does not implement (use \"auto\" or \"none\")"),
+            ))
+        }
+    };
+    let Some(tools) = tools.as_ref().filter(|t| !t.is_empty()) else { return Ok(None) };
+    if choice_str == Some("none") {
+        return Ok(None);
     }
+    for (i, t) in tools.iter().enumerate() {
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(ApiError::field(&format!("tools[{i}].type"), "only `function` tools are supported"));
+        }
+        if t.pointer("/function/name").and_then(Value::as_str).is_none_or(str::is_empty) {
+            return Err(ApiError::field(&format!("tools[{i}].function.name"), "a function tool needs a name"));
+        }
+        if t.pointer("/function/strict") == Some(&Value::Bool(true)) {
+            return Err(ApiError::field(
+                &format!("tools[{i}].function.strict"),
+                "strict schemas need constrained decoding, which this server does not implement",
+            ));
+        }
+    }
+    Tooling::new(tools.clone(), parallel.unwrap_or(true), model.facts.chat_template.as_deref())
+        .map(Some)
+        .map_err(|e| ApiError::field("tools", e))
+}
+
+fn refuse_unsupported(response_format: &Option<Value>) -> Result<(), ApiError> {
     if let Some(f) = response_format {
         let kind = f.get("type").and_then(Value::as_str).unwrap_or("");
         if kind != "text" {
@@ -453,7 +497,8 @@ pub async fn chat(State(state): State<Arc<AppState>>, Extension(log): Extension<
 async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Result<Response, ApiError> {
     let model = state.ready()?;
     let r: ChatRequest = parse_body(body)?;
-    refuse_unsupported(&r.tools, &r.response_format)?;
+    refuse_unsupported(&r.response_format)?;
+    let tooling = request_tools(model, &r.tools, r.tool_choice.as_ref(), r.parallel_tool_calls)?;
     let stream = r.stream.unwrap_or(false);
     let n = check_n(r.n, stream)?;
     check_stream_options(&r.stream_options, stream)?;
@@ -468,7 +513,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     };
     let messages = chat_messages(&r.messages)?;
     let kwargs = state.template_kwargs(r.chat_template_kwargs.as_ref());
-    let (prompt_text, prompt) = chat_prompt(model, &messages, kwargs.as_ref())?;
+    let (prompt_text, prompt) = chat_prompt(model, &messages, kwargs.as_ref(), tooling.as_ref())?;
     let thinking = reasoning::forced_open(&prompt_text);
     let mut job = Job::new(prompt, sampling_fields!(r).apply(&model.facts.default_sampling, model.facts.ctx_size)?);
     if let Some(b) = &r.logit_bias {
@@ -505,6 +550,8 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
             logprobs: want_logprobs,
             tok: model.text.clone(),
             split: Splitter::new(reasoning, thinking),
+            calls: tooling.as_ref().map(|t| (t.parser("call_"), t.parallel)),
+            sent_calls: 0,
             extras,
         };
         return Ok(stream_response(events, dialect, prompt_tokens, stops, model.text.clone(), state.clone(), log));
@@ -517,7 +564,17 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
         .enumerate()
         .map(|(i, c)| {
             let parts = Splitter::split_all(reasoning, thinking, &c.text);
-            let mut message = json!({"role": "assistant", "content": parts.content});
+            let (content, calls) = match &tooling {
+                Some(t) => t.split("call_", &parts.content),
+                None => (parts.content, vec![]),
+            };
+            let mut message = json!({"role": "assistant", "content": content});
+            if !calls.is_empty() {
+                if content.trim().is_empty() {
+                    message["content"] = Value::Null;
+                }
+                message["tool_calls"] = calls.iter().map(ToolCall::openai).collect();
+            }
             if !parts.reasoning.is_empty() {
                 message["reasoning_content"] = json!(parts.reasoning);
             }
@@ -525,7 +582,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
                 "index": i,
                 "message": message,
                 "logprobs": if want_logprobs { chat_logprobs(&model.text, &c.logprobs) } else { Value::Null },
-                "finish_reason": c.ending.openai(),
+                "finish_reason": finish_reason(&c.ending, calls.len()),
             })
         })
         .collect();
@@ -544,6 +601,14 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     .into_response())
 }
 
+/// `finish_reason`: an answer that called tools ended to let them run.
+fn finish_reason(ending: &Ending, calls: usize) -> &'static str {
+    match ending {
+        Ending::Eos | Ending::StopWord(_) if calls > 0 => "tool_calls",
+        e => e.openai(),
+    }
+}
+
 fn system_fingerprint() -> String {
     format!("mlxcel-{}", env!("CARGO_PKG_VERSION"))
 }
@@ -556,6 +621,9 @@ struct ChatStream {
     logprobs: bool,
     tok: Arc<TextTokenizer>,
     split: Splitter,
+    /// The answer's call reader and whether more than one call goes out.
+    calls: Option<(CallParser, bool)>,
+    sent_calls: usize,
     extras: StreamExtras,
 }
 
@@ -577,6 +645,54 @@ impl ChatStream {
 }
 
 impl ChatStream {
+    /// The chunks for new reasoning and answer text: one for the text, one per tool call read from
+    /// it (the logprobs, and `timings` if asked for, on the first; a chunk for logprobs alone when
+    /// the text is all held back). `end`: the answer is over, so the call reader gives what it held.
+    fn deltas(&mut self, parts: Parts, end: bool, logprobs: Value, timings: Option<Value>) -> Vec<Event> {
+        let (content, calls) = match &mut self.calls {
+            None => (parts.content, vec![]),
+            Some((parser, parallel)) => {
+                let mut pieces = parser.push(&parts.content);
+                if end {
+                    pieces.extend(parser.finish());
+                }
+                let mut content = String::new();
+                let mut calls = vec![];
+                for p in pieces {
+                    match p {
+                        Piece::Text(t) => content.push_str(&t),
+                        Piece::Call(c) if *parallel || self.sent_calls + calls.len() == 0 => calls.push(c),
+                        Piece::Call(_) => {}
+                    }
+                }
+                (content, calls)
+            }
+        };
+        let parts = Parts { reasoning: parts.reasoning, content };
+        let mut deltas = vec![];
+        if !parts.is_empty() || (!logprobs.is_null() && calls.is_empty()) {
+            deltas.push(Self::delta(&parts));
+        }
+        for c in calls {
+            let mut call = c.openai();
+            call["index"] = json!(self.sent_calls);
+            self.sent_calls += 1;
+            deltas.push(json!({"tool_calls": [call]}));
+        }
+        let mut extras = Some((logprobs, timings));
+        deltas
+            .into_iter()
+            .map(|d| {
+                let (lp, t) = extras.take().unwrap_or((Value::Null, None));
+                let mut c = self.chunk(d, None, lp);
+                if let Some(t) = t {
+                    c["timings"] = t;
+                }
+                data(&c)
+            })
+            .collect()
+    }
+
     /// A delta of reasoning and answer text (`content` present unless the delta is reasoning alone).
     fn delta(parts: &Parts) -> Value {
         let mut d = json!({});
@@ -606,24 +722,15 @@ impl StreamDialect for ChatStream {
 
     fn text(&mut self, text: &str, _tokens: &[u32], logprobs: &[TokenLogprob], live: &Live) -> Vec<Event> {
         let parts = self.split.push(text);
-        if parts.is_empty() && !self.logprobs {
-            return vec![];
-        }
         let lp = if self.logprobs { chat_logprobs(&self.tok, logprobs) } else { Value::Null };
-        let mut c = self.chunk(Self::delta(&parts), None, lp);
-        if self.extras.timings_per_token {
-            c["timings"] = timings(&live.usage());
-        }
-        vec![data(&c)]
+        let timings = self.extras.timings_per_token.then(|| timings(&live.usage()));
+        self.deltas(parts, false, lp, timings)
     }
 
     fn done(&mut self, ending: &Ending, usage: &Usage) -> Vec<Event> {
-        let mut out = vec![];
         let rest = self.split.finish();
-        if !rest.is_empty() {
-            out.push(data(&self.chunk(Self::delta(&rest), None, Value::Null)));
-        }
-        let mut last = self.chunk(json!({}), Some(ending.openai()), Value::Null);
+        let mut out = self.deltas(rest, true, Value::Null, None);
+        let mut last = self.chunk(json!({}), Some(finish_reason(ending, self.sent_calls)), Value::Null);
         last["timings"] = timings(usage);
         out.push(data(&last));
         if self.include_usage {

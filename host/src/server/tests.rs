@@ -204,7 +204,13 @@ impl Server {
 }
 
 async fn start_with(config: ServerConfig, fake: Fake, loaded: bool) -> Server {
-    let text = tokenizer();
+    start_templated(config, fake, loaded, CHATML, 64).await
+}
+
+/// A server whose model has `template` and a context of `ctx_size` tokens.
+async fn start_templated(config: ServerConfig, fake: Fake, loaded: bool, template: &str, ctx_size: usize) -> Server {
+    let mut text = tokenizer();
+    Arc::get_mut(&mut text).unwrap().chat_template = Some(ChatTemplate::new(template, "", "<|endoftext|>").unwrap());
     let fake = Arc::new(Fake { text: Some(text.clone()), ..fake });
     let state = AppState::new(config);
     if loaded {
@@ -214,12 +220,12 @@ async fn start_with(config: ServerConfig, fake: Fake, loaded: bool) -> Server {
             architecture: "llama".into(),
             family: "llama".into(),
             backend: "cpu".into(),
-            ctx_size: 64,
+            ctx_size,
             ctx_train: 2048,
             vocab_size: 320,
             weight_bytes: 1000,
             kv_bytes_per_token: 64,
-            chat_template: Some(CHATML.into()),
+            chat_template: Some(template.into()),
             default_sampling: SamplingParams::default(),
         };
         let _ = state.model.set(LoadedModel { generator: fake.clone(), text, facts, encoder: None });
@@ -657,7 +663,7 @@ async fn bad_bodies_get_400_in_each_dialect() {
             json!({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}),
         )
         .await;
-    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("tools")));
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("tools[0].function.name")));
 }
 
 /// `logit_bias` reaches the sampler from each dialect's shape, and bad ones are 400s naming it.
@@ -1257,4 +1263,173 @@ async fn stream_progress_and_per_token_timings() {
         assert_eq!(mine, ANSWER.concat());
         assert_eq!(got.iter().filter(|c| c["index"] == i && c["stop"] == true).count(), 1);
     }
+}
+
+/// A ChatML template that takes tools the way Qwen2.5's does (Hermes `<tool_call>` tags).
+const HERMES: &str = "{% if tools %}<|im_start|>system\n<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools><|im_end|>\n{% endif %}{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>{{ m.content }}</tool_response><|im_end|>\n{% elif m.tool_calls %}<|im_start|>assistant\n{{ m.content }}{% for c in m.tool_calls %}<tool_call>{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}</tool_call>{% endfor %}<|im_end|>\n{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+const CALLS: [&str; 4] = [
+    "I'll check.",
+    "\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool",
+    "_call>\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>",
+    "\n",
+];
+
+fn weather_tools() -> Value {
+    json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    ])
+}
+
+async fn start_tools() -> Server {
+    start_templated(config(), Fake { script: Some(CALLS.to_vec()), ..Default::default() }, true, HERMES, 2048).await
+}
+
+impl Server {
+    /// The last request's prompt as text.
+    fn last_prompt(&self) -> String {
+        self.fake.text.as_ref().unwrap().decode(&self.last_request().prompt).unwrap()
+    }
+}
+
+/// OpenAI tool calling: the tools reach the template, the model's `<tool_call>`s come back as
+/// `tool_calls` (whole and streamed), a tool-use history is rendered, and what cannot be honoured
+/// (forcing a call, a template without tools) is refused by name.
+#[tokio::test]
+async fn openai_tool_calls() {
+    let s = start_tools().await;
+    let ask = json!([{"role": "user", "content": "Weather in Paris, and the time?"}]);
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": ask, "tools": weather_tools()})).await;
+    assert_eq!(status, 200, "{v}");
+    assert!(s.last_prompt().contains("<tools>{\"function\":{\"name\":\"get_weather\""), "{}", s.last_prompt());
+    let choice = &v["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls");
+    assert_eq!(choice["message"]["content"], "I'll check.\n");
+    let calls = choice["message"]["tool_calls"].as_array().unwrap();
+    let named: Vec<(&str, Value)> = calls
+        .iter()
+        .map(|c| {
+            assert!(c["id"].as_str().unwrap().starts_with("call_") && c["type"] == "function", "{c}");
+            let args = serde_json::from_str(c["function"]["arguments"].as_str().unwrap()).unwrap();
+            (c["function"]["name"].as_str().unwrap(), args)
+        })
+        .collect();
+    assert_eq!(named, [("get_weather", json!({"city": "Paris"})), ("get_time", json!({}))]);
+
+    // parallel_tool_calls: false keeps the first call.
+    let one = json!({"messages": ask, "tools": weather_tools(), "parallel_tool_calls": false});
+    let (_, v) = s.post("/v1/chat/completions", one).await;
+    assert_eq!(v["choices"][0]["message"]["tool_calls"].as_array().map(Vec::len), Some(1), "{v}");
+
+    // Streamed: the text, then each call whole in its own delta.
+    let (status, body, _) =
+        s.post_text("/v1/chat/completions", json!({"messages": ask, "tools": weather_tools(), "stream": true})).await;
+    assert_eq!(status, 200);
+    let got = chunks(&body);
+    let content: String = got.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+    assert_eq!(content, "I'll check.\n");
+    let deltas: Vec<&Value> = got.iter().filter_map(|c| c["choices"][0]["delta"]["tool_calls"].get(0)).collect();
+    assert_eq!(deltas.len(), 2, "{body}");
+    assert_eq!((deltas[0]["index"].as_u64(), deltas[1]["index"].as_u64()), (Some(0), Some(1)));
+    assert_eq!(deltas[1]["function"]["name"], "get_time");
+    let finish: Vec<&str> = got.iter().filter_map(|c| c["choices"][0]["finish_reason"].as_str()).collect();
+    assert_eq!(finish, ["tool_calls"]);
+
+    // The history of a call and its result reaches the template.
+    let history = json!([
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 C"}
+    ]);
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": history, "tools": weather_tools()})).await;
+    assert_eq!(status, 200, "{v}");
+    let prompt = s.last_prompt();
+    assert!(
+        prompt.contains("<tool_call>{\"arguments\":{\"city\":\"Paris\"},\"name\":\"get_weather\"}</tool_call>"),
+        "{prompt}"
+    );
+    assert!(prompt.contains("<tool_response>22 C</tool_response>"), "{prompt}");
+
+    // tool_choice none: no tools in the prompt, the text as it came.
+    let (_, v) =
+        s.post("/v1/chat/completions", json!({"messages": ask, "tools": weather_tools(), "tool_choice": "none"})).await;
+    assert!(!s.last_prompt().contains("<tools>") && v["choices"][0]["message"]["tool_calls"].is_null(), "{v}");
+    for (body, param) in [
+        (json!({"messages": ask, "tools": weather_tools(), "tool_choice": "required"}), "tool_choice"),
+        (json!({"messages": ask, "tools": [{"type": "custom", "custom": {"name": "x"}}]}), "tools[0].type"),
+        (
+            json!({"messages": ask, "tools": [{"type": "function", "function": {"name": "f", "strict": true}}]}),
+            "tools[0].function.strict",
+        ),
+    ] {
+        let (status, v) = s.post("/v1/chat/completions", body).await;
+        assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{v}");
+    }
+    // A template without tools refuses them.
+    let plain = start().await;
+    let (status, v) = plain.post("/v1/chat/completions", json!({"messages": ask, "tools": weather_tools()})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("tools")), "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("does not take tools"), "{v}");
+}
+
+/// Anthropic tool use: `tool_use` blocks and `stop_reason: tool_use` (whole and streamed with
+/// `input_json_delta`), `tool_use`/`tool_result` history rendered, forced calls refused.
+#[tokio::test]
+async fn anthropic_tool_use() {
+    let s = start_tools().await;
+    let tools = json!([
+        {"name": "get_weather", "description": "Weather now", "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}}},
+        {"name": "get_time", "input_schema": {"type": "object"}}
+    ]);
+    let ask = json!([{"role": "user", "content": "Weather in Paris?"}]);
+    let (status, v) = s.post("/v1/messages", json!({"max_tokens": 50, "messages": ask, "tools": tools})).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["stop_reason"], "tool_use");
+    let content = v["content"].as_array().unwrap();
+    assert_eq!(content[0], json!({"type": "text", "text": "I'll check.\n"}));
+    assert_eq!((content[1]["type"].as_str(), content[1]["name"].as_str()), (Some("tool_use"), Some("get_weather")));
+    assert!(content[1]["id"].as_str().unwrap().starts_with("toolu_"));
+    assert_eq!(content[1]["input"], json!({"city": "Paris"}));
+    assert_eq!(content.len(), 3);
+    assert!(s.last_prompt().contains("\"description\":\"Weather now\""), "{}", s.last_prompt());
+
+    let one = json!({"max_tokens": 50, "messages": ask, "tools": tools, "stream": true,
+                     "tool_choice": {"type": "auto", "disable_parallel_tool_use": true}});
+    let (status, body, _) = s.post_text("/v1/messages", one).await;
+    assert_eq!(status, 200);
+    let events: Vec<Value> = sse(&body).into_iter().map(|(_, d)| serde_json::from_str(&d).unwrap()).collect();
+    let starts: Vec<&str> = events.iter().filter_map(|e| e["content_block"]["type"].as_str()).collect();
+    assert_eq!(starts, ["text", "tool_use"], "{body}");
+    let input: String = events.iter().filter_map(|e| e["delta"]["partial_json"].as_str()).collect();
+    assert_eq!(serde_json::from_str::<Value>(&input).unwrap(), json!({"city": "Paris"}));
+    let stop = events.iter().find(|e| e["type"] == "message_delta").unwrap();
+    assert_eq!(stop["delta"]["stop_reason"], "tool_use");
+    let stops = events.iter().filter(|e| e["type"] == "content_block_stop").count();
+    assert_eq!(stops, 2, "every block opened is closed");
+
+    let history = json!([
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [{"type": "text", "text": "Checking."}, {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "22 C"}]}, {"type": "text", "text": "Thanks"}]}
+    ]);
+    let (status, v) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": history, "tools": tools})).await;
+    assert_eq!(status, 200, "{v}");
+    let prompt = s.last_prompt();
+    assert!(
+        prompt
+            .contains("Checking.<tool_call>{\"arguments\":{\"city\":\"Paris\"},\"name\":\"get_weather\"}</tool_call>"),
+        "{prompt}"
+    );
+    assert!(prompt.contains("<tool_response>22 C</tool_response>\nuser\nThanks"), "{prompt}");
+    for choice in [json!({"type": "any"}), json!({"type": "tool", "name": "get_weather"})] {
+        let (status, v) = s
+            .post("/v1/messages", json!({"max_tokens": 5, "messages": ask, "tools": tools, "tool_choice": choice}))
+            .await;
+        assert_eq!(status, 400, "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("constrained decoding"), "{v}");
+    }
+    let server_tool = json!([{"type": "web_search_20250305", "name": "web_search"}]);
+    let (status, _) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": ask, "tools": server_tool})).await;
+    assert_eq!(status, 400);
 }

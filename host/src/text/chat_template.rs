@@ -79,17 +79,19 @@ impl ChatTemplate {
     }
 
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String, String> {
-        self.render_with(messages, add_generation_prompt, None)
+        self.render_with(messages, add_generation_prompt, None, None)
     }
 
     /// [`ChatTemplate::render`] with more variables for the template (a request's
-    /// `chat_template_kwargs`, such as Qwen3's `enable_thinking`); they never replace the messages,
-    /// the generation prompt switch or the special tokens.
+    /// `chat_template_kwargs`, such as Qwen3's `enable_thinking`), which never replace the messages,
+    /// the generation prompt switch, the special tokens or `tools` — the tools the model may call
+    /// (OpenAI's `{"type": "function", "function": {…}}` objects, as Hugging Face templates read them).
     pub fn render_with(
         &self,
         messages: &[ChatMessage],
         add_generation_prompt: bool,
         extra: Option<&serde_json::Map<String, serde_json::Value>>,
+        tools: Option<&[serde_json::Value]>,
     ) -> Result<String, String> {
         let tmpl = self.env.get_template("chat").map_err(|e| e.to_string())?;
         let extra = Value::from_serialize(extra.cloned().unwrap_or_default());
@@ -98,7 +100,7 @@ impl ChatTemplate {
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos_token,
             eos_token => self.eos_token,
-            tools => Value::UNDEFINED,
+            tools => tools.map_or(Value::UNDEFINED, Value::from_serialize),
             ..extra
         })
         .map_err(|e| {
@@ -130,7 +132,7 @@ mod tests {
         let kw: serde_json::Map<String, serde_json::Value> =
             serde_json::from_str(r#"{"enable_thinking": false, "add_generation_prompt": false, "messages": []}"#)
                 .unwrap();
-        assert_eq!(t.render_with(&msgs, true, Some(&kw)).unwrap(), "Hi<think></think>True");
+        assert_eq!(t.render_with(&msgs, true, Some(&kw), None).unwrap(), "Hi<think></think>True");
     }
 
     const CHATML: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are helpful<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";

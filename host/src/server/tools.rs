@@ -1,0 +1,375 @@
+//! Tool calling: the request's tools go to the chat template (which writes them into the prompt the
+//! way the model was trained to read them), and the model's answer is read back for calls in the
+//! format its template uses — as llama-server does with `--jinja`, but without grammars: a call is
+//! what the model writes, parsed after the fact, never forced.
+//!
+//! Formats, recognised from the template's source:
+//! - Hermes (Qwen2.5, Qwen3, Hermes, SmolLM3 …): `<tool_call>{"name": …, "arguments": {…}}</tool_call>`,
+//!   any number of them, after optional text;
+//! - Llama 3.1+: the whole answer is `{"name": …, "parameters": {…}}` (optionally after
+//!   `<|python_tag|>`).
+//!
+//! Streams are parsed as they arrive: text goes out at once except what may still be the start of a
+//! call, and each call goes out whole once its closing tag (or the end) is seen.
+
+use serde_json::{json, Map, Value};
+
+use super::completion::new_id;
+
+/// How a model writes tool calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ToolFormat {
+    Hermes,
+    Llama3Json,
+}
+
+/// The tool-call format of a chat template, or why tools cannot be given to it.
+pub fn format_of(template: Option<&str>) -> Result<ToolFormat, String> {
+    let t = template.unwrap_or_default();
+    if !t.contains("tools") {
+        return Err("this model's chat template does not take tools".into());
+    }
+    if t.contains("<tool_call>") && !t.contains("<arg_key>") {
+        return Ok(ToolFormat::Hermes);
+    }
+    if t.contains("<|python_tag|>") || (t.contains("ipython") && t.contains("\"parameters\"")) {
+        return Ok(ToolFormat::Llama3Json);
+    }
+    Err("the tool-call format of this model's chat template is not supported (supported: Hermes `<tool_call>` \
+         as Qwen2.5/Qwen3 write it, and Llama 3.1+ JSON calls)"
+        .into())
+}
+
+/// The tools a request gives the model, checked against its template.
+#[derive(Debug, Clone)]
+pub struct Tooling {
+    pub format: ToolFormat,
+    /// As chat templates read them: `{"type": "function", "function": {name, description, parameters}}`.
+    pub tools: Vec<Value>,
+    pub names: Vec<String>,
+    /// More than one call per answer (else the first call is kept).
+    pub parallel: bool,
+}
+
+impl Tooling {
+    /// `tools` in the template's shape (each with a `function.name`) for a model whose template is
+    /// `template`.
+    pub fn new(tools: Vec<Value>, parallel: bool, template: Option<&str>) -> Result<Tooling, String> {
+        let format = format_of(template)?;
+        let names = tools
+            .iter()
+            .map(|t| t.pointer("/function/name").and_then(Value::as_str).unwrap_or_default().to_string())
+            .collect();
+        Ok(Tooling { format, tools, names, parallel })
+    }
+
+    pub fn parser(&self, id_prefix: &'static str) -> CallParser {
+        CallParser::new(self.format, self.names.clone(), id_prefix)
+    }
+
+    /// A whole answer's text (the pieces between calls joined) and its calls.
+    pub fn split(&self, id_prefix: &'static str, text: &str) -> (String, Vec<ToolCall>) {
+        let mut content = String::new();
+        let mut calls = Vec::new();
+        for piece in CallParser::parse_all(self.format, self.names.clone(), id_prefix, text) {
+            match piece {
+                Piece::Text(t) => content.push_str(&t),
+                Piece::Call(c) if self.parallel || calls.is_empty() => calls.push(c),
+                Piece::Call(_) => {}
+            }
+        }
+        (content, calls)
+    }
+}
+
+/// One call the model made: `arguments` is a JSON object.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ToolCall {
+    pub id: String,
+    pub name: String,
+    pub arguments: Value,
+}
+
+impl ToolCall {
+    /// OpenAI's shape (`arguments` as a JSON string).
+    pub fn openai(&self) -> Value {
+        json!({"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments.to_string()}})
+    }
+
+    /// Anthropic's `tool_use` block.
+    pub fn anthropic(&self) -> Value {
+        json!({"type": "tool_use", "id": self.id, "name": self.name, "input": self.arguments})
+    }
+}
+
+/// A call as a chat template reads it in an assistant turn of the history.
+pub fn template_call(id: &str, name: &str, arguments: Value) -> Value {
+    json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})
+}
+
+/// A piece of the answer: text, or a whole call.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Piece {
+    Text(String),
+    Call(ToolCall),
+}
+
+const OPEN: &str = "<tool_call>";
+const CLOSE: &str = "</tool_call>";
+const PYTHON_TAG: &str = "<|python_tag|>";
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum State {
+    /// Nothing but whitespace yet (Llama 3: a call is the whole answer).
+    Start,
+    Text,
+    /// Inside a call: its text is held until it ends.
+    Call,
+    /// Just past a call: whitespace before the next one is dropped.
+    AfterCall,
+}
+
+/// Reads an answer's text as it streams into text and calls. Only a call to one of the request's
+/// tools is a call (JSON that names anything else stays text).
+pub struct CallParser {
+    format: ToolFormat,
+    names: Vec<String>,
+    state: State,
+    held: String,
+    /// Prefix of the ids it makes (`call_` for OpenAI, `toolu_` for Anthropic).
+    id_prefix: &'static str,
+    calls: usize,
+}
+
+impl CallParser {
+    pub fn new(format: ToolFormat, names: Vec<String>, id_prefix: &'static str) -> CallParser {
+        CallParser { format, names, state: State::Start, held: String::new(), id_prefix, calls: 0 }
+    }
+
+    /// Calls found so far.
+    pub fn calls(&self) -> usize {
+        self.calls
+    }
+
+    pub fn push(&mut self, text: &str) -> Vec<Piece> {
+        self.held.push_str(text);
+        self.advance(false)
+    }
+
+    /// What is left at the end of the answer (an unclosed call that parses is a call).
+    pub fn finish(&mut self) -> Vec<Piece> {
+        self.advance(true)
+    }
+
+    /// A whole answer's pieces, adjacent text joined.
+    pub fn parse_all(format: ToolFormat, names: Vec<String>, id_prefix: &'static str, text: &str) -> Vec<Piece> {
+        let mut p = CallParser::new(format, names, id_prefix);
+        let mut pieces = p.push(text);
+        pieces.extend(p.finish());
+        join_text(pieces)
+    }
+
+    fn advance(&mut self, last: bool) -> Vec<Piece> {
+        let mut out = Vec::new();
+        loop {
+            match (self.format, self.state) {
+                (_, State::Start) => {
+                    if self.held.trim_start().is_empty() && !last {
+                        return out;
+                    }
+                    self.state = if self.format == ToolFormat::Llama3Json { State::Call } else { State::Text };
+                }
+                (ToolFormat::Llama3Json, State::Call) => {
+                    // A call is the whole answer: JSON from the start (or after the tag).
+                    let t = self.held.trim_start();
+                    if t.is_empty() || !(t.starts_with('{') || t.starts_with(PYTHON_TAG) || PYTHON_TAG.starts_with(t)) {
+                        self.state = State::Text;
+                        continue;
+                    }
+                    if !last {
+                        return out;
+                    }
+                    let body = std::mem::take(&mut self.held);
+                    let t = body.trim().strip_prefix(PYTHON_TAG).unwrap_or(body.trim());
+                    match self.call_from(t, "parameters") {
+                        Some(c) => out.push(Piece::Call(c)),
+                        None => out.push(Piece::Text(body)),
+                    }
+                    self.state = State::Text;
+                    return out;
+                }
+                (ToolFormat::Llama3Json, _) => {
+                    if !self.held.is_empty() {
+                        out.push(Piece::Text(std::mem::take(&mut self.held)));
+                    }
+                    return out;
+                }
+                (ToolFormat::Hermes, State::Text) => {
+                    if let Some(at) = self.held.find(OPEN) {
+                        if at > 0 {
+                            out.push(Piece::Text(self.held[..at].to_string()));
+                        }
+                        self.held.drain(..at + OPEN.len());
+                        self.state = State::Call;
+                        continue;
+                    }
+                    // Keep a possible start of `<tool_call>`.
+                    let keep = if last { 0 } else { partial_tag(&self.held, OPEN) };
+                    let emit = self.held.len() - keep;
+                    if emit > 0 {
+                        out.push(Piece::Text(self.held.drain(..emit).collect()));
+                    }
+                    return out;
+                }
+                (ToolFormat::Hermes, State::Call) => {
+                    let (body, rest) = match self.held.find(CLOSE) {
+                        Some(at) => (self.held[..at].to_string(), Some(self.held[at + CLOSE.len()..].to_string())),
+                        None if last => (std::mem::take(&mut self.held), None),
+                        None => return out,
+                    };
+                    match self.call_from(body.trim(), "arguments") {
+                        Some(c) => out.push(Piece::Call(c)),
+                        // Not a call after all: the text as the model wrote it.
+                        None => {
+                            out.push(Piece::Text(format!("{OPEN}{body}{}", if rest.is_some() { CLOSE } else { "" })))
+                        }
+                    }
+                    self.held = rest.unwrap_or_default();
+                    self.state = State::AfterCall;
+                    if last && self.held.is_empty() {
+                        return out;
+                    }
+                }
+                (ToolFormat::Hermes, State::AfterCall) => {
+                    let t = self.held.trim_start();
+                    if t.is_empty() {
+                        self.held.clear();
+                        return out;
+                    }
+                    self.held = t.to_string();
+                    self.state = State::Text;
+                }
+            }
+        }
+    }
+
+    /// A call from its JSON (`{"name": …, "arguments": {…}}`; Llama 3 names them `parameters`).
+    fn call_from(&mut self, body: &str, args_key: &str) -> Option<ToolCall> {
+        let v: Map<String, Value> = serde_json::from_str(body).ok()?;
+        let name = v.get("name")?.as_str().filter(|n| self.names.iter().any(|d| d == n))?.to_string();
+        let arguments = match v.get(args_key).or_else(|| v.get("arguments")).or_else(|| v.get("parameters")) {
+            None | Some(Value::Null) => json!({}),
+            // Some models write the arguments as a JSON string.
+            Some(Value::String(s)) => serde_json::from_str(s).ok().filter(Value::is_object)?,
+            Some(o @ Value::Object(_)) => o.clone(),
+            Some(_) => return None,
+        };
+        self.calls += 1;
+        Some(ToolCall { id: new_id(self.id_prefix), name, arguments })
+    }
+}
+
+/// The length of the longest end of `text` that `tag` starts with (short of the whole tag).
+fn partial_tag(text: &str, tag: &str) -> usize {
+    (1..tag.len()).rev().find(|&k| text.ends_with(&tag[..k])).unwrap_or(0)
+}
+
+fn join_text(pieces: Vec<Piece>) -> Vec<Piece> {
+    let mut out: Vec<Piece> = Vec::new();
+    for p in pieces {
+        match (out.last_mut(), p) {
+            (Some(Piece::Text(a)), Piece::Text(b)) => a.push_str(&b),
+            (_, p) => out.push(p),
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The pieces of `text` streamed in two parts at every cut, ids aside, text joined: the same as
+    /// the whole answer's.
+    fn streamed(format: ToolFormat, text: &str) -> Vec<Piece> {
+        let strip = |pieces: Vec<Piece>| {
+            join_text(pieces)
+                .into_iter()
+                .map(|p| match p {
+                    Piece::Call(c) => Piece::Call(ToolCall { id: String::new(), ..c }),
+                    t => t,
+                })
+                .collect::<Vec<_>>()
+        };
+        let names = || ["weather", "time", "f"].map(String::from).to_vec();
+        let whole = strip(CallParser::parse_all(format, names(), "call_", text));
+        for cut in (0..=text.len()).filter(|&i| text.is_char_boundary(i)) {
+            let mut p = CallParser::new(format, names(), "call_");
+            let mut pieces = p.push(&text[..cut]);
+            pieces.extend(p.push(&text[cut..]));
+            pieces.extend(p.finish());
+            assert_eq!(strip(pieces), whole, "cut at {cut} of {text:?}");
+        }
+        whole
+    }
+
+    fn call(name: &str, arguments: Value) -> Piece {
+        Piece::Call(ToolCall { id: String::new(), name: name.into(), arguments })
+    }
+
+    fn text(s: &str) -> Piece {
+        Piece::Text(s.into())
+    }
+
+    #[test]
+    fn hermes_calls_after_text_in_any_cut() {
+        let a = "Let me look.\n<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"time\", \"arguments\": \"{\\\"tz\\\": \\\"CET\\\"}\"}\n</tool_call>";
+        assert_eq!(
+            streamed(ToolFormat::Hermes, a),
+            [text("Let me look.\n"), call("weather", json!({"city": "Paris"})), call("time", json!({"tz": "CET"}))]
+        );
+        assert_eq!(streamed(ToolFormat::Hermes, "Paris is the capital."), [text("Paris is the capital.")]);
+        assert_eq!(streamed(ToolFormat::Hermes, "a <tool b"), [text("a <tool b")]);
+        // Unclosed at the end, but whole JSON: a call.
+        assert_eq!(streamed(ToolFormat::Hermes, "<tool_call>{\"name\": \"f\"}"), [call("f", json!({}))]);
+        // Not JSON: the text as written.
+        assert_eq!(
+            streamed(ToolFormat::Hermes, "<tool_call>oops</tool_call> x"),
+            [text("<tool_call>oops</tool_call>x")]
+        );
+    }
+
+    #[test]
+    fn llama3_json_calls_are_the_whole_answer() {
+        let a = " {\"name\": \"weather\", \"parameters\": {\"city\": \"Paris\"}}";
+        assert_eq!(streamed(ToolFormat::Llama3Json, a), [call("weather", json!({"city": "Paris"}))]);
+        let tagged = "<|python_tag|>{\"name\": \"f\", \"parameters\": {}}";
+        assert_eq!(streamed(ToolFormat::Llama3Json, tagged), [call("f", json!({}))]);
+        assert_eq!(streamed(ToolFormat::Llama3Json, "Hello {there}"), [text("Hello {there}")]);
+        assert_eq!(streamed(ToolFormat::Llama3Json, "{not json"), [text("{not json")]);
+        // JSON naming no declared tool is an answer, not a call.
+        let person = "{\"name\": \"Bob\", \"age\": 3}";
+        assert_eq!(streamed(ToolFormat::Llama3Json, person), [text(person)]);
+        assert_eq!(streamed(ToolFormat::Llama3Json, "<b>bold</b>"), [text("<b>bold</b>")]);
+    }
+
+    #[test]
+    fn formats_are_told_from_the_template() {
+        let qwen = "{% if tools %}<tools>{{ tools | tojson }}</tools> <tool_call>{% endif %}";
+        assert_eq!(format_of(Some(qwen)), Ok(ToolFormat::Hermes));
+        let llama = "{% if tools %}{{ '<|python_tag|>' }}{% endif %}";
+        assert_eq!(format_of(Some(llama)), Ok(ToolFormat::Llama3Json));
+        assert!(format_of(Some("{{ messages }}")).unwrap_err().contains("does not take tools"));
+        assert!(format_of(Some("{% if tools %}[TOOL_CALLS]{% endif %}")).unwrap_err().contains("not supported"));
+        assert!(format_of(None).is_err());
+    }
+
+    #[test]
+    fn ids_are_fresh_and_openai_arguments_are_a_string() {
+        let answer = "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1}}</tool_call>";
+        let pieces = CallParser::parse_all(ToolFormat::Hermes, vec!["f".into()], "call_", answer);
+        let Piece::Call(c) = &pieces[0] else { panic!("{pieces:?}") };
+        assert!(c.id.starts_with("call_") && c.id.len() > 10);
+        assert_eq!(c.openai()["function"]["arguments"], json!("{\"a\":1}"));
+    }
+}
