@@ -766,11 +766,9 @@ impl<M: StepModel> Scheduler<M> {
         let mut rows = rows;
         for &(i, n) in plan {
             let seq = &mut self.running[i];
-            if seq.first_token.is_none() {
-                self.counters.prompt_tokens += n as u64;
-            }
             seq.kv.len += n;
             if seq.first_token.is_none() {
+                self.counters.prompt_tokens += n as u64;
                 seq.send(GenerationEvent::PromptProgress {
                     processed: seq.kv.len.min(seq.prompt_len),
                     total: seq.prompt_len,

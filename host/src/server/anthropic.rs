@@ -465,7 +465,7 @@ impl StreamDialect for MessageStream {
         self.parts(parts, false)
     }
 
-    fn done(&mut self, ending: &Ending, usage: &Usage) -> Vec<Event> {
+    fn done(&mut self, ending: &Ending, usage: &Usage, _live: &Live) -> Vec<Event> {
         let rest = self.split.finish();
         let mut out = self.parts(rest, true);
         if self.blocks == 0 {

@@ -96,7 +96,7 @@ pub struct ServerArgs {
     pub chat_template: Option<String>,
     /// Extra chat-template variables for every request, as a JSON object (e.g. '{"enable_thinking":
     /// false}'); a request's `chat_template_kwargs` override them by name.
-    #[arg(long = "chat-template-kwargs", env = "LLAMA_CHAT_TEMPLATE_KWARGS", value_name = "JSON")]
+    #[arg(long = "chat-template-kwargs", env = "LLAMA_ARG_CHAT_TEMPLATE_KWARGS", value_name = "JSON")]
     pub chat_template_kwargs: Option<String>,
     /// How a reasoning model's thinking is returned: auto or deepseek (split out into
     /// `reasoning_content` and Anthropic `thinking` blocks), deepseek-legacy (split out and also left

@@ -80,6 +80,38 @@ pub fn submit(model: &LoadedModel, req: GenerationRequest) -> Result<EventStream
     model.generator.submit(req).map_err(ApiError::from)
 }
 
+/// Checks and queues every job (the `n` choices of one or more prompts) before any answer is
+/// awaited, so that they run together; a refusal drops those queued before it, which cancels them.
+pub fn submit_all(
+    jobs: Vec<Job>,
+    state: &AppState,
+    model: &LoadedModel,
+    prompt_param: &str,
+) -> Result<Vec<(EventStream, Vec<String>)>, ApiError> {
+    let mut pending = Vec::with_capacity(jobs.len());
+    for job in jobs {
+        let stops = job.stop.clone();
+        let req = job.into_request(state, model, prompt_param)?;
+        pending.push((submit(model, req)?, stops));
+    }
+    Ok(pending)
+}
+
+/// [`submit_all`], then every answer, in order.
+pub async fn run_all(
+    jobs: Vec<Job>,
+    state: &AppState,
+    model: &LoadedModel,
+    prompt_param: &str,
+    log: &RequestLog,
+) -> Result<Vec<Completion>, ApiError> {
+    let mut out = Vec::with_capacity(jobs.len());
+    for (events, stops) in submit_all(jobs, state, model, prompt_param)? {
+        out.push(collect(events, &stops, &model.text, state, log).await?);
+    }
+    Ok(out)
+}
+
 /// How a request ended, in the detail the dialects report.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Ending {
@@ -241,6 +273,45 @@ pub fn prompt_progress(processed: usize, total: usize, cached: usize, elapsed: D
     json!({"total": total, "cache": cached, "processed": processed, "time_ms": elapsed.as_millis() as u64})
 }
 
+/// llama-server's stream extras: `timings` in every chunk, and chunks that report prompt processing
+/// (which only a stream can carry).
+#[derive(Clone, Copy, Default)]
+pub struct StreamExtras {
+    pub timings_per_token: bool,
+    pub return_progress: bool,
+}
+
+impl StreamExtras {
+    pub fn new(timings_per_token: Option<bool>, return_progress: Option<bool>, stream: bool) -> Result<Self, ApiError> {
+        let return_progress = return_progress.unwrap_or(false);
+        if return_progress && !stream {
+            return Err(ApiError::field(
+                "return_progress",
+                "return_progress reports prompt processing in stream chunks; it needs stream: true",
+            ));
+        }
+        // Without a stream the answer carries its timings anyway.
+        Ok(StreamExtras { timings_per_token: timings_per_token.unwrap_or(false), return_progress })
+    }
+
+    /// `timings` so far in a stream chunk, if they were asked for.
+    pub fn add_timings(&self, chunk: &mut serde_json::Value, live: &Live) {
+        if self.timings_per_token {
+            chunk["timings"] = timings(&live.usage());
+        }
+    }
+
+    /// `chunk` as a progress chunk (with `prompt_progress`), if progress was asked for.
+    pub fn progress(&self, mut chunk: serde_json::Value, progress: serde_json::Value, live: &Live) -> Vec<Event> {
+        if !self.return_progress {
+            return vec![];
+        }
+        chunk["prompt_progress"] = progress;
+        self.add_timings(&mut chunk, live);
+        vec![data(&chunk)]
+    }
+}
+
 /// A dialect's streaming format: which server-sent events each stage of a request becomes.
 pub trait StreamDialect: Send + 'static {
     /// Before any text, once the engine has admitted the request (`live` says what the prefix cache
@@ -251,7 +322,7 @@ pub trait StreamDialect: Send + 'static {
         vec![]
     }
     fn text(&mut self, text: &str, tokens: &[u32], logprobs: &[TokenLogprob], live: &Live) -> Vec<Event>;
-    fn done(&mut self, ending: &Ending, usage: &Usage) -> Vec<Event>;
+    fn done(&mut self, ending: &Ending, usage: &Usage, live: &Live) -> Vec<Event>;
     /// The request failed after the stream began.
     fn error(&mut self, e: &ApiError) -> Vec<Event>;
 }
@@ -291,7 +362,7 @@ pub fn stream_many<D: StreamDialect>(
     let mut sources = Vec::with_capacity(requests.len());
     for (i, (events, dialect, prompt_tokens)) in requests.into_iter().enumerate() {
         let live = Live::new(prompt_tokens);
-        relays.push(Relay { dialect, got: Received::default(), started: false, over: false, live });
+        relays.push(Relay { dialect, got: Received::default(), started: false, over: false, failed: false, live });
         // Each request's events, then `None` once its channel closes.
         let events = stream::unfold(events, |mut rx| async move { rx.recv().await.map(|e| (Some(e), rx)) })
             .chain(stream::once(async { None }))
@@ -315,10 +386,16 @@ pub fn stream_many<D: StreamDialect>(
             if relay.over {
                 open -= 1;
             }
+            let failed = relay.failed;
             for e in out {
                 if tx.send(e).await.is_err() {
                     return;
                 }
+            }
+            // One request's failure ends the stream (as llama-server's does); dropping the others'
+            // receivers cancels them.
+            if failed {
+                return;
             }
         }
     });
@@ -332,8 +409,9 @@ struct Relay<D> {
     got: Received,
     /// Whether the dialect's opening events went out.
     started: bool,
-    /// Whether its last event went out.
+    /// Whether its last event went out, and whether that was an error.
     over: bool,
+    failed: bool,
     live: Live,
 }
 
@@ -357,6 +435,9 @@ impl<D: StreamDialect> Relay<D> {
                 (self.live.cached_tokens, self.live.slot) = (cached_tokens, slot);
             }
             out.extend(self.dialect.start(&self.live));
+            // Prompt processing starts from what the prefix cache served.
+            let (cached, total) = (self.live.cached_tokens, self.live.prompt_tokens);
+            out.extend(self.dialect.progress(&self.live, prompt_progress(cached, total, cached, Duration::ZERO)));
         }
         let live = &mut self.live;
         match ev {
@@ -378,18 +459,18 @@ impl<D: StreamDialect> Relay<D> {
                 let ending = self.got.ending(finish, stops, tok);
                 state.metrics.record(&usage);
                 log.usage(&usage, ending.openai());
-                out.extend(self.dialect.done(&ending, &usage));
+                out.extend(self.dialect.done(&ending, &usage, live));
                 self.over = true;
             }
             Some(GenerationEvent::Error(e)) => {
                 state.metrics.failed();
                 out.extend(self.dialect.error(&e.into()));
-                self.over = true;
+                (self.over, self.failed) = (true, true);
             }
             None => {
                 state.metrics.failed();
                 out.extend(self.dialect.error(&ApiError::internal("the engine ended the request without an answer")));
-                self.over = true;
+                (self.over, self.failed) = (true, true);
             }
         }
         out

@@ -121,6 +121,14 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
             ok(v.is_null() || v == &Value::Bool(false), "probabilities are reported before sampling")
         }
         "backend_sampling" => ok(v.is_null() || v == &Value::Bool(false), "not implemented"),
+        // Read by the routes that have them (llama-server's generating routes; reasoning on chat);
+        // elsewhere inert at their "off" values.
+        "timings_per_token" | "return_progress" => {
+            ok(v.is_null() || v == &Value::Bool(false), "not available on this route")
+        }
+        "reasoning_format" => {
+            ok(v.is_null() || v.as_str() == Some("none"), "reasoning is split from the answer on the chat routes only")
+        }
         "lora" => ok(v.is_null() || v.as_array().is_some_and(Vec::is_empty), "LoRA adapters are not implemented"),
         "grammar" => ok(v.is_null() || v.as_str() == Some(""), "grammars are not implemented"),
         "json_schema" => ok(

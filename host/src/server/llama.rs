@@ -15,10 +15,11 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::completion::{
-    collect, data, logit_bias, stream_many, submit, timings, token_text, Ending, Job, Live, StreamDialect,
+    data, logit_bias, run_all, stream_many, submit_all, timings, token_text, Ending, Job, Live, StreamDialect,
+    StreamExtras,
 };
 use super::error::{parse_body, ApiError, Dialect, ErrorKind};
-use super::openai::{chat_messages, MessageIn, StopField, StreamExtras};
+use super::openai::{chat_messages, MessageIn, StopField};
 use super::state::{AppState, LoadedModel, RequestLog};
 use crate::engine::{SamplingParams, TokenLogprob, Usage};
 
@@ -222,8 +223,8 @@ async fn completion_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) ->
         return Err(ApiError::field("response_fields", "response_fields applies to answers without stream: true"));
     }
     let with_probs = r.n_probs.is_some_and(|n| n > 0);
-    // Every prompt is checked and queued before any answer is awaited (a refusal drops the rest).
-    let mut pending = Vec::with_capacity(prompts.len());
+    let mut texts = Vec::with_capacity(prompts.len());
+    let mut jobs = Vec::with_capacity(prompts.len());
     for (text, ids) in prompts {
         let mut job = Job::new(ids, params.clone());
         job.max_tokens = n_predict.and_then(|n| usize::try_from(n).ok());
@@ -231,21 +232,20 @@ async fn completion_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) ->
         job.cache_prompt = r.cache_prompt;
         job.ignore_eos = r.ignore_eos.unwrap_or(false);
         job.logprobs = r.n_probs.filter(|&n| n > 0);
-        let prompt_n = job.prompt.len();
-        let req = job.into_request(&state, model, "prompt")?;
-        pending.push((text, prompt_n, submit(model, req)?));
+        texts.push((text, job.prompt.len()));
+        jobs.push(job);
     }
 
     if stream {
+        let pending = submit_all(jobs, &state, model, "prompt")?;
         let streams = pending
             .into_iter()
+            .zip(texts)
             .enumerate()
-            .map(|(index, (prompt, prompt_n, events))| {
+            .map(|(index, ((events, _), (prompt, prompt_n)))| {
                 let dialect = CompletionStream {
                     index,
-                    slot: 0,
                     model: model.facts.id.clone(),
-                    predicted: 0,
                     settings: settings.clone(),
                     prompt,
                     with_probs,
@@ -257,10 +257,10 @@ async fn completion_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) ->
             .collect();
         return Ok(stream_many(streams, stops, model.text.clone(), state.clone(), log));
     }
-    let several = pending.len() > 1;
-    let mut answers = Vec::with_capacity(pending.len());
-    for (index, (prompt, _, events)) in pending.into_iter().enumerate() {
-        let c = collect(events, &stops, &model.text, &state, &log).await?;
+    let done = run_all(jobs, &state, model, "prompt", &log).await?;
+    let several = done.len() > 1;
+    let mut answers = Vec::with_capacity(done.len());
+    for (index, (c, (prompt, _))) in done.into_iter().zip(texts).enumerate() {
         let (kind, word) = stop_type(&c.ending);
         let mut out = json!({
             "index": index,
@@ -306,11 +306,9 @@ fn pick_fields(answer: &Value, paths: &[String]) -> Value {
 }
 
 struct CompletionStream {
-    /// Which of the request's prompts this is, and the slot serving it.
+    /// Which of the request's prompts this is.
     index: usize,
-    slot: usize,
     model: String,
-    predicted: usize,
     settings: Value,
     prompt: String,
     with_probs: bool,
@@ -327,46 +325,37 @@ impl CompletionStream {
             "tokens": tokens,
             "stop": false,
             "id_slot": live.slot,
-            "tokens_predicted": self.predicted,
+            "tokens_predicted": live.generated,
             "tokens_evaluated": live.prompt_tokens,
         })
     }
 }
 
 impl StreamDialect for CompletionStream {
-    fn start(&mut self, live: &Live) -> Vec<Event> {
-        self.slot = live.slot;
+    fn start(&mut self, _live: &Live) -> Vec<Event> {
         vec![]
     }
 
     fn progress(&mut self, live: &Live, progress: Value) -> Vec<Event> {
-        if !self.extras.return_progress {
-            return vec![];
-        }
-        let mut v = self.partial("", &[], live);
-        v["prompt_progress"] = progress;
-        vec![data(&v)]
+        self.extras.progress(self.partial("", &[], live), progress, live)
     }
 
     fn text(&mut self, text: &str, tokens: &[u32], logprobs: &[TokenLogprob], live: &Live) -> Vec<Event> {
-        self.predicted += tokens.len();
         let mut v = self.partial(text, tokens, live);
         if self.with_probs {
             v["completion_probabilities"] = probabilities(&self.tok, logprobs);
         }
-        if self.extras.timings_per_token {
-            v["timings"] = timings(&live.usage());
-        }
+        self.extras.add_timings(&mut v, live);
         vec![data(&v)]
     }
 
-    fn done(&mut self, ending: &Ending, usage: &Usage) -> Vec<Event> {
+    fn done(&mut self, ending: &Ending, usage: &Usage, live: &Live) -> Vec<Event> {
         let (kind, word) = stop_type(ending);
         vec![data(&json!({
             "index": self.index,
             "content": "",
             "tokens": [],
-            "id_slot": self.slot,
+            "id_slot": live.slot,
             "stop": true,
             "model": self.model,
             "tokens_predicted": usage.completion_tokens,

@@ -13,8 +13,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::completion::{
-    collect, data, logit_bias, new_id, stream_response, submit, timings, token_label, unix_time, Completion, Ending,
-    Job, Live, StreamDialect,
+    data, logit_bias, new_id, run_all, stream_response, submit, timings, token_label, unix_time, Ending, Job, Live,
+    StreamDialect, StreamExtras,
 };
 use super::error::{parse_body, ApiError, Dialect, ErrorKind};
 use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
@@ -275,7 +275,9 @@ fn template_tool_call(call: &Value) -> Value {
 
 /// The token ids of a conversation through the model's chat template. A conversation that ends with
 /// an assistant message is a prefill, as Anthropic's API and llama-server take it: the answer
-/// continues that message (the turns before it, the assistant's turn opened, then its text).
+/// continues that message (the turns before it, the assistant's turn opened, then its text). With
+/// thinking switched off (`enable_thinking: false`), a thought the template opens anyway (as
+/// DeepSeek-R1's does, without that switch) is closed before the answer.
 pub fn chat_prompt(
     model: &LoadedModel,
     messages: &[ChatMessage],
@@ -294,6 +296,8 @@ pub fn chat_prompt(
         }
         _ => t.render_with(messages, true, kwargs, tools).map_err(ApiError::invalid)?,
     };
+    let thinking_off = kwargs.and_then(|k| k.get("enable_thinking")) == Some(&Value::Bool(false));
+    let text = if thinking_off && reasoning::forced_open(&text) { text + "\n</think>\n\n" } else { text };
     let ids = model.text.encode(&text, false).map_err(|e| ApiError::internal(e.to_string()))?;
     Ok((text, ids))
 }
@@ -368,28 +372,6 @@ fn token_limit(fields: &[(&str, Option<i64>)], min: i64) -> Result<Option<usize>
     }
 }
 
-/// llama-server's stream extras: `timings` in every chunk, and chunks that report prompt processing
-/// (which only a stream can carry).
-#[derive(Clone, Copy, Default)]
-pub struct StreamExtras {
-    pub timings_per_token: bool,
-    pub return_progress: bool,
-}
-
-impl StreamExtras {
-    pub fn new(timings_per_token: Option<bool>, return_progress: Option<bool>, stream: bool) -> Result<Self, ApiError> {
-        let return_progress = return_progress.unwrap_or(false);
-        if return_progress && !stream {
-            return Err(ApiError::field(
-                "return_progress",
-                "return_progress reports prompt processing in stream chunks; it needs stream: true",
-            ));
-        }
-        // Without a stream the answer carries its timings anyway.
-        Ok(StreamExtras { timings_per_token: timings_per_token.unwrap_or(false), return_progress })
-    }
-}
-
 fn check_stream_options(options: &Option<StreamOptions>, stream: bool) -> Result<(), ApiError> {
     if options.as_ref().and_then(|o| o.include_obfuscation) == Some(true) {
         return Err(ApiError::field(
@@ -459,27 +441,6 @@ fn refuse_unsupported(response_format: &Option<Value>) -> Result<(), ApiError> {
         }
     }
     Ok(())
-}
-
-/// Runs `jobs` (the `n` choices of one or more prompts) concurrently and collects every answer.
-async fn run_all(
-    jobs: Vec<Job>,
-    state: &Arc<AppState>,
-    model: &LoadedModel,
-    prompt_param: &str,
-    log: &RequestLog,
-) -> Result<Vec<Completion>, ApiError> {
-    let mut pending = Vec::with_capacity(jobs.len());
-    for job in jobs {
-        let stops = job.stop.clone();
-        let req = job.into_request(state, model, prompt_param)?;
-        pending.push((submit(model, req)?, stops));
-    }
-    let mut out = Vec::with_capacity(pending.len());
-    for (events, stops) in pending {
-        out.push(collect(events, &stops, &model.text, state, log).await?);
-    }
-    Ok(out)
 }
 
 fn seeded(job: &Job, i: usize) -> Job {
@@ -642,13 +603,11 @@ impl ChatStream {
         }
         c
     }
-}
 
-impl ChatStream {
     /// The chunks for new reasoning and answer text: one for the text, one per tool call read from
     /// it (the logprobs, and `timings` if asked for, on the first; a chunk for logprobs alone when
     /// the text is all held back). `end`: the answer is over, so the call reader gives what it held.
-    fn deltas(&mut self, parts: Parts, end: bool, logprobs: Value, timings: Option<Value>) -> Vec<Event> {
+    fn deltas(&mut self, parts: Parts, end: bool, logprobs: Value, live: &Live) -> Vec<Event> {
         let (content, calls) = match &mut self.calls {
             None => (parts.content, vec![]),
             Some((parser, parallel)) => {
@@ -679,15 +638,12 @@ impl ChatStream {
             self.sent_calls += 1;
             deltas.push(json!({"tool_calls": [call]}));
         }
-        let mut extras = Some((logprobs, timings));
+        let mut logprobs = Some(logprobs);
         deltas
             .into_iter()
             .map(|d| {
-                let (lp, t) = extras.take().unwrap_or((Value::Null, None));
-                let mut c = self.chunk(d, None, lp);
-                if let Some(t) = t {
-                    c["timings"] = t;
-                }
+                let mut c = self.chunk(d, None, logprobs.take().unwrap_or(Value::Null));
+                self.extras.add_timings(&mut c, live);
                 data(&c)
             })
             .collect()
@@ -711,25 +667,20 @@ impl StreamDialect for ChatStream {
         vec![data(&self.chunk(json!({"role": "assistant", "content": ""}), None, Value::Null))]
     }
 
-    fn progress(&mut self, _live: &Live, progress: Value) -> Vec<Event> {
-        if !self.extras.return_progress {
-            return vec![];
-        }
-        let mut c = self.chunk(json!({"role": "assistant", "content": null}), None, Value::Null);
-        c["prompt_progress"] = progress;
-        vec![data(&c)]
+    fn progress(&mut self, live: &Live, progress: Value) -> Vec<Event> {
+        let c = self.chunk(json!({"role": "assistant", "content": null}), None, Value::Null);
+        self.extras.progress(c, progress, live)
     }
 
     fn text(&mut self, text: &str, _tokens: &[u32], logprobs: &[TokenLogprob], live: &Live) -> Vec<Event> {
         let parts = self.split.push(text);
         let lp = if self.logprobs { chat_logprobs(&self.tok, logprobs) } else { Value::Null };
-        let timings = self.extras.timings_per_token.then(|| timings(&live.usage()));
-        self.deltas(parts, false, lp, timings)
+        self.deltas(parts, false, lp, live)
     }
 
-    fn done(&mut self, ending: &Ending, usage: &Usage) -> Vec<Event> {
+    fn done(&mut self, ending: &Ending, usage: &Usage, live: &Live) -> Vec<Event> {
         let rest = self.split.finish();
-        let mut out = self.deltas(rest, true, Value::Null, None);
+        let mut out = self.deltas(rest, true, Value::Null, live);
         let mut last = self.chunk(json!({}), Some(finish_reason(ending, self.sent_calls)), Value::Null);
         last["timings"] = timings(usage);
         out.push(data(&last));
@@ -962,26 +913,19 @@ impl StreamDialect for CompletionStream {
         }
     }
 
-    fn progress(&mut self, _live: &Live, progress: Value) -> Vec<Event> {
-        if !self.extras.return_progress {
-            return vec![];
-        }
-        let mut c = self.chunk("", None, Value::Null);
-        c["prompt_progress"] = progress;
-        vec![data(&c)]
+    fn progress(&mut self, live: &Live, progress: Value) -> Vec<Event> {
+        self.extras.progress(self.chunk("", None, Value::Null), progress, live)
     }
 
     fn text(&mut self, text: &str, _tokens: &[u32], logprobs: &[TokenLogprob], live: &Live) -> Vec<Event> {
         let lp = if self.logprobs { completion_logprobs(&self.tok, logprobs, self.offset) } else { Value::Null };
         self.offset += text.chars().count();
         let mut c = self.chunk(text, None, lp);
-        if self.extras.timings_per_token {
-            c["timings"] = timings(&live.usage());
-        }
+        self.extras.add_timings(&mut c, live);
         vec![data(&c)]
     }
 
-    fn done(&mut self, ending: &Ending, usage: &Usage) -> Vec<Event> {
+    fn done(&mut self, ending: &Ending, usage: &Usage, _live: &Live) -> Vec<Event> {
         let mut last = self.chunk("", Some(ending.openai()), Value::Null);
         last["timings"] = timings(usage);
         let mut out = vec![data(&last)];

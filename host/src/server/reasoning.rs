@@ -71,13 +71,17 @@ pub struct Splitter {
     held: String,
     /// Whether the thought has shown anything but whitespace (its leading whitespace is dropped).
     thought_begun: bool,
+    /// `deepseek-legacy` with the thought opened by the prompt: the content still owes its
+    /// `<think>`, so that its tags stay balanced.
+    owes_open_tag: bool,
 }
 
 impl Splitter {
     /// A splitter for a generation whose prompt `forced_open` says leaves a thought open.
     pub fn new(format: ReasoningFormat, forced_open: bool) -> Splitter {
         let state = if forced_open { State::Thinking } else { State::Start };
-        Splitter { format, state, held: String::new(), thought_begun: false }
+        let owes_open_tag = forced_open && format == ReasoningFormat::Legacy;
+        Splitter { format, state, held: String::new(), thought_begun: false, owes_open_tag }
     }
 
     /// The parts `text` adds (some of it may be held back until the next piece).
@@ -85,7 +89,12 @@ impl Splitter {
         match self.format {
             ReasoningFormat::None => Parts { reasoning: String::new(), content: text.to_string() },
             ReasoningFormat::Split => self.split(text, false),
-            ReasoningFormat::Legacy => Parts { reasoning: self.split(text, false).reasoning, content: text.into() },
+            ReasoningFormat::Legacy => {
+                let reasoning = self.split(text, false).reasoning;
+                let open = if self.owes_open_tag && !text.is_empty() { OPEN } else { "" };
+                self.owes_open_tag &= text.is_empty();
+                Parts { reasoning, content: format!("{open}{text}") }
+            }
         }
     }
 
@@ -225,6 +234,9 @@ mod tests {
         let t = "<think>hmm</think> Paris";
         assert_eq!(streamed(ReasoningFormat::None, false, t), parts("", t));
         assert_eq!(streamed(ReasoningFormat::Legacy, false, t), parts("hmm", t));
+        // The prompt opened the thought: the content gets its opening tag.
+        assert_eq!(streamed(ReasoningFormat::Legacy, true, "hmm</think>x"), parts("hmm", "<think>hmm</think>x"));
+        assert!(forced_open("<|im_start|>assistant\n<think>\n") && !forced_open("<think>\n\n</think>\n\n"));
     }
 
     #[test]

@@ -44,7 +44,6 @@ impl AppState {
         })
     }
 
-    /// The model, or 503 while it is loading.
     /// A request's chat-template variables: the server's `--chat-template-kwargs`, then the request's
     /// own by name.
     pub fn template_kwargs(
@@ -56,6 +55,7 @@ impl AppState {
         (!kwargs.is_empty()).then_some(kwargs)
     }
 
+    /// The model, or 503 while it is loading.
     pub fn ready(&self) -> Result<&LoadedModel, ApiError> {
         if let Some(speech) = self.speech.get() {
             return Err(super::audio::not_a_text_model(speech));

@@ -897,6 +897,7 @@ async fn unread_fields_are_refused_by_name_and_inert_ones_pass() {
         "chat_template_kwargs": {"enable_thinking": false}});
     let (status, body, _) = s.post_text("/v1/chat/completions", webui_chat).await;
     assert_eq!(status, 200, "{body}");
+    assert!(body.ends_with("data: [DONE]\n\n") && !body.contains("\"error\""), "{body}");
     let bogus = json!({"messages": [{"role": "user", "content": "hi"}], "reasoning_format": "harmony"});
     let (status, v) = s.post("/v1/chat/completions", bogus).await;
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("reasoning_format")), "{v}");
@@ -1231,8 +1232,10 @@ async fn stream_progress_and_per_token_timings() {
         let got = chunks(&text);
         let total = s.last_request().prompt.len() as u64;
         let progress: Vec<&Value> = got.iter().filter_map(|c| c.get("prompt_progress")).collect();
-        assert_eq!(progress.len(), 2, "{path}: {text}");
-        assert_eq!(progress[1]["processed"].as_u64(), Some(total), "{path}");
+        // From what the cache served, then after each of the Fake's two prompt chunks.
+        assert_eq!(progress.len(), 3, "{path}: {text}");
+        assert_eq!(progress[0]["processed"].as_u64(), Some(2), "{path}");
+        assert_eq!(progress[2]["processed"].as_u64(), Some(total), "{path}");
         assert_eq!((progress[0]["total"].as_u64(), progress[0]["cache"].as_u64()), (Some(total), Some(2)), "{path}");
         let first_text =
             got.iter().position(|c| c.get("prompt_progress").is_none() && c.to_string().contains("capital"));
@@ -1432,4 +1435,41 @@ async fn anthropic_tool_use() {
     let server_tool = json!([{"type": "web_search_20250305", "name": "web_search"}]);
     let (status, _) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": ask, "tools": server_tool})).await;
     assert_eq!(status, 400);
+}
+
+/// A template that leaves the thought open (as DeepSeek-R1's does), shows earlier thoughts, and
+/// says when thinking is switched off.
+const OPEN_THOUGHT: &str = "{% for m in messages %}<|im_start|>{{ m.role }}\n{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}{{ m.content }}<|im_end|>\n{% endfor %}{% if enable_thinking is defined and not enable_thinking %}[quiet]{% endif %}<|im_start|>assistant\n<think>\n";
+
+/// With the thought opened by the prompt, the answer is reasoning until `</think>`; earlier
+/// thoughts reach the template from both dialects; thinking switched off (`enable_thinking:
+/// false`, Anthropic's `thinking: disabled`) closes the opened thought in the prompt.
+#[tokio::test]
+async fn a_thought_the_prompt_opens() {
+    let fake = Fake { script: Some(vec!["Let me see.", "</think>", "\n\nParis."]), ..Default::default() };
+    let s = start_templated(config(), fake, true, OPEN_THOUGHT, 2048).await;
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": hi})).await;
+    assert_eq!(status, 200, "{v}");
+    let m = &v["choices"][0]["message"];
+    assert_eq!((m["reasoning_content"].as_str(), m["content"].as_str()), (Some("Let me see."), Some("Paris.")), "{v}");
+    assert!(s.last_prompt().ends_with("assistant\n<think>"), "{}", s.last_prompt());
+
+    let history = json!([{"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Hello", "reasoning_content": "greet"}, {"role": "user", "content": "again"}]);
+    s.post("/v1/chat/completions", json!({"messages": history})).await;
+    assert!(s.last_prompt().contains("<think>greet</think>Hello"), "{}", s.last_prompt());
+    let history = json!([{"role": "user", "content": "hi"},
+        {"role": "assistant", "content": [{"type": "thinking", "thinking": "greet", "signature": ""}, {"type": "text", "text": "Hello"}]},
+        {"role": "user", "content": "again"}]);
+    let (status, v) = s.post("/v1/messages", json!({"max_tokens": 20, "messages": history})).await;
+    assert_eq!(status, 200, "{v}");
+    assert!(s.last_prompt().contains("<think>greet</think>Hello"), "{}", s.last_prompt());
+    assert_eq!(v["content"][0]["thinking"], "Let me see.", "{v}");
+
+    let off = json!({"messages": hi, "chat_template_kwargs": {"enable_thinking": false}});
+    s.post("/v1/chat/completions", off).await;
+    assert!(s.last_prompt().ends_with("[quiet]assistant\n<think>\n</think>\n\n"), "{:?}", s.last_prompt());
+    s.post("/v1/messages", json!({"max_tokens": 20, "messages": hi, "thinking": {"type": "disabled"}})).await;
+    assert!(s.last_prompt().ends_with("[quiet]assistant\n<think>\n</think>\n\n"), "{:?}", s.last_prompt());
 }
