@@ -52,12 +52,23 @@ pub struct ApiError {
     pub code: Option<&'static str>,
     /// Seconds for `Retry-After`.
     pub retry_after: Option<u64>,
+    /// A field the route does not know (`param`), which each API words its own way.
+    pub unknown_field: bool,
     pub dialect: Dialect,
 }
 
 impl ApiError {
     pub fn new(kind: ErrorKind, message: impl Into<String>) -> Self {
-        ApiError { kind, message: message.into(), param: None, code: None, retry_after: None, dialect: Dialect::OpenAi }
+        let message = message.into();
+        ApiError {
+            kind,
+            message,
+            param: None,
+            code: None,
+            retry_after: None,
+            unknown_field: false,
+            dialect: Dialect::OpenAi,
+        }
     }
     pub fn invalid(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::InvalidRequest, message)
@@ -65,6 +76,12 @@ impl ApiError {
     /// An invalid value of the request field `param`.
     pub fn field(param: &str, message: impl Into<String>) -> Self {
         ApiError { param: Some(param.to_string()), ..Self::invalid(message) }
+    }
+    /// A request field the route does not know, worded as OpenAI words it (Anthropic's wording
+    /// replaces it in that dialect).
+    pub fn unknown_field(param: &str) -> Self {
+        let message = format!("Unrecognized request argument supplied: {param}");
+        ApiError { unknown_field: true, ..Self::field(param, message) }
     }
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Internal, message)
@@ -123,7 +140,11 @@ impl ApiError {
                 "code": self.code,
             }}),
             Dialect::Anthropic => {
-                json!({"type": "error", "error": {"type": self.type_name(), "message": self.message}})
+                let message = match (&self.param, self.unknown_field) {
+                    (Some(p), true) => format!("{p}: Extra inputs are not permitted"),
+                    _ => self.message.clone(),
+                };
+                json!({"type": "error", "error": {"type": self.type_name(), "message": message}})
             }
             Dialect::Llama => json!({"error": {
                 "code": self.status().as_u16(),

@@ -47,7 +47,7 @@ fn spell(p: &serde_ignored::Path) -> String {
 pub fn check(field: &Unread, body: &Map<String, Value>) -> Result<(), ApiError> {
     let refuse = |why: String| Err(ApiError::field(&field.path, why));
     let Some(name) = field.top.as_deref() else {
-        return refuse(format!("Unrecognized request argument supplied: {}", field.path));
+        return Err(ApiError::unknown_field(&field.path));
     };
     let value = body.get(name).unwrap_or(&Value::Null);
     // A typed client that writes every field it knows sends the rest as null: not sent.
@@ -57,7 +57,7 @@ pub fn check(field: &Unread, body: &Map<String, Value>) -> Result<(), ApiError> 
     match inert(name, value, body) {
         Some(Ok(())) => Ok(()),
         Some(Err(why)) => refuse(format!("`{name}` = {value} is not supported by this server: {why}")),
-        None => refuse(format!("Unrecognized request argument supplied: {name}")),
+        None => Err(ApiError::unknown_field(name)),
     }
 }
 
