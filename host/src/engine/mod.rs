@@ -13,6 +13,7 @@ pub mod runner;
 pub mod sampler;
 pub mod scheduler;
 pub mod streaming_text;
+pub mod thought;
 
 pub use embed::{EncodedInput, Encoder, EncoderOptions, EncoderTokenizer};
 pub use generate::{FinishReason, GenerateOptions, Generation, Session};
@@ -27,3 +28,4 @@ pub use scheduler::{
     EngineCounters, EngineOptions, EngineStats, RequestLimits, Scheduler, SlotState, SlotStats, StepModel, Submission,
 };
 pub use streaming_text::{StreamingText, TokenStep};
+pub use thought::ThoughtBudget;

@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use super::generate::FinishReason;
 use super::sampler::SamplingParams;
+use super::thought::ThoughtBudget;
 
 /// One completion to run: a tokenized prompt and how to continue it.
 #[derive(Debug, Clone)]
@@ -27,6 +28,8 @@ pub struct GenerationRequest {
     pub logprobs: Option<usize>,
     /// Give up after this long (None = no limit); the request ends with [`FinishReason::Cancelled`].
     pub timeout: Option<Duration>,
+    /// A cap on a reasoning model's thought (None = the model thinks as long as it likes).
+    pub thought_budget: Option<ThoughtBudget>,
 }
 
 impl GenerationRequest {
@@ -40,6 +43,7 @@ impl GenerationRequest {
             cache_prompt: true,
             logprobs: None,
             timeout: None,
+            thought_budget: None,
         }
     }
 }

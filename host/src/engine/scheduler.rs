@@ -25,6 +25,7 @@ use super::request::{EngineError, GenerationEvent, GenerationRequest, TokenLogpr
 use super::runner::{Logits, ModelRunner, RowsWanted, SeqChunk, StepRows};
 use super::sampler::{Sampler, SamplingParams};
 use super::streaming_text::StreamingText;
+use super::thought::Thought;
 use crate::text::TextTokenizer;
 
 /// What the scheduler needs of a model: one batched forward pass and the KV pages it reads.
@@ -317,6 +318,7 @@ struct Sequence {
     /// Prompt tokens the first admission found in the prefix cache.
     cached_tokens: usize,
     slot: Option<usize>,
+    thought: Option<Thought>,
 }
 
 impl Sequence {
@@ -455,6 +457,7 @@ impl<M: StepModel> Scheduler<M> {
             last_token: None,
             cached_tokens: 0,
             slot: None,
+            thought: r.thought_budget.map(Thought::new),
         });
     }
 
@@ -873,17 +876,24 @@ fn sample_next(
     }
     // Log-probabilities are the model's, before penalties change the row (a sequence that wants them
     // always gets whole rows).
-    let (token, model_row) = match row {
-        Row::Full(row) => {
+    // A thought over its budget is closed by the engine, token by token, in place of sampling.
+    let forced = seq.thought.as_mut().and_then(Thought::forced);
+    let (token, model_row) = match (forced, row) {
+        (Some(t), Row::Full(row)) => (t, seq.logprobs.map(|_| row.to_vec())),
+        (Some(t), Row::Top(..)) => (t, None),
+        (None, Row::Full(row)) => {
             let model_row = seq.logprobs.map(|_| row.to_vec());
             (seq.sampler.sample(row, &seq.tokens), model_row)
         }
-        Row::Top(ids, values) => (seq.sampler.sample_top(ids, values), None),
+        (None, Row::Top(ids, values)) => (seq.sampler.sample_top(ids, values), None),
     };
     let step = seq.text.push(tokenizer, token)?;
     let mut logprobs = Vec::new();
     let mut tokens = Vec::new();
     if step.accepted {
+        if let Some(thought) = &mut seq.thought {
+            thought.push(&String::from_utf8_lossy(&tokenizer.token_bytes(token)));
+        }
         seq.tokens.push(token);
         seq.last_token = Some(now);
         tokens.push(token);

@@ -685,3 +685,21 @@ fn steps_bring_back_only_the_top_k_their_samplers_need() {
     drain(&mut s, &mut c);
     assert!(s.model().wants.iter().all(|w| *w == RowsWanted::Full));
 }
+
+#[test]
+fn a_thought_over_its_budget_is_closed_by_the_engine() {
+    let tok = tokenizer();
+    let close = tok.encode("\n</think>\n\n", false).unwrap();
+    let free = solo(&request(prompt(5, 12), 24));
+    let mut req = request(prompt(5, 12), 24);
+    req.thought_budget = Some(crate::engine::ThoughtBudget { budget: 4, close: close.clone(), open_at_start: true });
+    let capped = solo(&req);
+    // Four tokens of thought as the model wrote them, then the close, then the model again.
+    assert_eq!(capped.tokens[..4], free.tokens[..4]);
+    assert_eq!(capped.tokens[4..4 + close.len()], close[..]);
+    assert_eq!(capped.tokens.len(), 24);
+    assert!(capped.text.contains("</think>"), "{:?}", capped.text);
+    // A thought the prompt did not open (the text does not start with <think>) is not capped.
+    req.thought_budget = Some(crate::engine::ThoughtBudget { budget: 4, close, open_at_start: false });
+    assert_eq!(solo(&req).tokens, free.tokens);
+}

@@ -211,37 +211,65 @@ fn request_tools(model: &LoadedModel, r: &MessagesRequest) -> Result<Option<Tool
         .map_err(|e| ApiError::field("tools", e))
 }
 
-/// The chat-template variables `thinking` asks for: `{"type": "disabled"}` turns a reasoning
-/// model's thinking off (`enable_thinking: false`, which templates without the switch ignore).
-/// Thinking is otherwise the model's own, returned in `thinking` blocks; a token budget for it
-/// (`enabled`) is not enforced here, so it is refused.
-fn thinking_kwargs(state: &AppState, r: &MessagesRequest) -> Result<Option<serde_json::Map<String, Value>>, ApiError> {
+/// What `thinking` asks for: the chat-template variables and a cap on the thought.
+/// `{"type": "enabled", "budget_tokens": N}` switches thinking on (`enable_thinking: true`) with at
+/// most N tokens of thought (then the server ends it); `adaptive` switches it on without a cap;
+/// `disabled` switches it off (`enable_thinking: false`, which templates without the switch
+/// ignore, so a thought the model starts anyway is ended at once). Without `thinking`, the server's
+/// `--reasoning-budget`.
+type Thinking = (Option<serde_json::Map<String, Value>>, Option<usize>);
+
+fn thinking(state: &AppState, r: &MessagesRequest) -> Result<Thinking, ApiError> {
     let mut request = serde_json::Map::new();
-    match r.thinking.as_ref().and_then(|t| t.get("type")).and_then(Value::as_str) {
-        None if r.thinking.as_ref().is_none_or(Value::is_null) => {}
-        Some("disabled") => {
+    let t = r.thinking.as_ref().filter(|t| !t.is_null());
+    let mut budget = state.config.reasoning_budget;
+    match t.map(|t| t.get("type").and_then(Value::as_str)) {
+        None => {}
+        Some(Some("disabled")) => {
             request.insert("enable_thinking".into(), Value::Bool(false));
+            budget = Some(0);
         }
-        _ => {
+        Some(Some("adaptive")) => {
+            request.insert("enable_thinking".into(), Value::Bool(true));
+        }
+        Some(Some("enabled")) => {
+            let max_tokens = r.max_tokens.unwrap_or(0);
+            let n = t.and_then(|t| t.get("budget_tokens")).and_then(Value::as_u64);
+            let Some(n) = n.filter(|&n| n >= 1 && n < max_tokens) else {
+                return Err(ApiError::field(
+                    "thinking.budget_tokens",
+                    format!("thinking.budget_tokens: an integer of at least 1 and less than max_tokens ({max_tokens}) is required"),
+                ));
+            };
+            request.insert("enable_thinking".into(), Value::Bool(true));
+            budget = Some(n as usize);
+        }
+        Some(other) => {
             return Err(ApiError::field(
-                "thinking",
-                "thinking budgets are not enforced by this server: leave `thinking` out (a reasoning model's thoughts come back as thinking blocks) or send {\"type\": \"disabled\"}",
+                "thinking.type",
+                format!("thinking.type must be enabled, adaptive or disabled, got {}", other.unwrap_or("nothing")),
             ))
         }
     }
-    Ok(state.template_kwargs(Some(&request)))
+    Ok((state.template_kwargs(Some(&request)), budget))
 }
 
-/// The prompt's text and token ids, and the tools given to the model.
-fn prompt_of(
-    state: &AppState,
-    model: &LoadedModel,
-    r: &MessagesRequest,
-) -> Result<(String, Vec<u32>, Option<Tooling>), ApiError> {
+/// The prompt of a request.
+struct Prompt {
+    text: String,
+    ids: Vec<u32>,
+    /// The tools given to the model.
+    tools: Option<Tooling>,
+    /// The cap on its thought.
+    budget: Option<usize>,
+}
+
+fn prompt_of(state: &AppState, model: &LoadedModel, r: &MessagesRequest) -> Result<Prompt, ApiError> {
     let conversation = conversation(r)?;
     let tools = request_tools(model, r)?;
-    let (text, ids) = chat_prompt(model, &conversation, thinking_kwargs(state, r)?.as_ref(), tools.as_ref())?;
-    Ok((text, ids, tools))
+    let (kwargs, budget) = thinking(state, r)?;
+    let (text, ids) = chat_prompt(model, &conversation, kwargs.as_ref(), tools.as_ref())?;
+    Ok(Prompt { text, ids, tools, budget })
 }
 
 /// The server's reasoning format for Anthropic answers: thoughts go to `thinking` blocks, never
@@ -284,7 +312,7 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
     let model = state.ready()?;
     let r: MessagesRequest = parse_body(body)?;
     let max_tokens = r.max_tokens.ok_or_else(|| ApiError::field("max_tokens", "max_tokens: Field required"))?;
-    let (prompt_text, prompt, tools) = prompt_of(&state, model, &r)?;
+    let Prompt { text: prompt_text, ids: prompt, tools, budget } = prompt_of(&state, model, &r)?;
     let (format, open) = (reasoning_format(&state), reasoning::forced_open(&prompt_text));
     if let Some(t) = r.temperature.filter(|t| !(0.0..=1.0).contains(t)) {
         return Err(ApiError::field("temperature", format!("temperature: must be between 0 and 1, got {t}")));
@@ -296,6 +324,9 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
     let prompt_tokens = prompt.len();
     let mut job = Job::new(prompt, sampling);
     job.max_tokens = Some(max_tokens as usize);
+    if let Some(b) = budget {
+        job.thought_budget = Some(reasoning::thought_budget(model, b, &prompt_text)?);
+    }
     job.stop = r.stop_sequences.clone().map(|v| StopField::Many(v).into_vec()).unwrap_or_default();
     let stops = job.stop.clone();
     let req = job.into_request(&state, model, "messages")?;
@@ -492,7 +523,7 @@ pub async fn count_tokens(State(state): State<Arc<AppState>>, body: Bytes) -> Re
     let run = || -> Result<Response, ApiError> {
         let model = state.ready()?;
         let r: MessagesRequest = parse_body(&body)?;
-        let n = prompt_of(&state, model, &r)?.1.len();
+        let n = prompt_of(&state, model, &r)?.ids.len();
         Ok(Json(json!({"input_tokens": n})).into_response())
     };
     run().unwrap_or_else(|e| e.in_dialect(Dialect::Anthropic).into_response())

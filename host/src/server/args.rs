@@ -103,8 +103,8 @@ pub struct ServerArgs {
     /// in the content), none (left in the content).
     #[arg(long = "reasoning-format", env = "LLAMA_ARG_THINK", default_value = "auto", value_parser = ReasoningFormat::parse)]
     pub reasoning_format: ReasoningFormat,
-    /// -1: the model thinks as its template lets it; 0: no thinking (the template's
-    /// `enable_thinking: false`). Token budgets between are not supported.
+    /// Most tokens of thought per answer, after which the server ends the thought (`</think>`) and
+    /// the model answers; -1: no limit; 0: no thinking (also the template's `enable_thinking: false`).
     #[arg(long = "reasoning-budget", env = "LLAMA_ARG_THINK_BUDGET", default_value_t = -1, allow_negative_numbers = true)]
     pub reasoning_budget: i64,
     /// Use the Jinja chat template (mlxcel always does; accepted for llama-server command lines).
@@ -342,6 +342,8 @@ pub struct ServerConfig {
     /// Chat-template variables every request starts from.
     pub chat_template_kwargs: serde_json::Map<String, serde_json::Value>,
     pub reasoning_format: ReasoningFormat,
+    /// Most tokens of thought per answer (None: no limit).
+    pub reasoning_budget: Option<usize>,
     pub backend: Option<String>,
     pub plugin_dirs: Vec<PathBuf>,
     pub force: bool,
@@ -392,13 +394,15 @@ impl ServerArgs {
                 _ => bail!("--chat-template-kwargs must be a JSON object, got {s}"),
             },
         };
-        match self.reasoning_budget {
-            -1 => {}
+        let reasoning_budget = match self.reasoning_budget {
+            -1 => None,
             0 => {
                 chat_template_kwargs.insert("enable_thinking".into(), serde_json::Value::Bool(false));
+                Some(0)
             }
-            n => bail!("--reasoning-budget {n}: only -1 (unrestricted) and 0 (no thinking) are supported"),
-        }
+            n if n > 0 => Some(n as usize),
+            n => bail!("--reasoning-budget must be -1 (no limit) or at least 0, got {n}"),
+        };
         if self.parallel == 0 {
             bail!("--parallel must be at least 1");
         }
@@ -444,6 +448,7 @@ impl ServerArgs {
             chat_template,
             chat_template_kwargs,
             reasoning_format: self.reasoning_format,
+            reasoning_budget,
             backend: self.backend.clone(),
             plugin_dirs: plugin_dirs.to_vec(),
             force: self.force,
@@ -551,8 +556,9 @@ mod tests {
             serde_json::Value::Object(c.chat_template_kwargs),
             serde_json::json!({"tone": "dry", "enable_thinking": false})
         );
-        let e = parse(&["-m", "m", "--reasoning-budget", "512"]).unwrap_err().to_string();
-        assert!(e.contains("only -1 (unrestricted) and 0"), "{e}");
+        assert_eq!(parse(&["-m", "m", "--reasoning-budget", "512"]).unwrap().reasoning_budget, Some(512));
+        let e = parse(&["-m", "m", "--reasoning-budget", "-2"]).unwrap_err().to_string();
+        assert!(e.contains("-1 (no limit) or at least 0"), "{e}");
         assert!(parse(&["-m", "m", "--chat-template-kwargs", "[1]"]).is_err());
         assert!(parse(&["-m", "m", "--reasoning-format", "bogus"]).is_err());
     }

@@ -15,7 +15,9 @@ use tokio::sync::mpsc;
 use super::error::ApiError;
 use super::generator::EventStream;
 use super::state::{AppState, LoadedModel, RequestLog};
-use crate::engine::{FinishReason, GenerationEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage};
+use crate::engine::{
+    FinishReason, GenerationEvent, GenerationRequest, SamplingParams, ThoughtBudget, TokenLogprob, Usage,
+};
 use crate::text::TextTokenizer;
 
 /// A request after its dialect is translated, before the server's limits are applied.
@@ -29,11 +31,13 @@ pub struct Job {
     pub ignore_eos: bool,
     pub cache_prompt: Option<bool>,
     pub logprobs: Option<usize>,
+    pub thought_budget: Option<ThoughtBudget>,
 }
 
 impl Job {
     pub fn new(prompt: Vec<u32>, sampling: SamplingParams) -> Job {
-        Job { prompt, sampling, max_tokens: None, stop: vec![], ignore_eos: false, cache_prompt: None, logprobs: None }
+        let (max_tokens, stop, ignore_eos, cache_prompt, logprobs) = (None, vec![], false, None, None);
+        Job { prompt, sampling, max_tokens, stop, ignore_eos, cache_prompt, logprobs, thought_budget: None }
     }
 
     /// Applies the context size, `-n`, `--timeout` and `--cache-prompt`; `prompt_param` names the request
@@ -70,6 +74,7 @@ impl Job {
         r.ignore_eos = self.ignore_eos;
         r.cache_prompt = state.config.cache_prompt && self.cache_prompt.unwrap_or(true);
         r.logprobs = self.logprobs;
+        r.thought_budget = self.thought_budget;
         r.timeout = state.config.timeout;
         Ok(r)
     }

@@ -481,6 +481,9 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
         job.sampling.logit_bias = logit_bias(b, model, true)?;
     }
     job.max_tokens = limit;
+    if let Some(b) = state.config.reasoning_budget {
+        job.thought_budget = Some(reasoning::thought_budget(model, b, &prompt_text)?);
+    }
     job.stop = r.stop.map(StopField::into_vec).unwrap_or_default();
     job.cache_prompt = r.cache_prompt;
     job.ignore_eos = r.ignore_eos.unwrap_or(false);

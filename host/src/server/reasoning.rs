@@ -30,6 +30,10 @@ impl ReasoningFormat {
     }
 }
 
+use super::error::ApiError;
+use super::state::LoadedModel;
+use crate::engine::ThoughtBudget;
+
 const OPEN: &str = "<think>";
 const CLOSE: &str = "</think>";
 
@@ -37,6 +41,13 @@ const CLOSE: &str = "</think>";
 /// first token until `</think>`.
 pub fn forced_open(prompt: &str) -> bool {
     prompt.trim_end().ends_with(OPEN)
+}
+
+/// A cap of `budget` tokens on the thought of an answer to `prompt` (the rendered chat prompt): the
+/// engine ends the thought with `</think>` once it is spent.
+pub fn thought_budget(model: &LoadedModel, budget: usize, prompt: &str) -> Result<ThoughtBudget, ApiError> {
+    let close = model.text.encode("\n</think>\n\n", false).map_err(|e| ApiError::internal(e.to_string()))?;
+    Ok(ThoughtBudget { budget, close, open_at_start: forced_open(prompt) })
 }
 
 /// What a piece of generated text adds to the reasoning and to the answer.

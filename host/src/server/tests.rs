@@ -160,6 +160,7 @@ fn config() -> ServerConfig {
         chat_template: None,
         chat_template_kwargs: Default::default(),
         reasoning_format: reasoning::ReasoningFormat::Split,
+        reasoning_budget: None,
         backend: None,
         plugin_dirs: vec![],
         force: false,
@@ -1205,10 +1206,22 @@ async fn anthropic_thinking_blocks() {
     let user_thinking = json!([{"role": "user", "content": [{"type": "thinking", "thinking": "t", "signature": "x"}]}]);
     let (status, v) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": user_thinking})).await;
     assert_eq!((status, v["error"]["type"].as_str()), (400, Some("invalid_request_error")), "{v}");
+    // A thinking budget caps the thought (the engine closes it once spent); it must leave room for
+    // the answer, as Anthropic requires.
     let budget = json!({"max_tokens": 5, "messages": hi, "thinking": {"type": "enabled", "budget_tokens": 1024}});
     let (status, v) = s.post("/v1/messages", budget).await;
-    assert_eq!(status, 400, "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("budgets are not enforced"), "{v}");
+    assert_eq!((status, v["error"]["type"].as_str()), (400, Some("invalid_request_error")), "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("less than max_tokens (5)"), "{v}");
+    let budget = json!({"max_tokens": 50, "messages": hi, "thinking": {"type": "enabled", "budget_tokens": 16}});
+    let (status, v) = s.post("/v1/messages", budget).await;
+    assert_eq!(status, 200, "{v}");
+    let b = s.last_request().thought_budget.unwrap();
+    assert_eq!((b.budget, b.open_at_start), (16, false));
+    let tok = s.fake.text.as_ref().unwrap();
+    assert_eq!(tok.decode(&b.close).unwrap(), "\n</think>\n\n");
+    let (status, _) =
+        s.post("/v1/messages", json!({"max_tokens": 50, "messages": hi, "thinking": {"type": "adaptive"}})).await;
+    assert_eq!((status, s.last_request().thought_budget), (200, None));
 }
 
 /// llama-server's stream extras in all three of its dialects: prompt-progress chunks before the
@@ -1455,6 +1468,12 @@ async fn a_thought_the_prompt_opens() {
     let m = &v["choices"][0]["message"];
     assert_eq!((m["reasoning_content"].as_str(), m["content"].as_str()), (Some("Let me see."), Some("Paris.")), "{v}");
     assert!(s.last_prompt().ends_with("assistant\n<think>"), "{}", s.last_prompt());
+    assert_eq!(s.last_request().thought_budget, None);
+    // --reasoning-budget caps every answer's thought, here opened by the prompt.
+    let capped = ServerConfig { reasoning_budget: Some(8), ..config() };
+    let c = start_templated(capped, Fake::default(), true, OPEN_THOUGHT, 2048).await;
+    c.post("/v1/chat/completions", json!({"messages": hi})).await;
+    assert_eq!(c.last_request().thought_budget.map(|b| (b.budget, b.open_at_start)), Some((8, true)));
 
     let history = json!([{"role": "user", "content": "hi"},
         {"role": "assistant", "content": "Hello", "reasoning_content": "greet"}, {"role": "user", "content": "again"}]);
@@ -1471,6 +1490,11 @@ async fn a_thought_the_prompt_opens() {
     let off = json!({"messages": hi, "chat_template_kwargs": {"enable_thinking": false}});
     s.post("/v1/chat/completions", off).await;
     assert!(s.last_prompt().ends_with("[quiet]assistant\n<think>\n</think>\n\n"), "{:?}", s.last_prompt());
-    s.post("/v1/messages", json!({"max_tokens": 20, "messages": hi, "thinking": {"type": "disabled"}})).await;
+    let (status, v) =
+        s.post("/v1/messages", json!({"max_tokens": 20, "messages": hi, "thinking": {"type": "disabled"}})).await;
+    assert_eq!(status, 200, "{v}");
+    // Off: the thought the template opens is closed in the prompt, and one the model starts anyway is
+    // closed at once.
+    assert_eq!(s.last_request().thought_budget.map(|b| (b.budget, b.open_at_start)), Some((0, false)));
     assert!(s.last_prompt().ends_with("[quiet]assistant\n<think>\n</think>\n\n"), "{:?}", s.last_prompt());
 }
