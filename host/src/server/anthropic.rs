@@ -66,6 +66,8 @@ pub struct MessagesRequest {
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
     pub thinking: Option<Value>,
+    /// llama-server's: how thinking is returned (the server's `--reasoning-format` by default).
+    pub reasoning_format: Option<String>,
 }
 
 fn block_text(b: &Blocks, field: &str) -> Result<String, ApiError> {
@@ -173,6 +175,9 @@ fn conversation(r: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
 /// are Anthropic's server tools.
 fn request_tools(model: &LoadedModel, r: &MessagesRequest) -> Result<Option<Tooling>, ApiError> {
     let choice = r.tool_choice.as_ref().filter(|c| !c.is_null());
+    if choice.is_some_and(|c| !c.is_object()) {
+        return Err(ApiError::field("tool_choice", "tool_choice must be an object such as {\"type\": \"auto\"}"));
+    }
     let kind = choice.map(|c| c.get("type").and_then(Value::as_str).unwrap_or_default());
     let parallel = !choice.and_then(|c| c.get("disable_parallel_tool_use")).and_then(Value::as_bool).unwrap_or(false);
     match kind {
@@ -272,13 +277,15 @@ fn prompt_of(state: &AppState, model: &LoadedModel, r: &MessagesRequest) -> Resu
     Ok(Prompt { text, ids, tools, budget })
 }
 
-/// The server's reasoning format for Anthropic answers: thoughts go to `thinking` blocks, never
-/// into the text as well (`deepseek-legacy` is read as `deepseek`).
-fn reasoning_format(state: &AppState) -> ReasoningFormat {
-    match state.config.reasoning_format {
-        ReasoningFormat::Legacy => ReasoningFormat::Split,
-        f => f,
-    }
+/// The request's reasoning format (llama-server's field; the server's `--reasoning-format` by
+/// default) for Anthropic answers: thoughts go to `thinking` blocks, never into the text as well
+/// (`deepseek-legacy` is read as `deepseek`); `none` leaves them in the text.
+fn reasoning_format(state: &AppState, r: &MessagesRequest) -> Result<ReasoningFormat, ApiError> {
+    let f = match r.reasoning_format.as_deref() {
+        None => state.config.reasoning_format,
+        Some(f) => ReasoningFormat::parse(f).map_err(|e| ApiError::field("reasoning_format", e))?,
+    };
+    Ok(if f == ReasoningFormat::Legacy { ReasoningFormat::Split } else { f })
 }
 
 /// `stop_reason` and `stop_sequence`: an answer that called tools stopped to let them run.
@@ -313,7 +320,7 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
     let r: MessagesRequest = parse_body(body)?;
     let max_tokens = r.max_tokens.ok_or_else(|| ApiError::field("max_tokens", "max_tokens: Field required"))?;
     let Prompt { text: prompt_text, ids: prompt, tools, budget } = prompt_of(&state, model, &r)?;
-    let (format, open) = (reasoning_format(&state), reasoning::forced_open(&prompt_text));
+    let (format, open) = (reasoning_format(&state, &r)?, reasoning::forced_open(&prompt_text));
     if let Some(t) = r.temperature.filter(|t| !(0.0..=1.0).contains(t)) {
         return Err(ApiError::field("temperature", format!("temperature: must be between 0 and 1, got {t}")));
     }
@@ -336,26 +343,34 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
 
     if r.stream.unwrap_or(false) {
         let split = Splitter::new(format, open);
-        let calls = tools.as_ref().map(|t| (t.parser("toolu_"), t.parallel));
+        let calls = tools.as_ref().map(|t| t.parser("toolu_"));
         let dialect =
             MessageStream { id, model: model_name, prompt_tokens, split, calls, sent_calls: 0, open: None, blocks: 0 };
         return Ok(stream_response(events, dialect, prompt_tokens, stops, model.text.clone(), state.clone(), log));
     }
     let c = collect(events, &stops, &model.text, &state, &log).await?;
     let parts = Splitter::split_all(format, open, &c.text);
-    let (text, calls) = match &tools {
-        Some(t) => t.split("toolu_", &parts.content),
-        None => (parts.content, vec![]),
+    let pieces = match &tools {
+        Some(t) => t.pieces("toolu_", &parts.content),
+        None => vec![Piece::Text(parts.content)],
     };
-    let (reason, sequence) = stop_reason(&c.ending, calls.len());
+    let calls = pieces.iter().filter(|p| matches!(p, Piece::Call(_))).count();
+    let (reason, sequence) = stop_reason(&c.ending, calls);
     let mut content = vec![];
     if !parts.reasoning.is_empty() {
         content.push(json!({"type": "thinking", "thinking": parts.reasoning, "signature": ""}));
     }
-    if !text.trim().is_empty() || (content.is_empty() && calls.is_empty()) {
-        content.push(json!({"type": "text", "text": text}));
+    // Text and calls in the order the model wrote them (as the stream gives them).
+    for piece in pieces {
+        match piece {
+            Piece::Text(t) if t.is_empty() => {}
+            Piece::Text(t) => content.push(json!({"type": "text", "text": t})),
+            Piece::Call(c) => content.push(c.anthropic()),
+        }
     }
-    content.extend(calls.iter().map(ToolCall::anthropic));
+    if content.is_empty() {
+        content.push(json!({"type": "text", "text": ""}));
+    }
     Ok(Json(json!({
         "id": id,
         "type": "message",
@@ -380,8 +395,8 @@ struct MessageStream {
     model: String,
     prompt_tokens: usize,
     split: Splitter,
-    /// The answer's call reader and whether more than one call goes out.
-    calls: Option<(CallParser, bool)>,
+    /// The answer's call reader, and the calls sent.
+    calls: Option<CallParser>,
     sent_calls: usize,
     /// The content block open now (its index and kind), and how many were opened.
     open: Option<(usize, &'static str)>,
@@ -450,7 +465,7 @@ impl MessageStream {
         }
         let pieces = match &mut self.calls {
             None => vec![Piece::Text(parts.content)],
-            Some((parser, _)) => {
+            Some(parser) => {
                 let mut pieces = parser.push(&parts.content);
                 if end {
                     pieces.extend(parser.finish());
@@ -458,14 +473,11 @@ impl MessageStream {
                 pieces
             }
         };
-        let parallel = self.calls.as_ref().is_none_or(|(_, p)| *p);
         for piece in pieces {
             match piece {
-                // Whitespace between calls opens no block.
-                Piece::Text(t) if t.is_empty() || (self.sent_calls > 0 && t.trim().is_empty()) => {}
+                Piece::Text(t) if t.is_empty() => {}
                 Piece::Text(t) => self.write_block("text", &t, &mut out),
-                Piece::Call(c) if parallel || self.sent_calls == 0 => self.tool_block(&c, &mut out),
-                Piece::Call(_) => {}
+                Piece::Call(c) => self.tool_block(&c, &mut out),
             }
         }
         out

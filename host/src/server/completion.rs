@@ -87,12 +87,24 @@ pub fn submit(model: &LoadedModel, req: GenerationRequest) -> Result<EventStream
 
 /// Checks and queues every job (the `n` choices of one or more prompts) before any answer is
 /// awaited, so that they run together; a refusal drops those queued before it, which cancels them.
+/// One request may ask for no more completions than the server's slots and queue hold.
 pub fn submit_all(
     jobs: Vec<Job>,
     state: &AppState,
     model: &LoadedModel,
     prompt_param: &str,
 ) -> Result<Vec<(EventStream, Vec<String>)>, ApiError> {
+    let (parallel, queue) = (state.config.parallel, state.config.queue_limit);
+    if jobs.len() > parallel + queue {
+        return Err(ApiError::field(
+            prompt_param,
+            format!(
+                "this request asks for {} completions; one request may ask for at most {} here (--parallel {parallel} plus a queue of {queue})",
+                jobs.len(),
+                parallel + queue
+            ),
+        ));
+    }
     let mut pending = Vec::with_capacity(jobs.len());
     for job in jobs {
         let stops = job.stop.clone();

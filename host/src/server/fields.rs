@@ -84,6 +84,8 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
             v.is_null() || matches!(v.as_str(), Some("auto" | "default" | "standard_only")),
             "there is one service tier",
         ),
+        // Read by the chat routes; inert where only a template is rendered.
+        "parallel_tool_calls" => ok(v.is_boolean(), "expected true or false"),
         "modalities" => ok(v.is_null() || v == &serde_json::json!(["text"]), "this server answers in text only"),
         // llama-server's samplers that this one does not have, each at its "off" value; their
         // settings are inert while the sampler is off.

@@ -249,7 +249,9 @@ pub fn chat_messages(messages: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiErro
             (Some(r), true) => r.clone(),
             _ => content,
         };
-        let tool_calls = m.tool_calls.as_ref().map(|calls| calls.iter().map(template_tool_call).collect());
+        // (An empty list is no calls: templates test for its presence.)
+        let tool_calls =
+            m.tool_calls.as_ref().filter(|c| !c.is_empty()).map(|c| c.iter().map(template_tool_call).collect());
         out.push(ChatMessage {
             name: m.name.clone(),
             tool_calls,
@@ -514,7 +516,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
             logprobs: want_logprobs,
             tok: model.text.clone(),
             split: Splitter::new(reasoning, thinking),
-            calls: tooling.as_ref().map(|t| (t.parser("call_"), t.parallel)),
+            calls: tooling.as_ref().map(|t| t.parser("call_")),
             sent_calls: 0,
             extras,
         };
@@ -585,8 +587,8 @@ struct ChatStream {
     logprobs: bool,
     tok: Arc<TextTokenizer>,
     split: Splitter,
-    /// The answer's call reader and whether more than one call goes out.
-    calls: Option<(CallParser, bool)>,
+    /// The answer's call reader, and the calls sent.
+    calls: Option<CallParser>,
     sent_calls: usize,
     extras: StreamExtras,
 }
@@ -613,7 +615,7 @@ impl ChatStream {
     fn deltas(&mut self, parts: Parts, end: bool, logprobs: Value, live: &Live) -> Vec<Event> {
         let (content, calls) = match &mut self.calls {
             None => (parts.content, vec![]),
-            Some((parser, parallel)) => {
+            Some(parser) => {
                 let mut pieces = parser.push(&parts.content);
                 if end {
                     pieces.extend(parser.finish());
@@ -623,8 +625,7 @@ impl ChatStream {
                 for p in pieces {
                     match p {
                         Piece::Text(t) => content.push_str(&t),
-                        Piece::Call(c) if *parallel || self.sent_calls + calls.len() == 0 => calls.push(c),
-                        Piece::Call(_) => {}
+                        Piece::Call(c) => calls.push(c),
                     }
                 }
                 (content, calls)

@@ -793,6 +793,11 @@ async fn dialect_details_models_seeds_ranges_and_off_values() {
     assert_eq!((status, v["index"].as_u64()), (200, Some(0)), "{v}");
     let (status, v) = s.post("/completion", json!({"prompt": [[5, 6]]})).await;
     assert_eq!((status, v["id_slot"].as_u64()), (200, Some(1)), "{v}");
+    // More prompts than the slots and the queue hold: a 400 that says so, not a 503 forever.
+    let many: Vec<String> = (0..18).map(|i| format!("p{i}")).collect();
+    let (status, v) = s.post("/completion", json!({"prompt": many})).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("at most 17"), "{v}");
     let (status, v) = s.post("/completion", json!({"prompt": [[[5]]]})).await;
     assert_eq!((status, v["error"]["type"].as_str()), (400, Some("invalid_request_error")), "{v}");
 }
@@ -1194,6 +1199,9 @@ async fn anthropic_thinking_blocks() {
     assert_eq!(kinds, want);
     let thought: String = events.iter().filter_map(|e| e["delta"]["thinking"].as_str()).collect();
     assert_eq!(thought, "France's capital is well known.");
+    // llama-server's reasoning_format here too: none leaves the thought in the text.
+    let (_, v) = s.post("/v1/messages", json!({"max_tokens": 20, "messages": hi, "reasoning_format": "none"})).await;
+    assert_eq!(v["content"], json!([{"type": "text", "text": THOUGHT.concat()}]), "{v}");
 
     let history = json!([
         {"role": "user", "content": "hi"},
@@ -1322,7 +1330,8 @@ async fn openai_tool_calls() {
     assert!(s.last_prompt().contains("<tools>{\"function\":{\"name\":\"get_weather\""), "{}", s.last_prompt());
     let choice = &v["choices"][0];
     assert_eq!(choice["finish_reason"], "tool_calls");
-    assert_eq!(choice["message"]["content"], "I'll check.\n");
+    // (The break before the first call is not text.)
+    assert_eq!(choice["message"]["content"], "I'll check.");
     let calls = choice["message"]["tool_calls"].as_array().unwrap();
     let named: Vec<(&str, Value)> = calls
         .iter()
@@ -1345,11 +1354,17 @@ async fn openai_tool_calls() {
     assert_eq!(status, 200);
     let got = chunks(&body);
     let content: String = got.iter().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
-    assert_eq!(content, "I'll check.\n");
+    assert_eq!(content, "I'll check.");
     let deltas: Vec<&Value> = got.iter().filter_map(|c| c["choices"][0]["delta"]["tool_calls"].get(0)).collect();
     assert_eq!(deltas.len(), 2, "{body}");
     assert_eq!((deltas[0]["index"].as_u64(), deltas[1]["index"].as_u64()), (Some(0), Some(1)));
     assert_eq!(deltas[1]["function"]["name"], "get_time");
+    let first = deltas[0];
+    assert!(first["id"].as_str().unwrap().starts_with("call_") && first["type"] == "function", "{first}");
+    assert_eq!(
+        (first["function"]["name"].as_str(), first["function"]["arguments"].as_str()),
+        (Some("get_weather"), Some("{\"city\":\"Paris\"}"))
+    );
     let finish: Vec<&str> = got.iter().filter_map(|c| c["choices"][0]["finish_reason"].as_str()).collect();
     assert_eq!(finish, ["tool_calls"]);
 
@@ -1372,6 +1387,19 @@ async fn openai_tool_calls() {
     let (_, v) =
         s.post("/v1/chat/completions", json!({"messages": ask, "tools": weather_tools(), "tool_choice": "none"})).await;
     assert!(!s.last_prompt().contains("<tools>") && v["choices"][0]["message"]["tool_calls"].is_null(), "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"].as_str(), Some(CALLS.concat().as_str()), "{v}");
+    // An answer that is only calls has no content.
+    let only_calls = Fake { script: Some(CALLS[1..].to_vec()), ..Default::default() };
+    let oc = start_templated(config(), only_calls, true, HERMES, 2048).await;
+    let (_, v) = oc.post("/v1/chat/completions", json!({"messages": ask, "tools": weather_tools()})).await;
+    assert_eq!(
+        (
+            v["choices"][0]["message"]["content"].clone(),
+            v["choices"][0]["message"]["tool_calls"].as_array().map(Vec::len)
+        ),
+        (Value::Null, Some(2)),
+        "{v}"
+    );
     for (body, param) in [
         (json!({"messages": ask, "tools": weather_tools(), "tool_choice": "required"}), "tool_choice"),
         (json!({"messages": ask, "tools": [{"type": "custom", "custom": {"name": "x"}}]}), "tools[0].type"),
@@ -1404,7 +1432,7 @@ async fn anthropic_tool_use() {
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["stop_reason"], "tool_use");
     let content = v["content"].as_array().unwrap();
-    assert_eq!(content[0], json!({"type": "text", "text": "I'll check.\n"}));
+    assert_eq!(content[0], json!({"type": "text", "text": "I'll check."}));
     assert_eq!((content[1]["type"].as_str(), content[1]["name"].as_str()), (Some("tool_use"), Some("get_weather")));
     assert!(content[1]["id"].as_str().unwrap().starts_with("toolu_"));
     assert_eq!(content[1]["input"], json!({"city": "Paris"}));
@@ -1424,6 +1452,19 @@ async fn anthropic_tool_use() {
     assert_eq!(stop["delta"]["stop_reason"], "tool_use");
     let stops = events.iter().filter(|e| e["type"] == "content_block_stop").count();
     assert_eq!(stops, 2, "every block opened is closed");
+    // Both calls, each its own block, indexed in order.
+    let both = json!({"max_tokens": 50, "messages": ask, "tools": tools, "stream": true});
+    let (_, body, _) = s.post_text("/v1/messages", both).await;
+    let events: Vec<Value> = sse(&body).into_iter().map(|(_, d)| serde_json::from_str(&d).unwrap()).collect();
+    let starts: Vec<(u64, &str)> = events
+        .iter()
+        .filter(|e| e["type"] == "content_block_start")
+        .map(|e| (e["index"].as_u64().unwrap(), e["content_block"]["name"].as_str().unwrap_or("text")))
+        .collect();
+    assert_eq!(starts, [(0, "text"), (1, "get_weather"), (2, "get_time")], "{body}");
+    let stopped: Vec<u64> =
+        events.iter().filter(|e| e["type"] == "content_block_stop").map(|e| e["index"].as_u64().unwrap()).collect();
+    assert_eq!(stopped, [0, 1, 2]);
 
     let history = json!([
         {"role": "user", "content": "Weather?"},
@@ -1446,6 +1487,10 @@ async fn anthropic_tool_use() {
         assert_eq!(status, 400, "{v}");
         assert!(v["error"]["message"].as_str().unwrap().contains("constrained decoding"), "{v}");
     }
+    let (status, v) =
+        s.post("/v1/messages", json!({"max_tokens": 5, "messages": ask, "tools": tools, "tool_choice": "auto"})).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("must be an object"), "{v}");
     let server_tool = json!([{"type": "web_search_20250305", "name": "web_search"}]);
     let (status, _) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": ask, "tools": server_tool})).await;
     assert_eq!(status, 400);

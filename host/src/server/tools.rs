@@ -29,6 +29,11 @@ pub fn format_of(template: Option<&str>) -> Result<ToolFormat, String> {
     if !t.contains("tools") {
         return Err("this model's chat template does not take tools".into());
     }
+    // Qwen3-Coder's and Functionary's XML calls (`<function=name><parameter=k>v</parameter>`) share
+    // the tags of the JSON formats.
+    if t.contains("<function=") {
+        return Err("this model writes tool calls as XML (`<function=…>`), which this server does not read yet".into());
+    }
     if t.contains("<tool_call>") && !t.contains("<arg_key>") {
         return Ok(ToolFormat::Hermes);
     }
@@ -64,18 +69,25 @@ impl Tooling {
     }
 
     pub fn parser(&self, id_prefix: &'static str) -> CallParser {
-        CallParser::new(self.format, self.names.clone(), id_prefix)
+        CallParser::new(self.format, self.names.clone(), self.parallel, id_prefix)
+    }
+
+    /// A whole answer's pieces, in order.
+    pub fn pieces(&self, id_prefix: &'static str, text: &str) -> Vec<Piece> {
+        let mut p = self.parser(id_prefix);
+        let mut pieces = p.push(text);
+        pieces.extend(p.finish());
+        join_text(pieces)
     }
 
     /// A whole answer's text (the pieces between calls joined) and its calls.
     pub fn split(&self, id_prefix: &'static str, text: &str) -> (String, Vec<ToolCall>) {
         let mut content = String::new();
         let mut calls = Vec::new();
-        for piece in CallParser::parse_all(self.format, self.names.clone(), id_prefix, text) {
+        for piece in self.pieces(id_prefix, text) {
             match piece {
                 Piece::Text(t) => content.push_str(&t),
-                Piece::Call(c) if self.parallel || calls.is_empty() => calls.push(c),
-                Piece::Call(_) => {}
+                Piece::Call(c) => calls.push(c),
             }
         }
         (content, calls)
@@ -130,23 +142,28 @@ enum State {
 }
 
 /// Reads an answer's text as it streams into text and calls. Only a call to one of the request's
-/// tools is a call (JSON that names anything else stays text).
+/// tools is a call (JSON that names anything else stays text); without parallel calls, calls past
+/// the first are dropped. Whitespace just before a call, or between calls, is not text.
 pub struct CallParser {
     format: ToolFormat,
     names: Vec<String>,
+    parallel: bool,
     state: State,
     held: String,
     /// Prefix of the ids it makes (`call_` for OpenAI, `toolu_` for Anthropic).
     id_prefix: &'static str,
     calls: usize,
+    /// Inside a call, where in `held` its close may start (what came before was looked through).
+    scan_from: usize,
 }
 
 impl CallParser {
-    pub fn new(format: ToolFormat, names: Vec<String>, id_prefix: &'static str) -> CallParser {
-        CallParser { format, names, state: State::Start, held: String::new(), id_prefix, calls: 0 }
+    pub fn new(format: ToolFormat, names: Vec<String>, parallel: bool, id_prefix: &'static str) -> CallParser {
+        let held = String::new();
+        CallParser { format, names, parallel, state: State::Start, held, id_prefix, calls: 0, scan_from: 0 }
     }
 
-    /// Calls found so far.
+    /// Calls given out so far.
     pub fn calls(&self) -> usize {
         self.calls
     }
@@ -159,14 +176,6 @@ impl CallParser {
     /// What is left at the end of the answer (an unclosed call that parses is a call).
     pub fn finish(&mut self) -> Vec<Piece> {
         self.advance(true)
-    }
-
-    /// A whole answer's pieces, adjacent text joined.
-    pub fn parse_all(format: ToolFormat, names: Vec<String>, id_prefix: &'static str, text: &str) -> Vec<Piece> {
-        let mut p = CallParser::new(format, names, id_prefix);
-        let mut pieces = p.push(text);
-        pieces.extend(p.finish());
-        join_text(pieces)
     }
 
     fn advance(&mut self, last: bool) -> Vec<Piece> {
@@ -192,7 +201,8 @@ impl CallParser {
                     let body = std::mem::take(&mut self.held);
                     let t = body.trim().strip_prefix(PYTHON_TAG).unwrap_or(body.trim());
                     match self.call_from(t, "parameters") {
-                        Some(c) => out.push(Piece::Call(c)),
+                        Some(Some(c)) => out.push(Piece::Call(c)),
+                        Some(None) => {}
                         None => out.push(Piece::Text(body)),
                     }
                     self.state = State::Text;
@@ -206,32 +216,51 @@ impl CallParser {
                 }
                 (ToolFormat::Hermes, State::Text) => {
                     if let Some(at) = self.held.find(OPEN) {
-                        if at > 0 {
-                            out.push(Piece::Text(self.held[..at].to_string()));
+                        let before = self.held[..at].trim_end();
+                        if !before.is_empty() {
+                            out.push(Piece::Text(before.to_string()));
                         }
                         self.held.drain(..at + OPEN.len());
                         self.state = State::Call;
+                        self.scan_from = 0;
                         continue;
                     }
-                    // Keep a possible start of `<tool_call>`.
-                    let keep = if last { 0 } else { partial_tag(&self.held, OPEN) };
-                    let emit = self.held.len() - keep;
+                    // Keep a possible start of `<tool_call>` and the whitespace before it.
+                    let keep_from =
+                        if last { self.held.len() } else { self.held.len() - partial_tag(&self.held, OPEN) };
+                    let emit = if last { keep_from } else { self.held[..keep_from].trim_end().len() };
                     if emit > 0 {
                         out.push(Piece::Text(self.held.drain(..emit).collect()));
                     }
                     return out;
                 }
                 (ToolFormat::Hermes, State::Call) => {
-                    let (body, rest) = match self.held.find(CLOSE) {
+                    // The close can only be in what arrived since the last look (or straddle it).
+                    let found = self.held[self.scan_from..].find(CLOSE).map(|at| self.scan_from + at);
+                    let (body, rest) = match found {
                         Some(at) => (self.held[..at].to_string(), Some(self.held[at + CLOSE.len()..].to_string())),
+                        // Cut off by the token limit, maybe inside the close.
                         None if last => (std::mem::take(&mut self.held), None),
-                        None => return out,
+                        None => {
+                            let mut from = self.held.len().saturating_sub(CLOSE.len() - 1);
+                            while !self.held.is_char_boundary(from) {
+                                from -= 1;
+                            }
+                            self.scan_from = from;
+                            return out;
+                        }
                     };
-                    match self.call_from(body.trim(), "arguments") {
-                        Some(c) => out.push(Piece::Call(c)),
+                    let json = if rest.is_some() { &body } else { &body[..body.len() - partial_tag(&body, CLOSE)] };
+                    match self.call_from(json.trim(), "arguments") {
+                        Some(Some(c)) => out.push(Piece::Call(c)),
+                        Some(None) => {}
                         // Not a call after all: the text as the model wrote it.
                         None => {
-                            out.push(Piece::Text(format!("{OPEN}{body}{}", if rest.is_some() { CLOSE } else { "" })))
+                            let close = if rest.is_some() { CLOSE } else { "" };
+                            out.push(Piece::Text(format!("{OPEN}{body}{close}")));
+                            self.held = rest.unwrap_or_default();
+                            self.state = State::Text;
+                            continue;
                         }
                     }
                     self.held = rest.unwrap_or_default();
@@ -253,8 +282,10 @@ impl CallParser {
         }
     }
 
-    /// A call from its JSON (`{"name": …, "arguments": {…}}`; Llama 3 names them `parameters`).
-    fn call_from(&mut self, body: &str, args_key: &str) -> Option<ToolCall> {
+    /// A call from its JSON (`{"name": …, "arguments": {…}}`; Llama 3 names them `parameters`):
+    /// None when it is not one, `Some(None)` for a call dropped (past the first, without parallel
+    /// calls).
+    fn call_from(&mut self, body: &str, args_key: &str) -> Option<Option<ToolCall>> {
         let v: Map<String, Value> = serde_json::from_str(body).ok()?;
         let name = v.get("name")?.as_str().filter(|n| self.names.iter().any(|d| d == n))?.to_string();
         let arguments = match v.get(args_key).or_else(|| v.get("arguments")).or_else(|| v.get("parameters")) {
@@ -264,8 +295,11 @@ impl CallParser {
             Some(o @ Value::Object(_)) => o.clone(),
             Some(_) => return None,
         };
+        if !self.parallel && self.calls > 0 {
+            return Some(None);
+        }
         self.calls += 1;
-        Some(ToolCall { id: new_id(self.id_prefix), name, arguments })
+        Some(Some(ToolCall { id: new_id(self.id_prefix), name, arguments }))
     }
 }
 
@@ -302,9 +336,10 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         let names = || ["weather", "time", "f"].map(String::from).to_vec();
-        let whole = strip(CallParser::parse_all(format, names(), "call_", text));
+        let tooling = Tooling { format, tools: vec![], names: names(), parallel: true };
+        let whole = strip(tooling.pieces("call_", text));
         for cut in (0..=text.len()).filter(|&i| text.is_char_boundary(i)) {
-            let mut p = CallParser::new(format, names(), "call_");
+            let mut p = tooling.parser("call_");
             let mut pieces = p.push(&text[..cut]);
             pieces.extend(p.push(&text[cut..]));
             pieces.extend(p.finish());
@@ -326,17 +361,26 @@ mod tests {
         let a = "Let me look.\n<tool_call>\n{\"name\": \"weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"time\", \"arguments\": \"{\\\"tz\\\": \\\"CET\\\"}\"}\n</tool_call>";
         assert_eq!(
             streamed(ToolFormat::Hermes, a),
-            [text("Let me look.\n"), call("weather", json!({"city": "Paris"})), call("time", json!({"tz": "CET"}))]
+            [text("Let me look."), call("weather", json!({"city": "Paris"})), call("time", json!({"tz": "CET"}))]
         );
+        // Without parallel calls, the first only.
+        let names = vec!["weather".into(), "time".into()];
+        let one = Tooling { format: ToolFormat::Hermes, tools: vec![], names, parallel: false };
+        let (content, calls) = one.split("call_", a);
+        assert_eq!((content.as_str(), calls.len(), calls[0].name.as_str()), ("Let me look.", 1, "weather"));
         assert_eq!(streamed(ToolFormat::Hermes, "Paris is the capital."), [text("Paris is the capital.")]);
         assert_eq!(streamed(ToolFormat::Hermes, "a <tool b"), [text("a <tool b")]);
-        // Unclosed at the end, but whole JSON: a call.
+        // Unclosed at the end (or cut inside the close), but whole JSON: a call.
         assert_eq!(streamed(ToolFormat::Hermes, "<tool_call>{\"name\": \"f\"}"), [call("f", json!({}))]);
+        assert_eq!(streamed(ToolFormat::Hermes, "<tool_call>{\"name\": \"f\"}\n</tool_"), [call("f", json!({}))]);
         // Not JSON: the text as written.
         assert_eq!(
             streamed(ToolFormat::Hermes, "<tool_call>oops</tool_call> x"),
-            [text("<tool_call>oops</tool_call>x")]
+            [text("<tool_call>oops</tool_call> x")]
         );
+        // A call to a tool the request did not give is text.
+        let other = "<tool_call>{\"name\": \"rm\", \"arguments\": {}}</tool_call>";
+        assert_eq!(streamed(ToolFormat::Hermes, other), [text(other)]);
     }
 
     #[test]
@@ -361,13 +405,16 @@ mod tests {
         assert_eq!(format_of(Some(llama)), Ok(ToolFormat::Llama3Json));
         assert!(format_of(Some("{{ messages }}")).unwrap_err().contains("does not take tools"));
         assert!(format_of(Some("{% if tools %}[TOOL_CALLS]{% endif %}")).unwrap_err().contains("not supported"));
+        let coder = "{% if tools %}<tool_call>\n<function=name>\n<parameter=k>v</parameter>{% endif %}";
+        assert!(format_of(Some(coder)).unwrap_err().contains("XML"));
         assert!(format_of(None).is_err());
     }
 
     #[test]
     fn ids_are_fresh_and_openai_arguments_are_a_string() {
         let answer = "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1}}</tool_call>";
-        let pieces = CallParser::parse_all(ToolFormat::Hermes, vec!["f".into()], "call_", answer);
+        let tooling = Tooling { format: ToolFormat::Hermes, tools: vec![], names: vec!["f".into()], parallel: true };
+        let pieces = tooling.pieces("call_", answer);
         let Piece::Call(c) = &pieces[0] else { panic!("{pieces:?}") };
         assert!(c.id.starts_with("call_") && c.id.len() > 10);
         assert_eq!(c.openai()["function"]["arguments"], json!("{\"a\":1}"));
