@@ -19,6 +19,7 @@ pub mod llama;
 pub mod model;
 pub mod openai;
 pub mod reasoning;
+pub mod responses;
 pub mod state;
 #[cfg(test)]
 mod tests;
@@ -55,6 +56,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/chat/completions", post(openai::chat))
         .route("/chat/completions", post(openai::chat))
         .route("/v1/completions", post(openai::completions))
+        .route("/v1/responses", post(responses::responses))
+        .route("/responses", post(responses::responses))
         .route("/v1/models", get(openai::models))
         .route("/models", get(openai::models))
         // `{*id}`: names given as hub ids or paths hold slashes.

@@ -1327,7 +1327,11 @@ async fn openai_tool_calls() {
     let ask = json!([{"role": "user", "content": "Weather in Paris, and the time?"}]);
     let (status, v) = s.post("/v1/chat/completions", json!({"messages": ask, "tools": weather_tools()})).await;
     assert_eq!(status, 200, "{v}");
-    assert!(s.last_prompt().contains("<tools>{\"function\":{\"name\":\"get_weather\""), "{}", s.last_prompt());
+    assert!(
+        s.last_prompt().contains("<tools>{\"type\": \"function\", \"function\": {\"name\": \"get_weather\""),
+        "{}",
+        s.last_prompt()
+    );
     let choice = &v["choices"][0];
     assert_eq!(choice["finish_reason"], "tool_calls");
     // (The break before the first call is not text.)
@@ -1378,7 +1382,7 @@ async fn openai_tool_calls() {
     assert_eq!(status, 200, "{v}");
     let prompt = s.last_prompt();
     assert!(
-        prompt.contains("<tool_call>{\"arguments\":{\"city\":\"Paris\"},\"name\":\"get_weather\"}</tool_call>"),
+        prompt.contains("<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>"),
         "{prompt}"
     );
     assert!(prompt.contains("<tool_response>22 C</tool_response>"), "{prompt}");
@@ -1437,7 +1441,7 @@ async fn anthropic_tool_use() {
     assert!(content[1]["id"].as_str().unwrap().starts_with("toolu_"));
     assert_eq!(content[1]["input"], json!({"city": "Paris"}));
     assert_eq!(content.len(), 3);
-    assert!(s.last_prompt().contains("\"description\":\"Weather now\""), "{}", s.last_prompt());
+    assert!(s.last_prompt().contains("\"description\": \"Weather now\""), "{}", s.last_prompt());
 
     let one = json!({"max_tokens": 50, "messages": ask, "tools": tools, "stream": true,
                      "tool_choice": {"type": "auto", "disable_parallel_tool_use": true}});
@@ -1475,8 +1479,9 @@ async fn anthropic_tool_use() {
     assert_eq!(status, 200, "{v}");
     let prompt = s.last_prompt();
     assert!(
-        prompt
-            .contains("Checking.<tool_call>{\"arguments\":{\"city\":\"Paris\"},\"name\":\"get_weather\"}</tool_call>"),
+        prompt.contains(
+            "Checking.<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>"
+        ),
         "{prompt}"
     );
     assert!(prompt.contains("<tool_response>22 C</tool_response>\nuser\nThanks"), "{prompt}");
@@ -1542,4 +1547,144 @@ async fn a_thought_the_prompt_opens() {
     // closed at once.
     assert_eq!(s.last_request().thought_budget.map(|b| (b.budget, b.open_at_start)), Some((0, false)));
     assert!(s.last_prompt().ends_with("[quiet]assistant\n<think>\n</think>\n\n"), "{:?}", s.last_prompt());
+}
+
+/// OpenAI's Responses API: a string or items in, output items out (reasoning, a message, function
+/// calls), whole and streamed as Responses events; what needs storage or constrained decoding is
+/// refused by name.
+#[tokio::test]
+async fn responses_api() {
+    let s = start().await;
+    let (status, v) = s.post("/v1/responses", json!({"input": "hi", "instructions": "Be brief."})).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!((v["object"].as_str(), v["status"].as_str()), (Some("response"), Some("completed")), "{v}");
+    assert!(v["id"].as_str().unwrap().starts_with("resp_"));
+    let out = v["output"].as_array().unwrap();
+    assert_eq!(out.len(), 1, "{v}");
+    assert_eq!((out[0]["type"].as_str(), out[0]["role"].as_str()), (Some("message"), Some("assistant")));
+    assert_eq!(
+        out[0]["content"][0],
+        json!({"type": "output_text", "text": ANSWER.concat(), "annotations": [], "logprobs": []})
+    );
+    assert_eq!(v["usage"]["output_tokens"], 4);
+    assert!(s.last_prompt().starts_with("system\nBe brief.\nuser\nhi\n"), "{}", s.last_prompt());
+    let (_, v) = s.post("/v1/responses", json!({"input": "hi", "max_output_tokens": 2})).await;
+    assert_eq!(
+        (v["status"].as_str(), v["incomplete_details"]["reason"].as_str()),
+        (Some("incomplete"), Some("max_output_tokens"))
+    );
+    for (body, param) in [
+        (json!({"input": "hi", "previous_response_id": "resp_1"}), "previous_response_id"),
+        (json!({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}), "text.format"),
+        (json!({"input": "hi", "store": true}), "store"),
+        (json!({"input": "hi", "max_output_tokens": 0}), "max_output_tokens"),
+        (json!({"input": [{"type": "input_image", "image_url": "x"}]}), "input[0].type"),
+        (
+            json!({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}),
+            "input[0].content[0].type",
+        ),
+    ] {
+        let (status, v) = s.post("/v1/responses", body).await;
+        assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{v}");
+    }
+
+    // Streamed: every event in order with its sequence number, the text in deltas.
+    let (status, body, _) = s.post_text("/v1/responses", json!({"input": "hi", "stream": true})).await;
+    assert_eq!(status, 200);
+    let events = sse(&body);
+    let names: Vec<&str> = events.iter().map(|e| e.0.as_deref().unwrap()).collect();
+    let mut want =
+        vec!["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"];
+    want.extend(std::iter::repeat_n("response.output_text.delta", ANSWER.len()));
+    want.extend([
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]);
+    assert_eq!(names, want);
+    let data: Vec<Value> = events.iter().map(|e| serde_json::from_str(&e.1).unwrap()).collect();
+    for (i, d) in data.iter().enumerate() {
+        assert_eq!((d["sequence_number"].as_u64(), d["type"].as_str()), (Some(i as u64), Some(names[i])));
+    }
+    let text: String = data.iter().filter_map(|d| d["delta"].as_str()).collect();
+    assert_eq!(text, ANSWER.concat());
+    let done = &data.last().unwrap()["response"];
+    assert_eq!(
+        (done["status"].as_str(), done["output"][0]["content"][0]["text"].as_str()),
+        (Some("completed"), Some(ANSWER.concat().as_str()))
+    );
+}
+
+#[tokio::test]
+async fn responses_api_function_calls_and_reasoning() {
+    let s = start_tools().await;
+    let tools = json!([
+        {"type": "function", "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}},
+        {"type": "function", "name": "get_time", "parameters": {"type": "object"}}
+    ]);
+    let (status, v) = s.post("/v1/responses", json!({"input": "Weather?", "tools": tools})).await;
+    assert_eq!(status, 200, "{v}");
+    let out = v["output"].as_array().unwrap();
+    let kinds: Vec<&str> = out.iter().map(|o| o["type"].as_str().unwrap()).collect();
+    assert_eq!(kinds, ["message", "function_call", "function_call"], "{v}");
+    assert_eq!(out[0]["content"][0]["text"], "I'll check.");
+    assert_eq!(
+        (out[1]["name"].as_str(), out[1]["arguments"].as_str()),
+        (Some("get_weather"), Some("{\"city\":\"Paris\"}"))
+    );
+    assert!(
+        out[1]["call_id"].as_str().unwrap().starts_with("call_") && out[1]["id"].as_str().unwrap().starts_with("fc_")
+    );
+    assert!(
+        s.last_prompt().contains("<tools>{\"type\": \"function\", \"function\": {\"name\": \"get_weather\""),
+        "{}",
+        s.last_prompt()
+    );
+    // The call and its output, sent back as items, reach the template.
+    let items = json!([
+        {"role": "user", "content": "Weather?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "22 C"}
+    ]);
+    let (status, v) = s.post("/v1/responses", json!({"input": items, "tools": tools})).await;
+    assert_eq!(status, 200, "{v}");
+    let prompt = s.last_prompt();
+    assert!(
+        prompt.contains("<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>"),
+        "{prompt}"
+    );
+    assert!(prompt.contains("<tool_response>22 C</tool_response>"), "{prompt}");
+    // Streamed: each call an item of its own, whole.
+    let (_, body, _) = s.post_text("/v1/responses", json!({"input": "Weather?", "tools": tools, "stream": true})).await;
+    let data: Vec<Value> = sse(&body).into_iter().map(|e| serde_json::from_str(&e.1).unwrap()).collect();
+    let added: Vec<&str> = data
+        .iter()
+        .filter(|d| d["type"] == "response.output_item.added")
+        .map(|d| d["item"]["type"].as_str().unwrap())
+        .collect();
+    assert_eq!(added, ["message", "function_call", "function_call"], "{body}");
+    let args: Vec<&str> = data
+        .iter()
+        .filter(|d| d["type"] == "response.function_call_arguments.done")
+        .map(|d| d["arguments"].as_str().unwrap())
+        .collect();
+    assert_eq!(args, ["{\"city\":\"Paris\"}", "{}"]);
+    let indexes: Vec<u64> = data
+        .iter()
+        .filter(|d| d["type"] == "response.output_item.done")
+        .map(|d| d["output_index"].as_u64().unwrap())
+        .collect();
+    assert_eq!(indexes, [0, 1, 2]);
+
+    // A thought is a reasoning item before the message.
+    let t = start_with(config(), Fake { script: Some(THOUGHT.to_vec()), ..Default::default() }, true).await;
+    let (_, v) = t.post("/v1/responses", json!({"input": "hi"})).await;
+    let out = v["output"].as_array().unwrap();
+    assert_eq!(
+        (out[0]["type"].as_str(), out[0]["content"][0]["text"].as_str()),
+        (Some("reasoning"), Some("France's capital is well known.")),
+        "{v}"
+    );
+    assert_eq!(out[1]["content"][0]["text"], "Paris.");
 }

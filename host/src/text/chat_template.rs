@@ -44,6 +44,115 @@ fn strftime_now(format: String) -> String {
     chrono::Local::now().format(&format).to_string()
 }
 
+/// `tojson` as Hugging Face's template environment defines it — Python's `json.dumps` with
+/// `ensure_ascii=False`: keys in their order, `", "` and `": "` between items (or `indent`), no HTML
+/// escaping — so that tools and tool-call arguments reach the model as it saw them in training.
+/// (minijinja's own sorts nothing but writes compact JSON with `<`, `>`, `&` and `'` escaped.)
+fn tojson(value: &Value, kwargs: minijinja::value::Kwargs) -> Result<Value, Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    let ensure_ascii: Option<bool> = kwargs.get("ensure_ascii")?;
+    let sort_keys: Option<bool> = kwargs.get("sort_keys")?;
+    let separators: Option<Vec<String>> = kwargs.get("separators")?;
+    kwargs.assert_all_used()?;
+    let json = serde_json::to_value(value).map_err(|e| Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+    let (item, key) = match separators.as_deref() {
+        Some([item, key]) => (item.clone(), key.clone()),
+        Some(_) => return Err(Error::new(ErrorKind::InvalidOperation, "tojson: separators takes two strings")),
+        None if indent.is_some() => (",".into(), ": ".into()),
+        None => (", ".into(), ": ".into()),
+    };
+    let style = PyJson {
+        indent,
+        item,
+        key,
+        ensure_ascii: ensure_ascii.unwrap_or(false),
+        sort_keys: sort_keys.unwrap_or(false),
+    };
+    let mut out = String::new();
+    style.write(&json, 0, &mut out);
+    Ok(Value::from_safe_string(out))
+}
+
+/// How Python's `json.dumps` lays a value out.
+struct PyJson {
+    indent: Option<usize>,
+    item: String,
+    key: String,
+    ensure_ascii: bool,
+    sort_keys: bool,
+}
+
+impl PyJson {
+    fn write(&self, v: &serde_json::Value, depth: usize, out: &mut String) {
+        use serde_json::Value as J;
+        match v {
+            J::Array(items) if !items.is_empty() => {
+                out.push('[');
+                for (i, x) in items.iter().enumerate() {
+                    self.separate(i, depth + 1, out);
+                    self.write(x, depth + 1, out);
+                }
+                self.close(depth, out);
+                out.push(']');
+            }
+            J::Object(map) if !map.is_empty() => {
+                let mut entries: Vec<_> = map.iter().collect();
+                if self.sort_keys {
+                    entries.sort_by(|a, b| a.0.cmp(b.0));
+                }
+                out.push('{');
+                for (i, (k, x)) in entries.into_iter().enumerate() {
+                    self.separate(i, depth + 1, out);
+                    self.string(k, out);
+                    out.push_str(&self.key);
+                    self.write(x, depth + 1, out);
+                }
+                self.close(depth, out);
+                out.push('}');
+            }
+            J::String(s) => self.string(s, out),
+            // Python writes whole floats with their `.0`, as serde_json does.
+            other => out.push_str(&other.to_string()),
+        }
+    }
+
+    fn separate(&self, i: usize, depth: usize, out: &mut String) {
+        if i > 0 {
+            out.push_str(&self.item);
+        }
+        if let Some(n) = self.indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+    }
+
+    fn close(&self, depth: usize, out: &mut String) {
+        if let Some(n) = self.indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * depth));
+        }
+    }
+
+    fn string(&self, s: &str, out: &mut String) {
+        // serde_json escapes as Python does (quotes, backslashes, control characters), never `/`.
+        let quoted = serde_json::Value::String(s.to_string()).to_string();
+        if !self.ensure_ascii {
+            out.push_str(&quoted);
+            return;
+        }
+        for c in quoted.chars() {
+            if c.is_ascii() {
+                out.push(c);
+            } else {
+                let mut units = [0u16; 2];
+                for u in c.encode_utf16(&mut units) {
+                    out.push_str(&format!("\\u{u:04x}"));
+                }
+            }
+        }
+    }
+}
+
 impl ChatTemplate {
     pub fn new(source: &str, bos_token: &str, eos_token: &str) -> Result<ChatTemplate, String> {
         let mut env = Environment::new();
@@ -51,6 +160,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
+        env.add_filter("tojson", tojson);
         // HF templates are written for Python's Jinja, which keeps a trailing newline trimmed like this.
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
@@ -159,5 +269,29 @@ mod tests {
         let t = ChatTemplate::new(src, "<s>", "").unwrap();
         let out = t.render(&[ChatMessage::new("user", "  a  "), ChatMessage::new("skip", "b")], false).unwrap();
         assert_eq!(out, "<s>\"a\"4");
+    }
+
+    #[test]
+    fn tojson_writes_what_python_json_dumps_writes() {
+        let t = ChatTemplate::new(
+            "{{ tools | tojson }}|{{ tools[0] | tojson(indent=2) }}|{{ \"é<&>'\" | tojson }}|{{ 'é' | tojson(ensure_ascii=true) }}|{{ {'b': 1.5, 'a': [1, 2]} | tojson(sort_keys=true) }}",
+            "",
+            "",
+        )
+        .unwrap();
+        let tools: Vec<serde_json::Value> = vec![serde_json::from_str(
+            r#"{"type": "function", "function": {"name": "f", "parameters": {}, "n": [1, 2.0]}}"#,
+        )
+        .unwrap()];
+        let got = t.render_with(&[], false, None, Some(&tools)).unwrap();
+        let want = [
+            r#"[{"type": "function", "function": {"name": "f", "parameters": {}, "n": [1, 2.0]}}]"#,
+            "{\n  \"type\": \"function\",\n  \"function\": {\n    \"name\": \"f\",\n    \"parameters\": {},\n    \"n\": [\n      1,\n      2.0\n    ]\n  }\n}",
+            r#""é<&>'""#,
+            r#""\u00e9""#,
+            r#"{"a": [1, 2], "b": 1.5}"#,
+        ]
+        .join("|");
+        assert_eq!(got, want);
     }
 }

@@ -74,6 +74,19 @@ def openai_stream_with_llama_server_extras():
     assert timed > 0, "no timings in the text chunks"
 
 
+def openai_responses():
+    r = oa.responses.create(model=MODEL, input="What is the capital of France?", temperature=0, max_output_tokens=32)
+    assert "Paris" in r.output_text, r.output_text
+    assert r.status == "completed" and r.usage.output_tokens > 0, (r.status, r.usage)
+    text, done = "", None
+    with oa.responses.stream(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=32) as stream:
+        for event in stream:
+            if event.type == "response.output_text.delta":
+                text += event.delta
+        done = stream.get_final_response()
+    assert "Paris" in text and done.output_text == text, (text, done.output_text)
+
+
 def openai_completions():
     r = oa.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0)
     assert "Paris" in r.choices[0].text, r.choices[0].text

@@ -1,0 +1,581 @@
+//! OpenAI's Responses API, `POST /v1/responses`: `input` as a string or a list of items (messages,
+//! function calls and their outputs, reasoning), `instructions`, function `tools`; the answer as
+//! output items — reasoning, a message, function calls — whole or streamed as Responses events
+//! (`response.created` … `response.completed`, each with its `sequence_number`). Nothing is
+//! stored here, so `previous_response_id` and `store: true` are refused.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::response::sse::Event;
+use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::completion::{collect, new_id, stream_response, submit, unix_time, Ending, Job, Live, StreamDialect};
+use super::error::{parse_body, ApiError, Dialect};
+use super::openai::{chat_prompt, request_tools, SamplingFields};
+use super::reasoning::{self, Parts, Splitter};
+use super::state::{AppState, RequestLog};
+use super::tools::{CallParser, Piece, ToolCall};
+use crate::engine::{TokenLogprob, Usage};
+use crate::text::ChatMessage;
+
+/// `input`: a string (one user message) or a list of items.
+#[derive(Deserialize, Debug)]
+#[serde(untagged)]
+pub enum Input {
+    Text(String),
+    Items(Vec<Value>),
+}
+
+#[derive(Deserialize, Debug)]
+pub struct ResponsesRequest {
+    pub model: Option<String>,
+    pub input: Input,
+    pub instructions: Option<String>,
+    pub max_output_tokens: Option<i64>,
+    pub temperature: Option<f32>,
+    pub top_p: Option<f32>,
+    pub stream: Option<bool>,
+    pub tools: Option<Vec<Value>>,
+    pub tool_choice: Option<Value>,
+    pub parallel_tool_calls: Option<bool>,
+    /// Responses are not stored, so there is none to continue.
+    pub previous_response_id: Option<String>,
+    pub text: Option<Value>,
+    pub reasoning: Option<Value>,
+    pub truncation: Option<String>,
+    pub include: Option<Vec<String>>,
+}
+
+/// The conversation `input` (and `instructions`) say, in chat-template messages.
+fn conversation(r: &ResponsesRequest) -> Result<Vec<ChatMessage>, ApiError> {
+    let mut out = Vec::new();
+    if let Some(i) = &r.instructions {
+        out.push(ChatMessage::new("system", i));
+    }
+    let items = match &r.input {
+        Input::Text(s) => return Ok([out, vec![ChatMessage::new("user", s)]].concat()),
+        Input::Items(items) => items,
+    };
+    // A reasoning item belongs to the assistant turn after it.
+    let mut thought: Option<String> = None;
+    for (i, item) in items.iter().enumerate() {
+        let at = |f: &str| format!("input[{i}].{f}");
+        let kind = item.get("type").and_then(Value::as_str).unwrap_or("message");
+        match kind {
+            "message" => {
+                let role = item.get("role").and_then(Value::as_str).unwrap_or_default();
+                let role = match role {
+                    "system" | "developer" => "system",
+                    "user" | "assistant" => role,
+                    other => return Err(ApiError::field(&at("role"), format!("unknown role `{other}`"))),
+                };
+                let text = content_text(item.get("content"), &at("content"))?;
+                let mut m = ChatMessage::new(role, &text);
+                if role == "assistant" {
+                    m.reasoning_content = thought.take();
+                }
+                out.push(m);
+            }
+            "function_call" => {
+                let field = |f: &str| item.get(f).and_then(Value::as_str);
+                let (Some(call_id), Some(name)) = (field("call_id"), field("name")) else {
+                    return Err(ApiError::field(&at("call_id"), "a function_call item needs `call_id` and `name`"));
+                };
+                let args = field("arguments").unwrap_or("{}");
+                let args = serde_json::from_str(args).unwrap_or_else(|_| json!(args));
+                let call = super::tools::template_call(call_id, name, args);
+                // Calls made together are one assistant turn.
+                match out.last_mut() {
+                    Some(m) if m.role == "assistant" && thought.is_none() => {
+                        m.tool_calls.get_or_insert_with(Vec::new).push(call)
+                    }
+                    _ => out.push(ChatMessage {
+                        tool_calls: Some(vec![call]),
+                        reasoning_content: thought.take(),
+                        ..ChatMessage::new("assistant", "")
+                    }),
+                }
+            }
+            "function_call_output" => {
+                let Some(call_id) = item.get("call_id").and_then(Value::as_str) else {
+                    return Err(ApiError::field(&at("call_id"), "a function_call_output item needs `call_id`"));
+                };
+                let output = content_text(item.get("output"), &at("output"))?;
+                out.push(ChatMessage { tool_call_id: Some(call_id.into()), ..ChatMessage::new("tool", &output) });
+            }
+            "reasoning" => {
+                let texts = |key: &str| -> Vec<String> {
+                    item.get(key)
+                        .and_then(Value::as_array)
+                        .map(|parts| parts.iter().filter_map(|p| p.get("text")?.as_str().map(str::to_string)).collect())
+                        .unwrap_or_default()
+                };
+                let mut t = texts("content");
+                if t.is_empty() {
+                    t = texts("summary");
+                }
+                thought = Some(t.join("\n"));
+            }
+            other => {
+                return Err(ApiError::field(
+                    &at("type"),
+                    format!("`{other}` items are not supported; this server reads messages, function calls, their outputs and reasoning"),
+                ))
+            }
+        }
+    }
+    if out.iter().all(|m| m.role == "system") {
+        return Err(ApiError::field("input", "input holds no message to answer"));
+    }
+    Ok(out)
+}
+
+/// A message's content (or a call's output): a string, or text parts.
+fn content_text(v: Option<&Value>, field: &str) -> Result<String, ApiError> {
+    match v {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut texts = Vec::new();
+            for (j, p) in parts.iter().enumerate() {
+                match (p.get("type").and_then(Value::as_str), p.get("text").and_then(Value::as_str)) {
+                    (Some("input_text" | "output_text" | "text"), Some(t)) => texts.push(t),
+                    (kind, _) => {
+                        return Err(ApiError::field(
+                            &format!("{field}[{j}].type"),
+                            format!("`{}` content is not supported; this server reads text only", kind.unwrap_or("?")),
+                        ))
+                    }
+                }
+            }
+            Ok(texts.join("\n"))
+        }
+        Some(_) => Err(ApiError::field(field, "expected a string or a list of text parts")),
+    }
+}
+
+/// Refuses what this server cannot do as asked.
+fn refuse_unsupported(r: &ResponsesRequest) -> Result<(), ApiError> {
+    if r.previous_response_id.as_ref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::field(
+            "previous_response_id",
+            "responses are not stored by this server; send the whole conversation in `input`",
+        ));
+    }
+    if let Some(f) = r.text.as_ref().and_then(|t| t.pointer("/format/type")).and_then(Value::as_str) {
+        if f != "text" {
+            return Err(ApiError::field(
+                "text.format",
+                format!("text.format `{f}` is not supported (only `text`); JSON schemas need constrained decoding"),
+            ));
+        }
+    }
+    if r.reasoning.as_ref().is_some_and(|v| v.get("effort").is_some_and(|e| !e.is_null())) {
+        return Err(ApiError::field(
+            "reasoning.effort",
+            "reasoning effort is not supported: a model here thinks as its template lets it",
+        ));
+    }
+    if r.truncation.as_deref().is_some_and(|t| t != "disabled") {
+        return Err(ApiError::field(
+            "truncation",
+            "only `disabled`: a conversation over the context is refused, not cut",
+        ));
+    }
+    if r.include.as_ref().is_some_and(|i| !i.is_empty()) {
+        return Err(ApiError::field("include", "no extra output data is available here"));
+    }
+    Ok(())
+}
+
+/// Responses' function tools (`{"type": "function", "name", "parameters"}`) as chat tools.
+fn chat_tools(tools: &Option<Vec<Value>>) -> Result<Option<Vec<Value>>, ApiError> {
+    let Some(tools) = tools else { return Ok(None) };
+    let mut out = Vec::with_capacity(tools.len());
+    for (i, t) in tools.iter().enumerate() {
+        if t.get("type").and_then(Value::as_str) != Some("function") {
+            return Err(ApiError::field(&format!("tools[{i}].type"), "only `function` tools are supported"));
+        }
+        // The function's own fields, in the client's order.
+        let function: serde_json::Map<String, Value> = t
+            .as_object()
+            .into_iter()
+            .flatten()
+            .filter(|(k, _)| *k != "type")
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        out.push(json!({"type": "function", "function": function}));
+    }
+    Ok(Some(out))
+}
+
+pub async fn responses(
+    State(state): State<Arc<AppState>>,
+    Extension(log): Extension<RequestLog>,
+    body: Bytes,
+) -> Response {
+    responses_inner(state, log, &body).await.unwrap_or_else(|e| e.in_dialect(Dialect::OpenAi).into_response())
+}
+
+async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Result<Response, ApiError> {
+    let model = state.ready()?;
+    let r: ResponsesRequest = parse_body(body)?;
+    refuse_unsupported(&r)?;
+    let tooling = request_tools(model, &chat_tools(&r.tools)?, r.tool_choice.as_ref(), r.parallel_tool_calls)?;
+    let messages = conversation(&r)?;
+    let kwargs = state.template_kwargs(None);
+    let (prompt_text, prompt) = chat_prompt(model, &messages, kwargs.as_ref(), tooling.as_ref())?;
+    let sampling = SamplingFields { temperature: r.temperature, top_p: r.top_p, ..Default::default() };
+    let mut job = Job::new(prompt, sampling.apply(&model.facts.default_sampling, model.facts.ctx_size)?);
+    job.max_tokens = match r.max_output_tokens {
+        None => None,
+        Some(n) if n >= 1 => Some(n as usize),
+        Some(n) => {
+            return Err(ApiError::field("max_output_tokens", format!("max_output_tokens must be at least 1, got {n}")))
+        }
+    };
+    if let Some(b) = state.config.reasoning_budget {
+        job.thought_budget = Some(reasoning::thought_budget(model, b, &prompt_text)?);
+    }
+    let prompt_tokens = job.prompt.len();
+    let req = job.into_request(&state, model, "input")?;
+    let events = submit(model, req)?;
+    let head = Head {
+        id: new_id("resp_"),
+        created_at: unix_time(),
+        model: r.model.clone().filter(|m| !m.is_empty()).unwrap_or_else(|| model.facts.id.clone()),
+        echo: json!({
+            "instructions": r.instructions,
+            "max_output_tokens": r.max_output_tokens,
+            "temperature": r.temperature,
+            "top_p": r.top_p,
+            "tools": r.tools.clone().unwrap_or_default(),
+            "tool_choice": r.tool_choice.clone().unwrap_or(json!("auto")),
+            "parallel_tool_calls": r.parallel_tool_calls.unwrap_or(true),
+            "text": {"format": {"type": "text"}},
+            "truncation": "disabled",
+            "store": false,
+            "previous_response_id": null,
+            "reasoning": {"effort": null, "summary": null},
+            "metadata": {},
+            "error": null,
+        }),
+    };
+    let split = Splitter::new(state.config.reasoning_format, reasoning::forced_open(&prompt_text));
+    let calls = tooling.as_ref().map(|t| t.parser("call_"));
+
+    if r.stream.unwrap_or(false) {
+        let dialect = ResponseStream { head, split, calls, output: vec![], open: None, seq: 0 };
+        return Ok(stream_response(events, dialect, prompt_tokens, vec![], model.text.clone(), state.clone(), log));
+    }
+    let c = collect(events, &[], &model.text, &state, &log).await?;
+    let mut b = Builder { split, calls, items: vec![] };
+    b.push(&c.text);
+    b.finish();
+    Ok(Json(head.response(&c.ending, Some(&c.usage), b.items.into_iter().map(Item::done).collect())).into_response())
+}
+
+/// What every response object repeats.
+struct Head {
+    id: String,
+    created_at: u64,
+    model: String,
+    /// The request's settings, echoed as OpenAI echoes them.
+    echo: Value,
+}
+
+impl Head {
+    /// The response object: in progress (`ending` None) or finished.
+    fn response(&self, ending: &Ending, usage: Option<&Usage>, output: Vec<Value>) -> Value {
+        let mut v = self.echo.clone();
+        let (status, incomplete) = match (usage, ending) {
+            (None, _) => ("in_progress", Value::Null),
+            (_, Ending::Length | Ending::Cancelled) => ("incomplete", json!({"reason": "max_output_tokens"})),
+            _ => ("completed", Value::Null),
+        };
+        v["id"] = json!(self.id);
+        v["object"] = json!("response");
+        v["created_at"] = json!(self.created_at);
+        v["status"] = json!(status);
+        v["incomplete_details"] = incomplete;
+        v["model"] = json!(self.model);
+        v["output"] = json!(output);
+        v["usage"] = match usage {
+            None => Value::Null,
+            Some(u) => json!({
+                "input_tokens": u.prompt_tokens,
+                "input_tokens_details": {"cached_tokens": u.cached_tokens},
+                "output_tokens": u.completion_tokens,
+                "output_tokens_details": {"reasoning_tokens": 0},
+                "total_tokens": u.prompt_tokens + u.completion_tokens,
+            }),
+        };
+        v
+    }
+}
+
+/// An output item being written: reasoning, a message, or a function call.
+enum Item {
+    Reasoning { id: String, text: String },
+    Message { id: String, text: String },
+    Call { id: String, call: ToolCall },
+}
+
+impl Item {
+    fn kind(&self) -> &'static str {
+        match self {
+            Item::Reasoning { .. } => "reasoning",
+            Item::Message { .. } => "message",
+            Item::Call { .. } => "function_call",
+        }
+    }
+
+    fn id(&self) -> &str {
+        match self {
+            Item::Reasoning { id, .. } | Item::Message { id, .. } | Item::Call { id, .. } => id,
+        }
+    }
+
+    /// The item as `response.output_item.added` shows it (nothing in it yet).
+    fn added(&self) -> Value {
+        match self {
+            Item::Reasoning { id, .. } => json!({"type": "reasoning", "id": id, "summary": [], "content": []}),
+            Item::Message { id, .. } => {
+                json!({"type": "message", "id": id, "status": "in_progress", "role": "assistant", "content": []})
+            }
+            Item::Call { id, call } => json!({"type": "function_call", "id": id, "call_id": call.id,
+                "name": call.name, "arguments": "", "status": "in_progress"}),
+        }
+    }
+
+    /// The finished item.
+    fn done(self) -> Value {
+        match self {
+            Item::Reasoning { id, text } => json!({"type": "reasoning", "id": id, "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}),
+            Item::Message { id, text } => {
+                json!({"type": "message", "id": id, "status": "completed", "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
+            }
+            Item::Call { id, call } => json!({"type": "function_call", "id": id, "call_id": call.id,
+                "name": call.name, "arguments": call.arguments.to_string(), "status": "completed"}),
+        }
+    }
+}
+
+/// Builds a whole answer's items from its text.
+struct Builder {
+    split: Splitter,
+    calls: Option<CallParser>,
+    items: Vec<Item>,
+}
+
+impl Builder {
+    fn push(&mut self, text: &str) {
+        let parts = self.split.push(text);
+        self.parts(parts, false);
+    }
+
+    fn finish(&mut self) {
+        let parts = self.split.finish();
+        self.parts(parts, true);
+    }
+
+    fn parts(&mut self, parts: Parts, end: bool) {
+        if !parts.reasoning.is_empty() {
+            match self.items.last_mut() {
+                Some(Item::Reasoning { text, .. }) => text.push_str(&parts.reasoning),
+                _ => self.items.push(Item::Reasoning { id: new_id("rs_"), text: parts.reasoning }),
+            }
+        }
+        for piece in pieces(&mut self.calls, parts.content, end) {
+            match piece {
+                Piece::Text(t) => match self.items.last_mut() {
+                    Some(Item::Message { text, .. }) => text.push_str(&t),
+                    _ => self.items.push(Item::Message { id: new_id("msg_"), text: t }),
+                },
+                Piece::Call(call) => self.items.push(Item::Call { id: new_id("fc_"), call }),
+            }
+        }
+    }
+}
+
+/// The answer text's pieces through the call reader, if there is one (empty text left out).
+fn pieces(calls: &mut Option<CallParser>, content: String, end: bool) -> Vec<Piece> {
+    let mut pieces = match calls {
+        None => vec![Piece::Text(content)],
+        Some(p) => {
+            let mut v = p.push(&content);
+            if end {
+                v.extend(p.finish());
+            }
+            v
+        }
+    };
+    pieces.retain(|p| !matches!(p, Piece::Text(t) if t.is_empty()));
+    pieces
+}
+
+/// The Responses event stream.
+struct ResponseStream {
+    head: Head,
+    split: Splitter,
+    calls: Option<CallParser>,
+    /// Finished items.
+    output: Vec<Value>,
+    /// The item being written (reasoning or a message), with its text so far.
+    open: Option<Item>,
+    seq: u64,
+}
+
+impl ResponseStream {
+    fn event(&mut self, kind: &str, mut data: Value) -> Event {
+        data["type"] = json!(kind);
+        data["sequence_number"] = json!(self.seq);
+        self.seq += 1;
+        Event::default().event(kind).data(data.to_string())
+    }
+
+    /// Closes the open item (its `.done` events).
+    fn close(&mut self, out: &mut Vec<Event>) {
+        let Some(item) = self.open.take() else { return };
+        let (index, id) = (self.output.len(), item.id().to_string());
+        match &item {
+            Item::Reasoning { text, .. } => {
+                let e = self.event(
+                    "response.reasoning_text.done",
+                    json!({"item_id": id, "output_index": index, "content_index": 0, "text": text}),
+                );
+                out.push(e);
+            }
+            Item::Message { text, .. } => {
+                let part = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
+                let e = self.event(
+                    "response.output_text.done",
+                    json!({"item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": []}),
+                );
+                out.push(e);
+                let e = self.event(
+                    "response.content_part.done",
+                    json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}),
+                );
+                out.push(e);
+            }
+            Item::Call { .. } => {}
+        }
+        let done = item.done();
+        let e = self.event("response.output_item.done", json!({"output_index": index, "item": done}));
+        out.push(e);
+        self.output.push(done);
+    }
+
+    /// Opens `item` (closing another kind first) unless one of its kind is open.
+    fn open(&mut self, item: Item, out: &mut Vec<Event>) {
+        if self.open.as_ref().is_some_and(|o| o.kind() == item.kind()) {
+            return;
+        }
+        self.close(out);
+        let index = self.output.len();
+        let e = self.event("response.output_item.added", json!({"output_index": index, "item": item.added()}));
+        out.push(e);
+        if let Item::Message { id, .. } = &item {
+            let part = json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []});
+            let e = self.event(
+                "response.content_part.added",
+                json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}),
+            );
+            out.push(e);
+        }
+        self.open = Some(item);
+    }
+
+    /// The events for new text.
+    fn parts(&mut self, parts: Parts, end: bool) -> Vec<Event> {
+        let mut out = vec![];
+        if !parts.reasoning.is_empty() {
+            self.open(Item::Reasoning { id: new_id("rs_"), text: String::new() }, &mut out);
+            let index = self.output.len();
+            if let Some(Item::Reasoning { id, text }) = &mut self.open {
+                text.push_str(&parts.reasoning);
+                let id = id.clone();
+                let e = self.event(
+                    "response.reasoning_text.delta",
+                    json!({"item_id": id, "output_index": index, "content_index": 0, "delta": parts.reasoning}),
+                );
+                out.push(e);
+            }
+        }
+        for piece in pieces(&mut self.calls, parts.content, end) {
+            match piece {
+                Piece::Text(t) => {
+                    self.open(Item::Message { id: new_id("msg_"), text: String::new() }, &mut out);
+                    let index = self.output.len();
+                    if let Some(Item::Message { id, text }) = &mut self.open {
+                        text.push_str(&t);
+                        let id = id.clone();
+                        let e = self.event("response.output_text.delta",
+                            json!({"item_id": id, "output_index": index, "content_index": 0, "delta": t, "logprobs": []}));
+                        out.push(e);
+                    }
+                }
+                Piece::Call(call) => {
+                    // A call goes out whole: added, its arguments, done.
+                    let item = Item::Call { id: new_id("fc_"), call };
+                    self.open(item, &mut out);
+                    let index = self.output.len();
+                    if let Some(Item::Call { id, call }) = &self.open {
+                        let (id, args) = (id.clone(), call.arguments.to_string());
+                        let e = self.event(
+                            "response.function_call_arguments.delta",
+                            json!({"item_id": id, "output_index": index, "delta": args}),
+                        );
+                        out.push(e);
+                        let e = self.event(
+                            "response.function_call_arguments.done",
+                            json!({"item_id": id, "output_index": index, "arguments": args}),
+                        );
+                        out.push(e);
+                    }
+                    self.close(&mut out);
+                }
+            }
+        }
+        out
+    }
+}
+
+impl StreamDialect for ResponseStream {
+    fn start(&mut self, _live: &Live) -> Vec<Event> {
+        let r = self.head.response(&Ending::Eos, None, vec![]);
+        vec![
+            self.event("response.created", json!({"response": r})),
+            self.event("response.in_progress", json!({"response": r})),
+        ]
+    }
+
+    fn text(&mut self, text: &str, _tokens: &[u32], _logprobs: &[TokenLogprob], _live: &Live) -> Vec<Event> {
+        let parts = self.split.push(text);
+        self.parts(parts, false)
+    }
+
+    fn done(&mut self, ending: &Ending, usage: &Usage, _live: &Live) -> Vec<Event> {
+        let rest = self.split.finish();
+        let mut out = self.parts(rest, true);
+        self.close(&mut out);
+        let r = self.head.response(ending, Some(usage), std::mem::take(&mut self.output));
+        let kind = if r["status"] == "completed" { "response.completed" } else { "response.incomplete" };
+        out.push(self.event(kind, json!({"response": r})));
+        out
+    }
+
+    fn error(&mut self, e: &ApiError) -> Vec<Event> {
+        let body = e.clone().in_dialect(Dialect::OpenAi).body();
+        let err = &body["error"];
+        vec![self.event("error", json!({"code": err["code"], "message": err["message"], "param": err["param"]}))]
+    }
+}
