@@ -456,6 +456,20 @@ pub async fn apply_template(State(state): State<Arc<AppState>>, body: Bytes) -> 
     run().unwrap_or_else(llama_err)
 }
 
+/// `GET /lora-adapters`: the adapters loaded — none (`--lora` is refused at start-up).
+pub async fn lora_adapters() -> Response {
+    Json(json!([])).into_response()
+}
+
+/// `POST /lora-adapters`: setting adapter scales; with no adapters loaded, only an empty list.
+pub async fn set_lora_adapters(body: Bytes) -> Response {
+    match parse_body::<Vec<Value>>(&body) {
+        Ok(list) if list.is_empty() => Json(json!([])).into_response(),
+        Ok(_) => llama_err(ApiError::field("lora", "no LoRA adapters are loaded (--lora is not supported)")),
+        Err(e) => llama_err(e),
+    }
+}
+
 /// `/health`: 200 `{"status": "ok"}` once the model is loaded, 503 before. Public (no API key).
 pub async fn health(State(state): State<Arc<AppState>>) -> Response {
     if state.speech.get().is_some() {

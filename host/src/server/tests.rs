@@ -573,6 +573,10 @@ async fn health_props_slots_and_metrics() {
     assert_eq!(v["default_generation_settings"]["params"]["top_k"], v["default_generation_settings"]["top_k"]);
     assert_eq!(v["mlxcel"]["batch_size"], 2048);
     assert_eq!(v["mlxcel"]["kv_budget_bytes"], 64 * 16 * 64);
+    // No LoRA adapters (--lora is refused): an empty list, and setting scales on none is a 400.
+    assert_eq!(s.get("/lora-adapters").await, (200, "[]".to_string()));
+    assert_eq!(s.post("/lora-adapters", json!([])).await, (200, json!([])));
+    assert_eq!(s.post("/lora-adapters", json!([{"id": 0, "scale": 0.5}])).await.0, 400);
     let (status, body) = s.get("/slots").await;
     assert_eq!(status, 200);
     let v: Value = serde_json::from_str(&body).unwrap();
