@@ -389,10 +389,16 @@ pub fn stream_many<D: StreamDialect>(
     tokio::spawn(async move {
         let mut merged = stream::select_all(sources);
         let mut open = relays.len();
+        // A client that goes away: what its requests had done goes to the log line.
+        let hung_up = |relays: &[Relay<D>]| {
+            for r in relays.iter().filter(|r| !r.over) {
+                log.usage(&r.live.usage(), "cancelled");
+            }
+        };
         while open > 0 {
             let next = tokio::select! {
                 next = merged.next() => next,
-                _ = tx.closed() => return,
+                _ = tx.closed() => return hung_up(&relays),
             };
             let Some((i, ev)) = next else { return };
             let relay = &mut relays[i];
@@ -406,7 +412,7 @@ pub fn stream_many<D: StreamDialect>(
             let failed = relay.failed;
             for e in out {
                 if tx.send(e).await.is_err() {
-                    return;
+                    return hung_up(&relays);
                 }
             }
             // One request's failure ends the stream (as llama-server's does); dropping the others'

@@ -126,13 +126,15 @@ impl RequestLog {
             f(&mut g);
         }
     }
+    /// Adds one completion's usage (a request with several completions logs their sums, and the
+    /// longest times).
     pub fn usage(&self, u: &Usage, finish: &'static str) {
         self.update(|l| {
-            l.prompt_tokens = u.prompt_tokens;
-            l.cached_tokens = u.cached_tokens;
-            l.completion_tokens = u.completion_tokens;
-            l.prompt_time = u.prompt_time;
-            l.generation_time = u.generation_time;
+            l.prompt_tokens += u.prompt_tokens;
+            l.cached_tokens += u.cached_tokens;
+            l.completion_tokens += u.completion_tokens;
+            l.prompt_time = l.prompt_time.max(u.prompt_time);
+            l.generation_time = l.generation_time.max(u.generation_time);
             l.finish = Some(finish);
         });
     }
