@@ -340,8 +340,13 @@ pub trait StreamDialect: Send + 'static {
     }
     fn text(&mut self, text: &str, tokens: &[u32], logprobs: &[TokenLogprob], live: &Live) -> Vec<Event>;
     fn done(&mut self, ending: &Ending, usage: &Usage, live: &Live) -> Vec<Event>;
+    /// After every request of the stream is done (the first request's dialect writes it): `total`
+    /// is their usage summed. Nothing by default.
+    fn end(&mut self, _total: &Usage) -> Vec<Event> {
+        vec![]
+    }
     /// The request failed after the stream began.
-    fn error(&mut self, e: &ApiError) -> Vec<Event>;
+    fn error(&mut self, e: &ApiError) -> Vec<Event> ;
 }
 
 /// A JSON `data:` event.
@@ -379,7 +384,8 @@ pub fn stream_many<D: StreamDialect>(
     let mut sources = Vec::with_capacity(requests.len());
     for (i, (events, dialect, prompt_tokens)) in requests.into_iter().enumerate() {
         let live = Live::new(prompt_tokens);
-        relays.push(Relay { dialect, got: Received::default(), started: false, over: false, failed: false, live });
+        let (got, usage) = (Received::default(), Usage::default());
+        relays.push(Relay { dialect, got, started: false, over: false, failed: false, live, usage });
         // Each request's events, then `None` once its channel closes.
         let events = stream::unfold(events, |mut rx| async move { rx.recv().await.map(|e| (Some(e), rx)) })
             .chain(stream::once(async { None }))
@@ -421,6 +427,19 @@ pub fn stream_many<D: StreamDialect>(
                 return;
             }
         }
+        let total = relays.iter().fold(Usage::default(), |mut t, r| {
+            t.prompt_tokens += r.usage.prompt_tokens;
+            t.cached_tokens += r.usage.cached_tokens;
+            t.completion_tokens += r.usage.completion_tokens;
+            t
+        });
+        if let Some(first) = relays.first_mut() {
+            for e in first.dialect.end(&total) {
+                if tx.send(e).await.is_err() {
+                    return;
+                }
+            }
+        }
     });
     let body = stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|e| (Ok::<_, Infallible>(e), rx)) });
     Sse::new(body).keep_alive(KeepAlive::default()).into_response()
@@ -436,6 +455,8 @@ struct Relay<D> {
     over: bool,
     failed: bool,
     live: Live,
+    /// The engine's usage, once done.
+    usage: Usage,
 }
 
 impl<D: StreamDialect> Relay<D> {
@@ -483,6 +504,7 @@ impl<D: StreamDialect> Relay<D> {
                 state.metrics.record(&usage);
                 log.usage(&usage, ending.openai());
                 out.extend(self.dialect.done(&ending, &usage, live));
+                self.usage = usage;
                 self.over = true;
             }
             Some(GenerationEvent::Error(e)) => {

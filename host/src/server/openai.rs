@@ -13,8 +13,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::completion::{
-    data, logit_bias, new_id, run_all, stream_response, submit, timings, token_label, unix_time, Ending, Job, Live,
-    StreamDialect, StreamExtras,
+    data, logit_bias, new_id, run_all, stream_many, stream_response, submit, submit_all, timings, token_label,
+    unix_time, Ending, Job, Live, StreamDialect, StreamExtras,
 };
 use super::error::{parse_body, ApiError, Dialect, ErrorKind};
 use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
@@ -575,6 +575,18 @@ fn finish_reason(ending: &Ending, calls: usize) -> &'static str {
     }
 }
 
+/// The end of an OpenAI stream: the usage chunk (`template` with `usage` filled in) if asked for,
+/// then `[DONE]`.
+fn end_of_stream(include_usage: bool, mut template: Value, total: &Usage) -> Vec<Event> {
+    let mut out = vec![];
+    if include_usage {
+        template["usage"] = usage_json(total.prompt_tokens, total.cached_tokens, total.completion_tokens);
+        out.push(data(&template));
+    }
+    out.push(Event::default().data("[DONE]"));
+    out
+}
+
 fn system_fingerprint() -> String {
     format!("mlxcel-{}", env!("CARGO_PKG_VERSION"))
 }
@@ -688,14 +700,13 @@ impl StreamDialect for ChatStream {
         let mut last = self.chunk(json!({}), Some(finish_reason(ending, self.sent_calls)), Value::Null);
         last["timings"] = timings(usage);
         out.push(data(&last));
-        if self.include_usage {
-            let mut u = self.chunk(json!({}), None, Value::Null);
-            u["choices"] = json!([]);
-            u["usage"] = usage_json(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens);
-            out.push(data(&u));
-        }
-        out.push(Event::default().data("[DONE]"));
         out
+    }
+
+    fn end(&mut self, total: &Usage) -> Vec<Event> {
+        let mut u = self.chunk(json!({}), None, Value::Null);
+        u["choices"] = json!([]);
+        end_of_stream(self.include_usage, u, total)
     }
 
     fn error(&mut self, e: &ApiError) -> Vec<Event> {
@@ -804,9 +815,6 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
     check_stream_options(&r.stream_options, stream)?;
     let extras = StreamExtras::new(r.timings_per_token, r.return_progress, stream)?;
     let prompts = prompts(model, r.prompt)?;
-    if stream && prompts.len() > 1 {
-        return Err(ApiError::field("prompt", "several prompts are not supported with stream: true"));
-    }
     let mut sampling = sampling_fields!(r).apply(&model.facts.default_sampling, model.facts.ctx_size)?;
     if let Some(b) = &r.logit_bias {
         sampling.logit_bias = logit_bias(b, model, true)?;
@@ -826,23 +834,33 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
     };
 
     if stream {
-        let (text, ids) = prompts.into_iter().next().unwrap_or_default();
-        let job = make_job(ids);
-        let stops = job.stop.clone();
-        let prompt_tokens = job.prompt.len();
-        let events = submit(model, job.into_request(&state, model, "prompt")?)?;
-        let dialect = CompletionStream {
-            id,
-            created: unix_time(),
-            model: model_name,
-            include_usage: r.stream_options.and_then(|o| o.include_usage).unwrap_or(false),
-            logprobs: r.logprobs.is_some(),
-            echo: echo.then_some(text),
-            offset: 0,
-            tok: model.text.clone(),
-            extras,
-        };
-        return Ok(stream_response(events, dialect, prompt_tokens, stops, model.text.clone(), state.clone(), log));
+        // Each prompt is a choice of its own, its chunks interleaved with the others' by `index`.
+        let jobs: Vec<Job> = prompts.iter().map(|(_, ids)| make_job(ids.clone())).collect();
+        let lens: Vec<usize> = jobs.iter().map(|j| j.prompt.len()).collect();
+        let created = unix_time();
+        let include_usage = r.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+        let streams = submit_all(jobs, &state, model, "prompt")?
+            .into_iter()
+            .zip(prompts)
+            .zip(lens)
+            .enumerate()
+            .map(|(index, (((events, _), (text, _)), prompt_tokens))| {
+                let dialect = CompletionStream {
+                    id: id.clone(),
+                    index,
+                    created,
+                    model: model_name.clone(),
+                    include_usage,
+                    logprobs: r.logprobs.is_some(),
+                    echo: echo.then_some(text),
+                    offset: 0,
+                    tok: model.text.clone(),
+                    extras,
+                };
+                (events, dialect, prompt_tokens)
+            })
+            .collect();
+        return Ok(stream_many(streams, stop, model.text.clone(), state.clone(), log));
     }
 
     let mut jobs = Vec::new();
@@ -882,6 +900,8 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
 
 struct CompletionStream {
     id: String,
+    /// Which prompt's choice this is.
+    index: usize,
     created: u64,
     model: String,
     include_usage: bool,
@@ -900,7 +920,7 @@ impl CompletionStream {
             "created": self.created,
             "model": self.model,
             "system_fingerprint": system_fingerprint(),
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}],
+            "choices": [{"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}],
         });
         if self.include_usage {
             c["usage"] = Value::Null;
@@ -932,15 +952,13 @@ impl StreamDialect for CompletionStream {
     fn done(&mut self, ending: &Ending, usage: &Usage, _live: &Live) -> Vec<Event> {
         let mut last = self.chunk("", Some(ending.openai()), Value::Null);
         last["timings"] = timings(usage);
-        let mut out = vec![data(&last)];
-        if self.include_usage {
-            let mut u = self.chunk("", None, Value::Null);
-            u["choices"] = json!([]);
-            u["usage"] = usage_json(usage.prompt_tokens, usage.cached_tokens, usage.completion_tokens);
-            out.push(data(&u));
-        }
-        out.push(Event::default().data("[DONE]"));
-        out
+        vec![data(&last)]
+    }
+
+    fn end(&mut self, total: &Usage) -> Vec<Event> {
+        let mut u = self.chunk("", None, Value::Null);
+        u["choices"] = json!([]);
+        end_of_stream(self.include_usage, u, total)
     }
 
     fn error(&mut self, e: &ApiError) -> Vec<Event> {

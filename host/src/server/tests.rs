@@ -1692,3 +1692,27 @@ async fn responses_api_function_calls_and_reasoning() {
     );
     assert_eq!(out[1]["content"][0]["text"], "Paris.");
 }
+
+/// `/v1/completions` streams several prompts as choices of one stream, then one usage chunk and one
+/// `[DONE]`.
+#[tokio::test]
+async fn completions_stream_several_prompts_as_choices() {
+    let s = start().await;
+    let body = json!({"prompt": ["a", "b"], "stream": true, "stream_options": {"include_usage": true}});
+    let (status, text, _) = s.post_text("/v1/completions", body).await;
+    assert_eq!(status, 200, "{text}");
+    assert_eq!(text.matches("[DONE]").count(), 1);
+    assert!(text.ends_with("data: [DONE]\n\n"));
+    let got = chunks(&text);
+    for i in 0..2 {
+        let mine: String = got
+            .iter()
+            .filter_map(|c| c["choices"].get(0).filter(|ch| ch["index"] == i))
+            .filter_map(|ch| ch["text"].as_str())
+            .collect();
+        assert_eq!(mine, ANSWER.concat(), "choice {i}");
+    }
+    let usage: Vec<&Value> = got.iter().filter(|c| !c["usage"].is_null()).map(|c| &c["usage"]).collect();
+    assert_eq!(usage.len(), 1, "{text}");
+    assert_eq!(usage[0]["completion_tokens"], 8);
+}
