@@ -891,7 +891,7 @@ fn sample_next(
     let mut logprobs = Vec::new();
     let mut tokens = Vec::new();
     if step.accepted {
-        if let Some(thought) = &mut seq.thought {
+        if let Some(thought) = seq.thought.as_mut().filter(|t| t.watching()) {
             thought.push(&String::from_utf8_lossy(&tokenizer.token_bytes(token)));
         }
         seq.tokens.push(token);

@@ -60,6 +60,11 @@ impl Thought {
         self.forced.pop_front()
     }
 
+    /// Whether the thought may still matter (it has not ended).
+    pub fn watching(&self) -> bool {
+        self.phase != Phase::After
+    }
+
     /// Takes note of a generated token's text.
     pub fn push(&mut self, piece: &str) {
         match self.phase {

@@ -205,11 +205,15 @@ fn request_tools(model: &LoadedModel, r: &MessagesRequest) -> Result<Option<Tool
         let Some(name) = name else {
             return Err(ApiError::field(&format!("tools[{i}].name"), "a tool needs a name"));
         };
-        shaped.push(json!({"type": "function", "function": {
+        let mut function = json!({
             "name": name,
             "description": t.get("description").cloned().unwrap_or(json!("")),
             "parameters": t.get("input_schema").cloned().unwrap_or(json!({"type": "object"})),
-        }}));
+        });
+        if let Some(strict) = t.get("strict") {
+            function["strict"] = strict.clone();
+        }
+        shaped.push(json!({"type": "function", "function": function}));
     }
     Tooling::new(shaped, parallel, model.facts.chat_template.as_deref())
         .map(Some)
@@ -227,7 +231,7 @@ type Thinking = (Option<serde_json::Map<String, Value>>, Option<usize>);
 fn thinking(state: &AppState, r: &MessagesRequest) -> Result<Thinking, ApiError> {
     let mut request = serde_json::Map::new();
     let t = r.thinking.as_ref().filter(|t| !t.is_null());
-    let mut budget = state.config.reasoning_budget;
+    let mut budget = None;
     match t.map(|t| t.get("type").and_then(Value::as_str)) {
         None => {}
         Some(Some("disabled")) => {
@@ -238,7 +242,8 @@ fn thinking(state: &AppState, r: &MessagesRequest) -> Result<Thinking, ApiError>
             request.insert("enable_thinking".into(), Value::Bool(true));
         }
         Some(Some("enabled")) => {
-            let max_tokens = r.max_tokens.unwrap_or(0);
+            // (count_tokens has no max_tokens.)
+            let max_tokens = r.max_tokens.unwrap_or(u64::MAX);
             let n = t.and_then(|t| t.get("budget_tokens")).and_then(Value::as_u64);
             let Some(n) = n.filter(|&n| n >= 1 && n < max_tokens) else {
                 return Err(ApiError::field(
@@ -256,7 +261,9 @@ fn thinking(state: &AppState, r: &MessagesRequest) -> Result<Thinking, ApiError>
             ))
         }
     }
-    Ok((state.template_kwargs(Some(&request)), budget))
+    let kwargs = state.template_kwargs(Some(&request));
+    let budget = budget.or_else(|| reasoning::server_budget(state, kwargs.as_ref()));
+    Ok((kwargs, budget))
 }
 
 /// The prompt of a request.
@@ -331,9 +338,7 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
     let prompt_tokens = prompt.len();
     let mut job = Job::new(prompt, sampling);
     job.max_tokens = Some(max_tokens as usize);
-    if let Some(b) = budget {
-        job.thought_budget = Some(reasoning::thought_budget(model, b, &prompt_text)?);
-    }
+    job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;
     job.stop = r.stop_sequences.clone().map(|v| StopField::Many(v).into_vec()).unwrap_or_default();
     let stops = job.stop.clone();
     let req = job.into_request(&state, model, "messages")?;
@@ -465,13 +470,7 @@ impl MessageStream {
         }
         let pieces = match &mut self.calls {
             None => vec![Piece::Text(parts.content)],
-            Some(parser) => {
-                let mut pieces = parser.push(&parts.content);
-                if end {
-                    pieces.extend(parser.finish());
-                }
-                pieces
-            }
+            Some(parser) => parser.feed(&parts.content, end),
         };
         for piece in pieces {
             match piece {

@@ -266,7 +266,7 @@ pub struct Live {
 }
 
 impl Live {
-    fn new(prompt_tokens: usize) -> Live {
+    pub fn new(prompt_tokens: usize) -> Live {
         let now = std::time::Instant::now();
         Live { prompt_tokens, cached_tokens: 0, slot: 0, generated: 0, admitted: now, first_token: None }
     }
@@ -346,7 +346,7 @@ pub trait StreamDialect: Send + 'static {
         vec![]
     }
     /// The request failed after the stream began.
-    fn error(&mut self, e: &ApiError) -> Vec<Event> ;
+    fn error(&mut self, e: &ApiError) -> Vec<Event>;
 }
 
 /// A JSON `data:` event.

@@ -391,8 +391,9 @@ fn check_stream_options(options: &Option<StreamOptions>, stream: bool) -> Result
 }
 
 /// The request's tools, for the template and for reading calls back (None: no tools, or
-/// `tool_choice: none`). A call cannot be forced without constrained decoding, so `required`, a
-/// named function and `strict` schemas are refused.
+/// `tool_choice: none`). A call cannot be forced without constrained decoding, so `required` and a
+/// named function are refused; a `strict` tool's calls are checked against its schema instead (see
+/// [`Tooling`]).
 pub fn request_tools(
     model: &LoadedModel,
     tools: &Option<Vec<Value>>,
@@ -419,12 +420,6 @@ pub fn request_tools(
         }
         if t.pointer("/function/name").and_then(Value::as_str).is_none_or(str::is_empty) {
             return Err(ApiError::field(&format!("tools[{i}].function.name"), "a function tool needs a name"));
-        }
-        if t.pointer("/function/strict") == Some(&Value::Bool(true)) {
-            return Err(ApiError::field(
-                &format!("tools[{i}].function.strict"),
-                "strict schemas need constrained decoding, which this server does not implement",
-            ));
         }
     }
     Tooling::new(tools.clone(), parallel.unwrap_or(true), model.facts.chat_template.as_deref())
@@ -483,9 +478,8 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
         job.sampling.logit_bias = logit_bias(b, model, true)?;
     }
     job.max_tokens = limit;
-    if let Some(b) = state.config.reasoning_budget {
-        job.thought_budget = Some(reasoning::thought_budget(model, b, &prompt_text)?);
-    }
+    job.thought_budget =
+        reasoning::thought_budget(model, reasoning::server_budget(&state, kwargs.as_ref()), &prompt_text)?;
     job.stop = r.stop.map(StopField::into_vec).unwrap_or_default();
     job.cache_prompt = r.cache_prompt;
     job.ignore_eos = r.ignore_eos.unwrap_or(false);
@@ -628,10 +622,7 @@ impl ChatStream {
         let (content, calls) = match &mut self.calls {
             None => (parts.content, vec![]),
             Some(parser) => {
-                let mut pieces = parser.push(&parts.content);
-                if end {
-                    pieces.extend(parser.finish());
-                }
+                let pieces = parser.feed(&parts.content, end);
                 let mut content = String::new();
                 let mut calls = vec![];
                 for p in pieces {

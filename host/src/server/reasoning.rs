@@ -31,7 +31,7 @@ impl ReasoningFormat {
 }
 
 use super::error::ApiError;
-use super::state::LoadedModel;
+use super::state::{AppState, LoadedModel};
 use crate::engine::ThoughtBudget;
 
 const OPEN: &str = "<think>";
@@ -43,11 +43,24 @@ pub fn forced_open(prompt: &str) -> bool {
     prompt.trim_end().ends_with(OPEN)
 }
 
-/// A cap of `budget` tokens on the thought of an answer to `prompt` (the rendered chat prompt): the
-/// engine ends the thought with `</think>` once it is spent.
-pub fn thought_budget(model: &LoadedModel, budget: usize, prompt: &str) -> Result<ThoughtBudget, ApiError> {
+/// A cap of `budget` tokens (None: no cap) on the thought of an answer to `prompt` (the rendered
+/// chat prompt): the engine ends the thought with `</think>` once it is spent.
+pub fn thought_budget(
+    model: &LoadedModel,
+    budget: Option<usize>,
+    prompt: &str,
+) -> Result<Option<ThoughtBudget>, ApiError> {
+    let Some(budget) = budget else { return Ok(None) };
     let close = model.text.encode("\n</think>\n\n", false).map_err(|e| ApiError::internal(e.to_string()))?;
-    Ok(ThoughtBudget { budget, close, open_at_start: forced_open(prompt) })
+    Ok(Some(ThoughtBudget { budget, close, open_at_start: forced_open(prompt) }))
+}
+
+/// The server's `--reasoning-budget` for a request rendered with the template variables `kwargs`:
+/// a budget of 0 (thinking off) gives way to a request that switches thinking on
+/// (`enable_thinking: true`).
+pub fn server_budget(state: &AppState, kwargs: Option<&serde_json::Map<String, serde_json::Value>>) -> Option<usize> {
+    let on = kwargs.and_then(|k| k.get("enable_thinking")) == Some(&serde_json::Value::Bool(true));
+    state.config.reasoning_budget.filter(|&b| b > 0 || !on)
 }
 
 /// What a piece of generated text adds to the reasoning and to the answer.

@@ -17,11 +17,11 @@ use serde_json::{json, Value};
 use super::completion::{collect, new_id, stream_response, submit, unix_time, Ending, Job, Live, StreamDialect};
 use super::error::{parse_body, ApiError, Dialect};
 use super::openai::{chat_prompt, request_tools, SamplingFields};
-use super::reasoning::{self, Parts, Splitter};
+use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
 use super::state::{AppState, RequestLog};
 use super::tools::{CallParser, Piece, ToolCall};
 use crate::engine::{TokenLogprob, Usage};
-use crate::text::ChatMessage;
+use crate::text::{ChatMessage, TextTokenizer};
 
 /// `input`: a string (one user message) or a list of items.
 #[derive(Deserialize, Debug)]
@@ -37,9 +37,12 @@ pub struct ResponsesRequest {
     pub input: Input,
     pub instructions: Option<String>,
     pub max_output_tokens: Option<i64>,
-    pub temperature: Option<f32>,
-    pub top_p: Option<f32>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
     pub stream: Option<bool>,
+    /// Only OpenAI's `include_obfuscation: false` (no padding is added here).
+    pub stream_options: Option<Value>,
+    pub metadata: Option<Value>,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
@@ -61,8 +64,9 @@ fn conversation(r: &ResponsesRequest) -> Result<Vec<ChatMessage>, ApiError> {
         Input::Text(s) => return Ok([out, vec![ChatMessage::new("user", s)]].concat()),
         Input::Items(items) => items,
     };
-    // A reasoning item belongs to the assistant turn after it.
+    // A reasoning item belongs to the assistant turn right after it; a call's output to a call.
     let mut thought: Option<String> = None;
+    let mut call_ids: Vec<&str> = Vec::new();
     for (i, item) in items.iter().enumerate() {
         let at = |f: &str| format!("input[{i}].{f}");
         let kind = item.get("type").and_then(Value::as_str).unwrap_or("message");
@@ -76,9 +80,7 @@ fn conversation(r: &ResponsesRequest) -> Result<Vec<ChatMessage>, ApiError> {
                 };
                 let text = content_text(item.get("content"), &at("content"))?;
                 let mut m = ChatMessage::new(role, &text);
-                if role == "assistant" {
-                    m.reasoning_content = thought.take();
-                }
+                m.reasoning_content = thought.take().filter(|_| role == "assistant");
                 out.push(m);
             }
             "function_call" => {
@@ -86,6 +88,7 @@ fn conversation(r: &ResponsesRequest) -> Result<Vec<ChatMessage>, ApiError> {
                 let (Some(call_id), Some(name)) = (field("call_id"), field("name")) else {
                     return Err(ApiError::field(&at("call_id"), "a function_call item needs `call_id` and `name`"));
                 };
+                call_ids.push(call_id);
                 let args = field("arguments").unwrap_or("{}");
                 let args = serde_json::from_str(args).unwrap_or_else(|_| json!(args));
                 let call = super::tools::template_call(call_id, name, args);
@@ -105,6 +108,13 @@ fn conversation(r: &ResponsesRequest) -> Result<Vec<ChatMessage>, ApiError> {
                 let Some(call_id) = item.get("call_id").and_then(Value::as_str) else {
                     return Err(ApiError::field(&at("call_id"), "a function_call_output item needs `call_id`"));
                 };
+                if !call_ids.contains(&call_id) {
+                    return Err(ApiError::field(
+                        &at("call_id"),
+                        format!("No tool call found for function call output with call_id {call_id}."),
+                    ));
+                }
+                thought = None;
                 let output = content_text(item.get("output"), &at("output"))?;
                 out.push(ChatMessage { tool_call_id: Some(call_id.into()), ..ChatMessage::new("tool", &output) });
             }
@@ -190,6 +200,21 @@ fn refuse_unsupported(r: &ResponsesRequest) -> Result<(), ApiError> {
     if r.include.as_ref().is_some_and(|i| !i.is_empty()) {
         return Err(ApiError::field("include", "no extra output data is available here"));
     }
+    if let Some(o) = &r.stream_options {
+        if !r.stream.unwrap_or(false) {
+            return Err(ApiError::field("stream_options", "stream_options needs stream: true"));
+        }
+        let padded = o.get("include_obfuscation").and_then(Value::as_bool).unwrap_or(false);
+        if padded || o.as_object().is_some_and(|m| m.keys().any(|k| k != "include_obfuscation")) {
+            return Err(ApiError::field(
+                "stream_options",
+                "only include_obfuscation: false (no padding is added here)",
+            ));
+        }
+    }
+    if r.metadata.as_ref().is_some_and(|m| !m.is_object() && !m.is_null()) {
+        return Err(ApiError::field("metadata", "metadata must be an object"));
+    }
     Ok(())
 }
 
@@ -230,7 +255,8 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
     let messages = conversation(&r)?;
     let kwargs = state.template_kwargs(None);
     let (prompt_text, prompt) = chat_prompt(model, &messages, kwargs.as_ref(), tooling.as_ref())?;
-    let sampling = SamplingFields { temperature: r.temperature, top_p: r.top_p, ..Default::default() };
+    let (temperature, top_p) = (r.temperature.map(|t| t as f32), r.top_p.map(|p| p as f32));
+    let sampling = SamplingFields { temperature, top_p, ..Default::default() };
     let mut job = Job::new(prompt, sampling.apply(&model.facts.default_sampling, model.facts.ctx_size)?);
     job.max_tokens = match r.max_output_tokens {
         None => None,
@@ -239,9 +265,8 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
             return Err(ApiError::field("max_output_tokens", format!("max_output_tokens must be at least 1, got {n}")))
         }
     };
-    if let Some(b) = state.config.reasoning_budget {
-        job.thought_budget = Some(reasoning::thought_budget(model, b, &prompt_text)?);
-    }
+    job.thought_budget =
+        reasoning::thought_budget(model, reasoning::server_budget(&state, kwargs.as_ref()), &prompt_text)?;
     let prompt_tokens = job.prompt.len();
     let req = job.into_request(&state, model, "input")?;
     let events = submit(model, req)?;
@@ -262,22 +287,39 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
             "store": false,
             "previous_response_id": null,
             "reasoning": {"effort": null, "summary": null},
-            "metadata": {},
+            "metadata": r.metadata.clone().filter(Value::is_object).unwrap_or(json!({})),
             "error": null,
         }),
     };
-    let split = Splitter::new(state.config.reasoning_format, reasoning::forced_open(&prompt_text));
+    // Thoughts go to reasoning items, never into the message as well (`deepseek-legacy` is read as
+    // `deepseek`).
+    let format = match state.config.reasoning_format {
+        ReasoningFormat::Legacy => ReasoningFormat::Split,
+        f => f,
+    };
+    let split = Splitter::new(format, reasoning::forced_open(&prompt_text));
     let calls = tooling.as_ref().map(|t| t.parser("call_"));
+    let mut dialect = ResponseStream {
+        head,
+        split,
+        calls,
+        output: vec![],
+        open: None,
+        seq: 0,
+        cut_short: false,
+        finished: Value::Null,
+        tok: model.text.clone(),
+    };
 
     if r.stream.unwrap_or(false) {
-        let dialect = ResponseStream { head, split, calls, output: vec![], open: None, seq: 0 };
         return Ok(stream_response(events, dialect, prompt_tokens, vec![], model.text.clone(), state.clone(), log));
     }
+    // The whole answer is the stream's items, its events unsent.
     let c = collect(events, &[], &model.text, &state, &log).await?;
-    let mut b = Builder { split, calls, items: vec![] };
-    b.push(&c.text);
-    b.finish();
-    Ok(Json(head.response(&c.ending, Some(&c.usage), b.items.into_iter().map(Item::done).collect())).into_response())
+    let live = Live::new(prompt_tokens);
+    dialect.text(&c.text, &[], &[], &live);
+    dialect.done(&c.ending, &c.usage, &live);
+    Ok(Json(dialect.finished).into_response())
 }
 
 /// What every response object repeats.
@@ -291,7 +333,7 @@ struct Head {
 
 impl Head {
     /// The response object: in progress (`ending` None) or finished.
-    fn response(&self, ending: &Ending, usage: Option<&Usage>, output: Vec<Value>) -> Value {
+    fn response(&self, ending: &Ending, usage: Option<&Usage>, output: Vec<Value>, reasoning_tokens: usize) -> Value {
         let mut v = self.echo.clone();
         let (status, incomplete) = match (usage, ending) {
             (None, _) => ("in_progress", Value::Null),
@@ -311,7 +353,7 @@ impl Head {
                 "input_tokens": u.prompt_tokens,
                 "input_tokens_details": {"cached_tokens": u.cached_tokens},
                 "output_tokens": u.completion_tokens,
-                "output_tokens_details": {"reasoning_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
                 "total_tokens": u.prompt_tokens + u.completion_tokens,
             }),
         };
@@ -354,12 +396,14 @@ impl Item {
     }
 
     /// The finished item.
-    fn done(self) -> Value {
+    /// The finished item (`status` `incomplete` for text cut short).
+    fn done(self, cut_short: bool) -> Value {
+        let status = if cut_short { "incomplete" } else { "completed" };
         match self {
             Item::Reasoning { id, text } => json!({"type": "reasoning", "id": id, "summary": [],
-                "content": [{"type": "reasoning_text", "text": text}], "status": "completed"}),
+                "content": [{"type": "reasoning_text", "text": text}], "status": status}),
             Item::Message { id, text } => {
-                json!({"type": "message", "id": id, "status": "completed", "role": "assistant",
+                json!({"type": "message", "id": id, "status": status, "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
             }
             Item::Call { id, call } => json!({"type": "function_call", "id": id, "call_id": call.id,
@@ -368,60 +412,17 @@ impl Item {
     }
 }
 
-/// Builds a whole answer's items from its text.
-struct Builder {
-    split: Splitter,
-    calls: Option<CallParser>,
-    items: Vec<Item>,
-}
-
-impl Builder {
-    fn push(&mut self, text: &str) {
-        let parts = self.split.push(text);
-        self.parts(parts, false);
-    }
-
-    fn finish(&mut self) {
-        let parts = self.split.finish();
-        self.parts(parts, true);
-    }
-
-    fn parts(&mut self, parts: Parts, end: bool) {
-        if !parts.reasoning.is_empty() {
-            match self.items.last_mut() {
-                Some(Item::Reasoning { text, .. }) => text.push_str(&parts.reasoning),
-                _ => self.items.push(Item::Reasoning { id: new_id("rs_"), text: parts.reasoning }),
-            }
-        }
-        for piece in pieces(&mut self.calls, parts.content, end) {
-            match piece {
-                Piece::Text(t) => match self.items.last_mut() {
-                    Some(Item::Message { text, .. }) => text.push_str(&t),
-                    _ => self.items.push(Item::Message { id: new_id("msg_"), text: t }),
-                },
-                Piece::Call(call) => self.items.push(Item::Call { id: new_id("fc_"), call }),
-            }
-        }
-    }
-}
-
 /// The answer text's pieces through the call reader, if there is one (empty text left out).
 fn pieces(calls: &mut Option<CallParser>, content: String, end: bool) -> Vec<Piece> {
     let mut pieces = match calls {
         None => vec![Piece::Text(content)],
-        Some(p) => {
-            let mut v = p.push(&content);
-            if end {
-                v.extend(p.finish());
-            }
-            v
-        }
+        Some(p) => p.feed(&content, end),
     };
     pieces.retain(|p| !matches!(p, Piece::Text(t) if t.is_empty()));
     pieces
 }
 
-/// The Responses event stream.
+/// The Responses event stream; the whole answer is the same items with the events left unsent.
 struct ResponseStream {
     head: Head,
     split: Splitter,
@@ -431,6 +432,11 @@ struct ResponseStream {
     /// The item being written (reasoning or a message), with its text so far.
     open: Option<Item>,
     seq: u64,
+    /// Whether the answer was cut short (its open item is incomplete).
+    cut_short: bool,
+    /// The response once done.
+    finished: Value,
+    tok: Arc<TextTokenizer>,
 }
 
 impl ResponseStream {
@@ -445,30 +451,33 @@ impl ResponseStream {
     fn close(&mut self, out: &mut Vec<Event>) {
         let Some(item) = self.open.take() else { return };
         let (index, id) = (self.output.len(), item.id().to_string());
-        match &item {
+        let part = match &item {
             Item::Reasoning { text, .. } => {
                 let e = self.event(
                     "response.reasoning_text.done",
                     json!({"item_id": id, "output_index": index, "content_index": 0, "text": text}),
                 );
                 out.push(e);
+                Some(json!({"type": "reasoning_text", "text": text}))
             }
             Item::Message { text, .. } => {
-                let part = json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []});
                 let e = self.event(
                     "response.output_text.done",
                     json!({"item_id": id, "output_index": index, "content_index": 0, "text": text, "logprobs": []}),
                 );
                 out.push(e);
-                let e = self.event(
-                    "response.content_part.done",
-                    json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}),
-                );
-                out.push(e);
+                Some(json!({"type": "output_text", "text": text, "annotations": [], "logprobs": []}))
             }
-            Item::Call { .. } => {}
+            Item::Call { .. } => None,
+        };
+        if let Some(part) = part {
+            let e = self.event(
+                "response.content_part.done",
+                json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}),
+            );
+            out.push(e);
         }
-        let done = item.done();
+        let done = item.done(self.cut_short);
         let e = self.event("response.output_item.done", json!({"output_index": index, "item": done}));
         out.push(e);
         self.output.push(done);
@@ -483,8 +492,13 @@ impl ResponseStream {
         let index = self.output.len();
         let e = self.event("response.output_item.added", json!({"output_index": index, "item": item.added()}));
         out.push(e);
-        if let Item::Message { id, .. } = &item {
-            let part = json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []});
+        let part = match &item {
+            Item::Reasoning { .. } => Some(json!({"type": "reasoning_text", "text": ""})),
+            Item::Message { .. } => Some(json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []})),
+            Item::Call { .. } => None,
+        };
+        if let Some(part) = part {
+            let id = item.id().to_string();
             let e = self.event(
                 "response.content_part.added",
                 json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}),
@@ -518,15 +532,16 @@ impl ResponseStream {
                     if let Some(Item::Message { id, text }) = &mut self.open {
                         text.push_str(&t);
                         let id = id.clone();
-                        let e = self.event("response.output_text.delta",
-                            json!({"item_id": id, "output_index": index, "content_index": 0, "delta": t, "logprobs": []}));
+                        let e = self.event(
+                            "response.output_text.delta",
+                            json!({"item_id": id, "output_index": index, "content_index": 0, "delta": t, "logprobs": []}),
+                        );
                         out.push(e);
                     }
                 }
                 Piece::Call(call) => {
                     // A call goes out whole: added, its arguments, done.
-                    let item = Item::Call { id: new_id("fc_"), call };
-                    self.open(item, &mut out);
+                    self.open(Item::Call { id: new_id("fc_"), call }, &mut out);
                     let index = self.output.len();
                     if let Some(Item::Call { id, call }) = &self.open {
                         let (id, args) = (id.clone(), call.arguments.to_string());
@@ -547,11 +562,21 @@ impl ResponseStream {
         }
         out
     }
+
+    /// The tokens of the answer's reasoning (as the tokenizer counts its text).
+    fn reasoning_tokens(&self) -> usize {
+        self.output
+            .iter()
+            .filter(|i| i["type"] == "reasoning")
+            .filter_map(|i| i.pointer("/content/0/text").and_then(Value::as_str))
+            .map(|t| self.tok.encode(t, false).map_or(0, |ids| ids.len()))
+            .sum()
+    }
 }
 
 impl StreamDialect for ResponseStream {
     fn start(&mut self, _live: &Live) -> Vec<Event> {
-        let r = self.head.response(&Ending::Eos, None, vec![]);
+        let r = self.head.response(&Ending::Eos, None, vec![], 0);
         vec![
             self.event("response.created", json!({"response": r})),
             self.event("response.in_progress", json!({"response": r})),
@@ -564,12 +589,15 @@ impl StreamDialect for ResponseStream {
     }
 
     fn done(&mut self, ending: &Ending, usage: &Usage, _live: &Live) -> Vec<Event> {
+        self.cut_short = matches!(ending, Ending::Length | Ending::Cancelled);
         let rest = self.split.finish();
         let mut out = self.parts(rest, true);
         self.close(&mut out);
-        let r = self.head.response(ending, Some(usage), std::mem::take(&mut self.output));
+        let reasoning_tokens = self.reasoning_tokens();
+        let r = self.head.response(ending, Some(usage), std::mem::take(&mut self.output), reasoning_tokens);
         let kind = if r["status"] == "completed" { "response.completed" } else { "response.incomplete" };
-        out.push(self.event(kind, json!({"response": r})));
+        out.push(self.event(kind, json!({"response": r.clone()})));
+        self.finished = r;
         out
     }
 

@@ -45,7 +45,9 @@ pub fn format_of(template: Option<&str>) -> Result<ToolFormat, String> {
         .into())
 }
 
-/// The tools a request gives the model, checked against its template.
+/// The tools a request gives the model, checked against its template. Calls are not forced
+/// (there is no constrained decoding): a `strict` tool's calls are checked against its parameter
+/// schema instead, and one that does not fit it is not a call.
 #[derive(Debug, Clone)]
 pub struct Tooling {
     pub format: ToolFormat,
@@ -54,6 +56,63 @@ pub struct Tooling {
     pub names: Vec<String>,
     /// More than one call per answer (else the first call is kept).
     pub parallel: bool,
+}
+
+impl Tooling {
+    /// The parameter schema a call to `name` must fit (a `strict` tool's).
+    fn strict_schema(&self, name: &str) -> Option<&Value> {
+        let f = self.tools.iter().map(|t| &t["function"]).find(|f| f["name"] == name)?;
+        (f["strict"] == Value::Bool(true)).then(|| &f["parameters"])
+    }
+}
+
+/// Whether `v` fits `schema` in what strict schemas say: `type` (one or a list), `enum`,
+/// `properties`, `required`, `additionalProperties: false`, `items`, `anyOf`.
+pub fn fits(v: &Value, schema: &Value) -> bool {
+    if let Some(any) = schema.get("anyOf").and_then(Value::as_array) {
+        return any.iter().any(|s| fits(v, s));
+    }
+    if let Some(options) = schema.get("enum").and_then(Value::as_array) {
+        if !options.contains(v) {
+            return false;
+        }
+    }
+    let type_fits = |t: &str| match t {
+        "object" => v.is_object(),
+        "array" => v.is_array(),
+        "string" => v.is_string(),
+        "integer" => v.is_i64() || v.is_u64(),
+        "number" => v.is_number(),
+        "boolean" => v.is_boolean(),
+        "null" => v.is_null(),
+        _ => true,
+    };
+    let typed = match schema.get("type") {
+        Some(Value::String(t)) => type_fits(t),
+        Some(Value::Array(ts)) => ts.iter().filter_map(Value::as_str).any(type_fits),
+        _ => true,
+    };
+    if !typed {
+        return false;
+    }
+    if let Some(o) = v.as_object() {
+        let props = schema.get("properties").and_then(Value::as_object);
+        let required = schema.get("required").and_then(Value::as_array).into_iter().flatten();
+        if required.filter_map(Value::as_str).any(|k| !o.contains_key(k)) {
+            return false;
+        }
+        for (k, x) in o {
+            match props.and_then(|p| p.get(k)) {
+                Some(s) if !fits(x, s) => return false,
+                None if schema.get("additionalProperties") == Some(&Value::Bool(false)) => return false,
+                _ => {}
+            }
+        }
+    }
+    if let (Some(items), Some(a)) = (schema.get("items"), v.as_array()) {
+        return a.iter().all(|x| fits(x, items));
+    }
+    true
 }
 
 impl Tooling {
@@ -69,15 +128,14 @@ impl Tooling {
     }
 
     pub fn parser(&self, id_prefix: &'static str) -> CallParser {
-        CallParser::new(self.format, self.names.clone(), self.parallel, id_prefix)
+        let mut p = CallParser::new(self.format, self.names.clone(), self.parallel, id_prefix);
+        p.strict = self.names.iter().filter_map(|n| Some((n.clone(), self.strict_schema(n)?.clone()))).collect();
+        p
     }
 
     /// A whole answer's pieces, in order.
     pub fn pieces(&self, id_prefix: &'static str, text: &str) -> Vec<Piece> {
-        let mut p = self.parser(id_prefix);
-        let mut pieces = p.push(text);
-        pieces.extend(p.finish());
-        join_text(pieces)
+        join_text(self.parser(id_prefix).feed(text, true))
     }
 
     /// A whole answer's text (the pieces between calls joined) and its calls.
@@ -155,17 +213,38 @@ pub struct CallParser {
     calls: usize,
     /// Inside a call, where in `held` its close may start (what came before was looked through).
     scan_from: usize,
+    /// The whitespace before the `<tool_call>` being read.
+    ws_before: String,
+    /// The strict tools' parameter schemas, by name.
+    strict: Vec<(String, Value)>,
 }
 
 impl CallParser {
     pub fn new(format: ToolFormat, names: Vec<String>, parallel: bool, id_prefix: &'static str) -> CallParser {
         let held = String::new();
-        CallParser { format, names, parallel, state: State::Start, held, id_prefix, calls: 0, scan_from: 0 }
+        let (calls, scan_from, ws_before) = (0, 0, String::new());
+        let strict = Vec::new();
+        CallParser {
+            format,
+            names,
+            parallel,
+            state: State::Start,
+            held,
+            id_prefix,
+            calls,
+            scan_from,
+            ws_before,
+            strict,
+        }
     }
 
-    /// Calls given out so far.
-    pub fn calls(&self) -> usize {
-        self.calls
+    /// The pieces `text` completes; `end`: the answer is over, so what was held goes out too.
+    pub fn feed(&mut self, text: &str, end: bool) -> Vec<Piece> {
+        let mut pieces = self.push(text);
+        if end {
+            pieces.extend(self.finish());
+        }
+        pieces
     }
 
     pub fn push(&mut self, text: &str) -> Vec<Piece> {
@@ -216,10 +295,12 @@ impl CallParser {
                 }
                 (ToolFormat::Hermes, State::Text) => {
                     if let Some(at) = self.held.find(OPEN) {
+                        // The whitespace before a call is not text (it goes back if this is no call).
                         let before = self.held[..at].trim_end();
                         if !before.is_empty() {
                             out.push(Piece::Text(before.to_string()));
                         }
+                        self.ws_before = self.held[before.len()..at].to_string();
                         self.held.drain(..at + OPEN.len());
                         self.state = State::Call;
                         self.scan_from = 0;
@@ -257,7 +338,7 @@ impl CallParser {
                         // Not a call after all: the text as the model wrote it.
                         None => {
                             let close = if rest.is_some() { CLOSE } else { "" };
-                            out.push(Piece::Text(format!("{OPEN}{body}{close}")));
+                            out.push(Piece::Text(format!("{}{OPEN}{body}{close}", self.ws_before)));
                             self.held = rest.unwrap_or_default();
                             self.state = State::Text;
                             continue;
@@ -270,12 +351,14 @@ impl CallParser {
                     }
                 }
                 (ToolFormat::Hermes, State::AfterCall) => {
-                    let t = self.held.trim_start();
-                    if t.is_empty() {
-                        self.held.clear();
+                    // Whitespace after a call is text only if text follows (not another call or the
+                    // end), as the model wrote it.
+                    if self.held.trim_start().is_empty() {
+                        if last {
+                            self.held.clear();
+                        }
                         return out;
                     }
-                    self.held = t.to_string();
                     self.state = State::Text;
                 }
             }
@@ -295,6 +378,9 @@ impl CallParser {
             Some(o @ Value::Object(_)) => o.clone(),
             Some(_) => return None,
         };
+        if self.strict.iter().any(|(n, schema)| *n == name && !fits(&arguments, schema)) {
+            return None;
+        }
         if !self.parallel && self.calls > 0 {
             return Some(None);
         }
@@ -378,6 +464,13 @@ mod tests {
             streamed(ToolFormat::Hermes, "<tool_call>oops</tool_call> x"),
             [text("<tool_call>oops</tool_call> x")]
         );
+        assert_eq!(
+            streamed(ToolFormat::Hermes, "a <tool_call>oops</tool_call> x"),
+            [text("a <tool_call>oops</tool_call> x")]
+        );
+        // Text after a call keeps the break before it.
+        let after = "Checking.\n<tool_call>{\"name\": \"f\"}</tool_call>\nDone.\n";
+        assert_eq!(streamed(ToolFormat::Hermes, after), [text("Checking."), call("f", json!({})), text("\nDone.\n")]);
         // A call to a tool the request did not give is text.
         let other = "<tool_call>{\"name\": \"rm\", \"arguments\": {}}</tool_call>";
         assert_eq!(streamed(ToolFormat::Hermes, other), [text(other)]);
@@ -395,6 +488,34 @@ mod tests {
         let person = "{\"name\": \"Bob\", \"age\": 3}";
         assert_eq!(streamed(ToolFormat::Llama3Json, person), [text(person)]);
         assert_eq!(streamed(ToolFormat::Llama3Json, "<b>bold</b>"), [text("<b>bold</b>")]);
+    }
+
+    #[test]
+    fn a_strict_tools_calls_must_fit_its_schema() {
+        let schema = json!({"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+            "unit": {"enum": ["C", "F"]}}, "required": ["city"], "additionalProperties": false});
+        let tool = |strict: bool| json!({"type": "function", "function": {"name": "f", "parameters": schema, "strict": strict}});
+        let answer = |args: &str| format!("<tool_call>{{\"name\": \"f\", \"arguments\": {args}}}</tool_call>");
+        for (args, ok) in [
+            (r#"{"city": "Paris"}"#, true),
+            (r#"{"city": "Paris", "days": 3, "unit": "C"}"#, true),
+            (r#"{"days": 3}"#, false),
+            (r#"{"city": "Paris", "days": 2.5}"#, false),
+            (r#"{"city": "Paris", "unit": "K"}"#, false),
+            (r#"{"city": "Paris", "extra": 1}"#, false),
+        ] {
+            let strict = Tooling {
+                format: ToolFormat::Hermes,
+                tools: vec![tool(true)],
+                names: vec!["f".into()],
+                parallel: true,
+            };
+            let pieces = strict.pieces("call_", &answer(args));
+            assert_eq!(matches!(pieces[..], [Piece::Call(_)]), ok, "{args}: {pieces:?}");
+            // Not strict: any JSON object is the call.
+            let loose = Tooling { tools: vec![tool(false)], ..strict };
+            assert!(matches!(loose.pieces("call_", &answer(args))[..], [Piece::Call(_)]), "{args}");
+        }
     }
 
     #[test]

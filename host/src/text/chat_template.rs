@@ -73,6 +73,36 @@ fn tojson(value: &Value, kwargs: minijinja::value::Kwargs) -> Result<Value, Erro
     Ok(Value::from_safe_string(out))
 }
 
+/// A float as Python's `repr` writes it: the shortest digits that read back the same, fixed-point
+/// for exponents in [-4, 16) (always with a fractional part), else `d.ddde±XX`.
+fn py_float(x: f64) -> String {
+    if x.is_nan() {
+        return "NaN".into();
+    }
+    if x.is_infinite() {
+        return if x > 0.0 { "Infinity" } else { "-Infinity" }.into();
+    }
+    // Rust's `{:e}` gives the same shortest digits: `-d.ddde-x`.
+    let s = format!("{x:e}");
+    let (mantissa, exp) = s.split_once('e').unwrap_or((&s, "0"));
+    let exp: i32 = exp.parse().unwrap_or(0);
+    let (sign, mantissa) = mantissa.strip_prefix('-').map_or(("", mantissa), |m| ("-", m));
+    let digits: String = mantissa.chars().filter(|&c| c != '.').collect();
+    if (-4..16).contains(&exp) {
+        let point = exp + 1;
+        if point <= 0 {
+            format!("{sign}0.{}{digits}", "0".repeat(-point as usize))
+        } else if point as usize >= digits.len() {
+            format!("{sign}{digits}{}.0", "0".repeat(point as usize - digits.len()))
+        } else {
+            format!("{sign}{}.{}", &digits[..point as usize], &digits[point as usize..])
+        }
+    } else {
+        let m = if digits.len() > 1 { format!("{}.{}", &digits[..1], &digits[1..]) } else { digits };
+        format!("{sign}{m}e{}{:02}", if exp < 0 { '-' } else { '+' }, exp.abs())
+    }
+}
+
 /// How Python's `json.dumps` lays a value out.
 struct PyJson {
     indent: Option<usize>,
@@ -111,7 +141,7 @@ impl PyJson {
                 out.push('}');
             }
             J::String(s) => self.string(s, out),
-            // Python writes whole floats with their `.0`, as serde_json does.
+            J::Number(n) if n.is_f64() => out.push_str(&py_float(n.as_f64().unwrap_or(f64::NAN))),
             other => out.push_str(&other.to_string()),
         }
     }
@@ -141,7 +171,7 @@ impl PyJson {
             return;
         }
         for c in quoted.chars() {
-            if c.is_ascii() {
+            if c.is_ascii() && c != '\x7f' {
                 out.push(c);
             } else {
                 let mut units = [0u16; 2];
@@ -269,6 +299,33 @@ mod tests {
         let t = ChatTemplate::new(src, "<s>", "").unwrap();
         let out = t.render(&[ChatMessage::new("user", "  a  "), ChatMessage::new("skip", "b")], false).unwrap();
         assert_eq!(out, "<s>\"a\"4");
+    }
+
+    #[test]
+    fn floats_are_written_as_python_repr_writes_them() {
+        let cases = [
+            (0.0, "0.0"),
+            (-0.0, "-0.0"),
+            (1.0, "1.0"),
+            (1.5, "1.5"),
+            (12345.678, "12345.678"),
+            (1e15, "1000000000000000.0"),
+            (1e16, "1e+16"),
+            (1e20, "1e+20"),
+            (0.0001, "0.0001"),
+            (1e-5, "1e-05"),
+            (2.5e-5, "2.5e-05"),
+            (1.5e-6, "1.5e-06"),
+            (1e-10, "1e-10"),
+            (5e-324, "5e-324"),
+            (1.7976931348623157e308, "1.7976931348623157e+308"),
+            (0.1, "0.1"),
+            (-123.25, "-123.25"),
+            (f64::INFINITY, "Infinity"),
+        ];
+        for (x, want) in cases {
+            assert_eq!(py_float(x), want, "{x}");
+        }
     }
 
     #[test]
