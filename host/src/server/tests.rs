@@ -1320,6 +1320,15 @@ impl Server {
     fn last_prompt(&self) -> String {
         self.fake.text.as_ref().unwrap().decode(&self.last_request().prompt).unwrap()
     }
+
+    /// The last prompt holds a `get_weather` call for Paris and its result, "22 C", as the Hermes
+    /// template writes them.
+    fn assert_weather_call_and_result_rendered(&self) {
+        let prompt = self.last_prompt();
+        let call = "<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>";
+        assert!(prompt.contains(call), "{prompt}");
+        assert!(prompt.contains("<tool_response>22 C</tool_response>"), "{prompt}");
+    }
 }
 
 /// OpenAI tool calling: the tools reach the template, the model's `<tool_call>`s come back as
@@ -1384,12 +1393,7 @@ async fn openai_tool_calls() {
     ]);
     let (status, v) = s.post("/v1/chat/completions", json!({"messages": history, "tools": weather_tools()})).await;
     assert_eq!(status, 200, "{v}");
-    let prompt = s.last_prompt();
-    assert!(
-        prompt.contains("<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>"),
-        "{prompt}"
-    );
-    assert!(prompt.contains("<tool_response>22 C</tool_response>"), "{prompt}");
+    s.assert_weather_call_and_result_rendered();
 
     // tool_choice none: no tools in the prompt, the text as it came.
     let (_, v) =
@@ -1675,12 +1679,7 @@ async fn responses_api_function_calls_and_reasoning() {
     ]);
     let (status, v) = s.post("/v1/responses", json!({"input": items, "tools": tools})).await;
     assert_eq!(status, 200, "{v}");
-    let prompt = s.last_prompt();
-    assert!(
-        prompt.contains("<tool_call>{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}</tool_call>"),
-        "{prompt}"
-    );
-    assert!(prompt.contains("<tool_response>22 C</tool_response>"), "{prompt}");
+    s.assert_weather_call_and_result_rendered();
     // Streamed: each call an item of its own, whole.
     let (_, body, _) = s.post_text("/v1/responses", json!({"input": "Weather?", "tools": tools, "stream": true})).await;
     let data: Vec<Value> = sse(&body).into_iter().map(|e| serde_json::from_str(&e.1).unwrap()).collect();
