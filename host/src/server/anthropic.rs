@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use super::completion::{collect, new_id, stream_response, submit, Ending, Job, Live, StreamDialect};
 use super::error::{parse_body, ApiError, Dialect};
 use super::openai::{chat_prompt, StopField};
-use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
+use super::reasoning::{self, Parts, Splitter};
 use super::state::{AppState, LoadedModel, RequestLog};
 use super::tools::{CallParser, Piece, ToolCall, Tooling};
 use crate::engine::{TokenLogprob, Usage};
@@ -284,17 +284,6 @@ fn prompt_of(state: &AppState, model: &LoadedModel, r: &MessagesRequest) -> Resu
     Ok(Prompt { text, ids, tools, budget })
 }
 
-/// The request's reasoning format (llama-server's field; the server's `--reasoning-format` by
-/// default) for Anthropic answers: thoughts go to `thinking` blocks, never into the text as well
-/// (`deepseek-legacy` is read as `deepseek`); `none` leaves them in the text.
-fn reasoning_format(state: &AppState, r: &MessagesRequest) -> Result<ReasoningFormat, ApiError> {
-    let f = match r.reasoning_format.as_deref() {
-        None => state.config.reasoning_format,
-        Some(f) => ReasoningFormat::parse(f).map_err(|e| ApiError::field("reasoning_format", e))?,
-    };
-    Ok(if f == ReasoningFormat::Legacy { ReasoningFormat::Split } else { f })
-}
-
 /// `stop_reason` and `stop_sequence`: an answer that called tools stopped to let them run.
 fn stop_reason(e: &Ending, calls: usize) -> (&'static str, Value) {
     match e {
@@ -327,7 +316,8 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
     let r: MessagesRequest = parse_body(body)?;
     let max_tokens = r.max_tokens.ok_or_else(|| ApiError::field("max_tokens", "max_tokens: Field required"))?;
     let Prompt { text: prompt_text, ids: prompt, tools, budget } = prompt_of(&state, model, &r)?;
-    let (format, open) = (reasoning_format(&state, &r)?, reasoning::forced_open(&prompt_text));
+    let format = reasoning::request_format(&state, r.reasoning_format.as_deref(), true)?;
+    let open = reasoning::forced_open(&prompt_text);
     if let Some(t) = r.temperature.filter(|t| !(0.0..=1.0).contains(t)) {
         return Err(ApiError::field("temperature", format!("temperature: must be between 0 and 1, got {t}")));
     }

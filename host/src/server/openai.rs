@@ -17,7 +17,7 @@ use super::completion::{
     unix_time, Ending, Job, Live, StreamDialect, StreamExtras,
 };
 use super::error::{parse_body, ApiError, Dialect, ErrorKind};
-use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
+use super::reasoning::{self, Parts, Splitter};
 use super::state::{AppState, LoadedModel, RequestLog};
 use super::tools::{CallParser, Piece, ToolCall, Tooling};
 use crate::engine::{SamplingParams, TokenLogprob, Usage};
@@ -465,10 +465,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
         1,
     )?;
     let extras = StreamExtras::new(r.timings_per_token, r.return_progress, stream)?;
-    let reasoning = match r.reasoning_format.as_deref() {
-        None => state.config.reasoning_format,
-        Some(f) => ReasoningFormat::parse(f).map_err(|e| ApiError::field("reasoning_format", e))?,
-    };
+    let reasoning = reasoning::request_format(&state, r.reasoning_format.as_deref(), false)?;
     let messages = chat_messages(&r.messages)?;
     let kwargs = state.template_kwargs(r.chat_template_kwargs.as_ref());
     let (prompt_text, prompt) = chat_prompt(model, &messages, kwargs.as_ref(), tooling.as_ref())?;

@@ -43,6 +43,18 @@ pub fn forced_open(prompt: &str) -> bool {
     prompt.trim_end().ends_with(OPEN)
 }
 
+/// The reasoning format of a request: its llama-server `reasoning_format` field, else the server's
+/// `--reasoning-format`. Where thoughts have a place of their own (Anthropic's thinking blocks,
+/// Responses' reasoning items), `deepseek-legacy` is read as `deepseek`: a thought is never given
+/// twice.
+pub fn request_format(state: &AppState, field: Option<&str>, own_place: bool) -> Result<ReasoningFormat, ApiError> {
+    let f = match field {
+        None => state.config.reasoning_format,
+        Some(f) => ReasoningFormat::parse(f).map_err(|e| ApiError::field("reasoning_format", e))?,
+    };
+    Ok(if own_place && f == ReasoningFormat::Legacy { ReasoningFormat::Split } else { f })
+}
+
 /// A cap of `budget` tokens (None: no cap) on the thought of an answer to `prompt` (the rendered
 /// chat prompt): the engine ends the thought with `</think>` once it is spent.
 pub fn thought_budget(

@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 use super::completion::{collect, new_id, stream_response, submit, unix_time, Ending, Job, Live, StreamDialect};
 use super::error::{parse_body, ApiError, Dialect};
 use super::openai::{chat_prompt, request_tools, SamplingFields};
-use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
+use super::reasoning::{self, Parts, Splitter};
 use super::state::{AppState, RequestLog};
 use super::tools::{CallParser, Piece, ToolCall};
 use crate::engine::{TokenLogprob, Usage};
@@ -43,6 +43,8 @@ pub struct ResponsesRequest {
     /// Only OpenAI's `include_obfuscation: false` (no padding is added here).
     pub stream_options: Option<Value>,
     pub metadata: Option<Value>,
+    /// llama-server's: how thinking is returned (`none` leaves it in the message).
+    pub reasoning_format: Option<String>,
     pub tools: Option<Vec<Value>>,
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
@@ -191,6 +193,18 @@ fn refuse_unsupported(r: &ResponsesRequest) -> Result<(), ApiError> {
             "reasoning effort is not supported: a model here thinks as its template lets it",
         ));
     }
+    if r.reasoning
+        .as_ref()
+        .is_some_and(|v| v.get("summary").or_else(|| v.get("generate_summary")).is_some_and(|s| !s.is_null()))
+    {
+        return Err(ApiError::field(
+            "reasoning.summary",
+            "reasoning summaries are not written here; a thought comes back whole as the reasoning item's reasoning_text",
+        ));
+    }
+    if r.text.as_ref().and_then(|t| t.get("verbosity")).is_some_and(|v| !v.is_null()) {
+        return Err(ApiError::field("text.verbosity", "verbosity is not supported"));
+    }
     if r.truncation.as_deref().is_some_and(|t| t != "disabled") {
         return Err(ApiError::field(
             "truncation",
@@ -291,12 +305,7 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
             "error": null,
         }),
     };
-    // Thoughts go to reasoning items, never into the message as well (`deepseek-legacy` is read as
-    // `deepseek`).
-    let format = match state.config.reasoning_format {
-        ReasoningFormat::Legacy => ReasoningFormat::Split,
-        f => f,
-    };
+    let format = reasoning::request_format(&state, r.reasoning_format.as_deref(), true)?;
     let split = Splitter::new(format, reasoning::forced_open(&prompt_text));
     let calls = tooling.as_ref().map(|t| t.parser("call_"));
     let mut dialect = ResponseStream {
@@ -395,7 +404,6 @@ impl Item {
         }
     }
 
-    /// The finished item.
     /// The finished item (`status` `incomplete` for text cut short).
     fn done(self, cut_short: bool) -> Value {
         let status = if cut_short { "incomplete" } else { "completed" };
@@ -601,9 +609,15 @@ impl StreamDialect for ResponseStream {
         out
     }
 
+    /// An `error` event, then the response as failed (what the SDK's final response reads).
     fn error(&mut self, e: &ApiError) -> Vec<Event> {
         let body = e.clone().in_dialect(Dialect::OpenAi).body();
         let err = &body["error"];
-        vec![self.event("error", json!({"code": err["code"], "message": err["message"], "param": err["param"]}))]
+        let code = err["code"].as_str().unwrap_or("server_error").to_string();
+        let error = self.event("error", json!({"code": err["code"], "message": err["message"], "param": err["param"]}));
+        let mut r = self.head.response(&Ending::Eos, None, std::mem::take(&mut self.output), 0);
+        r["status"] = json!("failed");
+        r["error"] = json!({"code": code, "message": err["message"]});
+        vec![error, self.event("response.failed", json!({"response": r}))]
     }
 }

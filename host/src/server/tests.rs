@@ -1608,6 +1608,8 @@ async fn responses_api() {
         (json!({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}), "text.format"),
         (json!({"input": "hi", "store": true}), "store"),
         (json!({"input": "hi", "max_output_tokens": 0}), "max_output_tokens"),
+        (json!({"input": "hi", "reasoning": {"summary": "auto"}}), "reasoning.summary"),
+        (json!({"input": "hi", "text": {"verbosity": "low"}}), "text.verbosity"),
         (json!({"input": [{"type": "input_image", "image_url": "x"}]}), "input[0].type"),
         (
             json!({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}),
@@ -1712,6 +1714,13 @@ async fn responses_api_function_calls_and_reasoning() {
         "{v}"
     );
     assert_eq!(out[1]["content"][0]["text"], "Paris.");
+    // llama-server's reasoning_format here too: none leaves the thought in the message.
+    let (_, v) = t.post("/v1/responses", json!({"input": "hi", "reasoning_format": "none"})).await;
+    assert_eq!(
+        (v["output"].as_array().map(Vec::len), v["output"][0]["content"][0]["text"].as_str()),
+        (Some(1), Some(THOUGHT.concat().as_str())),
+        "{v}"
+    );
 }
 
 /// `/v1/completions` streams several prompts as choices of one stream, then one usage chunk and one
