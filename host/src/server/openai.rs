@@ -400,9 +400,26 @@ pub fn request_tools(
     choice: Option<&Value>,
     parallel: Option<bool>,
 ) -> Result<Option<Tooling>, ApiError> {
+    // `allowed_tools` in `auto` mode narrows the tools the model is shown.
+    let mut allowed: Option<Vec<&str>> = None;
     let choice_str = match choice {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) if s == "auto" || s == "none" => Some(s.as_str()),
+        Some(v) if v.get("type").and_then(Value::as_str) == Some("allowed_tools") => {
+            // Chat nests the list (`allowed_tools: {mode, tools}`); Responses does not.
+            let spec = v.get("allowed_tools").unwrap_or(v);
+            if spec.get("mode").and_then(Value::as_str) != Some("auto") {
+                return Err(ApiError::field(
+                    "tool_choice",
+                    "allowed_tools takes mode `auto` only: `required` forces a call, which needs constrained decoding",
+                ));
+            }
+            let names = spec.get("tools").and_then(Value::as_array).into_iter().flatten();
+            let names = names.map(|t| t.pointer("/function/name").or_else(|| t.get("name")).and_then(Value::as_str));
+            let names: Option<Vec<&str>> = names.collect();
+            allowed = Some(names.ok_or_else(|| ApiError::field("tool_choice", "each allowed tool needs a name"))?);
+            None
+        }
         Some(v) => {
             return Err(ApiError::field(
                 "tool_choice",
@@ -414,6 +431,22 @@ pub fn request_tools(
     if choice_str == Some("none") {
         return Ok(None);
     }
+    let name_of = |t: &Value| t.pointer("/function/name").and_then(Value::as_str).unwrap_or_default().to_string();
+    let tools: Vec<Value> = match &allowed {
+        None => tools.clone(),
+        Some(names) => {
+            if let Some(n) = names.iter().find(|n| !tools.iter().any(|t| name_of(t) == **n)) {
+                return Err(ApiError::field(
+                    "tool_choice",
+                    format!("allowed tool `{n}` is not among the request's tools"),
+                ));
+            }
+            tools.iter().filter(|t| names.contains(&name_of(t).as_str())).cloned().collect()
+        }
+    };
+    if tools.is_empty() {
+        return Ok(None);
+    }
     for (i, t) in tools.iter().enumerate() {
         if t.get("type").and_then(Value::as_str) != Some("function") {
             return Err(ApiError::field(&format!("tools[{i}].type"), "only `function` tools are supported"));
@@ -422,7 +455,7 @@ pub fn request_tools(
             return Err(ApiError::field(&format!("tools[{i}].function.name"), "a function tool needs a name"));
         }
     }
-    Tooling::new(tools.clone(), parallel.unwrap_or(true), model.facts.chat_template.as_deref())
+    Tooling::new(tools, parallel.unwrap_or(true), model.facts.chat_template.as_deref())
         .map(Some)
         .map_err(|e| ApiError::field("tools", e))
 }

@@ -1365,6 +1365,25 @@ async fn openai_tool_calls() {
     let (_, v) = s.post("/v1/chat/completions", one).await;
     assert_eq!(v["choices"][0]["message"]["tool_calls"].as_array().map(Vec::len), Some(1), "{v}");
 
+    // allowed_tools (auto) shows the model only those tools; a call to another is text.
+    let allowed = json!({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {"name": "get_time"}}]}});
+    let (status, v) = s
+        .post("/v1/chat/completions", json!({"messages": ask, "tools": weather_tools(), "tool_choice": allowed}))
+        .await;
+    assert_eq!(status, 200, "{v}");
+    assert!(!s.last_prompt().contains("get_weather"), "{}", s.last_prompt());
+    let calls = v["choices"][0]["message"]["tool_calls"].as_array().unwrap();
+    assert_eq!((calls.len(), calls[0]["function"]["name"].as_str()), (1, Some("get_time")), "{v}");
+    for choice in [
+        json!({"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "get_time"}}]}}),
+        json!({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {"name": "nope"}}]}}),
+    ] {
+        let (status, v) = s
+            .post("/v1/chat/completions", json!({"messages": ask, "tools": weather_tools(), "tool_choice": choice}))
+            .await;
+        assert_eq!((status, v["error"]["param"].as_str()), (400, Some("tool_choice")), "{v}");
+    }
+
     // Streamed: the text, then each call whole in its own delta.
     let (status, body, _) =
         s.post_text("/v1/chat/completions", json!({"messages": ask, "tools": weather_tools(), "stream": true})).await;
