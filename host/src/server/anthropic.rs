@@ -17,7 +17,7 @@ use super::error::{parse_body, ApiError, Dialect};
 use super::openai::{chat_prompt, StopField};
 use super::reasoning::{self, Parts, Splitter};
 use super::state::{AppState, LoadedModel, RequestLog};
-use super::tools::{CallParser, Piece, ToolCall, Tooling};
+use super::tools::{pieces_through, CallParser, Piece, ToolCall, Tooling};
 use crate::engine::{TokenLogprob, Usage};
 use crate::text::ChatMessage;
 
@@ -458,13 +458,8 @@ impl MessageStream {
         if !parts.reasoning.is_empty() {
             self.write_block("thinking", &parts.reasoning, &mut out);
         }
-        let pieces = match &mut self.calls {
-            None => vec![Piece::Text(parts.content)],
-            Some(parser) => parser.feed(&parts.content, end),
-        };
-        for piece in pieces {
+        for piece in pieces_through(&mut self.calls, &parts.content, end) {
             match piece {
-                Piece::Text(t) if t.is_empty() => {}
                 Piece::Text(t) => self.write_block("text", &t, &mut out),
                 Piece::Call(c) => self.tool_block(&c, &mut out),
             }

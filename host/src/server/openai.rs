@@ -19,7 +19,7 @@ use super::completion::{
 use super::error::{parse_body, ApiError, Dialect, ErrorKind};
 use super::reasoning::{self, Parts, Splitter};
 use super::state::{AppState, LoadedModel, RequestLog};
-use super::tools::{CallParser, Piece, ToolCall, Tooling};
+use super::tools::{pieces_through, text_and_calls, CallParser, ToolCall, Tooling};
 use crate::engine::{SamplingParams, TokenLogprob, Usage};
 use crate::text::{ChatMessage, TextTokenizer};
 
@@ -649,21 +649,7 @@ impl ChatStream {
     /// it (the logprobs, and `timings` if asked for, on the first; a chunk for logprobs alone when
     /// the text is all held back). `end`: the answer is over, so the call reader gives what it held.
     fn deltas(&mut self, parts: Parts, end: bool, logprobs: Value, live: &Live) -> Vec<Event> {
-        let (content, calls) = match &mut self.calls {
-            None => (parts.content, vec![]),
-            Some(parser) => {
-                let pieces = parser.feed(&parts.content, end);
-                let mut content = String::new();
-                let mut calls = vec![];
-                for p in pieces {
-                    match p {
-                        Piece::Text(t) => content.push_str(&t),
-                        Piece::Call(c) => calls.push(c),
-                    }
-                }
-                (content, calls)
-            }
-        };
+        let (content, calls) = text_and_calls(pieces_through(&mut self.calls, &parts.content, end));
         let parts = Parts { reasoning: parts.reasoning, content };
         let mut deltas = vec![];
         if !parts.is_empty() || (!logprobs.is_null() && calls.is_empty()) {

@@ -19,7 +19,7 @@ use super::error::{parse_body, ApiError, Dialect};
 use super::openai::{chat_prompt, request_tools, SamplingFields};
 use super::reasoning::{self, Parts, Splitter};
 use super::state::{AppState, RequestLog};
-use super::tools::{CallParser, Piece, ToolCall};
+use super::tools::{pieces_through, CallParser, Piece, ToolCall};
 use crate::engine::{TokenLogprob, Usage};
 use crate::text::{ChatMessage, TextTokenizer};
 
@@ -420,16 +420,6 @@ impl Item {
     }
 }
 
-/// The answer text's pieces through the call reader, if there is one (empty text left out).
-fn pieces(calls: &mut Option<CallParser>, content: String, end: bool) -> Vec<Piece> {
-    let mut pieces = match calls {
-        None => vec![Piece::Text(content)],
-        Some(p) => p.feed(&content, end),
-    };
-    pieces.retain(|p| !matches!(p, Piece::Text(t) if t.is_empty()));
-    pieces
-}
-
 /// The Responses event stream; the whole answer is the same items with the events left unsent.
 struct ResponseStream {
     head: Head,
@@ -532,7 +522,7 @@ impl ResponseStream {
                 out.push(e);
             }
         }
-        for piece in pieces(&mut self.calls, parts.content, end) {
+        for piece in pieces_through(&mut self.calls, &parts.content, end) {
             match piece {
                 Piece::Text(t) => {
                     self.open(Item::Message { id: new_id("msg_"), text: String::new() }, &mut out);

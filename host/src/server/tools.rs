@@ -140,16 +140,32 @@ impl Tooling {
 
     /// A whole answer's text (the pieces between calls joined) and its calls.
     pub fn split(&self, id_prefix: &'static str, text: &str) -> (String, Vec<ToolCall>) {
-        let mut content = String::new();
-        let mut calls = Vec::new();
-        for piece in self.pieces(id_prefix, text) {
-            match piece {
-                Piece::Text(t) => content.push_str(&t),
-                Piece::Call(c) => calls.push(c),
-            }
-        }
-        (content, calls)
+        text_and_calls(self.pieces(id_prefix, text))
     }
+}
+
+/// The pieces new answer text completes, through the call reader when the request has tools (else
+/// the text itself); empty text left out. `end`: the answer is over.
+pub fn pieces_through(calls: &mut Option<CallParser>, text: &str, end: bool) -> Vec<Piece> {
+    let mut pieces = match calls {
+        None => vec![Piece::Text(text.to_string())],
+        Some(p) => p.feed(text, end),
+    };
+    pieces.retain(|p| !matches!(p, Piece::Text(t) if t.is_empty()));
+    pieces
+}
+
+/// Pieces as their text (joined) and their calls.
+pub fn text_and_calls(pieces: Vec<Piece>) -> (String, Vec<ToolCall>) {
+    let mut text = String::new();
+    let mut calls = Vec::new();
+    for piece in pieces {
+        match piece {
+            Piece::Text(t) => text.push_str(&t),
+            Piece::Call(c) => calls.push(c),
+        }
+    }
+    (text, calls)
 }
 
 /// One call the model made: `arguments` is a JSON object.
