@@ -30,6 +30,9 @@ pub struct GenerationRequest {
     pub timeout: Option<Duration>,
     /// A cap on a reasoning model's thought (None = the model thinks as long as it likes).
     pub thought_budget: Option<ThoughtBudget>,
+    /// Special tokens whose text shows in the answer (the tool-call and thought tags a server reads
+    /// back, as llama-server's preserved tokens); other special tokens show nothing.
+    pub shown_special: Vec<u32>,
 }
 
 impl GenerationRequest {
@@ -44,6 +47,7 @@ impl GenerationRequest {
             logprobs: None,
             timeout: None,
             thought_budget: None,
+            shown_special: Vec::new(),
         }
     }
 }

@@ -18,6 +18,8 @@ pub struct StreamingText {
     ids: Vec<u32>,
     prefix: String,
     prefix_index: usize,
+    /// Special tokens whose text shows (decoding skips the others).
+    shown_special: Vec<u32>,
 }
 
 /// What one sampled token did.
@@ -41,7 +43,14 @@ impl StreamingText {
             ids: Vec::new(),
             prefix: String::new(),
             prefix_index: 0,
+            shown_special: Vec::new(),
         }
+    }
+
+    /// Shows the text of these special tokens (see [`GenerationRequest::shown_special`](super::GenerationRequest)).
+    pub fn showing(mut self, special: Vec<u32>) -> Self {
+        self.shown_special = special;
+        self
     }
 
     /// Tokens it may still take before the token limit.
@@ -74,6 +83,18 @@ impl StreamingText {
             &mut self.prefix_index,
         )
         .map_err(|e| format!("decoding token {token} failed: {e}"))?;
+        // The stream skips special tokens (adding no text, so its spacing stays as without them);
+        // a shown one's text follows what came before it.
+        let piece = match self.shown_special.contains(&token) {
+            true => {
+                let tag = tokenizer
+                    .inner
+                    .decode(&[token], false)
+                    .map_err(|e| format!("decoding token {token} failed: {e}"))?;
+                Some(piece.unwrap_or_default() + &tag)
+            }
+            false => piece,
+        };
         let mut text = String::new();
         if let Some(piece) = piece {
             match self.stop.push(&piece) {
@@ -144,5 +165,25 @@ mod tests {
         let mut out = StreamingText::new(&[], true, whole);
         let text: String = ids.iter().map(|&id| out.push(&tok, id).unwrap().text).collect();
         assert_eq!(text, "a 😀");
+    }
+
+    /// Special tokens show nothing unless the request shows them; a shown one's text sits where
+    /// the token was, and the text around it is unchanged.
+    #[test]
+    fn only_shown_special_tokens_show() {
+        let tok = tokenizer();
+        let mut ids = tok.encode("Hi", false).unwrap();
+        ids.push(1); // <|im_start|>, a special token
+        ids.extend(tok.encode(" there", false).unwrap());
+        let run = |shown: Vec<u32>| {
+            let mut out = StreamingText::new(&[], true, 100).showing(shown);
+            ids.iter().map(|&id| out.push(&tok, id).unwrap().text).collect::<String>()
+        };
+        // The tokenizer tells which tags are special tokens (text and unknown tags are not).
+        assert_eq!(tok.special_ids(&["<|im_start|>", "Hi", "<think>"]), [1]);
+        assert_eq!(run(vec![]), "Hi there");
+        assert_eq!(run(vec![1]), "Hi<|im_start|> there");
+        // Showing a token the answer does not hold changes nothing.
+        assert_eq!(run(vec![2]), "Hi there");
     }
 }

@@ -17,7 +17,7 @@ use super::error::{parse_body, ApiError, Dialect};
 use super::openai::{chat_prompt, StopField};
 use super::reasoning::{self, Parts, Splitter};
 use super::state::{AppState, LoadedModel, RequestLog};
-use super::tools::{pieces_through, CallParser, Piece, ToolCall, Tooling};
+use super::tools::{pieces_through, shown_tags, CallParser, Piece, ToolCall, Tooling};
 use crate::engine::{TokenLogprob, Usage};
 use crate::text::ChatMessage;
 
@@ -329,6 +329,7 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
     let mut job = Job::new(prompt, sampling);
     job.max_tokens = Some(max_tokens as usize);
     job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;
+    job.shown_special = shown_tags(&model.text, tools.as_ref());
     job.stop = r.stop_sequences.clone().map(|v| StopField::Many(v).into_vec()).unwrap_or_default();
     let stops = job.stop.clone();
     let req = job.into_request(&state, model, "messages")?;

@@ -32,12 +32,15 @@ pub struct Job {
     pub cache_prompt: Option<bool>,
     pub logprobs: Option<usize>,
     pub thought_budget: Option<ThoughtBudget>,
+    /// Special tokens whose text the answer keeps (tags the dialect reads back).
+    pub shown_special: Vec<u32>,
 }
 
 impl Job {
     pub fn new(prompt: Vec<u32>, sampling: SamplingParams) -> Job {
         let (max_tokens, stop, ignore_eos, cache_prompt, logprobs) = (None, vec![], false, None, None);
-        Job { prompt, sampling, max_tokens, stop, ignore_eos, cache_prompt, logprobs, thought_budget: None }
+        let (thought_budget, shown_special) = (None, Vec::new());
+        Job { prompt, sampling, max_tokens, stop, ignore_eos, cache_prompt, logprobs, thought_budget, shown_special }
     }
 
     /// Applies the context size, `-n`, `--timeout` and `--cache-prompt`; `prompt_param` names the request
@@ -75,6 +78,7 @@ impl Job {
         r.cache_prompt = state.config.cache_prompt && self.cache_prompt.unwrap_or(true);
         r.logprobs = self.logprobs;
         r.thought_budget = self.thought_budget;
+        r.shown_special = self.shown_special;
         r.timeout = state.config.timeout;
         Ok(r)
     }

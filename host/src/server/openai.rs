@@ -287,6 +287,8 @@ pub fn chat_prompt(
     tools: Option<&Tooling>,
 ) -> Result<(String, Vec<u32>), ApiError> {
     let tools = tools.map(|t| t.tools.as_slice());
+    let adapted = super::tools::history_for(model.facts.chat_template.as_deref(), messages);
+    let messages = adapted.as_deref().unwrap_or(messages);
     let t = model.text.chat_template.as_ref().ok_or_else(|| {
         ApiError::invalid(
             "this model has no chat template; start the server with --chat-template-file, or use /v1/completions",
@@ -510,6 +512,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     job.max_tokens = limit;
     job.thought_budget =
         reasoning::thought_budget(model, reasoning::server_budget(&state, kwargs.as_ref()), &prompt_text)?;
+    job.shown_special = super::tools::shown_tags(&model.text, tooling.as_ref());
     job.stop = r.stop.map(StopField::into_vec).unwrap_or_default();
     job.cache_prompt = r.cache_prompt;
     job.ignore_eos = r.ignore_eos.unwrap_or(false);

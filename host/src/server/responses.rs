@@ -281,6 +281,7 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
     };
     job.thought_budget =
         reasoning::thought_budget(model, reasoning::server_budget(&state, kwargs.as_ref()), &prompt_text)?;
+    job.shown_special = super::tools::shown_tags(&model.text, tooling.as_ref());
     let prompt_tokens = job.prompt.len();
     let req = job.into_request(&state, model, "input")?;
     let events = submit(model, req)?;

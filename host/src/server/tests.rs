@@ -1331,6 +1331,91 @@ impl Server {
     }
 }
 
+/// A Qwen3-Coder-style template (XML calls).
+const QWEN_CODER: &str = "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools> Call as <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+/// A Mistral-style template that takes only nine-character call ids, as Mistral's do.
+const MISTRAL: &str = "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}{% for m in messages %}{% if m.role == 'user' %}[INST]{{ m.content }}[/INST]{% elif m.tool_calls %}{% for c in m.tool_calls %}{% if c.id | length != 9 %}{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}[TOOL_CALLS]{{ c.function.name }}[CALL_ID]{{ c.id }}[ARGS]{{ c.function.arguments | tojson }}{% endfor %}</s>{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.tool_call_id }}[TOOL_CONTENT]{{ m.content }}[/TOOL_RESULTS]{% else %}{{ m.content }}</s>{% endif %}{% endfor %}";
+
+/// An LFM2-style template, which leaves calls out of the history (the model's text holds them).
+const LFM2: &str = "{% if tools %}<|im_start|>system\nList of tools: <|tool_list_start|>{{ tools | tojson }}<|tool_list_end|><|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+
+/// Calls in the other formats the server reads: Qwen3-Coder's XML (values typed by the tool's
+/// schema), Mistral's `[TOOL_CALLS]name[ARGS]{…}` and LFM2's Python calls come back in each
+/// dialect's shape, and their histories reach templates the way those take them.
+#[tokio::test]
+async fn tool_calls_in_other_formats() {
+    let ask = json!([{"role": "user", "content": "Weather in Paris?"}]);
+    let tools = json!([{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]);
+    let history = json!([
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\":\"Paris\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "22 C"}
+    ]);
+    let calls_of = |v: &Value| -> Vec<(String, Value)> {
+        v["choices"][0]["message"]["tool_calls"]
+            .as_array()
+            .unwrap_or_else(|| panic!("no calls: {v}"))
+            .iter()
+            .map(|c| {
+                let args = serde_json::from_str(c["function"]["arguments"].as_str().unwrap()).unwrap();
+                (c["function"]["name"].as_str().unwrap().to_string(), args)
+            })
+            .collect()
+    };
+
+    let xml = [
+        "Sure.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n",
+        "Paris\n</parameter>\n<parameter=days>\n2\n</parameter>\n</function>\n</tool_call>",
+    ];
+    let s =
+        start_templated(config(), Fake { script: Some(xml.to_vec()), ..Default::default() }, true, QWEN_CODER, 2048)
+            .await;
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": ask, "tools": tools})).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(calls_of(&v), [("get_weather".to_string(), json!({"city": "Paris", "days": 2}))]);
+    assert_eq!(
+        (v["choices"][0]["message"]["content"].as_str(), v["choices"][0]["finish_reason"].as_str()),
+        (Some("Sure."), Some("tool_calls"))
+    );
+
+    let mistral = ["[TOOL_CALLS]get_weather[ARGS]{\"city\": ", "\"Paris\"}"];
+    let s =
+        start_templated(config(), Fake { script: Some(mistral.to_vec()), ..Default::default() }, true, MISTRAL, 2048)
+            .await;
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": ask, "tools": tools})).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(calls_of(&v), [("get_weather".to_string(), json!({"city": "Paris"}))]);
+    // The client's ids become nine characters, the call's and its result's alike.
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": history, "tools": tools})).await;
+    assert_eq!(status, 200, "{v}");
+    let prompt = s.last_prompt();
+    let id = prompt.split("[CALL_ID]").nth(1).and_then(|r| r.split("[ARGS]").next()).unwrap_or_default().to_string();
+    assert!(id.len() == 9 && prompt.contains(&format!("[TOOL_RESULTS]{id}[TOOL_CONTENT]22 C")), "{prompt}");
+
+    let lfm2 = ["Checking.<|tool_call_start|>[get_weather(city=", "\"Paris\", days=3)]<|tool_call_end|>"];
+    let s =
+        start_templated(config(), Fake { script: Some(lfm2.to_vec()), ..Default::default() }, true, LFM2, 2048).await;
+    let anthropic_tools = json!([{"name": "get_weather", "input_schema": tools[0]["function"]["parameters"]}]);
+    let (status, v) =
+        s.post("/v1/messages", json!({"max_tokens": 50, "messages": ask, "tools": anthropic_tools})).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["stop_reason"], "tool_use", "{v}");
+    assert_eq!(v["content"][0], json!({"type": "text", "text": "Checking."}));
+    assert_eq!(
+        (v["content"][1]["name"].as_str(), &v["content"][1]["input"]),
+        (Some("get_weather"), &json!({"city": "Paris", "days": 3}))
+    );
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": history, "tools": tools})).await;
+    assert_eq!(status, 200, "{v}");
+    let prompt = s.last_prompt();
+    assert!(
+        prompt.contains("assistant\n<|tool_call_start|>[get_weather(city=\"Paris\")]<|tool_call_end|>"),
+        "{prompt}"
+    );
+}
+
 /// OpenAI tool calling: the tools reach the template, the model's `<tool_call>`s come back as
 /// `tool_calls` (whole and streamed), a tool-use history is rendered, and what cannot be honoured
 /// (forcing a call, a template without tools) is refused by name.

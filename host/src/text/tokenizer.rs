@@ -152,6 +152,16 @@ impl TextTokenizer {
         piece.chars().map(byte_of).collect::<Option<Vec<u8>>>().unwrap_or_else(|| text.into_bytes())
     }
 
+    /// The ids of those of `tags` that are special tokens here (their text is skipped in decoding
+    /// unless a request shows it).
+    pub fn special_ids(&self, tags: &[&str]) -> Vec<u32> {
+        let added = self.inner.get_added_tokens_decoder();
+        tags.iter()
+            .filter_map(|t| self.inner.token_to_id(t))
+            .filter(|id| added.get(id).is_some_and(|a| a.special))
+            .collect()
+    }
+
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner.decode(ids, true).map_err(|e| anyhow::anyhow!("decoding failed: {e}"))
     }

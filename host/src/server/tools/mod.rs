@@ -3,47 +3,21 @@
 //! format its template uses — as llama-server does with `--jinja`, but without grammars: a call is
 //! what the model writes, parsed after the fact, never forced.
 //!
-//! Formats, recognised from the template's source:
-//! - Hermes (Qwen2.5, Qwen3, Hermes, SmolLM3 …): `<tool_call>{"name": …, "arguments": {…}}</tool_call>`,
-//!   any number of them, after optional text;
-//! - Llama 3.1+: the whole answer is `{"name": …, "parameters": {…}}` (optionally after
-//!   `<|python_tag|>`).
+//! The formats and their tags are in [`formats`].
 //!
 //! Streams are parsed as they arrive: text goes out at once except what may still be the start of a
 //! call, and each call goes out whole once its closing tag (or the end) is seen.
 
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 use super::completion::new_id;
+use crate::text::{ChatMessage, TextTokenizer};
 
-/// How a model writes tool calls.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum ToolFormat {
-    Hermes,
-    Llama3Json,
-}
+mod formats;
+mod python;
 
-/// The tool-call format of a chat template, or why tools cannot be given to it.
-pub fn format_of(template: Option<&str>) -> Result<ToolFormat, String> {
-    let t = template.unwrap_or_default();
-    if !t.contains("tools") {
-        return Err("this model's chat template does not take tools".into());
-    }
-    // Qwen3-Coder's and Functionary's XML calls (`<function=name><parameter=k>v</parameter>`) share
-    // the tags of the JSON formats.
-    if t.contains("<function=") {
-        return Err("this model writes tool calls as XML (`<function=…>`), which this server does not read yet".into());
-    }
-    if t.contains("<tool_call>") && !t.contains("<arg_key>") {
-        return Ok(ToolFormat::Hermes);
-    }
-    if t.contains("<|python_tag|>") || (t.contains("ipython") && t.contains("\"parameters\"")) {
-        return Ok(ToolFormat::Llama3Json);
-    }
-    Err("the tool-call format of this model's chat template is not supported (supported: Hermes `<tool_call>` \
-         as Qwen2.5/Qwen3 write it, and Llama 3.1+ JSON calls)"
-        .into())
-}
+use formats::RawCall;
+pub use formats::{format_of, ToolFormat};
 
 /// The tools a request gives the model, checked against its template. Calls are not forced
 /// (there is no constrained decoding): a `strict` tool's calls are checked against its parameter
@@ -130,6 +104,12 @@ impl Tooling {
     pub fn parser(&self, id_prefix: &'static str) -> CallParser {
         let mut p = CallParser::new(self.format, self.names.clone(), self.parallel, id_prefix);
         p.strict = self.names.iter().filter_map(|n| Some((n.clone(), self.strict_schema(n)?.clone()))).collect();
+        p.params = self
+            .tools
+            .iter()
+            .map(|t| &t["function"])
+            .filter_map(|f| Some((f["name"].as_str()?.to_string(), f["parameters"].clone())))
+            .collect();
         p
     }
 
@@ -142,6 +122,47 @@ impl Tooling {
     pub fn split(&self, id_prefix: &'static str, text: &str) -> (String, Vec<ToolCall>) {
         text_and_calls(self.pieces(id_prefix, text))
     }
+}
+
+/// A conversation's tool calls as the template of format `format` (source `template`) takes them:
+/// Mistral's templates take only ids of nine letters and digits (others are mapped, calls and
+/// results alike), and an LFM2 template that leaves calls out of the history gets them in the
+/// assistant's text, as the model wrote them.
+pub fn history_for(template: Option<&str>, messages: &[ChatMessage]) -> Option<Vec<ChatMessage>> {
+    let format = format_of(template).ok()?;
+    let lfm2_text = format == ToolFormat::Lfm2 && !template.unwrap_or_default().contains("tool_calls");
+    if format != ToolFormat::Mistral && !lfm2_text {
+        return None;
+    }
+    let mut out = messages.to_vec();
+    for m in &mut out {
+        if format == ToolFormat::Mistral {
+            m.tool_call_id = m.tool_call_id.as_deref().map(formats::mistral_id);
+            for call in m.tool_calls.iter_mut().flatten() {
+                if let Some(id) = call.get("id").and_then(Value::as_str).map(formats::mistral_id) {
+                    call["id"] = Value::String(id);
+                }
+            }
+        }
+        if lfm2_text {
+            let named = |c: &Value| {
+                let name = c.pointer("/function/name").and_then(Value::as_str).unwrap_or_default().to_string();
+                (name, c.pointer("/function/arguments").cloned().unwrap_or(Value::Null))
+            };
+            if let Some(calls) = m.tool_calls.take() {
+                m.content.push_str(&formats::lfm2_call_text(&calls.iter().map(named).collect::<Vec<RawCall>>()));
+            }
+        }
+    }
+    Some(out)
+}
+
+/// The special tokens whose text a chat answer keeps: the thought tags, and with tools the call
+/// format's tags (which a tokenizer may hold as special tokens, as LFM2's and Mistral's do).
+pub fn shown_tags(tok: &TextTokenizer, tooling: Option<&Tooling>) -> Vec<u32> {
+    let mut tags = vec!["<think>", "</think>"];
+    tags.extend(tooling.map_or(&[][..], |t| t.format.tags()));
+    tok.special_ids(&tags)
 }
 
 /// The pieces new answer text completes, through the call reader when the request has tools (else
@@ -200,8 +221,6 @@ pub enum Piece {
     Call(ToolCall),
 }
 
-const OPEN: &str = "<tool_call>";
-const CLOSE: &str = "</tool_call>";
 const PYTHON_TAG: &str = "<|python_tag|>";
 
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -229,17 +248,19 @@ pub struct CallParser {
     calls: usize,
     /// Inside a call, where in `held` its close may start (what came before was looked through).
     scan_from: usize,
-    /// The whitespace before the `<tool_call>` being read.
+    /// The whitespace before the call being read.
     ws_before: String,
     /// The strict tools' parameter schemas, by name.
     strict: Vec<(String, Value)>,
+    /// Every tool's parameter schema, by name (how the XML formats' values are read).
+    params: Vec<(String, Value)>,
 }
 
 impl CallParser {
     pub fn new(format: ToolFormat, names: Vec<String>, parallel: bool, id_prefix: &'static str) -> CallParser {
         let held = String::new();
         let (calls, scan_from, ws_before) = (0, 0, String::new());
-        let strict = Vec::new();
+        let (strict, params) = (Vec::new(), Vec::new());
         CallParser {
             format,
             names,
@@ -251,6 +272,7 @@ impl CallParser {
             scan_from,
             ws_before,
             strict,
+            params,
         }
     }
 
@@ -295,9 +317,8 @@ impl CallParser {
                     }
                     let body = std::mem::take(&mut self.held);
                     let t = body.trim().strip_prefix(PYTHON_TAG).unwrap_or(body.trim());
-                    match self.call_from(t, "parameters") {
-                        Some(Some(c)) => out.push(Piece::Call(c)),
-                        Some(None) => {}
+                    match self.take(t) {
+                        Some(calls) => out.extend(calls.into_iter().map(Piece::Call)),
                         None => out.push(Piece::Text(body)),
                     }
                     self.state = State::Text;
@@ -309,64 +330,54 @@ impl CallParser {
                     }
                     return out;
                 }
-                (ToolFormat::Hermes, State::Text) => {
-                    if let Some(at) = self.held.find(OPEN) {
+                (format, State::Text) => {
+                    let open = format.open();
+                    if let Some(at) = self.held.find(open) {
                         // The whitespace before a call is not text (it goes back if this is no call).
                         let before = self.held[..at].trim_end();
                         if !before.is_empty() {
                             out.push(Piece::Text(before.to_string()));
                         }
                         self.ws_before = self.held[before.len()..at].to_string();
-                        self.held.drain(..at + OPEN.len());
+                        self.held.drain(..at + open.len());
                         self.state = State::Call;
                         self.scan_from = 0;
                         continue;
                     }
-                    // Keep a possible start of `<tool_call>` and the whitespace before it.
+                    // Keep a possible start of the tag and the whitespace before it.
                     let keep_from =
-                        if last { self.held.len() } else { self.held.len() - partial_tag(&self.held, OPEN) };
+                        if last { self.held.len() } else { self.held.len() - partial_tag(&self.held, open) };
                     let emit = if last { keep_from } else { self.held[..keep_from].trim_end().len() };
                     if emit > 0 {
                         out.push(Piece::Text(self.held.drain(..emit).collect()));
                     }
                     return out;
                 }
-                (ToolFormat::Hermes, State::Call) => {
-                    // The close can only be in what arrived since the last look (or straddle it).
-                    let found = self.held[self.scan_from..].find(CLOSE).map(|at| self.scan_from + at);
-                    let (body, rest) = match found {
-                        Some(at) => (self.held[..at].to_string(), Some(self.held[at + CLOSE.len()..].to_string())),
-                        // Cut off by the token limit, maybe inside the close.
-                        None if last => (std::mem::take(&mut self.held), None),
-                        None => {
-                            let mut from = self.held.len().saturating_sub(CLOSE.len() - 1);
-                            while !self.held.is_char_boundary(from) {
-                                from -= 1;
-                            }
-                            self.scan_from = from;
-                            return out;
-                        }
+                (format, State::Call) => {
+                    let Some((body, rest, closed)) = self.call_body(format.close(), last) else { return out };
+                    // An unclosed call may end inside its close.
+                    let cut = match (closed, format.close()) {
+                        (false, Some(close)) => body.len() - partial_tag(&body, close),
+                        _ => body.len(),
                     };
-                    let json = if rest.is_some() { &body } else { &body[..body.len() - partial_tag(&body, CLOSE)] };
-                    match self.call_from(json.trim(), "arguments") {
-                        Some(Some(c)) => out.push(Piece::Call(c)),
-                        Some(None) => {}
+                    match self.take(&body[..cut]) {
+                        Some(calls) => out.extend(calls.into_iter().map(Piece::Call)),
                         // Not a call after all: the text as the model wrote it.
                         None => {
-                            let close = if rest.is_some() { CLOSE } else { "" };
-                            out.push(Piece::Text(format!("{}{OPEN}{body}{close}", self.ws_before)));
-                            self.held = rest.unwrap_or_default();
+                            let close = if closed { format.close().unwrap_or_default() } else { "" };
+                            out.push(Piece::Text(format!("{}{}{body}{close}", self.ws_before, format.open())));
+                            self.held = rest;
                             self.state = State::Text;
                             continue;
                         }
                     }
-                    self.held = rest.unwrap_or_default();
+                    self.held = rest;
                     self.state = State::AfterCall;
                     if last && self.held.is_empty() {
                         return out;
                     }
                 }
-                (ToolFormat::Hermes, State::AfterCall) => {
+                (_, State::AfterCall) => {
                     // Whitespace after a call is text only if text follows (not another call or the
                     // end), as the model wrote it.
                     if self.held.trim_start().is_empty() {
@@ -381,27 +392,57 @@ impl CallParser {
         }
     }
 
-    /// A call from its JSON (`{"name": …, "arguments": {…}}`; Llama 3 names them `parameters`):
-    /// None when it is not one, `Some(None)` for a call dropped (past the first, without parallel
-    /// calls).
-    fn call_from(&mut self, body: &str, args_key: &str) -> Option<Option<ToolCall>> {
-        let v: Map<String, Value> = serde_json::from_str(body).ok()?;
-        let name = v.get("name")?.as_str().filter(|n| self.names.iter().any(|d| d == n))?.to_string();
-        let arguments = match v.get(args_key).or_else(|| v.get("arguments")).or_else(|| v.get("parameters")) {
-            None | Some(Value::Null) => json!({}),
-            // Some models write the arguments as a JSON string.
-            Some(Value::String(s)) => serde_json::from_str(s).ok().filter(Value::is_object)?,
-            Some(o @ Value::Object(_)) => o.clone(),
-            Some(_) => return None,
+    /// The body of the call being read, the text after it, and whether its close tag was seen; None
+    /// while it is not complete. A call ends at its close tag (`close`), or where its JSON does
+    /// (Mistral's); at the end of the answer, whatever was held is its body (a call cut off by the
+    /// token limit, maybe inside its close).
+    fn call_body(&mut self, close: Option<&str>, last: bool) -> Option<(String, String, bool)> {
+        let Some(close) = close else {
+            return match formats::mistral_end(&self.held) {
+                Some(end) => Some((self.held[..end].to_string(), self.held[end..].to_string(), false)),
+                None if last => Some((std::mem::take(&mut self.held), String::new(), false)),
+                None => None,
+            };
         };
-        if self.strict.iter().any(|(n, schema)| *n == name && !fits(&arguments, schema)) {
-            return None;
+        // The close can only be in what arrived since the last look (or straddle it).
+        match self.held[self.scan_from..].find(close).map(|at| self.scan_from + at) {
+            Some(at) => Some((self.held[..at].to_string(), self.held[at + close.len()..].to_string(), true)),
+            None if last => Some((std::mem::take(&mut self.held), String::new(), false)),
+            None => {
+                let mut from = self.held.len().saturating_sub(close.len() - 1);
+                while !self.held.is_char_boundary(from) {
+                    from -= 1;
+                }
+                self.scan_from = from;
+                None
+            }
         }
-        if !self.parallel && self.calls > 0 {
-            return Some(None);
+    }
+
+    /// The calls of one call block's body: None when it is not a call to the request's tools
+    /// (or, for a strict tool, does not fit its schema); calls past the first are dropped without
+    /// parallel calls.
+    fn take(&mut self, body: &str) -> Option<Vec<ToolCall>> {
+        let params = &self.params;
+        let schema = |name: &str| params.iter().find(|(n, _)| n == name).map(|(_, s)| s);
+        let raw: Vec<RawCall> = formats::calls_in(self.format, body, &schema)?;
+        for (name, arguments) in &raw {
+            if !self.names.iter().any(|d| d == name) {
+                return None;
+            }
+            if self.strict.iter().any(|(n, schema)| n == name && !fits(arguments, schema)) {
+                return None;
+            }
         }
-        self.calls += 1;
-        Some(Some(ToolCall { id: new_id(self.id_prefix), name, arguments }))
+        let mut calls = Vec::new();
+        for (name, arguments) in raw {
+            if !self.parallel && self.calls > 0 {
+                break;
+            }
+            self.calls += 1;
+            calls.push(ToolCall { id: new_id(self.id_prefix), name, arguments });
+        }
+        Some(calls)
     }
 }
 
@@ -535,16 +576,31 @@ mod tests {
     }
 
     #[test]
-    fn formats_are_told_from_the_template() {
-        let qwen = "{% if tools %}<tools>{{ tools | tojson }}</tools> <tool_call>{% endif %}";
-        assert_eq!(format_of(Some(qwen)), Ok(ToolFormat::Hermes));
-        let llama = "{% if tools %}{{ '<|python_tag|>' }}{% endif %}";
-        assert_eq!(format_of(Some(llama)), Ok(ToolFormat::Llama3Json));
-        assert!(format_of(Some("{{ messages }}")).unwrap_err().contains("does not take tools"));
-        assert!(format_of(Some("{% if tools %}[TOOL_CALLS]{% endif %}")).unwrap_err().contains("not supported"));
-        let coder = "{% if tools %}<tool_call>\n<function=name>\n<parameter=k>v</parameter>{% endif %}";
-        assert!(format_of(Some(coder)).unwrap_err().contains("XML"));
-        assert!(format_of(None).is_err());
+    fn every_format_streams_its_calls_in_any_cut() {
+        let xml = "Checking.\n<tool_call>\n<function=weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>\n\
+                   <tool_call>\n<function=time>\n</function>\n</tool_call>";
+        let both = [text("Checking."), call("weather", json!({"city": "Paris"})), call("time", json!({}))];
+        assert_eq!(streamed(ToolFormat::QwenXml, xml), both);
+        let glm =
+            "Checking.\n<tool_call>weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n</tool_call>\n\
+                   <tool_call>time\n</tool_call>";
+        assert_eq!(streamed(ToolFormat::Glm, glm), both);
+        let lfm2 = "Checking.<|tool_call_start|>[weather(city=\"Paris\"), time()]<|tool_call_end|>";
+        assert_eq!(streamed(ToolFormat::Lfm2, lfm2), both);
+        let lfm2_after = "<|tool_call_start|>[f()]<|tool_call_end|>Done.";
+        assert_eq!(streamed(ToolFormat::Lfm2, lfm2_after), [call("f", json!({})), text("Done.")]);
+        let list = "Checking.[TOOL_CALLS][{\"name\": \"weather\", \"arguments\": {\"city\": \"Paris\"}}, {\"name\": \"time\", \"arguments\": {}}]";
+        assert_eq!(streamed(ToolFormat::Mistral, list), both);
+        let each = "Checking.[TOOL_CALLS]weather[ARGS]{\"city\": \"Paris\"}[TOOL_CALLS]time[CALL_ID]a1b2c3d4e[ARGS]{}";
+        assert_eq!(streamed(ToolFormat::Mistral, each), both);
+        // Cut off by the token limit inside the arguments: text as written.
+        let cut = "[TOOL_CALLS]weather[ARGS]{\"city\": \"Par";
+        assert_eq!(streamed(ToolFormat::Mistral, cut), [text(cut)]);
+        // A block that is no call to the request's tools stays text, tags and all.
+        let other = "<|tool_call_start|>[rm(path=\"/\")]<|tool_call_end|> ok";
+        assert_eq!(streamed(ToolFormat::Lfm2, other), [text(other)]);
+        let prose = "Use [TOOL_CALLS] like so.";
+        assert_eq!(streamed(ToolFormat::Mistral, prose), [text(prose)]);
     }
 
     #[test]
