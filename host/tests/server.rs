@@ -56,6 +56,20 @@ async fn chat_answers_paris_plain_and_streamed_and_sigterm_exits_cleanly() {
         })
         .collect();
     assert!(answer.contains("Paris"), "{answer}");
+    // SmolLM2 has no fill-in-the-middle tokens: /infill says so, in llama-server's words.
+    let r = http
+        .post(format!("{}/infill", server.base))
+        .bearer_auth(KEY)
+        .json(&json!({"input_prefix": "def f():"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 501);
+    let v: Value = r.json().await.unwrap();
+    assert!(
+        v["error"]["message"].as_str().unwrap_or_default().contains("Infill is not supported by this model"),
+        "{v}"
+    );
     // The second request shares the first one's prompt: its KV is reused.
     let m = http.get(format!("{}/metrics", server.base)).bearer_auth(KEY).send().await.unwrap().text().await.unwrap();
     assert!(m.contains("llamacpp:tokens_predicted_total"), "{m}");

@@ -33,6 +33,9 @@ pub struct GenerationRequest {
     /// Special tokens whose text shows in the answer (the tool-call and thought tags a server reads
     /// back, as llama-server's preserved tokens); other special tokens show nothing.
     pub shown_special: Vec<u32>,
+    /// Tokens that end the answer as end-of-sequence does, beside the model's own (infill's file
+    /// separators, as llama-server ends at them).
+    pub end_tokens: Vec<u32>,
 }
 
 impl GenerationRequest {
@@ -48,6 +51,7 @@ impl GenerationRequest {
             timeout: None,
             thought_budget: None,
             shown_special: Vec::new(),
+            end_tokens: Vec::new(),
         }
     }
 }

@@ -446,7 +446,9 @@ impl<M: StepModel> Scheduler<M> {
             cache_prompt: r.cache_prompt,
             logprobs: r.logprobs.map(|n| n.min(self.model.vocab_size())),
             sampler: Sampler::new(r.sampling),
-            text: StreamingText::new(&r.stop, r.ignore_eos, r.max_tokens).showing(r.shown_special),
+            text: StreamingText::new(&r.stop, r.ignore_eos, r.max_tokens)
+                .showing(r.shown_special)
+                .ending_at(r.end_tokens),
             events: sub.events,
             cancel: sub.cancel,
             // A timeout too long to represent is no timeout.

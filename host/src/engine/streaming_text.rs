@@ -20,6 +20,8 @@ pub struct StreamingText {
     prefix_index: usize,
     /// Special tokens whose text shows (decoding skips the others).
     shown_special: Vec<u32>,
+    /// Tokens that end generation beside the tokenizer's end-of-sequence ones.
+    end_tokens: Vec<u32>,
 }
 
 /// What one sampled token did.
@@ -44,7 +46,14 @@ impl StreamingText {
             prefix: String::new(),
             prefix_index: 0,
             shown_special: Vec::new(),
+            end_tokens: Vec::new(),
         }
+    }
+
+    /// Ends generation at these tokens too, as at end-of-sequence.
+    pub fn ending_at(mut self, tokens: Vec<u32>) -> Self {
+        self.end_tokens = tokens;
+        self
     }
 
     /// Shows the text of these special tokens (see [`GenerationRequest::shown_special`](super::GenerationRequest)).
@@ -70,7 +79,7 @@ impl StreamingText {
 
     /// Takes the next sampled token.
     pub fn push(&mut self, tokenizer: &TextTokenizer, token: u32) -> Result<TokenStep, String> {
-        if !self.ignore_eos && tokenizer.eos_ids.contains(&token) {
+        if !self.ignore_eos && (tokenizer.eos_ids.contains(&token) || self.end_tokens.contains(&token)) {
             return Ok(TokenStep { text: self.flush(tokenizer), accepted: false, finish: Some(FinishReason::Stop) });
         }
         self.generated += 1;

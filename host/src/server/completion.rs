@@ -34,13 +34,26 @@ pub struct Job {
     pub thought_budget: Option<ThoughtBudget>,
     /// Special tokens whose text the answer keeps (tags the dialect reads back).
     pub shown_special: Vec<u32>,
+    /// Tokens that end the answer as end-of-sequence does.
+    pub end_tokens: Vec<u32>,
 }
 
 impl Job {
     pub fn new(prompt: Vec<u32>, sampling: SamplingParams) -> Job {
         let (max_tokens, stop, ignore_eos, cache_prompt, logprobs) = (None, vec![], false, None, None);
-        let (thought_budget, shown_special) = (None, Vec::new());
-        Job { prompt, sampling, max_tokens, stop, ignore_eos, cache_prompt, logprobs, thought_budget, shown_special }
+        let (thought_budget, shown_special, end_tokens) = (None, Vec::new(), Vec::new());
+        Job {
+            prompt,
+            sampling,
+            max_tokens,
+            stop,
+            ignore_eos,
+            cache_prompt,
+            logprobs,
+            thought_budget,
+            shown_special,
+            end_tokens,
+        }
     }
 
     /// Applies the context size, `-n`, `--timeout` and `--cache-prompt`; `prompt_param` names the request
@@ -79,6 +92,7 @@ impl Job {
         r.logprobs = self.logprobs;
         r.thought_budget = self.thought_budget;
         r.shown_special = self.shown_special;
+        r.end_tokens = self.end_tokens;
         r.timeout = state.config.timeout;
         Ok(r)
     }

@@ -27,6 +27,18 @@ impl Dialect {
             Dialect::Llama
         }
     }
+
+    /// [`of_path`](Self::of_path), except that the model routes both APIs share answer in
+    /// Anthropic's shape to a client that says it speaks Anthropic's API (its SDK sends
+    /// `anthropic-version` with every request).
+    pub fn of_request(path: &str, headers: &axum::http::HeaderMap) -> Dialect {
+        let shared = path == "/v1/models" || path.starts_with("/v1/models/");
+        if shared && headers.contains_key("anthropic-version") {
+            Dialect::Anthropic
+        } else {
+            Dialect::of_path(path)
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

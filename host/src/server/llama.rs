@@ -1,4 +1,4 @@
-//! The llama-server (llama.cpp) native dialect: `/completion`, `/tokenize`, `/detokenize`,
+//! The llama-server (llama.cpp) native dialect: `/completion`, `/infill`, `/tokenize`, `/detokenize`,
 //! `/apply-template`, `/health`, `/props`, `/slots` and `/metrics`, with llama-server's field names.
 
 use std::fmt::Write;
@@ -19,6 +19,7 @@ use super::completion::{
     StreamExtras,
 };
 use super::error::{parse_body, ApiError, Dialect, ErrorKind};
+use super::infill::{self, ExtraChunk, Fim, InfillInput};
 use super::openai::{chat_messages, MessageIn, StopField};
 use super::state::{AppState, LoadedModel, RequestLog};
 use crate::engine::{SamplingParams, TokenLogprob, Usage};
@@ -45,7 +46,12 @@ pub enum Piece {
 
 #[derive(Deserialize, Debug)]
 pub struct CompletionRequest {
-    pub prompt: Prompt,
+    /// Required on `/completion`; on `/infill`, text after the prefix (optional).
+    pub prompt: Option<Prompt>,
+    /// `/infill`: the code before and after the cursor, and other files for context.
+    pub input_prefix: Option<String>,
+    pub input_suffix: Option<String>,
+    pub input_extra: Option<Vec<ExtraChunk>>,
     pub n_predict: Option<i64>,
     /// llama-server's other name for `n_predict` (OpenAI's).
     pub max_tokens: Option<i64>,
@@ -100,8 +106,11 @@ fn sampling(r: &CompletionRequest, defaults: &SamplingParams, ctx: usize) -> Sam
     p
 }
 
-/// The prompts of a request as (text, token ids).
-fn prompt_list(model: &LoadedModel, p: &Prompt, add_special: bool) -> Result<Vec<(String, Vec<u32>)>, ApiError> {
+/// A prompt's text and token ids.
+type PromptIds = (String, Vec<u32>);
+
+/// The prompts of a request.
+fn prompt_list(model: &LoadedModel, p: &Prompt, add_special: bool) -> Result<Vec<PromptIds>, ApiError> {
     match p {
         Prompt::Mixed(pieces) if pieces.iter().all(|p| matches!(p, Piece::Text(_))) => pieces
             .iter()
@@ -124,7 +133,7 @@ fn prompt_list(model: &LoadedModel, p: &Prompt, add_special: bool) -> Result<Vec
 }
 
 /// One prompt's text and token ids.
-fn prompt_ids(model: &LoadedModel, p: &Prompt, add_special: bool) -> Result<(String, Vec<u32>), ApiError> {
+fn prompt_ids(model: &LoadedModel, p: &Prompt, add_special: bool) -> Result<PromptIds, ApiError> {
     match p {
         Prompt::Text(s) => {
             Ok((s.clone(), model.text.encode(s, add_special).map_err(|e| ApiError::internal(e.to_string()))?))
@@ -199,13 +208,72 @@ pub async fn completion(
     Extension(log): Extension<RequestLog>,
     body: Bytes,
 ) -> Response {
-    completion_inner(state, log, &body).await.unwrap_or_else(|e| e.in_dialect(Dialect::Llama).into_response())
+    completion_inner(state, log, &body, false).await.unwrap_or_else(|e| e.in_dialect(Dialect::Llama).into_response())
 }
 
-async fn completion_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Result<Response, ApiError> {
+/// `/infill`: `/completion` with a fill-in-the-middle prompt made of `input_prefix`, `input_suffix`,
+/// `input_extra` and `prompt` (see [`infill`](super::infill)).
+pub async fn infill(
+    State(state): State<Arc<AppState>>,
+    Extension(log): Extension<RequestLog>,
+    body: Bytes,
+) -> Response {
+    completion_inner(state, log, &body, true).await.unwrap_or_else(|e| e.in_dialect(Dialect::Llama).into_response())
+}
+
+/// The FIM prompt of an `/infill` request (text as llama-server shows it, with the FIM tokens), and
+/// the tokens that end its answer.
+fn infill_prompt(
+    state: &AppState,
+    model: &LoadedModel,
+    r: &CompletionRequest,
+) -> Result<(PromptIds, Vec<u32>), ApiError> {
+    let fim = Fim::of(&model.text).map_err(|e| ApiError::new(ErrorKind::NotSupported, e))?;
+    let prompt = match &r.prompt {
+        None => "",
+        Some(Prompt::Text(s)) => s.as_str(),
+        Some(_) => return Err(ApiError::field("prompt", "\"prompt\" must be a string")),
+    };
+    let input = InfillInput {
+        prefix: r.input_prefix.as_deref().unwrap_or_default(),
+        suffix: r.input_suffix.as_deref().unwrap_or_default(),
+        extra: r.input_extra.as_deref().unwrap_or_default(),
+        prompt,
+    };
+    let n_predict = r.n_predict.or(r.max_tokens).and_then(|n| usize::try_from(n).ok()).or(state.config.n_predict);
+    let (batch, ctx) = (state.config.batch_size, model.facts.ctx_size);
+    let ids = infill::prompt(&model.text, &fim, &input, batch, n_predict.unwrap_or(0), ctx)
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let text = model.text.inner.decode(&ids, false).map_err(|e| ApiError::internal(e.to_string()))?;
+    Ok(((text, ids), fim.end_tokens()))
+}
+
+async fn completion_inner(
+    state: Arc<AppState>,
+    log: RequestLog,
+    body: &[u8],
+    infill: bool,
+) -> Result<Response, ApiError> {
     let model = state.ready()?;
     let r: CompletionRequest = parse_body(body)?;
-    let prompts = prompt_list(model, &r.prompt, r.add_special.unwrap_or(true))?;
+    let (prompts, end_tokens) = if infill {
+        let (prompt, ends) = infill_prompt(&state, model, &r)?;
+        (vec![prompt], ends)
+    } else {
+        let fim_fields = [
+            ("input_prefix", r.input_prefix.is_some()),
+            ("input_suffix", r.input_suffix.is_some()),
+            ("input_extra", r.input_extra.is_some()),
+        ];
+        if let Some((field, _)) = fim_fields.iter().find(|(_, given)| *given) {
+            return Err(ApiError::field(
+                field,
+                format!("{field} belongs to /infill (fill-in-the-middle), not /completion"),
+            ));
+        }
+        let prompt = r.prompt.as_ref().ok_or_else(|| ApiError::field("prompt", "missing field `prompt`"))?;
+        (prompt_list(model, prompt, r.add_special.unwrap_or(true))?, Vec::new())
+    };
     let stream = r.stream.unwrap_or(false);
     let extras = StreamExtras::new(r.timings_per_token, r.return_progress, stream)?;
     let mut params = sampling(&r, &model.facts.default_sampling, model.facts.ctx_size);
@@ -232,6 +300,7 @@ async fn completion_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) ->
         job.cache_prompt = r.cache_prompt;
         job.ignore_eos = r.ignore_eos.unwrap_or(false);
         job.logprobs = r.n_probs.filter(|&n| n > 0);
+        job.end_tokens = end_tokens.clone();
         texts.push((text, job.prompt.len()));
         jobs.push(job);
     }

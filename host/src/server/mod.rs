@@ -14,6 +14,7 @@ pub mod embeddings;
 pub mod error;
 pub mod fields;
 pub mod generator;
+pub mod infill;
 pub mod listen;
 pub mod llama;
 pub mod model;
@@ -46,8 +47,9 @@ use error::{ApiError, Dialect, ErrorKind};
 pub use generator::{EngineStats, EventStream, Generator, ModelFacts, SlotStats};
 pub use state::{AppState, LoadedModel, RequestLog};
 
-/// Routes answered without an API key.
-const PUBLIC_PATHS: &[&str] = &["/health", "/v1/health"];
+/// Routes answered without an API key: llama-server's (health, and the model list that clients
+/// and its web UI read before they have a key).
+const PUBLIC_PATHS: &[&str] = &["/health", "/v1/health", "/models", "/v1/models"];
 
 /// Every route, with the layers around them.
 pub fn router(state: Arc<AppState>) -> Router {
@@ -67,6 +69,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/messages/count_tokens", post(anthropic::count_tokens))
         .route("/completion", post(llama::completion))
         .route("/completions", post(llama::completion))
+        .route("/infill", post(llama::infill))
         .route("/tokenize", post(llama::tokenize))
         .route("/detokenize", post(llama::detokenize))
         .route("/apply-template", post(llama::apply_template))
@@ -132,7 +135,7 @@ async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next:
     };
     ApiError::new(ErrorKind::Authentication, message)
         .with_code("invalid_api_key")
-        .in_dialect(Dialect::of_path(path))
+        .in_dialect(Dialect::of_request(path, h))
         .into_response()
 }
 

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
+use axum::http::HeaderMap;
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
@@ -287,6 +288,8 @@ pub fn chat_prompt(
     tools: Option<&Tooling>,
 ) -> Result<(String, Vec<u32>), ApiError> {
     let tools = tools.map(|t| t.tools.as_slice());
+    let prefill = matches!(messages.split_last(),
+        Some((last, before)) if last.role == "assistant" && last.tool_calls.is_none() && !before.is_empty());
     let adapted = super::tools::history_for(model.facts.chat_template.as_deref(), messages);
     let messages = adapted.as_deref().unwrap_or(messages);
     let t = model.text.chat_template.as_ref().ok_or_else(|| {
@@ -295,7 +298,7 @@ pub fn chat_prompt(
         )
     })?;
     let text = match messages.split_last() {
-        Some((last, before)) if last.role == "assistant" && last.tool_calls.is_none() && !before.is_empty() => {
+        Some((last, before)) if prefill => {
             t.render_with(before, true, kwargs, tools).map_err(ApiError::invalid)? + &last.content
         }
         _ => t.render_with(messages, true, kwargs, tools).map_err(ApiError::invalid)?,
@@ -1007,20 +1010,20 @@ fn model_object(state: &AppState) -> Result<Value, ApiError> {
 }
 
 /// `GET /v1/models`: the one served model, as OpenAI's list and Anthropic's page.
-pub async fn models(State(state): State<Arc<AppState>>) -> Response {
+pub async fn models(State(state): State<Arc<AppState>>, headers: HeaderMap) -> Response {
     match model_object(&state) {
         Ok(m) => {
             let id = m["id"].clone();
             Json(json!({"object": "list", "data": [m], "has_more": false, "first_id": id, "last_id": id}))
                 .into_response()
         }
-        Err(e) => e.in_dialect(Dialect::OpenAi).into_response(),
+        Err(e) => e.in_dialect(Dialect::of_request("/v1/models", &headers)).into_response(),
     }
 }
 
 /// `GET /v1/models/{id}`: the served model under its own name (or alias); any other name is a 404,
 /// as OpenAI answers for a model that does not exist.
-pub async fn model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+pub async fn model(State(state): State<Arc<AppState>>, Path(id): Path<String>, headers: HeaderMap) -> Response {
     let id = id.trim_start_matches('/');
     let found = model_object(&state).and_then(|m| {
         // The route drops a leading slash, which an id given as an absolute path has.
@@ -1039,6 +1042,6 @@ pub async fn model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -
     });
     match found {
         Ok(m) => Json(m).into_response(),
-        Err(e) => e.in_dialect(Dialect::OpenAi).into_response(),
+        Err(e) => e.in_dialect(Dialect::of_request("/v1/models/", &headers)).into_response(),
     }
 }

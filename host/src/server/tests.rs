@@ -210,7 +210,17 @@ async fn start_with(config: ServerConfig, fake: Fake, loaded: bool) -> Server {
 
 /// A server whose model has `template` and a context of `ctx_size` tokens.
 async fn start_templated(config: ServerConfig, fake: Fake, loaded: bool, template: &str, ctx_size: usize) -> Server {
-    let mut text = tokenizer();
+    start_tokenized(config, fake, loaded, template, ctx_size, tokenizer()).await
+}
+
+async fn start_tokenized(
+    config: ServerConfig,
+    fake: Fake,
+    loaded: bool,
+    template: &str,
+    ctx_size: usize,
+    mut text: Arc<TextTokenizer>,
+) -> Server {
     Arc::get_mut(&mut text).unwrap().chat_template = Some(ChatTemplate::new(template, "", "<|endoftext|>").unwrap());
     let fake = Arc::new(Fake { text: Some(text.clone()), ..fake });
     let state = AppState::new(config);
@@ -716,6 +726,11 @@ async fn dialect_details_models_seeds_ranges_and_off_values() {
     let (status, body) = s.get("/v1/models/gpt-9").await;
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!((status, v["error"]["code"].as_str()), (404, Some("model_not_found")), "{v}");
+    // An Anthropic client (its SDK sends anthropic-version) gets Anthropic's error shape.
+    let r = s.client.get(s.url("/v1/models/gpt-9")).header("anthropic-version", "2023-06-01").send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!((v["type"].as_str(), v["error"]["type"].as_str()), (Some("error"), Some("not_found_error")), "{v}");
     let hi = json!([{"role": "user", "content": "hi"}]);
     let (status, v) =
         s.post("/v1/chat/completions", json!({"messages": hi, "stream_options": {"include_usage": true}})).await;
@@ -952,6 +967,9 @@ async fn api_keys_by_bearer_or_x_api_key_and_health_stays_public() {
     let r = s.client.post(s.url("/v1/messages")).header("x-api-key", "k1").json(&msg).send().await.unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(s.get("/health").await.0, 200);
+    // The model list is public too, as llama-server's; one model's details are not.
+    assert_eq!((s.get("/v1/models").await.0, s.get("/models").await.0), (200, 200));
+    assert_eq!(s.get("/v1/models/tiny").await.0, 401);
     assert_eq!(s.get("/slots").await.0, 401);
 }
 
@@ -1329,6 +1347,85 @@ impl Server {
         assert!(prompt.contains(call), "{prompt}");
         assert!(prompt.contains("<tool_response>22 C</tool_response>"), "{prompt}");
     }
+}
+
+/// The test tokenizer with Qwen2.5-Coder's fill-in-the-middle tokens (special) added.
+fn fim_tokenizer() -> Arc<TextTokenizer> {
+    let mut t = Arc::try_unwrap(tokenizer()).ok().unwrap();
+    let names = ["<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"];
+    let added: Vec<tokenizers::AddedToken> = names.iter().map(|n| tokenizers::AddedToken::from(*n, true)).collect();
+    t.inner.add_special_tokens(&added);
+    Arc::new(t)
+}
+
+/// llama-server's `/infill`: the editor's extra files, prefix, prompt and suffix framed by the
+/// model's FIM tokens in llama-server's order, the FIM separators ending the answer; a model without
+/// FIM tokens is told so (501), and the FIM fields are refused on `/completion`.
+#[tokio::test]
+async fn infill_frames_the_code_with_fim_tokens() {
+    // (Extra files take what the context leaves past a batch and twice n_predict.)
+    let s = start_tokenized(
+        ServerConfig { batch_size: 512, ..config() },
+        Fake::default(),
+        true,
+        CHATML,
+        2048,
+        fim_tokenizer(),
+    )
+    .await;
+    let body = json!({"input_prefix": "def add(a, b):\n    ", "input_suffix": "\n\nprint(add(1, 2))\n", "prompt": "return",
+        "input_extra": [{"filename": "util.py", "text": "X = 1\n"}], "n_predict": 8});
+    let (status, v) = s.post("/infill", body).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["content"], ANSWER.concat());
+    let tok = s.fake.text.as_ref().unwrap();
+    let id = |n: &str| tok.inner.token_to_id(n).unwrap();
+    let r = s.last_request();
+    let shown = tok.inner.decode(&r.prompt, false).unwrap();
+    assert_eq!(
+        shown,
+        tok.inner
+            .decode(
+                &tok.encode(
+                    "<|repo_name|>myproject\n<|file_sep|>util.py\nX = 1\n<|file_sep|>filename\n<|fim_prefix|>def add(a, b):\n    return<|fim_suffix|>\n\nprint(add(1, 2))\n<|fim_middle|>",
+                    false
+                )
+                .unwrap(),
+                false
+            )
+            .unwrap()
+    );
+    assert_eq!(r.prompt.last(), Some(&id("<|fim_middle|>")));
+    assert_eq!(r.end_tokens, [id("<|fim_pad|>"), id("<|repo_name|>"), id("<|file_sep|>")]);
+    assert_eq!(v["prompt"], shown);
+    // Special-token names in the code are text, not tokens.
+    let (status, _) = s.post("/infill", json!({"input_prefix": "<|fim_middle|>", "input_suffix": ""})).await;
+    assert_eq!(status, 200);
+    assert_eq!(s.last_request().prompt.iter().filter(|&&t| t == id("<|fim_middle|>")).count(), 1);
+    // Streamed as /completion streams.
+    let (status, body, _) =
+        s.post_text("/infill", json!({"input_prefix": "x = ", "input_suffix": "", "stream": true})).await;
+    assert_eq!(status, 200);
+    assert!(body.contains("\"stop\":true"), "{body}");
+
+    for (body, param) in [
+        (json!({"input_prefix": "a", "prompt": [1, 2]}), "prompt"),
+        (json!({"input_prefix": "a", "input_extra": [{"filename": "f"}]}), "input_extra[0]"),
+    ] {
+        let (status, v) = s.post("/infill", body).await;
+        assert_eq!(status, 400, "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(param.split('[').next().unwrap()), "{v}");
+    }
+    let (status, v) = s.post("/completion", json!({"prompt": "a", "input_prefix": "b"})).await;
+    assert_eq!((status, v["error"]["message"].as_str().map(|m| m.contains("/infill"))), (400, Some(true)), "{v}");
+    let (status, v) = s.post("/completion", json!({"n_predict": 2})).await;
+    assert_eq!(status, 400, "{v}");
+
+    let plain = start_templated(config(), Fake::default(), true, CHATML, 2048).await;
+    let (status, v) = plain.post("/infill", json!({"input_prefix": "a", "input_suffix": "b"})).await;
+    assert_eq!(status, 501, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("prefix token is missing"), "{v}");
+    assert_eq!(v["error"]["type"], "not_supported_error");
 }
 
 /// A Qwen3-Coder-style template (XML calls).

@@ -35,8 +35,12 @@ pub fn format_of(template: Option<&str>) -> Result<ToolFormat, String> {
     if !t.contains("tools") {
         return Err("this model's chat template does not take tools".into());
     }
-    if t.contains("<function=") && t.contains("<parameter=") {
-        return Ok(ToolFormat::QwenXml);
+    if t.contains("<function=") {
+        if t.contains("<parameter=") {
+            return Ok(ToolFormat::QwenXml);
+        }
+        // Functionary's `<function=name>{…}</function>`.
+        return Err("this model writes tool calls as `<function=…>{…}</function>` (Functionary), which this server does not read yet".into());
     }
     if t.contains("<arg_key>") && t.contains("<arg_value>") {
         return Ok(ToolFormat::Glm);
@@ -222,20 +226,59 @@ fn mistral(body: &str) -> Option<Vec<RawCall>> {
 }
 
 /// Where a Mistral call block that starts `text` ends: after its JSON (the list, the call, or the
-/// arguments after the name); None while the JSON is not complete yet, or `Some(len)` for text
-/// that cannot be a call (up to where that shows, so that it goes out as text).
-pub fn mistral_end(text: &str) -> Option<usize> {
+/// arguments after the name); None while it may still be a call; or, for text that cannot be one,
+/// `Some(at)` where that shows (the block up to there goes out as text, and what follows is read
+/// again). `json_may_end`: the text got a `}` or `]` since the last look (else a started JSON cannot
+/// have ended, and is not parsed again).
+pub fn mistral_end(text: &str, json_may_end: bool) -> Option<usize> {
     let lead = text.len() - text.trim_start().len();
-    let start = match text[lead..].chars().next()? {
-        '[' | '{' => lead,
-        _ => text.find('{')?,
+    let start = match text[lead..].bytes().next()? {
+        b'[' | b'{' => lead,
+        _ => {
+            // NAME, then `{`, `[ARGS]{` or `[CALL_ID]ID[ARGS]{`.
+            let name_end = lead + text[lead..].find(|c: char| !is_name_char(c)).unwrap_or(text.len() - lead);
+            let mut at = name_end;
+            if at == text.len() {
+                return None;
+            }
+            if at == lead {
+                return Some(at.max(1));
+            }
+            let rest = &text[at..];
+            if let Some(id) = rest.strip_prefix("[CALL_ID]") {
+                let id_len = id.find(|c: char| !c.is_ascii_alphanumeric()).unwrap_or(id.len());
+                at += "[CALL_ID]".len() + id_len;
+            } else if "[CALL_ID]".starts_with(rest) {
+                return None;
+            }
+            let rest = &text[at..];
+            if let Some(r) = rest.strip_prefix("[ARGS]") {
+                at += rest.len() - r.len();
+            } else if rest.is_empty() || "[ARGS]".starts_with(rest) {
+                return None;
+            }
+            match text[at..].bytes().next() {
+                None => return None,
+                Some(b'{') => at,
+                Some(_) => return Some(at),
+            }
+        }
     };
-    let mut values = serde_json::Deserializer::from_str(&text[start..]).into_iter::<Value>();
+    if !json_may_end {
+        return None;
+    }
+    let mut values = serde_json::Deserializer::from_str(&text[start..]).into_iter::<serde::de::IgnoredAny>();
     match values.next()? {
         Ok(_) => Some(start + values.byte_offset()),
         Err(e) if e.is_eof() => None,
-        Err(_) => Some(text.len()),
+        // Not JSON: the block ends as text just past where it began.
+        Err(_) => Some(start + 1),
     }
+}
+
+/// A character of a function name.
+fn is_name_char(c: char) -> bool {
+    c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-')
 }
 
 /// A call as an LFM2 template that leaves calls out of the history wants it in the assistant's text.
@@ -296,6 +339,8 @@ mod tests {
         assert!(format_of(Some("{{ messages }}")).unwrap_err().contains("does not take tools"));
         assert!(format_of(Some("{% if tools %}<|tool|>{% endif %}")).unwrap_err().contains("not supported"));
         assert!(format_of(None).is_err());
+        let functionary = "{% if tools %}<|python_tag|> <function=name>{args}</function>{% endif %}";
+        assert!(format_of(Some(functionary)).unwrap_err().contains("Functionary"));
     }
 
     #[test]
@@ -361,13 +406,23 @@ mod tests {
     fn a_mistral_block_ends_with_its_json() {
         let block = "[{\"name\": \"f\", \"arguments\": {\"a\": \"]\"}}]";
         for cut in 0..block.len() {
-            assert_eq!(mistral_end(&block[..cut]), None, "{cut}");
+            assert_eq!(mistral_end(&block[..cut], true), None, "{cut}");
         }
-        assert_eq!(mistral_end(&format!("{block}[TOOL_CALLS]g")), Some(block.len()));
-        assert_eq!(mistral_end("f[ARGS]{\"a\": 1} and"), Some(15));
-        assert_eq!(mistral_end("f[ARGS]{\"a\""), None);
-        assert_eq!(mistral_end("sure thing"), None);
-        assert_eq!(mistral_end("[1, oops"), Some(8));
+        assert_eq!(mistral_end(&format!("{block}[TOOL_CALLS]g"), true), Some(block.len()));
+        assert_eq!(mistral_end("f[ARGS]{\"a\": 1} and", true), Some(15));
+        assert_eq!(mistral_end("f[CALL_ID]a1b2c3d4e[ARGS]{} and", true), Some(27));
+        assert_eq!(mistral_end("f[ARGS]{\"a\"", true), None);
+        // Not parsed again until a `}` or `]` may have ended it.
+        assert_eq!(mistral_end("f[ARGS]{\"a\": 1}", false), None);
+        // A name is still coming, or the tags after it are.
+        for open in ["", " ", "get_wea", "f[ARG", "f[CALL_ID]a1b", "f[CALL_ID]a1b[AR"] {
+            assert_eq!(mistral_end(open, true), None, "{open:?}");
+        }
+        // Prose is text as soon as it shows, up to where it does (what follows is read again).
+        assert_eq!(mistral_end(" see below [TOOL_CALLS]f[ARGS]{}", true), Some(4));
+        assert_eq!(mistral_end("f [ARGS]{}", true), Some(1));
+        assert_eq!(mistral_end("!", true), Some(1));
+        assert_eq!(mistral_end("[1, oops", true), Some(1));
     }
 
     #[test]

@@ -150,7 +150,9 @@ pub fn history_for(template: Option<&str>, messages: &[ChatMessage]) -> Option<V
                 (name, c.pointer("/function/arguments").cloned().unwrap_or(Value::Null))
             };
             if let Some(calls) = m.tool_calls.take() {
-                m.content.push_str(&formats::lfm2_call_text(&calls.iter().map(named).collect::<Vec<RawCall>>()));
+                // Calls first, as LFM2 writes them.
+                let text = formats::lfm2_call_text(&calls.iter().map(named).collect::<Vec<RawCall>>());
+                m.content.insert_str(0, &text);
             }
         }
     }
@@ -398,7 +400,9 @@ impl CallParser {
     /// token limit, maybe inside its close).
     fn call_body(&mut self, close: Option<&str>, last: bool) -> Option<(String, String, bool)> {
         let Some(close) = close else {
-            return match formats::mistral_end(&self.held) {
+            let json_may_end = self.held[self.scan_from..].contains(['}', ']']);
+            self.scan_from = self.held.len();
+            return match formats::mistral_end(&self.held, json_may_end || last) {
                 Some(end) => Some((self.held[..end].to_string(), self.held[end..].to_string(), false)),
                 None if last => Some((std::mem::take(&mut self.held), String::new(), false)),
                 None => None,
@@ -591,6 +595,8 @@ mod tests {
         assert_eq!(streamed(ToolFormat::Lfm2, lfm2_after), [call("f", json!({})), text("Done.")]);
         let list = "Checking.[TOOL_CALLS][{\"name\": \"weather\", \"arguments\": {\"city\": \"Paris\"}}, {\"name\": \"time\", \"arguments\": {}}]";
         assert_eq!(streamed(ToolFormat::Mistral, list), both);
+        let prose = "Note[TOOL_CALLS] see below[TOOL_CALLS]weather[ARGS]{\"city\": \"Paris\"}";
+        assert_eq!(streamed(ToolFormat::Mistral, prose), [text("Note[TOOL_CALLS] see below"), both[1].clone()]);
         let each = "Checking.[TOOL_CALLS]weather[ARGS]{\"city\": \"Paris\"}[TOOL_CALLS]time[CALL_ID]a1b2c3d4e[ARGS]{}";
         assert_eq!(streamed(ToolFormat::Mistral, each), both);
         // Cut off by the token limit inside the arguments: text as written.

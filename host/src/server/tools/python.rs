@@ -9,7 +9,7 @@ use super::formats::RawCall;
 
 /// The calls in `text`: a bracketed list of calls, or one call; None if it is anything else.
 pub fn calls(text: &str) -> Option<Vec<RawCall>> {
-    let mut p = Reader { s: text.as_bytes(), i: 0 };
+    let mut p = Reader { s: text.as_bytes(), i: 0, depth: 0 };
     let mut out = Vec::new();
     p.space();
     let listed = p.eat(b'[');
@@ -58,7 +58,13 @@ fn literal(v: &Value) -> String {
 struct Reader<'a> {
     s: &'a [u8],
     i: usize,
+    /// Lists and dicts open around the value being read (bounded, as serde_json bounds them: a
+    /// model's text must not nest deep enough to exhaust the stack).
+    depth: usize,
 }
+
+/// The deepest nesting of lists and dicts read.
+const MAX_DEPTH: usize = 128;
 
 impl Reader<'_> {
     fn peek(&self) -> Option<u8> {
@@ -118,11 +124,20 @@ impl Reader<'_> {
     }
 
     fn value(&mut self) -> Option<Value> {
+        let nested = |r: &mut Self, read: fn(&mut Self) -> Option<Value>| {
+            if r.depth >= MAX_DEPTH {
+                return None;
+            }
+            r.depth += 1;
+            let v = read(r);
+            r.depth -= 1;
+            v
+        };
         match self.peek()? {
             b'"' | b'\'' => self.string().map(Value::String),
-            b'[' => self.seq(b']').map(Value::Array),
-            b'(' => self.seq(b')').map(Value::Array),
-            b'{' => self.dict(),
+            b'[' => nested(self, |r| r.seq(b']').map(Value::Array)),
+            b'(' => nested(self, |r| r.seq(b')').map(Value::Array)),
+            b'{' => nested(self, Self::dict),
             b'-' | b'+' | b'.' | b'0'..=b'9' => self.number(),
             _ => match self.name()?.as_str() {
                 "True" | "true" => Some(Value::Bool(true)),
@@ -187,7 +202,7 @@ impl Reader<'_> {
         text.parse::<f64>().ok().and_then(Number::from_f64).map(Value::Number)
     }
 
-    /// A quoted string with Python's common escapes.
+    /// A quoted string with Python's escapes (an unknown one keeps its backslash, as in Python).
     fn string(&mut self) -> Option<String> {
         let quote = self.s[self.i];
         self.i += 1;
@@ -200,19 +215,33 @@ impl Reader<'_> {
                 b'\\' => {
                     let e = self.peek()?;
                     self.i += 1;
-                    match e {
-                        b'n' => out.push(b'\n'),
-                        b't' => out.push(b'\t'),
-                        b'r' => out.push(b'\r'),
-                        b'0' => out.push(0),
-                        b'u' => {
-                            let hex = std::str::from_utf8(self.s.get(self.i..self.i + 4)?).ok()?;
-                            let ch = char::from_u32(u32::from_str_radix(hex, 16).ok()?)?;
-                            self.i += 4;
-                            out.extend_from_slice(ch.to_string().as_bytes());
+                    let mut hex = |digits: usize| -> Option<char> {
+                        let h = std::str::from_utf8(self.s.get(self.i..self.i + digits)?).ok()?;
+                        let ch = char::from_u32(u32::from_str_radix(h, 16).ok()?)?;
+                        self.i += digits;
+                        Some(ch)
+                    };
+                    let ch = match e {
+                        b'n' => '\n',
+                        b't' => '\t',
+                        b'r' => '\r',
+                        b'0' => '\0',
+                        b'a' => '\x07',
+                        b'b' => '\x08',
+                        b'f' => '\x0c',
+                        b'v' => '\x0b',
+                        b'x' => hex(2)?,
+                        b'u' => hex(4)?,
+                        b'U' => hex(8)?,
+                        b'\\' | b'\'' | b'"' => e as char,
+                        b'\n' => continue,
+                        other => {
+                            out.push(b'\\');
+                            out.push(other);
+                            continue;
                         }
-                        other => out.push(other),
-                    }
+                    };
+                    out.extend_from_slice(ch.to_string().as_bytes());
                 }
                 _ => out.push(c),
             }
@@ -243,6 +272,16 @@ mod tests {
         );
         assert_eq!(calls("f(a=1)").unwrap(), [("f".into(), json!({"a": 1}))]);
         assert_eq!(calls("f(a=\"\\u00e9\\n\")").unwrap(), [("f".into(), json!({"a": "é\n"}))]);
+        // Unknown escapes keep their backslash (regexes, Windows paths), as Python keeps them.
+        assert_eq!(
+            calls(r"f(p='\d+\.txt', w='C:\Program', x='\x41\U0001F600')").unwrap()[0].1,
+            json!({"p": "\\d+\\.txt", "w": "C:\\Program", "x": "A😀"})
+        );
+        // Nesting is bounded.
+        let deep = format!("f(a={}{})", "[".repeat(100_000), "]".repeat(100_000));
+        assert_eq!(calls(&deep), None);
+        let fine = format!("f(a={}{})", "[".repeat(100), "]".repeat(100));
+        assert!(calls(&fine).is_some());
         for bad in ["", "[]", "hello", "f(1)", "f(a=1", "[f(a=1) g()]", "f(a=1) extra", "f(a=os.system)", "1f()"] {
             assert_eq!(calls(bad), None, "{bad}");
         }
@@ -250,10 +289,12 @@ mod tests {
 
     #[test]
     fn calls_are_written_back_as_python() {
-        let args =
-            json!({"city": "Paris \"FR\"", "n": 2, "ok": true, "none": null, "list": [1, false], "m": {"k": "v"}});
+        let args = json!({"city": "Paris \"FR\" \\d \u{8}\u{c}\u{1}", "n": 2, "ok": true, "none": null, "list": [1, false], "m": {"k": "v"}});
         let text = call_text("f", &args);
-        assert_eq!(text, r#"f(city="Paris \"FR\"", n=2, ok=True, none=None, list=[1, False], m={"k": "v"})"#);
+        assert_eq!(
+            text,
+            r#"f(city="Paris \"FR\" \\d \b\f\u0001", n=2, ok=True, none=None, list=[1, False], m={"k": "v"})"#
+        );
         assert_eq!(calls(&format!("[{text}]")).unwrap(), [("f".into(), args)]);
     }
 }
