@@ -181,6 +181,8 @@ pub struct ChatRequest {
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
     /// llama-server's: how thinking is returned (the server's `--reasoning-format` by default).
     pub reasoning_format: Option<String>,
+    /// OpenAI's: how much a reasoning model thinks (see [`reasoning::effort`]).
+    pub reasoning_effort: Option<String>,
     /// llama-server's: `timings` in every stream chunk, and prompt-progress chunks.
     pub timings_per_token: Option<bool>,
     pub return_progress: Option<bool>,
@@ -505,7 +507,9 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     let extras = StreamExtras::new(r.timings_per_token, r.return_progress, stream)?;
     let reasoning = reasoning::request_format(&state, r.reasoning_format.as_deref(), false)?;
     let messages = chat_messages(&r.messages)?;
-    let kwargs = state.template_kwargs(r.chat_template_kwargs.as_ref());
+    let effort =
+        reasoning::effort(r.reasoning_effort.as_deref(), "reasoning_effort", model.facts.chat_template.as_deref())?;
+    let kwargs = state.template_kwargs_with(&effort.vars, r.chat_template_kwargs.as_ref());
     let (prompt_text, prompt) = chat_prompt(model, &messages, kwargs.as_ref(), tooling.as_ref())?;
     let thinking = reasoning::forced_open(&prompt_text);
     let mut job = Job::new(prompt, sampling_fields!(r).apply(&model.facts.default_sampling, model.facts.ctx_size)?);
@@ -513,8 +517,8 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
         job.sampling.logit_bias = logit_bias(b, model, true)?;
     }
     job.max_tokens = limit;
-    job.thought_budget =
-        reasoning::thought_budget(model, reasoning::server_budget(&state, kwargs.as_ref()), &prompt_text)?;
+    let budget = reasoning::tighter(reasoning::server_budget(&state, kwargs.as_ref()), effort.budget);
+    job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;
     job.shown_special = super::tools::shown_tags(&model.text, tooling.as_ref());
     job.stop = r.stop.map(StopField::into_vec).unwrap_or_default();
     job.cache_prompt = r.cache_prompt;

@@ -75,6 +75,67 @@ pub fn server_budget(state: &AppState, kwargs: Option<&serde_json::Map<String, s
     state.config.reasoning_budget.filter(|&b| b > 0 || !on)
 }
 
+/// What a request's reasoning effort asks of the template and the engine.
+#[derive(Debug, Default, PartialEq)]
+pub struct Effort {
+    /// Template variables (`reasoning_effort`, or `enable_thinking`).
+    pub vars: serde_json::Map<String, serde_json::Value>,
+    /// A cap on the thought, in tokens.
+    pub budget: Option<usize>,
+}
+
+/// The efforts OpenAI names, and the thought budget each gives a model whose template only switches
+/// thinking on and off.
+const EFFORTS: [(&str, Option<usize>); 6] = [
+    ("none", Some(0)),
+    ("minimal", Some(0)),
+    ("low", Some(1024)),
+    ("medium", Some(4096)),
+    ("high", None),
+    ("xhigh", None),
+];
+
+/// OpenAI's reasoning effort (chat's `reasoning_effort`, Responses' `reasoning.effort`, named by
+/// `field`) for a model whose chat template is `template`. A template that reads
+/// `reasoning_effort` (gpt-oss's) gets it as it is. One with Qwen3's `enable_thinking` switch thinks
+/// unless the effort is `none` or `minimal` (then a thought it starts anyway is closed at once), with
+/// its thought capped at 1024 tokens for `low` and
+/// 4096 for `medium`. A template with neither has no reasoning to set: refused, as OpenAI refuses
+/// the field for a model without reasoning.
+pub fn effort(effort: Option<&str>, field: &str, template: Option<&str>) -> Result<Effort, ApiError> {
+    let Some(effort) = effort else { return Ok(Effort::default()) };
+    let Some(&(_, budget)) = EFFORTS.iter().find(|(name, _)| *name == effort) else {
+        let names: Vec<&str> = EFFORTS.iter().map(|(n, _)| *n).collect();
+        return Err(ApiError::field(
+            field,
+            format!("unknown reasoning effort `{effort}` (expected {})", names.join(", ")),
+        ));
+    };
+    let t = template.unwrap_or_default();
+    let mut vars = serde_json::Map::new();
+    if t.contains("reasoning_effort") {
+        vars.insert("reasoning_effort".into(), effort.into());
+        return Ok(Effort { vars, budget: None });
+    }
+    if t.contains("enable_thinking") {
+        vars.insert("enable_thinking".into(), (budget != Some(0)).into());
+        // Off also closes at once a thought the model starts anyway.
+        return Ok(Effort { vars, budget });
+    }
+    Err(ApiError::field(
+        field,
+        "this model's chat template has no reasoning to set (it reads neither `reasoning_effort` nor `enable_thinking`)",
+    ))
+}
+
+/// The smaller of two thought caps (None: no cap).
+pub fn tighter(a: Option<usize>, b: Option<usize>) -> Option<usize> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 /// What a piece of generated text adds to the reasoning and to the answer.
 #[derive(Debug, Default, Clone, PartialEq)]
 pub struct Parts {

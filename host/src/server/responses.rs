@@ -187,12 +187,6 @@ fn refuse_unsupported(r: &ResponsesRequest) -> Result<(), ApiError> {
             ));
         }
     }
-    if r.reasoning.as_ref().is_some_and(|v| v.get("effort").is_some_and(|e| !e.is_null())) {
-        return Err(ApiError::field(
-            "reasoning.effort",
-            "reasoning effort is not supported: a model here thinks as its template lets it",
-        ));
-    }
     if r.reasoning
         .as_ref()
         .is_some_and(|v| v.get("summary").or_else(|| v.get("generate_summary")).is_some_and(|s| !s.is_null()))
@@ -267,7 +261,14 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
     refuse_unsupported(&r)?;
     let tooling = request_tools(model, &chat_tools(&r.tools)?, r.tool_choice.as_ref(), r.parallel_tool_calls)?;
     let messages = conversation(&r)?;
-    let kwargs = state.template_kwargs(None);
+    let asked = r.reasoning.as_ref().and_then(|v| v.get("effort")).filter(|e| !e.is_null());
+    let asked = match asked {
+        None => None,
+        Some(Value::String(e)) => Some(e.as_str()),
+        Some(_) => return Err(ApiError::field("reasoning.effort", "reasoning.effort must be a string")),
+    };
+    let effort = reasoning::effort(asked, "reasoning.effort", model.facts.chat_template.as_deref())?;
+    let kwargs = state.template_kwargs_with(&effort.vars, None);
     let (prompt_text, prompt) = chat_prompt(model, &messages, kwargs.as_ref(), tooling.as_ref())?;
     let (temperature, top_p) = (r.temperature.map(|t| t as f32), r.top_p.map(|p| p as f32));
     let sampling = SamplingFields { temperature, top_p, ..Default::default() };
@@ -279,8 +280,8 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
             return Err(ApiError::field("max_output_tokens", format!("max_output_tokens must be at least 1, got {n}")))
         }
     };
-    job.thought_budget =
-        reasoning::thought_budget(model, reasoning::server_budget(&state, kwargs.as_ref()), &prompt_text)?;
+    let budget = reasoning::tighter(reasoning::server_budget(&state, kwargs.as_ref()), effort.budget);
+    job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;
     job.shown_special = super::tools::shown_tags(&model.text, tooling.as_ref());
     let prompt_tokens = job.prompt.len();
     let req = job.into_request(&state, model, "input")?;
@@ -301,7 +302,7 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
             "truncation": "disabled",
             "store": false,
             "previous_response_id": null,
-            "reasoning": {"effort": null, "summary": null},
+            "reasoning": {"effort": asked, "summary": null},
             "metadata": r.metadata.clone().filter(Value::is_object).unwrap_or(json!({})),
             "error": null,
         }),

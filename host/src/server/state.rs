@@ -50,7 +50,18 @@ impl AppState {
         &self,
         request: Option<&serde_json::Map<String, serde_json::Value>>,
     ) -> Option<serde_json::Map<String, serde_json::Value>> {
+        self.template_kwargs_with(&serde_json::Map::new(), request)
+    }
+
+    /// [`template_kwargs`](Self::template_kwargs) with the variables a request's reasoning effort
+    /// sets between the server's and the request's own (which win).
+    pub fn template_kwargs_with(
+        &self,
+        effort: &serde_json::Map<String, serde_json::Value>,
+        request: Option<&serde_json::Map<String, serde_json::Value>>,
+    ) -> Option<serde_json::Map<String, serde_json::Value>> {
         let mut kwargs = self.config.chat_template_kwargs.clone();
+        kwargs.extend(effort.iter().map(|(k, v)| (k.clone(), v.clone())));
         kwargs.extend(request.into_iter().flatten().map(|(k, v)| (k.clone(), v.clone())));
         (!kwargs.is_empty()).then_some(kwargs)
     }

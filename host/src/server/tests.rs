@@ -1778,6 +1778,44 @@ async fn a_thought_the_prompt_opens() {
     // closed at once.
     assert_eq!(s.last_request().thought_budget.map(|b| (b.budget, b.open_at_start)), Some((0, false)));
     assert!(s.last_prompt().ends_with("[quiet]assistant\n<think>\n</think>\n\n"), "{:?}", s.last_prompt());
+
+    // OpenAI's reasoning effort, for a template with Qwen3's thinking switch: none and minimal
+    // switch thinking off, low and medium cap the thought, high leaves it; the request's own
+    // template variables win; a template without a switch refuses it.
+    let budget = |s: &Server| s.last_request().thought_budget.map(|b| b.budget);
+    for (effort, quiet, cap) in [
+        ("none", true, Some(0)),
+        ("minimal", true, Some(0)),
+        ("low", false, Some(1024)),
+        ("medium", false, Some(4096)),
+        ("high", false, None),
+    ] {
+        let (status, v) = s.post("/v1/chat/completions", json!({"messages": hi, "reasoning_effort": effort})).await;
+        assert_eq!(status, 200, "{v}");
+        assert_eq!((s.last_prompt().contains("[quiet]"), budget(&s)), (quiet, cap), "{effort}");
+        let (status, v) = s.post("/v1/responses", json!({"input": "hi", "reasoning": {"effort": effort}})).await;
+        assert_eq!((status, &v["reasoning"]["effort"]), (200, &json!(effort)), "{v}");
+        assert_eq!((s.last_prompt().contains("[quiet]"), budget(&s)), (quiet, cap), "{effort}");
+    }
+    let explicit =
+        json!({"messages": hi, "reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": true}});
+    s.post("/v1/chat/completions", explicit).await;
+    assert!(!s.last_prompt().contains("[quiet]"), "{}", s.last_prompt());
+    // The server's --reasoning-budget and the effort's cap: the tighter holds.
+    let c = start_templated(capped_config(8), Fake::default(), true, OPEN_THOUGHT, 2048).await;
+    c.post("/v1/chat/completions", json!({"messages": hi, "reasoning_effort": "low"})).await;
+    assert_eq!(budget(&c), Some(8));
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": hi, "reasoning_effort": "max"})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("reasoning_effort")), "{v}");
+    let plain = start().await;
+    let (status, v) = plain.post("/v1/chat/completions", json!({"messages": hi, "reasoning_effort": "low"})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("reasoning_effort")), "{v}");
+    let (status, v) = plain.post("/v1/responses", json!({"input": "hi", "reasoning": {"effort": "low"}})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("reasoning.effort")), "{v}");
+}
+
+fn capped_config(budget: usize) -> ServerConfig {
+    ServerConfig { reasoning_budget: Some(budget), ..config() }
 }
 
 /// OpenAI's Responses API: a string or items in, output items out (reasoning, a message, function
