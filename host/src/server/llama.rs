@@ -530,6 +530,15 @@ pub async fn lora_adapters() -> Response {
     Json(json!([])).into_response()
 }
 
+/// `POST /slots/{id}?action=save|restore|erase`: llama-server answers these only when started with
+/// `--slot-save-path`, which is refused here, so they get its answer without one.
+pub async fn slot_action() -> Response {
+    llama_err(ApiError::new(
+        ErrorKind::NotSupported,
+        "This server does not support slots action (saving, restoring or erasing a slot's cache; --slot-save-path is not supported)",
+    ))
+}
+
 /// `POST /lora-adapters`: setting adapter scales; with no adapters loaded, only an empty list.
 pub async fn set_lora_adapters(body: Bytes) -> Response {
     match parse_body::<Vec<Value>>(&body) {

@@ -77,6 +77,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/health", get(llama::health))
         .route("/props", get(llama::props))
         .route("/slots", get(llama::slots))
+        .route("/slots/{id}", post(llama::slot_action))
         .route("/lora-adapters", get(llama::lora_adapters).post(llama::set_lora_adapters))
         .route("/metrics", get(llama::metrics))
         .route("/v1/embeddings", post(embeddings::openai_embeddings))

@@ -969,6 +969,11 @@ async fn api_keys_by_bearer_or_x_api_key_and_health_stays_public() {
     assert_eq!(s.get("/health").await.0, 200);
     // The model list is public too, as llama-server's; one model's details are not.
     assert_eq!((s.get("/v1/models").await.0, s.get("/models").await.0), (200, 200));
+    // Slot actions need --slot-save-path in llama-server, which is refused here: its answer without it.
+    let r = s.client.post(s.url("/slots/0?action=erase")).bearer_auth("k1").send().await.unwrap();
+    assert_eq!(r.status(), 501);
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["error"]["type"], "not_supported_error", "{v}");
     assert_eq!(s.get("/v1/models/tiny").await.0, 401);
     assert_eq!(s.get("/slots").await.0, 401);
 }
