@@ -411,9 +411,7 @@ impl MessageStream {
                 let i = self.blocks;
                 self.blocks += 1;
                 self.open = Some((i, kind));
-                out.push(event(
-                    json!({"type": "content_block_start", "index": i, "content_block": {"type": kind, kind: ""}}),
-                ));
+                block_start(i, json!({"type": kind, kind: ""}), out);
                 i
             }
         };
@@ -439,14 +437,15 @@ impl MessageStream {
         }
     }
 
-    /// A `tool_use` block, whole: its start, its input as one JSON delta, its stop.
+    /// A `tool_use` block, whole: its start, its input as one JSON delta, its stop (after a `ping`
+    /// when it is the first block).
     fn tool_block(&mut self, call: &ToolCall, out: &mut Vec<Event>) {
         self.close(out);
         let index = self.blocks;
         self.blocks += 1;
         self.sent_calls += 1;
         let start = json!({"type": "tool_use", "id": call.id, "name": call.name, "input": {}});
-        out.push(event(json!({"type": "content_block_start", "index": index, "content_block": start})));
+        block_start(index, start, out);
         out.push(event(json!({"type": "content_block_delta", "index": index,
             "delta": {"type": "input_json_delta", "partial_json": call.arguments.to_string()}})));
         out.push(event(json!({"type": "content_block_stop", "index": index})));
@@ -469,23 +468,28 @@ impl MessageStream {
     }
 }
 
+/// A block's `content_block_start`; after the first one, a `ping`, where Anthropic's streams send it.
+fn block_start(index: usize, block: Value, out: &mut Vec<Event>) {
+    out.push(event(json!({"type": "content_block_start", "index": index, "content_block": block})));
+    if index == 0 {
+        out.push(event(json!({"type": "ping"})));
+    }
+}
+
 impl StreamDialect for MessageStream {
     fn start(&mut self, live: &Live) -> Vec<Event> {
         let cached_tokens = live.cached_tokens;
-        vec![
-            event(json!({"type": "message_start", "message": {
-                "id": self.id,
-                "type": "message",
-                "role": "assistant",
-                "model": self.model,
-                "content": [],
-                "stop_reason": null,
-                "stop_sequence": null,
-                "usage": {"input_tokens": self.prompt_tokens.saturating_sub(cached_tokens), "output_tokens": 0,
-                          "cache_read_input_tokens": cached_tokens, "cache_creation_input_tokens": 0},
-            }})),
-            event(json!({"type": "ping"})),
-        ]
+        vec![event(json!({"type": "message_start", "message": {
+            "id": self.id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": [],
+            "stop_reason": null,
+            "stop_sequence": null,
+            "usage": {"input_tokens": self.prompt_tokens.saturating_sub(cached_tokens), "output_tokens": 0,
+                      "cache_read_input_tokens": cached_tokens, "cache_creation_input_tokens": 0},
+        }}))]
     }
 
     fn text(&mut self, text: &str, _tokens: &[u32], _logprobs: &[TokenLogprob], _live: &Live) -> Vec<Event> {

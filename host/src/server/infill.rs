@@ -15,15 +15,20 @@ use crate::text::TextTokenizer;
 
 /// One extra file from the editor.
 #[derive(Deserialize, Debug, Clone)]
-#[serde(deny_unknown_fields)]
 pub struct ExtraChunk {
     pub text: String,
     pub filename: Option<String>,
+    /// When the editor took the chunk (llama.vim and llama.vscode send it); the order of the chunks
+    /// is theirs, so it is not read.
+    #[allow(dead_code)]
+    pub time: Option<serde_json::Value>,
 }
 
 /// A model's fill-in-the-middle tokens, found by the names their tokenizers give them.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Fim {
+    /// Other tokens that end a fill.
+    pub ends: Vec<u32>,
     pub prefix: u32,
     pub suffix: u32,
     pub middle: u32,
@@ -33,8 +38,9 @@ pub struct Fim {
     pub pad: Option<u32>,
 }
 
-// The names llama.cpp knows each FIM token by (Qwen2.5-Coder, OpenCoder, StarCoder, DeepSeek-Coder,
-// CodeLlama, CodeGemma, GLM-4).
+// The names each FIM token goes by in the tokenizers of Qwen2.5-Coder, OpenCoder, StarCoder,
+// DeepSeek-Coder, CodeLlama, CodeGemma and GLM-4 (llama.cpp's lists, with the file separators of
+// StarCoder's and CodeGemma's own).
 const PREFIX: &[&str] =
     &["<|fim_prefix|>", "<fim-prefix>", "<fim_prefix>", "<｜fim▁begin｜>", "<PRE>", "▁<PRE>", "<|code_prefix|>"];
 const SUFFIX: &[&str] =
@@ -43,7 +49,10 @@ const MIDDLE: &[&str] =
     &["<|fim_middle|>", "<fim-middle>", "<fim_middle>", "<｜fim▁end｜>", "<MID>", "▁<MID>", "<|code_middle|>"];
 const REPO: &[&str] = &["<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"];
 const FILE_SEP: &[&str] = &["<|file_sep|>", "<file_sep>", "<|file_separator|>"];
-const PAD: &[&str] = &["<|fim_pad|>", "<fim-pad>", "<fim_pad>"];
+const PAD: &[&str] = &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>"];
+// Ends of a turn or a fill that llama.cpp ends every generation at, where a tokenizer does not list
+// them as end-of-sequence (CodeLlama ends an infill with `<EOT>`, its EOS being `</s>`).
+const ENDS: &[&str] = &["<EOT>", "▁<EOT>", "<|endoftext|>", "<|im_end|>", "<end_of_turn>", "<|eot_id|>"];
 
 impl Fim {
     /// The tokenizer's FIM tokens, or what is missing (as llama-server words it).
@@ -58,16 +67,23 @@ impl Fim {
         }
         match (prefix, suffix, middle) {
             (Some(prefix), Some(suffix), Some(middle)) => {
-                Ok(Fim { prefix, suffix, middle, repo: find(REPO), file_sep: find(FILE_SEP), pad: find(PAD) })
+                let ends = ENDS.iter().filter_map(|n| tok.inner.token_to_id(n)).collect();
+                Ok(Fim { ends, prefix, suffix, middle, repo: find(REPO), file_sep: find(FILE_SEP), pad: find(PAD) })
             }
             _ => Err(format!("Infill is not supported by this model: {}", missing.trim_end())),
         }
     }
 
     /// The tokens that end an infill answer beside end-of-sequence: the model going on to padding
-    /// or to another file.
+    /// or to another file, or ending its turn.
     pub fn end_tokens(&self) -> Vec<u32> {
-        [self.pad, self.repo, self.file_sep].into_iter().flatten().collect()
+        let mut ends: Vec<u32> = [self.pad, self.repo, self.file_sep].into_iter().flatten().collect();
+        for &e in &self.ends {
+            if !ends.contains(&e) {
+                ends.push(e);
+            }
+        }
+        ends
     }
 }
 
@@ -118,7 +134,7 @@ pub fn prompt(
     // The prefix and suffix share a batch 3:1; the extra files take what the context leaves.
     let prefix_take = prefix.len().min(3 * (n_batch / 4));
     let suffix_take = suffix.len().min((n_batch / 4).saturating_sub(2 + prompt.len()));
-    let extra_take = extra.len().min(n_ctx.saturating_sub(n_batch + 2 * n_predict));
+    let extra_take = extra.len().min(n_ctx.saturating_sub(n_batch.saturating_add(n_predict.saturating_mul(2))));
     prefix.drain(..prefix.len() - prefix_take);
     suffix.truncate(suffix_take);
 

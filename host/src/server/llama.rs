@@ -229,6 +229,17 @@ fn infill_prompt(
     r: &CompletionRequest,
 ) -> Result<(PromptIds, Vec<u32>), ApiError> {
     let fim = Fim::of(&model.text).map_err(|e| ApiError::new(ErrorKind::NotSupported, e))?;
+    for (field, given) in [("input_prefix", r.input_prefix.is_some()), ("input_suffix", r.input_suffix.is_some())] {
+        if !given {
+            return Err(ApiError::field(field, format!("\"{field}\" is required")));
+        }
+    }
+    if r.add_special.is_some() {
+        return Err(ApiError::field(
+            "add_special",
+            "add_special does not apply to /infill (the FIM prompt adds what the model needs)",
+        ));
+    }
     let prompt = match &r.prompt {
         None => "",
         Some(Prompt::Text(s)) => s.as_str(),

@@ -517,7 +517,8 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
         job.sampling.logit_bias = logit_bias(b, model, true)?;
     }
     job.max_tokens = limit;
-    let budget = reasoning::tighter(reasoning::server_budget(&state, kwargs.as_ref()), effort.budget);
+    let effort_budget = effort.budget_under(r.chat_template_kwargs.as_ref());
+    let budget = reasoning::tighter(reasoning::server_budget(&state, kwargs.as_ref()), effort_budget);
     job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;
     job.shown_special = super::tools::shown_tags(&model.text, tooling.as_ref());
     job.stop = r.stop.map(StopField::into_vec).unwrap_or_default();

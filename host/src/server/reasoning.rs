@@ -97,7 +97,8 @@ const EFFORTS: [(&str, Option<usize>); 6] = [
 
 /// OpenAI's reasoning effort (chat's `reasoning_effort`, Responses' `reasoning.effort`, named by
 /// `field`) for a model whose chat template is `template`. A template that reads
-/// `reasoning_effort` (gpt-oss's) gets it as it is. One with Qwen3's `enable_thinking` switch thinks
+/// `reasoning_effort` (gpt-oss's) gets it, `none`/`minimal` as `low` and `xhigh` as `high` (its
+/// levels). One with Qwen3's `enable_thinking` switch thinks
 /// unless the effort is `none` or `minimal` (then a thought it starts anyway is closed at once), with
 /// its thought capped at 1024 tokens for `low` and
 /// 4096 for `medium`. A template with neither has no reasoning to set: refused, as OpenAI refuses
@@ -114,7 +115,13 @@ pub fn effort(effort: Option<&str>, field: &str, template: Option<&str>) -> Resu
     let t = template.unwrap_or_default();
     let mut vars = serde_json::Map::new();
     if t.contains("reasoning_effort") {
-        vars.insert("reasoning_effort".into(), effort.into());
+        // gpt-oss's levels are low, medium and high.
+        let level = match effort {
+            "none" | "minimal" => "low",
+            "xhigh" => "high",
+            e => e,
+        };
+        vars.insert("reasoning_effort".into(), level.into());
         return Ok(Effort { vars, budget: None });
     }
     if t.contains("enable_thinking") {
@@ -126,6 +133,17 @@ pub fn effort(effort: Option<&str>, field: &str, template: Option<&str>) -> Resu
         field,
         "this model's chat template has no reasoning to set (it reads neither `reasoning_effort` nor `enable_thinking`)",
     ))
+}
+
+impl Effort {
+    /// The effort's cap on the thought, unless the request's own template variables (`kwargs`)
+    /// switch thinking themselves, which win over the effort.
+    pub fn budget_under(&self, kwargs: Option<&serde_json::Map<String, serde_json::Value>>) -> Option<usize> {
+        match kwargs.is_some_and(|k| k.contains_key("enable_thinking")) {
+            true => None,
+            false => self.budget,
+        }
+    }
 }
 
 /// The smaller of two thought caps (None: no cap).
@@ -283,6 +301,23 @@ impl Splitter {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn gpt_oss_templates_get_their_own_effort_levels() {
+        let t = Some("Reasoning: {{ reasoning_effort }}");
+        for (asked, level) in [
+            ("none", "low"),
+            ("minimal", "low"),
+            ("low", "low"),
+            ("medium", "medium"),
+            ("high", "high"),
+            ("xhigh", "high"),
+        ] {
+            let e = effort(Some(asked), "reasoning_effort", t).unwrap();
+            assert_eq!((e.vars["reasoning_effort"].as_str(), e.budget), (Some(level), None), "{asked}");
+        }
+        assert_eq!(effort(None, "reasoning_effort", t).unwrap(), Effort::default());
+    }
 
     /// Every way of cutting `text` into two pieces gives the same parts as the whole.
     fn streamed(format: ReasoningFormat, forced: bool, text: &str) -> Parts {

@@ -476,7 +476,7 @@ async fn anthropic_stream_follows_the_event_sequence() {
     assert_eq!(status, 200);
     let events = sse(&body);
     let names: Vec<&str> = events.iter().map(|e| e.0.as_deref().unwrap()).collect();
-    let mut want = vec!["message_start", "ping", "content_block_start"];
+    let mut want = vec!["message_start", "content_block_start", "ping"];
     want.extend(std::iter::repeat_n("content_block_delta", ANSWER.len()));
     want.extend(["content_block_stop", "message_delta", "message_stop"]);
     assert_eq!(names, want);
@@ -1211,8 +1211,8 @@ async fn anthropic_thinking_blocks() {
         .collect();
     let want = [
         "message_start",
-        "ping",
         "content_block_start[0]:thinking",
+        "ping",
         "content_block_delta[0]:thinking_delta",
         "content_block_delta[0]:thinking_delta",
         "content_block_delta[0]:signature_delta",
@@ -1379,7 +1379,7 @@ async fn infill_frames_the_code_with_fim_tokens() {
     )
     .await;
     let body = json!({"input_prefix": "def add(a, b):\n    ", "input_suffix": "\n\nprint(add(1, 2))\n", "prompt": "return",
-        "input_extra": [{"filename": "util.py", "text": "X = 1\n"}], "n_predict": 8});
+        "input_extra": [{"filename": "util.py", "text": "X = 1\n", "time": 1733450000}], "n_predict": 8});
     let (status, v) = s.post("/infill", body).await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["content"], ANSWER.concat());
@@ -1401,7 +1401,9 @@ async fn infill_frames_the_code_with_fim_tokens() {
             .unwrap()
     );
     assert_eq!(r.prompt.last(), Some(&id("<|fim_middle|>")));
-    assert_eq!(r.end_tokens, [id("<|fim_pad|>"), id("<|repo_name|>"), id("<|file_sep|>")]);
+    // (The fixture's <|endoftext|> and <|im_end|> end every fill too, as in llama.cpp.)
+    let ends = ["<|fim_pad|>", "<|repo_name|>", "<|file_sep|>", "<|endoftext|>", "<|im_end|>"].map(id);
+    assert_eq!(r.end_tokens, ends);
     assert_eq!(v["prompt"], shown);
     // Special-token names in the code are text, not tokens.
     let (status, _) = s.post("/infill", json!({"input_prefix": "<|fim_middle|>", "input_suffix": ""})).await;
@@ -1414,8 +1416,10 @@ async fn infill_frames_the_code_with_fim_tokens() {
     assert!(body.contains("\"stop\":true"), "{body}");
 
     for (body, param) in [
-        (json!({"input_prefix": "a", "prompt": [1, 2]}), "prompt"),
-        (json!({"input_prefix": "a", "input_extra": [{"filename": "f"}]}), "input_extra[0]"),
+        (json!({"input_prefix": "a", "input_suffix": "", "prompt": [1, 2]}), "prompt"),
+        (json!({"input_prefix": "a", "input_suffix": "", "input_extra": [{"filename": "f"}]}), "input_extra[0]"),
+        (json!({"input_prefix": "a"}), "input_suffix"),
+        (json!({"input_prefix": "a", "input_suffix": "", "add_special": true}), "add_special"),
     ] {
         let (status, v) = s.post("/infill", body).await;
         assert_eq!(status, 400, "{v}");
@@ -1805,7 +1809,7 @@ async fn a_thought_the_prompt_opens() {
     let explicit =
         json!({"messages": hi, "reasoning_effort": "none", "chat_template_kwargs": {"enable_thinking": true}});
     s.post("/v1/chat/completions", explicit).await;
-    assert!(!s.last_prompt().contains("[quiet]"), "{}", s.last_prompt());
+    assert_eq!((s.last_prompt().contains("[quiet]"), budget(&s)), (false, None), "{}", s.last_prompt());
     // The server's --reasoning-budget and the effort's cap: the tighter holds.
     let c = start_templated(capped_config(8), Fake::default(), true, OPEN_THOUGHT, 2048).await;
     c.post("/v1/chat/completions", json!({"messages": hi, "reasoning_effort": "low"})).await;

@@ -242,7 +242,8 @@ pub fn mistral_end(text: &str, json_may_end: bool) -> Option<usize> {
                 return None;
             }
             if at == lead {
-                return Some(at.max(1));
+                // Past the first character (whole: it may take several bytes).
+                return Some(lead + text[lead..].chars().next().map_or(1, char::len_utf8));
             }
             let rest = &text[at..];
             if let Some(id) = rest.strip_prefix("[CALL_ID]") {
@@ -422,6 +423,8 @@ mod tests {
         assert_eq!(mistral_end(" see below [TOOL_CALLS]f[ARGS]{}", true), Some(4));
         assert_eq!(mistral_end("f [ARGS]{}", true), Some(1));
         assert_eq!(mistral_end("!", true), Some(1));
+        assert_eq!(mistral_end(" “quoted”", true), Some(4));
+        assert_eq!(mistral_end("😀", true), Some(4));
         assert_eq!(mistral_end("[1, oops", true), Some(1));
     }
 
