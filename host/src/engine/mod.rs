@@ -4,6 +4,7 @@
 pub mod embed;
 pub mod generate;
 pub mod handle;
+pub mod infill_sampler;
 pub mod kv_cache;
 pub mod kv_plan;
 pub mod memory;
@@ -27,5 +28,5 @@ pub use sampler::{Sampler, SamplingOverrides, SamplingParams};
 pub use scheduler::{
     EngineCounters, EngineOptions, EngineStats, RequestLimits, Scheduler, SlotState, SlotStats, StepModel, Submission,
 };
-pub use streaming_text::{StreamingText, TokenStep};
+pub use streaming_text::{CodeLimits, StreamingText, TokenStep};
 pub use thought::ThoughtBudget;

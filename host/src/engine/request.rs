@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use super::generate::FinishReason;
 use super::sampler::SamplingParams;
+use super::streaming_text::CodeLimits;
 use super::thought::ThoughtBudget;
 
 /// One completion to run: a tokenized prompt and how to continue it.
@@ -36,6 +37,8 @@ pub struct GenerationRequest {
     /// Tokens that end the answer as end-of-sequence does, beside the model's own (infill's file
     /// separators, as llama-server ends at them).
     pub end_tokens: Vec<u32>,
+    /// llama-server's code-completion limits (see [`CodeLimits`](super::streaming_text::CodeLimits)).
+    pub code_limits: CodeLimits,
 }
 
 impl GenerationRequest {
@@ -52,6 +55,7 @@ impl GenerationRequest {
             thought_budget: None,
             shown_special: Vec::new(),
             end_tokens: Vec::new(),
+            code_limits: CodeLimits::default(),
         }
     }
 }

@@ -1,8 +1,11 @@
-//! Turning logits into the next token: penalties, then top-k, top-p, min-p and temperature, the order
-//! llama.cpp applies them in. Temperature 0 is greedy. A seed makes sampling repeatable.
+//! Turning logits into the next token: penalties, then top-k, top-p, llama.cpp's `infill` (when a
+//! request asks for it), min-p and temperature, the order llama.cpp applies them in. Temperature 0
+//! is greedy. A seed makes sampling repeatable.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
+use super::infill_sampler::{self, TokenTexts};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::Value;
@@ -29,6 +32,8 @@ pub struct SamplingParams {
     pub seed: Option<u64>,
     /// Added to these tokens' logits before anything else (`-inf` bans a token).
     pub logit_bias: Vec<(u32, f32)>,
+    /// llama.cpp's `infill` sampler after top-p (see [`infill_sampler`](super::infill_sampler)).
+    pub infill: bool,
 }
 
 impl Default for SamplingParams {
@@ -45,6 +50,7 @@ impl Default for SamplingParams {
             penalty_last_n: 64,
             seed: None,
             logit_bias: Vec::new(),
+            infill: false,
         }
     }
 }
@@ -73,6 +79,11 @@ impl SamplingParams {
         }
         if let Some((t, b)) = self.logit_bias.iter().find(|(_, b)| b.is_nan() || *b == f32::INFINITY) {
             return Err(format!("logit_bias of token {t} must be a number or -inf, got {b}"));
+        }
+        if self.infill && !(1..=MAX_TOP_K_ON_BACKEND).contains(&self.top_k) {
+            return Err(format!(
+                "samplers with infill need top_k between 1 and {MAX_TOP_K_ON_BACKEND} before it (the infill sampler compares every pair of candidates)"
+            ));
         }
         Ok(())
     }
@@ -139,6 +150,9 @@ pub const MAX_TOP_K_ON_BACKEND: usize = 128;
 pub struct Sampler {
     params: SamplingParams,
     rng: StdRng,
+    /// For the infill sampler: the tokens' texts, and the tokens that end generation.
+    texts: Option<Arc<TokenTexts>>,
+    ends: Vec<u32>,
 }
 
 impl Sampler {
@@ -147,7 +161,14 @@ impl Sampler {
             Some(s) => StdRng::seed_from_u64(s),
             None => StdRng::from_entropy(),
         };
-        Sampler { params, rng }
+        Sampler { params, rng, texts: None, ends: Vec::new() }
+    }
+
+    /// What the infill sampler reads: the tokens' texts and the tokens that end generation.
+    pub fn with_vocab(mut self, texts: Arc<TokenTexts>, ends: Vec<u32>) -> Self {
+        self.texts = Some(texts);
+        self.ends = ends;
+        self
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -167,7 +188,7 @@ impl Sampler {
         if penalties && p.penalty_last_n > 0 {
             return None;
         }
-        if p.temperature <= 0.0 {
+        if p.temperature <= 0.0 && !p.infill {
             return Some(1);
         }
         (1..=MAX_TOP_K_ON_BACKEND).contains(&p.top_k).then_some(p.top_k)
@@ -181,7 +202,7 @@ impl Sampler {
             }
         }
         self.apply_penalties(logits, history);
-        if self.params.temperature <= 0.0 {
+        if self.params.temperature <= 0.0 && !self.params.infill {
             return argmax(logits);
         }
         let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
@@ -199,7 +220,7 @@ impl Sampler {
     /// [`Sampler::sample`] from a row's largest logits alone, best first (`ids[i]` has `values[i]`; at
     /// least [`Sampler::top_k_needed`] of them): the same token the whole row would give.
     pub fn sample_top(&mut self, ids: &[u32], values: &[f32]) -> u32 {
-        if self.params.temperature <= 0.0 {
+        if self.params.temperature <= 0.0 && !self.params.infill {
             return ids.first().copied().unwrap_or(0);
         }
         let k = match self.params.top_k {
@@ -226,10 +247,20 @@ impl Sampler {
             }
             cand.truncate(keep.max(1));
         }
+        let probs = if p.infill {
+            cand = infill_sampler::keep(cand, self.texts.as_deref(), &self.ends);
+            softmax(&cand.iter().map(|c| c.1).collect::<Vec<_>>(), 1.0)
+        } else {
+            probs
+        };
         if p.min_p > 0.0 {
             let threshold = probs[0] * p.min_p;
             let keep = probs.iter().take(cand.len()).take_while(|&&pr| pr >= threshold).count();
             cand.truncate(keep.max(1));
+        }
+        if p.temperature <= 0.0 {
+            // Greedy after the infill cut: the best survivor.
+            return cand.first().map_or(0, |c| c.0);
         }
         let probs = softmax(&cand.iter().map(|c| c.1).collect::<Vec<_>>(), p.temperature);
         let r: f32 = self.rng.gen();
@@ -382,5 +413,35 @@ mod tests {
         let mut s = Sampler::new(p);
         // token 0: 3.0 - 2*0.6 - 0.5 = 1.3 < 2.0
         assert_eq!(s.sample(&mut [3.0, 2.0], &[0, 0]), 1);
+    }
+
+    /// The infill cut runs between top-p and the draw, also before a greedy pick: here the end of
+    /// generation holds a fair share of the top three, so only it is left.
+    #[test]
+    fn infill_cut_runs_before_the_draw() {
+        let texts = Arc::new(TokenTexts::for_test(&["a", "b", "c", "<end>"]));
+        for temperature in [0.0, 1.0] {
+            let p = SamplingParams {
+                temperature,
+                top_k: 3,
+                top_p: 1.0,
+                min_p: 0.0,
+                infill: true,
+                seed: Some(1),
+                ..Default::default()
+            };
+            assert_eq!(p.validate(), Ok(()));
+            let mut s = Sampler::new(p).with_vocab(texts.clone(), vec![3]);
+            let mut row = [3.0f32, 1.0, 0.9, -5.0];
+            // Top-3 leaves a, b, c (no end): the cuts keep only the likeliest.
+            assert_eq!(s.sample(&mut row, &[]), 0, "temperature {temperature}");
+            let mut s =
+                Sampler::new(SamplingParams { top_k: 4, ..s.params.clone() }).with_vocab(texts.clone(), vec![3]);
+            // With the end among the candidates and a fair share of them, the end alone.
+            let mut row = [3.0f32, 1.0, 0.9, 1.5];
+            assert_eq!(s.sample(&mut row, &[]), 3, "temperature {temperature}");
+        }
+        let no_top_k = SamplingParams { top_k: 0, infill: true, ..Default::default() };
+        assert!(no_top_k.validate().unwrap_err().starts_with("samplers"));
     }
 }

@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::generate::FinishReason;
+use super::infill_sampler::TokenTexts;
 use super::kv_cache::{KvCache, SeqBlocks};
 use super::prefix_cache::{PrefixCache, ROOT};
 use super::request::{EngineError, GenerationEvent, GenerationRequest, TokenLogprob, Usage};
@@ -375,6 +376,8 @@ pub struct Scheduler<M: StepModel> {
     counters: EngineCounters,
     /// The model's state epoch the running sequences' KV belongs to.
     epoch: u64,
+    /// Every token's text, for the infill sampler (made when a request first asks for it).
+    token_texts: std::sync::OnceLock<Arc<TokenTexts>>,
 }
 
 impl<M: StepModel> Scheduler<M> {
@@ -391,6 +394,7 @@ impl<M: StepModel> Scheduler<M> {
             tokenizer,
             opts,
             reuse_prefixes,
+            token_texts: Default::default(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             free_slots: (0..parallel).rev().collect(),
@@ -436,6 +440,12 @@ impl<M: StepModel> Scheduler<M> {
     pub fn enqueue(&mut self, sub: Submission) {
         let r = sub.request;
         self.counters.requests += 1;
+        let mut sampler = Sampler::new(r.sampling.clone());
+        if r.sampling.infill {
+            let texts = self.token_texts.get_or_init(|| TokenTexts::new(&self.tokenizer)).clone();
+            let ends = self.tokenizer.eos_ids.iter().chain(&r.end_tokens).copied().collect();
+            sampler = sampler.with_vocab(texts, ends);
+        }
         self.waiting.push_back(Sequence {
             id: sub.id,
             prompt_len: r.prompt.len(),
@@ -445,10 +455,11 @@ impl<M: StepModel> Scheduler<M> {
             offered_key: ROOT,
             cache_prompt: r.cache_prompt,
             logprobs: r.logprobs.map(|n| n.min(self.model.vocab_size())),
-            sampler: Sampler::new(r.sampling),
+            sampler,
             text: StreamingText::new(&r.stop, r.ignore_eos, r.max_tokens)
                 .showing(r.shown_special)
-                .ending_at(r.end_tokens),
+                .ending_at(r.end_tokens)
+                .limited(r.code_limits),
             events: sub.events,
             cancel: sub.cancel,
             // A timeout too long to represent is no timeout.

@@ -22,6 +22,47 @@ pub struct StreamingText {
     shown_special: Vec<u32>,
     /// Tokens that end generation beside the tokenizer's end-of-sequence ones.
     end_tokens: Vec<u32>,
+    code: CodeLimits,
+}
+
+/// llama-server's limits for code completion (its `n_indent` and `t_max_predict_ms`), which editors
+/// set so that a suggestion stays within the block being written and arrives in time.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct CodeLimits {
+    /// A line after the first that starts less indented than this many spaces or tabs ends the
+    /// answer before it (0: off).
+    pub n_indent: usize,
+    /// Once this long has passed since the first token, the answer ends at the next line break.
+    pub t_max_predict: Option<std::time::Duration>,
+    /// The first token's time, and the indent of the line being written while it is all blanks.
+    started: Option<std::time::Instant>,
+    indent: Option<usize>,
+}
+
+impl CodeLimits {
+    pub fn new(n_indent: usize, t_max_predict: Option<std::time::Duration>) -> CodeLimits {
+        CodeLimits { n_indent, t_max_predict, ..Default::default() }
+    }
+
+    /// Where in `text`, the answer's next piece, the answer ends (the bytes to keep), if it does.
+    fn end_in(&mut self, text: &str) -> Option<usize> {
+        let started = *self.started.get_or_insert_with(std::time::Instant::now);
+        if self.n_indent > 0 {
+            for (i, c) in text.char_indices() {
+                match (c, &mut self.indent) {
+                    ('\n', n) => *n = Some(0),
+                    (' ' | '\t', Some(n)) => *n += 1,
+                    (_, n) => {
+                        if n.take().is_some_and(|n| n < self.n_indent) {
+                            return Some(i);
+                        }
+                    }
+                }
+            }
+        }
+        let late = self.t_max_predict.is_some_and(|t| started.elapsed() > t);
+        (late && text.contains('\n')).then_some(text.len())
+    }
 }
 
 /// What one sampled token did.
@@ -47,7 +88,14 @@ impl StreamingText {
             prefix_index: 0,
             shown_special: Vec::new(),
             end_tokens: Vec::new(),
+            code: CodeLimits::default(),
         }
+    }
+
+    /// Applies llama-server's code-completion limits.
+    pub fn limited(mut self, code: CodeLimits) -> Self {
+        self.code = code;
+        self
     }
 
     /// Ends generation at these tokens too, as at end-of-sequence.
@@ -113,6 +161,19 @@ impl StreamingText {
                     return Ok(TokenStep { text: s, accepted: true, finish: Some(FinishReason::Stop) });
                 }
             }
+        }
+        if let Some(keep) = self.code.end_in(&text) {
+            // Cut inside the text (an under-indented line): what follows, held text too, is dropped.
+            if keep < text.len() {
+                text.truncate(keep);
+                self.stop = StopMatcher::new(&[]);
+                self.ids.clear();
+                self.prefix_index = 0;
+                self.prefix.clear();
+            } else {
+                text.push_str(&self.flush(tokenizer));
+            }
+            return Ok(TokenStep { text, accepted: true, finish: Some(FinishReason::Length) });
         }
         if self.exhausted() {
             text.push_str(&self.flush(tokenizer));
@@ -194,5 +255,33 @@ mod tests {
         assert_eq!(run(vec![1]), "Hi<|im_start|> there");
         // Showing a token the answer does not hold changes nothing.
         assert_eq!(run(vec![2]), "Hi there");
+    }
+
+    /// llama-server's `n_indent`: a later line less indented ends the answer before its first
+    /// character; `t_max_predict_ms`: past the time, the answer ends with the next line break.
+    #[test]
+    fn code_limits_end_answers_as_llama_server_does() {
+        let tok = tokenizer();
+        let run = |text: &str, code: CodeLimits| {
+            let mut out = StreamingText::new(&[], true, 100).limited(code);
+            let mut shown = String::new();
+            for id in tok.encode(text, false).unwrap() {
+                let step = out.push(&tok, id).unwrap();
+                shown.push_str(&step.text);
+                if step.finish.is_some() {
+                    assert_eq!(step.finish, Some(FinishReason::Length));
+                    return shown;
+                }
+            }
+            shown
+        };
+        let code = "return a\n    b = 1\n\n  c = 2\nd";
+        assert_eq!(run(code, CodeLimits::new(4, None)), "return a\n    b = 1\n\n  ");
+        assert_eq!(run(code, CodeLimits::new(2, None)), "return a\n    b = 1\n\n  c = 2\n");
+        assert_eq!(run(code, CodeLimits::new(0, None)), code);
+        // The first line is never measured (the cursor sits inside it).
+        assert_eq!(run("x\ny", CodeLimits::new(1, None)), "x\n");
+        let late = run(code, CodeLimits::new(0, Some(std::time::Duration::ZERO)));
+        assert!(late.starts_with("return a\n") && late.len() < code.len(), "{late:?}");
     }
 }

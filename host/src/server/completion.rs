@@ -16,7 +16,7 @@ use super::error::ApiError;
 use super::generator::EventStream;
 use super::state::{AppState, LoadedModel, RequestLog};
 use crate::engine::{
-    FinishReason, GenerationEvent, GenerationRequest, SamplingParams, ThoughtBudget, TokenLogprob, Usage,
+    CodeLimits, FinishReason, GenerationEvent, GenerationRequest, SamplingParams, ThoughtBudget, TokenLogprob, Usage,
 };
 use crate::text::TextTokenizer;
 
@@ -36,12 +36,14 @@ pub struct Job {
     pub shown_special: Vec<u32>,
     /// Tokens that end the answer as end-of-sequence does.
     pub end_tokens: Vec<u32>,
+    pub code_limits: CodeLimits,
 }
 
 impl Job {
     pub fn new(prompt: Vec<u32>, sampling: SamplingParams) -> Job {
         let (max_tokens, stop, ignore_eos, cache_prompt, logprobs) = (None, vec![], false, None, None);
-        let (thought_budget, shown_special, end_tokens) = (None, Vec::new(), Vec::new());
+        let (thought_budget, shown_special, end_tokens, code_limits) =
+            (None, Vec::new(), Vec::new(), CodeLimits::default());
         Job {
             prompt,
             sampling,
@@ -53,6 +55,7 @@ impl Job {
             thought_budget,
             shown_special,
             end_tokens,
+            code_limits,
         }
     }
 
@@ -93,6 +96,7 @@ impl Job {
         r.thought_budget = self.thought_budget;
         r.shown_special = self.shown_special;
         r.end_tokens = self.end_tokens;
+        r.code_limits = self.code_limits;
         r.timeout = state.config.timeout;
         Ok(r)
     }

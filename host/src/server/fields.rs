@@ -102,22 +102,27 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
         "dynatemp_range" => ok(num(0.0), "dynamic temperature is not implemented (0 turns it off)"),
         "dynatemp_exponent" => ok(off("dynatemp_range", 0.0), "dynamic temperature is not implemented"),
         "min_keep" => ok(num(0.0), "min_keep is not implemented"),
-        "n_indent" => ok(num(0.0), "n_indent is not implemented"),
+        // Read by /completion, /infill and chat completions; elsewhere only a list that changes
+        // nothing is.
         "samplers" => ok(
-            v.is_null() || default_sampler_order(v),
-            "the sampler order is fixed: penalties, top_k, top_p, min_p, temperature",
+            v.is_null() || super::samplers::is_default_order(v),
+            "this route runs every sampler (penalties, top_k, top_p, min_p, temperature); a list that switches some off is read by /completion, /infill and /v1/chat/completions",
         ),
         // Tokens kept when the context shifts: this server never shifts (generation stops at the end
         // of the context), as llama-server without --context-shift.
         "n_keep" => ok(v.is_null() || v.is_i64(), "expected an integer"),
-        "id_slot" | "slot_id" => ok(num(-1.0), "slots are assigned by the scheduler (-1)"),
+        // A slot asked for by id (llama.vim asks for slot 0): llama-server waits for that slot to reuse
+        // its cache; here every slot reads one shared prefix cache, so any slot gives that reuse.
+        "id_slot" | "slot_id" => ok(v.as_i64().is_some_and(|s| s >= -1), "expected a slot id (-1: any)"),
+        // llama-server parses this but does not act on it (a TODO there); editors send it.
+        "t_max_prompt_ms" => ok(v.is_i64(), "expected an integer"),
         // Older llama-server clients' fields, at the values that do nothing.
         "penalize_nl" => ok(v == &Value::Bool(false), "newline penalties are not implemented"),
         "tfs_z" => ok(num(1.0), "tail-free sampling is not implemented (1.0 turns it off)"),
         "image_data" => ok(v.as_array().is_some_and(Vec::is_empty), "images are not supported"),
         "api_key" => ok(v.as_str() == Some(""), "send API keys in the Authorization or x-api-key header"),
-        "t_max_prompt_ms" | "t_max_predict_ms" => {
-            ok(v.is_null() || v.as_f64().is_some_and(|x| x <= 0.0), "use the server's --timeout")
+        "t_max_predict_ms" | "n_indent" => {
+            ok(v.is_null() || v.as_f64().is_some_and(|x| x <= 0.0), "read by /completion and /infill only")
         }
         "post_sampling_probs" => {
             ok(v.is_null() || v == &Value::Bool(false), "probabilities are reported before sampling")
@@ -143,32 +148,6 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
         ),
         _ => return None,
     })
-}
-
-/// Whether `samplers` (llama-server's names or its one-letter string) orders this server's samplers
-/// as it applies them — penalties, top-k, top-p, min-p, temperature — whatever it says of the
-/// samplers it lacks (each refused by its own field when switched on). Penalties may go unnamed (as
-/// llama.cpp's web UI leaves them, off by default); named, they come first.
-fn default_sampler_order(v: &Value) -> bool {
-    const OURS: [&str; 5] = ["penalties", "top_k", "top_p", "min_p", "temperature"];
-    let names: Vec<String> = match v {
-        Value::String(s) => s
-            .chars()
-            .map(|c| match c {
-                'e' => "penalties",
-                'k' => "top_k",
-                'p' => "top_p",
-                'm' => "min_p",
-                't' => "temperature",
-                _ => "",
-            })
-            .map(str::to_string)
-            .collect(),
-        Value::Array(a) => a.iter().filter_map(Value::as_str).map(str::to_string).collect(),
-        _ => return false,
-    };
-    let ours: Vec<&str> = names.iter().map(String::as_str).filter(|n| OURS.contains(n)).collect();
-    ours == OURS || ours == OURS[1..]
 }
 
 #[cfg(test)]
@@ -205,8 +184,8 @@ mod tests {
 
     #[test]
     fn sampler_orders_that_match_this_servers_pass() {
-        assert!(default_sampler_order(&json!("edskypmxt")));
-        assert!(default_sampler_order(&json!([
+        assert!(super::super::samplers::is_default_order(&json!("edskypmxt")));
+        assert!(super::super::samplers::is_default_order(&json!([
             "penalties",
             "dry",
             "top_k",
@@ -216,8 +195,8 @@ mod tests {
             "xtc",
             "temperature"
         ])));
-        assert!(default_sampler_order(&json!(["top_k", "typ_p", "top_p", "min_p", "temperature"])));
-        assert!(!default_sampler_order(&json!(["top_k", "temperature"])));
-        assert!(!default_sampler_order(&json!("ektpm")));
+        assert!(super::super::samplers::is_default_order(&json!(["top_k", "typ_p", "top_p", "min_p", "temperature"])));
+        assert!(!super::super::samplers::is_default_order(&json!(["top_k", "temperature"])));
+        assert!(!super::super::samplers::is_default_order(&json!("ektpm")));
     }
 }

@@ -4,6 +4,7 @@
 use std::fmt::Write;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Bytes;
 use axum::extract::State;
@@ -22,7 +23,7 @@ use super::error::{parse_body, ApiError, Dialect, ErrorKind};
 use super::infill::{self, ExtraChunk, Fim, InfillInput};
 use super::openai::{chat_messages, MessageIn, StopField};
 use super::state::{AppState, LoadedModel, RequestLog};
-use crate::engine::{SamplingParams, TokenLogprob, Usage};
+use crate::engine::{CodeLimits, SamplingParams, TokenLogprob, Usage};
 
 /// `prompt`, as llama-server reads it: a string, token ids, or ids and strings mixed (each string
 /// tokenized in its place) — or several prompts: a list without ids at its top level (strings, or
@@ -77,6 +78,12 @@ pub struct CompletionRequest {
     /// `timings` in every stream chunk, and prompt-progress chunks.
     pub timings_per_token: Option<bool>,
     pub return_progress: Option<bool>,
+    /// Which samplers run (see [`samplers`](super::samplers)).
+    pub samplers: Option<Value>,
+    /// Code completion's limits: a later line indented less than this ends the answer; past this
+    /// many ms the answer ends at the next line break (see [`CodeLimits`]).
+    pub n_indent: Option<i64>,
+    pub t_max_predict_ms: Option<i64>,
 }
 
 /// The most candidates `n_probs` may ask for per token (each answer carries them all).
@@ -291,6 +298,13 @@ async fn completion_inner(
     if let Some(b) = &r.logit_bias {
         params.logit_bias = logit_bias(b, model, false)?;
     }
+    if let Some(list) = r.samplers.as_ref().filter(|v| !v.is_null()) {
+        super::samplers::apply(list, &mut params)?;
+    }
+    let code_limits = CodeLimits::new(
+        r.n_indent.and_then(|n| usize::try_from(n).ok()).unwrap_or(0),
+        r.t_max_predict_ms.and_then(|ms| u64::try_from(ms).ok()).filter(|&ms| ms > 0).map(Duration::from_millis),
+    );
     if r.n_probs.is_some_and(|n| n > MAX_N_PROBS) {
         return Err(ApiError::field("n_probs", format!("n_probs must be at most {MAX_N_PROBS}")));
     }
@@ -312,6 +326,7 @@ async fn completion_inner(
         job.ignore_eos = r.ignore_eos.unwrap_or(false);
         job.logprobs = r.n_probs.filter(|&n| n > 0);
         job.end_tokens = end_tokens.clone();
+        job.code_limits = code_limits.clone();
         texts.push((text, job.prompt.len()));
         jobs.push(job);
     }
@@ -372,14 +387,15 @@ async fn completion_inner(
     Ok(if several { Json(json!(answers)) } else { Json(answers.remove(0)) }.into_response())
 }
 
-/// llama-server's `response_fields`: the answer's fields at these paths (`generation_settings/n_predict`
-/// as `n_predict`), missing ones left out.
+/// llama-server's `response_fields`: the answer's fields at these paths, each under its path as
+/// the key (`"generation_settings/n_predict"`, as llama-server and the editors that read it name
+/// it), missing ones left out.
 fn pick_fields(answer: &Value, paths: &[String]) -> Value {
     let mut out = serde_json::Map::new();
     for path in paths {
         let found = path.split('/').try_fold(answer, |v, key| v.get(key));
         if let Some(v) = found {
-            out.insert(path.rsplit('/').next().unwrap_or(path).to_string(), v.clone());
+            out.insert(path.clone(), v.clone());
         }
     }
     Value::Object(out)

@@ -21,6 +21,7 @@ pub mod model;
 pub mod openai;
 pub mod reasoning;
 pub mod responses;
+pub mod samplers;
 pub mod state;
 #[cfg(test)]
 mod tests;

@@ -183,6 +183,8 @@ pub struct ChatRequest {
     pub reasoning_format: Option<String>,
     /// OpenAI's: how much a reasoning model thinks (see [`reasoning::effort`]).
     pub reasoning_effort: Option<String>,
+    /// llama-server's: which samplers run (see [`samplers`](super::samplers)).
+    pub samplers: Option<Value>,
     /// llama-server's: `timings` in every stream chunk, and prompt-progress chunks.
     pub timings_per_token: Option<bool>,
     pub return_progress: Option<bool>,
@@ -372,10 +374,12 @@ fn check_n(n: Option<u32>, stream: bool) -> Result<usize, ApiError> {
 /// The token limit of the first of `fields` given: -1 is "no limit" (llama-server's, which its
 /// clients send on these routes too), otherwise at least `min`.
 fn token_limit(fields: &[(&str, Option<i64>)], min: i64) -> Result<Option<usize>, ApiError> {
+    // llama-server's n_predict may be 0: the prompt alone, as editors warm the cache with it.
+    let least = |f: &str| if f == "n_predict" { 0 } else { min };
     match fields.iter().find_map(|(f, v)| v.map(|v| (*f, v))) {
         None | Some((_, -1)) => Ok(None),
-        Some((f, v)) if v < min => {
-            Err(ApiError::field(f, format!("{f} must be at least {min} (or -1 for no limit), got {v}")))
+        Some((f, v)) if v < least(f) => {
+            Err(ApiError::field(f, format!("{f} must be at least {} (or -1 for no limit), got {v}", least(f))))
         }
         Some((_, v)) => Ok(Some(v as usize)),
     }
@@ -512,7 +516,11 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     let kwargs = state.template_kwargs_with(&effort.vars, r.chat_template_kwargs.as_ref());
     let (prompt_text, prompt) = chat_prompt(model, &messages, kwargs.as_ref(), tooling.as_ref())?;
     let thinking = reasoning::forced_open(&prompt_text);
-    let mut job = Job::new(prompt, sampling_fields!(r).apply(&model.facts.default_sampling, model.facts.ctx_size)?);
+    let mut sampling = sampling_fields!(r).apply(&model.facts.default_sampling, model.facts.ctx_size)?;
+    if let Some(list) = r.samplers.as_ref().filter(|v| !v.is_null()) {
+        super::samplers::apply(list, &mut sampling)?;
+    }
+    let mut job = Job::new(prompt, sampling);
     if let Some(b) = &r.logit_bias {
         job.sampling.logit_bias = logit_bias(b, model, true)?;
     }

@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 
 use super::args::ServerConfig;
 use super::*;
-use crate::engine::SamplingOverrides;
+use crate::engine::{CodeLimits, SamplingOverrides};
 use crate::engine::{
     EngineError, FinishReason, GenerationEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage,
 };
@@ -790,7 +790,7 @@ async fn dialect_details_models_seeds_ranges_and_off_values() {
     let picked =
         json!({"prompt": "x", "response_fields": ["content", "generation_settings/n_predict", "nothing/here"]});
     let (status, v) = s.post("/completion", picked).await;
-    assert_eq!((status, v), (200, json!({"content": ANSWER.concat(), "n_predict": -1})));
+    assert_eq!((status, v), (200, json!({"content": ANSWER.concat(), "generation_settings/n_predict": -1})));
     let streamed = json!({"prompt": "x", "stream": true, "response_fields": ["content"]});
     let (status, v) = s.post("/completion", streamed).await;
     assert_eq!(status, 400, "{v}");
@@ -1429,6 +1429,49 @@ async fn infill_frames_the_code_with_fim_tokens() {
     assert_eq!((status, v["error"]["message"].as_str().map(|m| m.contains("/infill"))), (400, Some(true)), "{v}");
     let (status, v) = s.post("/completion", json!({"n_predict": 2})).await;
     assert_eq!(status, 400, "{v}");
+
+    // llama.vim's requests, as it sends them: its fill (with llama.cpp's infill sampler, n_indent and
+    // a time limit), its cache warm-up, and its chat warm-up.
+    let fields = [
+        "content",
+        "timings/prompt_n",
+        "timings/prompt_ms",
+        "timings/prompt_per_token_ms",
+        "timings/prompt_per_second",
+        "timings/predicted_n",
+        "timings/predicted_ms",
+        "timings/predicted_per_token_ms",
+        "timings/predicted_per_second",
+        "truncated",
+        "tokens_cached",
+    ];
+    let fill = json!({"id_slot": 0, "input_prefix": "def f():\n", "input_suffix": "\n", "prompt": "    ",
+        "input_extra": [{"text": "X = 1\n", "time": 12.5, "filename": "a.py"}], "n_predict": 128, "stop": [],
+        "n_indent": 4, "top_k": 40, "top_p": 0.90, "samplers": ["top_k", "top_p", "infill"], "stream": false,
+        "cache_prompt": true, "t_max_prompt_ms": 500, "t_max_predict_ms": 250, "response_fields": fields});
+    let (status, v) = s.post("/infill", fill).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["content"], ANSWER.concat());
+    assert!(v["timings/prompt_n"].is_u64() && v.get("timings").is_none(), "{v}");
+    let r = s.last_request();
+    let p = &r.sampling;
+    assert_eq!((p.infill, p.top_k, p.top_p, p.min_p, p.temperature), (true, 40, 0.9, 0.0, 1.0));
+    assert_eq!(r.code_limits, CodeLimits::new(4, Some(Duration::from_millis(250))));
+    let warm = json!({"id_slot": 0, "input_prefix": "", "input_suffix": "", "input_extra": [], "prompt": "",
+        "n_predict": 0, "temperature": 0.0, "samplers": [], "stream": false, "cache_prompt": true,
+        "t_max_prompt_ms": 1, "t_max_predict_ms": 1, "response_fields": [""]});
+    let (status, v) = s.post("/infill", warm).await;
+    assert_eq!((status, v), (200, json!({})));
+    let chat = json!({"id_slot": 3, "messages": [{"role": "user", "content": "hi"}], "samplers": ["min_p", "temperature"],
+        "min_p": 0.1, "temperature": 0.1, "n_predict": 0, "stream": false, "cache_prompt": true});
+    let (status, v) = s.post("/v1/chat/completions", chat).await;
+    assert_eq!(status, 200, "{v}");
+    let p = &s.last_request().sampling;
+    assert_eq!((p.top_k, p.top_p, p.min_p, p.temperature, p.infill), (0, 1.0, 0.1, 0.1, false));
+    // The infill sampler compares every pair of candidates: it needs a top-k before it.
+    let (status, v) =
+        s.post("/infill", json!({"input_prefix": "", "input_suffix": "", "samplers": ["top_p", "infill"]})).await;
+    assert_eq!((status, v["error"]["message"].as_str().map(|m| m.contains("top_k"))), (400, Some(true)), "{v}");
 
     let plain = start_templated(config(), Fake::default(), true, CHATML, 2048).await;
     let (status, v) = plain.post("/infill", json!({"input_prefix": "a", "input_suffix": "b"})).await;
