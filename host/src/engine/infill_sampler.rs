@@ -1,12 +1,13 @@
 //! llama.cpp's `infill` sampler, which code editors put in their fill-in-the-middle chains
-//! (llama.vim, llama.vscode: `top_k`, `top_p`, `infill`): between the other cuts it keeps the
+//! (llama.vim's and llama.vscode's: `top_k`, `top_p`, `infill`): between the other cuts it keeps the
 //! candidates a fill should choose among —
 //!
 //! 1. if the ends of generation hold enough of the probability (`3·p_end·n > p_text`), only them;
 //! 2. else, tokens whose text starts another's merge their probability into the likelier of the two
 //!    (`"re"` and `"return"` are one choice, not two halves of it);
 //! 3. text tokens under 0.2 are dropped, then, renormalized, those under `1/(n_text + 1)`;
-//! 4. with no text token left, the fill ends (one end token).
+//! 4. with no text token left, the fill ends (one end token; with none known — `ignore_eos` — the
+//!    likeliest candidate).
 //!
 //! Only which candidates survive matters: the draw that follows weighs them by their own logits.
 
@@ -24,9 +25,15 @@ impl TokenTexts {
         let added = tok.inner.get_added_tokens_decoder();
         let n = tok.inner.get_vocab_size(true) as u32;
         let texts = (0..n)
-            .map(|id| match added.get(&id).is_some_and(|a| a.special) {
-                true => Vec::new(),
-                false => tok.token_bytes(id),
+            .map(|id| {
+                if added.get(&id).is_some_and(|a| a.special) {
+                    return Vec::new();
+                }
+                // A SentencePiece piece keeps its leading space (decoding it alone would drop it).
+                match tok.inner.id_to_token(id) {
+                    Some(p) if p.contains('▁') && !p.starts_with("<0x") => p.replace('▁', " ").into_bytes(),
+                    _ => tok.token_bytes(id),
+                }
             })
             .collect();
         Arc::new(TokenTexts { texts })

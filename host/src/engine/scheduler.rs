@@ -443,7 +443,11 @@ impl<M: StepModel> Scheduler<M> {
         let mut sampler = Sampler::new(r.sampling.clone());
         if r.sampling.infill {
             let texts = self.token_texts.get_or_init(|| TokenTexts::new(&self.tokenizer)).clone();
-            let ends = self.tokenizer.eos_ids.iter().chain(&r.end_tokens).copied().collect();
+            // With ends ignored, the sampler has none to prefer (llama.cpp bans them then).
+            let ends = match r.ignore_eos {
+                true => Vec::new(),
+                false => self.tokenizer.eos_ids.iter().chain(&r.end_tokens).copied().collect(),
+            };
             sampler = sampler.with_vocab(texts, ends);
         }
         self.waiting.push_back(Sequence {

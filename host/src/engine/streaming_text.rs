@@ -50,7 +50,13 @@ impl CodeLimits {
         if self.n_indent > 0 {
             for (i, c) in text.char_indices() {
                 match (c, &mut self.indent) {
-                    ('\n', n) => *n = Some(0),
+                    // A line break ends a line too: a blank line is measured (as llama-server does).
+                    ('\n', n) => {
+                        if n.is_some_and(|n| n < self.n_indent) {
+                            return Some(i);
+                        }
+                        *n = Some(0);
+                    }
                     (' ' | '\t', Some(n)) => *n += 1,
                     (_, n) => {
                         if n.take().is_some_and(|n| n < self.n_indent) {
@@ -275,10 +281,12 @@ mod tests {
             }
             shown
         };
-        let code = "return a\n    b = 1\n\n  c = 2\nd";
-        assert_eq!(run(code, CodeLimits::new(4, None)), "return a\n    b = 1\n\n  ");
-        assert_eq!(run(code, CodeLimits::new(2, None)), "return a\n    b = 1\n\n  c = 2\n");
+        let code = "return a\n    b = 1\n  c = 2\nd";
+        assert_eq!(run(code, CodeLimits::new(4, None)), "return a\n    b = 1\n  ");
+        assert_eq!(run(code, CodeLimits::new(2, None)), "return a\n    b = 1\n  c = 2\n");
         assert_eq!(run(code, CodeLimits::new(0, None)), code);
+        // A blank line is less indented too.
+        assert_eq!(run("x\n    a\n\n    b", CodeLimits::new(4, None)), "x\n    a\n");
         // The first line is never measured (the cursor sits inside it).
         assert_eq!(run("x\ny", CodeLimits::new(1, None)), "x\n");
         let late = run(code, CodeLimits::new(0, Some(std::time::Duration::ZERO)));

@@ -115,7 +115,7 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
         // its cache; here every slot reads one shared prefix cache, so any slot gives that reuse.
         "id_slot" | "slot_id" => ok(v.as_i64().is_some_and(|s| s >= -1), "expected a slot id (-1: any)"),
         // llama-server parses this but does not act on it (a TODO there); editors send it.
-        "t_max_prompt_ms" => ok(v.is_i64(), "expected an integer"),
+        "t_max_prompt_ms" => ok(v.is_number(), "expected a number"),
         // Older llama-server clients' fields, at the values that do nothing.
         "penalize_nl" => ok(v == &Value::Bool(false), "newline penalties are not implemented"),
         "tfs_z" => ok(num(1.0), "tail-free sampling is not implemented (1.0 turns it off)"),
@@ -124,6 +124,8 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
         "t_max_predict_ms" | "n_indent" => {
             ok(v.is_null() || v.as_f64().is_some_and(|x| x <= 0.0), "read by /completion and /infill only")
         }
+        // llama-server ignores it on its OpenAI-style answers (llama.vim sends it with chat warm-ups).
+        "response_fields" => ok(v.is_array(), "expected a list of field paths"),
         "post_sampling_probs" => {
             ok(v.is_null() || v == &Value::Bool(false), "probabilities are reported before sampling")
         }

@@ -82,8 +82,8 @@ pub struct CompletionRequest {
     pub samplers: Option<Value>,
     /// Code completion's limits: a later line indented less than this ends the answer; past this
     /// many ms the answer ends at the next line break (see [`CodeLimits`]).
-    pub n_indent: Option<i64>,
-    pub t_max_predict_ms: Option<i64>,
+    pub n_indent: Option<f64>,
+    pub t_max_predict_ms: Option<f64>,
 }
 
 /// The most candidates `n_probs` may ask for per token (each answer carries them all).
@@ -301,9 +301,10 @@ async fn completion_inner(
     if let Some(list) = r.samplers.as_ref().filter(|v| !v.is_null()) {
         super::samplers::apply(list, &mut params)?;
     }
+    // (Numbers of either kind, as llama-server converts them; 0 or less is off.)
     let code_limits = CodeLimits::new(
-        r.n_indent.and_then(|n| usize::try_from(n).ok()).unwrap_or(0),
-        r.t_max_predict_ms.and_then(|ms| u64::try_from(ms).ok()).filter(|&ms| ms > 0).map(Duration::from_millis),
+        r.n_indent.filter(|n| n.is_finite() && *n > 0.0).map_or(0, |n| n as usize),
+        r.t_max_predict_ms.filter(|ms| *ms > 0.0).and_then(|ms| Duration::try_from_secs_f64(ms / 1e3).ok()),
     );
     if r.n_probs.is_some_and(|n| n > MAX_N_PROBS) {
         return Err(ApiError::field("n_probs", format!("n_probs must be at most {MAX_N_PROBS}")));

@@ -4,7 +4,9 @@
 //! llama-server, where only the listed ones run before the final draw (without `temperature`, the
 //! draw weighs the survivors by their raw logits, at temperature 1). Samplers this server lacks
 //! (DRY, typical-p, XTC, top-n-sigma) may be named: each is refused by its own settings when they
-//! would switch it on, as without a list.
+//! would switch it on, as without a list. Names llama-server does not know either are skipped, as it
+//! skips them (older web UIs still send `tfs_z`); `adaptive_p`, which would replace the draw, is
+//! refused.
 
 use serde_json::Value;
 
@@ -16,10 +18,10 @@ const ORDER: [&str; 6] = ["penalties", "top_k", "top_p", "infill", "min_p", "tem
 /// llama-server's samplers that this server does not have (off at their default settings).
 const LACKING: [&str; 4] = ["dry", "typ_p", "xtc", "top_n_sigma"];
 
-/// The canonical names in a `samplers` value, or why it is not one.
+/// The canonical names in a `samplers` value (unknown ones left out), or why it is not one.
 fn names(v: &Value) -> Result<Vec<String>, String> {
-    let letter = |c: char| -> Result<&'static str, String> {
-        Ok(match c {
+    let letter = |c: char| -> Result<Option<&'static str>, String> {
+        Ok(Some(match c {
             'e' => "penalties",
             'd' => "dry",
             'k' => "top_k",
@@ -30,41 +32,43 @@ fn names(v: &Value) -> Result<Vec<String>, String> {
             't' => "temperature",
             's' => "top_n_sigma",
             'i' => "infill",
-            other => return Err(format!("unknown sampler letter `{other}`")),
-        })
+            'a' => return Err("the adaptive-p sampler is not implemented".into()),
+            _ => return Ok(None),
+        }))
     };
-    match v {
-        Value::String(s) => s.chars().map(|c| letter(c).map(str::to_string)).collect(),
-        Value::Array(list) => list
-            .iter()
-            .map(|n| {
-                let n = n.as_str().ok_or("expected sampler names (strings)")?;
-                let name = n.to_lowercase().replace('-', "_");
-                let canonical = match name.as_str() {
-                    "topk" => "top_k",
-                    "topp" | "nucleus" => "top_p",
-                    "minp" => "min_p",
-                    "temp" => "temperature",
-                    "typ" | "typp" | "typical_p" => "typ_p",
-                    "topnsigma" => "top_n_sigma",
-                    n if ORDER.contains(&n) || LACKING.contains(&n) => n,
-                    _ => return Err(format!("unknown sampler `{n}`")),
-                };
-                Ok(canonical.to_string())
-            })
-            .collect(),
+    let named = |n: &Value| -> Result<Option<String>, String> {
+        let n = n.as_str().ok_or("expected sampler names (strings)")?;
+        let name = n.trim().to_lowercase().replace('-', "_");
+        Ok(match name.as_str() {
+            "topk" => Some("top_k"),
+            "topp" | "nucleus" => Some("top_p"),
+            "minp" => Some("min_p"),
+            "temp" => Some("temperature"),
+            "typ" | "typp" | "typical_p" => Some("typ_p"),
+            "topnsigma" => Some("top_n_sigma"),
+            "adaptive_p" | "adaptivep" => return Err("the adaptive-p sampler is not implemented".into()),
+            n if ORDER.contains(&n) || LACKING.contains(&n) => Some(n),
+            _ => None,
+        }
+        .map(str::to_string))
+    };
+    let listed: Result<Vec<Option<String>>, String> = match v {
+        Value::String(s) => s.chars().map(|c| letter(c).map(|n| n.map(str::to_string))).collect(),
+        Value::Array(list) => list.iter().map(named).collect(),
         _ => Err("expected a list of sampler names or a string of their letters".into()),
-    }
+    };
+    Ok(listed?.into_iter().flatten().collect())
 }
 
 /// The samplers of this server a `samplers` value lists, in order, or why it cannot be run here.
 fn ours(v: &Value) -> Result<Vec<&'static str>, String> {
     let listed = names(v)?;
     let ours: Vec<&'static str> = listed.iter().filter_map(|n| ORDER.iter().find(|o| *o == n).copied()).collect();
+    // (A name given twice runs once: a sampler run again on its own output changes nothing.)
     let mut next = 0;
     for name in &ours {
         match ORDER[next..].iter().position(|o| o == name) {
-            Some(at) => next += at + 1,
+            Some(at) => next += at,
             None => {
                 return Err(format!(
                     "samplers run here in the order {}; [{}] does not keep it",
@@ -136,16 +140,20 @@ mod tests {
         let p = applied(json!("edkypmxt")).unwrap();
         assert_eq!((p.top_k, p.top_p, p.min_p, p.temperature, p.repeat_penalty), (40, 0.95, 0.05, 0.8, 1.1));
         assert!(applied(json!(["Top-K", "nucleus", "temp"])).is_ok());
+        // Names llama-server does not know are skipped, as there (an older web UI's list).
+        let p = applied(json!(["top_k", "tfs_z", "typical_p", " top_p", "min_p", "temperature"])).unwrap();
+        assert_eq!((p.top_k, p.top_p, p.min_p, p.temperature), (40, 0.95, 0.05, 0.8));
+        assert!(applied(json!("kfpmt")).is_ok() && applied(json!(["top_k", "top_k", "top_p"])).is_ok());
         assert!(is_default_order(&json!("edkypmxt")) && is_default_order(&json!("kpmt")));
         assert!(!is_default_order(&json!(["top_k", "top_p", "infill"])));
     }
 
     #[test]
-    fn another_order_or_an_unknown_sampler_is_refused_by_name() {
+    fn another_order_or_adaptive_p_is_refused_by_name() {
         for (v, says) in [
             (json!(["temperature", "top_k"]), "order"),
-            (json!(["top_k", "mirostat"]), "unknown sampler `mirostat`"),
-            (json!("kz"), "letter `z`"),
+            (json!(["top_k", "adaptive_p"]), "adaptive-p"),
+            (json!("kpa"), "adaptive-p"),
             (json!([1]), "names"),
         ] {
             let e = applied(v.clone()).unwrap_err();

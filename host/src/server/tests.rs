@@ -1447,7 +1447,7 @@ async fn infill_frames_the_code_with_fim_tokens() {
     ];
     let fill = json!({"id_slot": 0, "input_prefix": "def f():\n", "input_suffix": "\n", "prompt": "    ",
         "input_extra": [{"text": "X = 1\n", "time": 12.5, "filename": "a.py"}], "n_predict": 128, "stop": [],
-        "n_indent": 4, "top_k": 40, "top_p": 0.90, "samplers": ["top_k", "top_p", "infill"], "stream": false,
+        "n_indent": 4.0, "top_k": 40, "top_p": 0.90, "samplers": ["top_k", "top_p", "infill"], "stream": false,
         "cache_prompt": true, "t_max_prompt_ms": 500, "t_max_predict_ms": 250, "response_fields": fields});
     let (status, v) = s.post("/infill", fill).await;
     assert_eq!(status, 200, "{v}");
@@ -1463,7 +1463,7 @@ async fn infill_frames_the_code_with_fim_tokens() {
     let (status, v) = s.post("/infill", warm).await;
     assert_eq!((status, v), (200, json!({})));
     let chat = json!({"id_slot": 3, "messages": [{"role": "user", "content": "hi"}], "samplers": ["min_p", "temperature"],
-        "min_p": 0.1, "temperature": 0.1, "n_predict": 0, "stream": false, "cache_prompt": true});
+        "min_p": 0.1, "temperature": 0.1, "n_predict": 0, "stream": false, "cache_prompt": true, "response_fields": [""]});
     let (status, v) = s.post("/v1/chat/completions", chat).await;
     assert_eq!(status, 200, "{v}");
     let p = &s.last_request().sampling;
