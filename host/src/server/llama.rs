@@ -73,7 +73,7 @@ pub struct CompletionRequest {
     pub add_special: Option<bool>,
     pub return_tokens: Option<bool>,
     pub logit_bias: Option<Value>,
-    /// Only these fields in the answer (`a/b` takes `b` out of `a`, named `b`).
+    /// Only these fields in the answer (`a/b` takes `b` out of `a`, keyed `"a/b"` as llama-server keys it).
     pub response_fields: Option<Vec<String>>,
     /// `timings` in every stream chunk, and prompt-progress chunks.
     pub timings_per_token: Option<bool>,
