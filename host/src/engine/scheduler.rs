@@ -590,6 +590,9 @@ impl<M: StepModel> Scheduler<M> {
             let reuse = self.reuse_prefixes && seq.cache_prompt;
             let hit =
                 if reuse { self.cache.lookup(&seq.tokens[..reusable * bs], reusable) } else { Default::default() };
+            if reuse && self.computing_shared_pages(seq, hit.pages.len()) {
+                break;
+            }
             let pool = self.model.kv_cache();
             let need = pool.pages_for(seq.tokens.len()) - hit.pages.len();
             let available = pool.free_blocks() + self.cache.evictable();
@@ -618,6 +621,23 @@ impl<M: StepModel> Scheduler<M> {
             let at = self.running.partition_point(|s| s.id < seq.id);
             self.running.insert(at, seq);
         }
+    }
+
+    /// Whether a running sequence is still computing whole pages of `waiting`'s prompt beyond the
+    /// `cached` pages the prefix cache holds for it (several answers to one prompt, users whose
+    /// shared system prompt arrives at once). Admitted now, `waiting` would compute them a second
+    /// time; a step or so later it finds them in the cache, as pages are offered when they fill.
+    fn computing_shared_pages(&self, waiting: &Sequence, cached: usize) -> bool {
+        let bs = self.model.kv_cache().block_size;
+        let reusable = (waiting.tokens.len() - 1) / bs;
+        self.running.iter().any(|r| {
+            let prefilling = r.cache_prompt && r.pending() > 1;
+            let computed = r.kv.len / bs;
+            prefilling && reusable > cached.max(computed) && {
+                let shared = waiting.tokens.iter().zip(&r.tokens).take_while(|(a, b)| a == b).count() / bs;
+                shared.min(reusable) > cached.max(computed)
+            }
+        })
     }
 
     /// Where the prompt goes on past its whole cached pages (the prefix keyed `parent`) with the head

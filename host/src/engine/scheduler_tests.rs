@@ -295,6 +295,27 @@ fn shared_prefix_comes_from_the_cache_with_the_same_answer() {
 }
 
 #[test]
+fn answers_to_one_prompt_submitted_together_compute_its_pages_once() {
+    // Three answers to one prompt (llama-server's n_cmpl), and a fourth request sharing its start.
+    let p = prompt(11, 150);
+    let reqs = [request(p.clone(), 6), request(p.clone(), 6), request(p.clone(), 6), request(p[..100].to_vec(), 4)];
+    let mut s = scheduler(CheckingModel::new(128, 16, 2048), EngineOptions { ubatch_size: 64, ..opts(4) });
+    let mut clients: Vec<Client> =
+        reqs.iter().enumerate().map(|(i, r)| submit(&mut s, i as u64, r.clone()).unwrap()).collect();
+    drain(&mut s, &mut clients);
+    let cached: Vec<usize> = clients.iter().map(|c| c.got.usage.cached_tokens).collect();
+    // Nine whole pages of the 150 tokens; all but the last of the 100 (the head of its last page
+    // copied from a full page, as this model copies pages).
+    assert_eq!(cached, [0, 144, 144, 99]);
+    for (c, r) in clients.iter().zip(&reqs) {
+        same_answer(&c.got, &solo(r));
+    }
+    let computed: usize = s.model().steps.iter().map(|&(_, tokens)| tokens).sum();
+    assert_eq!(computed, 150 + 6 + 6 + 1 + 5 * 3 + 3, "the shared pages once, then the decodes");
+    assert_no_leak(&s);
+}
+
+#[test]
 fn a_repeated_prompt_still_computes_its_last_token() {
     let p = prompt(3, 64); // exactly four pages
     let mut s = scheduler(CheckingModel::new(64, 16, 1024), opts(1));

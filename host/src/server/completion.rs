@@ -59,6 +59,17 @@ impl Job {
         }
     }
 
+    /// The `i`-th of several answers to one request: the same job with its seed (if any) moved on
+    /// by `i`, as llama-server seeds its child tasks, so that seeded answers differ and stay
+    /// reproducible.
+    pub fn with_seed_offset(&self, i: usize) -> Job {
+        let mut j = self.clone();
+        if let Some(s) = j.sampling.seed {
+            j.sampling.seed = Some(s.wrapping_add(i as u64));
+        }
+        j
+    }
+
     /// Applies the context size, `-n`, `--timeout` and `--cache-prompt`; `prompt_param` names the request
     /// field an over-long prompt came from.
     pub fn into_request(

@@ -84,6 +84,9 @@ pub struct CompletionRequest {
     /// many ms the answer ends at the next line break (see [`CodeLimits`]).
     pub n_indent: Option<f64>,
     pub t_max_predict_ms: Option<f64>,
+    /// Answers per prompt (llama-server's `n_cmpl`, `n` its other name), each its own sequence.
+    pub n_cmpl: Option<i64>,
+    pub n: Option<i64>,
 }
 
 /// The most candidates `n_probs` may ask for per token (each answer carries them all).
@@ -309,6 +312,7 @@ async fn completion_inner(
     if r.n_probs.is_some_and(|n| n > MAX_N_PROBS) {
         return Err(ApiError::field("n_probs", format!("n_probs must be at most {MAX_N_PROBS}")));
     }
+    let n_cmpl = answers_per_prompt(&r, state.config.parallel)?;
     let n_predict = r.n_predict.or(r.max_tokens);
     let stops = r.stop.map(StopField::into_vec).unwrap_or_default();
     let settings = generation_settings(model, &params, n_predict.unwrap_or(-1));
@@ -317,8 +321,8 @@ async fn completion_inner(
         return Err(ApiError::field("response_fields", "response_fields applies to answers without stream: true"));
     }
     let with_probs = r.n_probs.is_some_and(|n| n > 0);
-    let mut texts = Vec::with_capacity(prompts.len());
-    let mut jobs = Vec::with_capacity(prompts.len());
+    let mut texts = Vec::with_capacity(prompts.len() * n_cmpl);
+    let mut jobs = Vec::with_capacity(prompts.len() * n_cmpl);
     for (text, ids) in prompts {
         let mut job = Job::new(ids, params.clone());
         job.max_tokens = n_predict.and_then(|n| usize::try_from(n).ok());
@@ -328,8 +332,11 @@ async fn completion_inner(
         job.logprobs = r.n_probs.filter(|&n| n > 0);
         job.end_tokens = end_tokens.clone();
         job.code_limits = code_limits.clone();
-        texts.push((text, job.prompt.len()));
-        jobs.push(job);
+        // A prompt's answers follow one another (llama-server's indices), each with its own seed.
+        for i in 0..n_cmpl {
+            texts.push((text.clone(), job.prompt.len()));
+            jobs.push(job.with_seed_offset(i));
+        }
     }
 
     if stream {
@@ -386,6 +393,26 @@ async fn completion_inner(
     }
     // One prompt, one answer; several, a list of them (as llama-server answers).
     Ok(if several { Json(json!(answers)) } else { Json(answers.remove(0)) }.into_response())
+}
+
+/// How many answers each prompt gets: llama-server's `n_cmpl` (or `n`), at most one per slot as
+/// there (the answers run side by side, sharing the prompt's cached pages).
+fn answers_per_prompt(r: &CompletionRequest, parallel: usize) -> Result<usize, ApiError> {
+    let (field, n) = match (r.n_cmpl, r.n) {
+        (Some(n), _) => ("n_cmpl", n),
+        (None, Some(n)) => ("n", n),
+        (None, None) => return Ok(1),
+    };
+    if n < 1 {
+        return Err(ApiError::field(field, format!("{field} must be at least 1, got {n}")));
+    }
+    if n as u64 > parallel as u64 {
+        return Err(ApiError::field(
+            field,
+            format!("{field} ({n}) cannot be greater than the number of slots ({parallel}), please increase -np"),
+        ));
+    }
+    Ok(n as usize)
 }
 
 /// llama-server's `response_fields`: the answer's fields at these paths, each under its path as

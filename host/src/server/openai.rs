@@ -484,14 +484,6 @@ fn refuse_unsupported(response_format: &Option<Value>) -> Result<(), ApiError> {
     Ok(())
 }
 
-fn seeded(job: &Job, i: usize) -> Job {
-    let mut j = job.clone();
-    if let Some(s) = j.sampling.seed {
-        j.sampling.seed = Some(s.wrapping_add(i as u64));
-    }
-    j
-}
-
 pub async fn chat(State(state): State<Arc<AppState>>, Extension(log): Extension<RequestLog>, body: Bytes) -> Response {
     chat_inner(state, log, &body).await.unwrap_or_else(|e| e.in_dialect(Dialect::OpenAi).into_response())
 }
@@ -566,7 +558,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
         return Ok(stream_response(events, dialect, prompt_tokens, stops, model.text.clone(), state.clone(), log));
     }
 
-    let jobs = (0..n).map(|i| seeded(&job, i)).collect();
+    let jobs = (0..n).map(|i| job.with_seed_offset(i)).collect();
     let done = run_all(jobs, &state, model, "messages", &log).await?;
     let choices: Vec<Value> = done
         .iter()
@@ -892,7 +884,7 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
     let mut jobs = Vec::new();
     for (_, ids) in &prompts {
         let job = make_job(ids.clone());
-        jobs.extend((0..n).map(|i| seeded(&job, i)));
+        jobs.extend((0..n).map(|i| job.with_seed_offset(i)));
     }
     let done = run_all(jobs, &state, model, "prompt", &log).await?;
     let mut choices = Vec::new();

@@ -1480,6 +1480,52 @@ async fn infill_frames_the_code_with_fim_tokens() {
     assert_eq!(v["error"]["type"], "not_supported_error");
 }
 
+/// llama-server's `n_cmpl` (and `n`): several answers per prompt, each its own sequence with its own
+/// seed, listed prompt by prompt — llama.vscode's fill, as it sends it, asks for three.
+#[tokio::test]
+async fn n_cmpl_answers_each_prompt_several_times() {
+    let s =
+        start_tokenized(ServerConfig { parallel: 4, ..config() }, Fake::default(), true, CHATML, 2048, fim_tokenizer())
+            .await;
+    let fill = json!({"id_slot": 0, "input_prefix": "def f():\n", "input_suffix": "\n", "input_extra": [],
+        "prompt": "    ", "n_predict": 128, "n_cmpl": 3, "top_k": 40, "top_p": 0.99, "stream": false,
+        "samplers": ["top_k", "top_p", "infill"], "cache_prompt": true, "n_indent": 4,
+        "t_max_prompt_ms": 500, "t_max_predict_ms": 1000});
+    let (status, v) = s.post("/infill", fill).await;
+    assert_eq!(status, 200, "{v}");
+    let answers = v.as_array().expect("a list of answers");
+    assert_eq!(answers.iter().map(|a| a["index"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2]);
+    assert!(answers.iter().all(|a| a["content"] == ANSWER.concat()), "{v}");
+    let reqs = s.fake.requests.lock().unwrap().clone();
+    assert_eq!(reqs.len(), 3);
+    assert!(reqs.iter().all(|r| r.prompt == reqs[0].prompt && r.sampling.infill));
+
+    // Two prompts, two answers each (`n`, n_cmpl's other name), seeds moved on per answer.
+    let (status, v) = s.post("/completion", json!({"prompt": ["a", "b"], "n": 2, "seed": 7, "n_predict": 2})).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v.as_array().map(Vec::len), Some(4), "{v}");
+    let reqs = s.fake.requests.lock().unwrap().clone();
+    let tok = s.fake.text.as_ref().unwrap();
+    let asked: Vec<(String, Option<u64>)> =
+        reqs[3..].iter().map(|r| (tok.decode(&r.prompt).unwrap(), r.sampling.seed)).collect();
+    let want = [("a", 7), ("a", 8), ("b", 7), ("b", 8)].map(|(p, seed)| (p.to_string(), Some(seed)));
+    assert_eq!(asked, want);
+    // Streamed, each chunk says which answer it belongs to.
+    let (status, body, _) = s.post_text("/completion", json!({"prompt": "a", "n_cmpl": 2, "stream": true})).await;
+    assert_eq!(status, 200);
+    assert!(body.contains("\"index\":1") && body.contains("\"index\":0"), "{body}");
+
+    for (body, words) in [
+        (json!({"prompt": "a", "n_cmpl": 5}), "please increase -np"),
+        (json!({"prompt": "a", "n_cmpl": 0}), "at least 1"),
+        (json!({"prompt": "a", "n": -1}), "at least 1"),
+    ] {
+        let (status, v) = s.post("/completion", body).await;
+        assert_eq!(status, 400, "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains(words), "{v}");
+    }
+}
+
 /// A Qwen3-Coder-style template (XML calls).
 const QWEN_CODER: &str = "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools> Call as <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
