@@ -22,7 +22,7 @@ pub struct TokenTexts {
 
 impl TokenTexts {
     pub fn new(tok: &TextTokenizer) -> Arc<TokenTexts> {
-        let added = tok.inner.get_added_tokens_decoder();
+        let added = tok.inner.get_added_vocabulary().get_added_tokens_decoder();
         let n = tok.inner.get_vocab_size(true) as u32;
         let texts = (0..n)
             .map(|id| {

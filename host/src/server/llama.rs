@@ -89,6 +89,13 @@ pub struct CompletionRequest {
     pub n: Option<i64>,
 }
 
+impl CompletionRequest {
+    /// The token limit, by either of its names (-1: none).
+    fn n_predict(&self) -> Option<i64> {
+        self.n_predict.or(self.max_tokens)
+    }
+}
+
 /// The most candidates `n_probs` may ask for per token (each answer carries them all).
 const MAX_N_PROBS: usize = 100;
 
@@ -261,7 +268,7 @@ fn infill_prompt(
         extra: r.input_extra.as_deref().unwrap_or_default(),
         prompt,
     };
-    let n_predict = r.n_predict.or(r.max_tokens).and_then(|n| usize::try_from(n).ok()).or(state.config.n_predict);
+    let n_predict = r.n_predict().and_then(|n| usize::try_from(n).ok()).or(state.config.n_predict);
     let (batch, ctx) = (state.config.batch_size, model.facts.ctx_size);
     let ids = infill::prompt(&model.text, &fim, &input, batch, n_predict.unwrap_or(0), ctx)
         .map_err(|e| ApiError::internal(e.to_string()))?;
@@ -313,7 +320,7 @@ async fn completion_inner(
         return Err(ApiError::field("n_probs", format!("n_probs must be at most {MAX_N_PROBS}")));
     }
     let n_cmpl = answers_per_prompt(&r, state.config.parallel)?;
-    let n_predict = r.n_predict.or(r.max_tokens);
+    let n_predict = r.n_predict();
     let stops = r.stop.map(StopField::into_vec).unwrap_or_default();
     let settings = generation_settings(model, &params, n_predict.unwrap_or(-1));
     let response_fields = r.response_fields.clone().filter(|f| !f.is_empty());

@@ -155,7 +155,7 @@ impl TextTokenizer {
     /// The ids of those of `tags` that are special tokens here (their text is skipped in decoding
     /// unless a request shows it).
     pub fn special_ids(&self, tags: &[&str]) -> Vec<u32> {
-        let added = self.inner.get_added_tokens_decoder();
+        let added = self.inner.get_added_vocabulary().get_added_tokens_decoder();
         tags.iter()
             .filter_map(|t| self.inner.token_to_id(t))
             .filter(|id| added.get(id).is_some_and(|a| a.special))

@@ -64,7 +64,7 @@ pub fn format_of(template: Option<&str>) -> Result<ToolFormat, String> {
 }
 
 impl ToolFormat {
-    /// The tag a call (or a list of calls) starts with; Llama 3's calls have none.
+    /// The tag a call (or a list of calls) starts with; on Llama 3's JSON calls the tag is optional.
     pub fn open(self) -> &'static str {
         match self {
             ToolFormat::Hermes | ToolFormat::QwenXml | ToolFormat::Glm => "<tool_call>",

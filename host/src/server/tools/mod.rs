@@ -223,8 +223,6 @@ pub enum Piece {
     Call(ToolCall),
 }
 
-const PYTHON_TAG: &str = "<|python_tag|>";
-
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum State {
     /// Nothing but whitespace yet (Llama 3: a call is the whole answer).
@@ -309,8 +307,8 @@ impl CallParser {
                 }
                 (ToolFormat::Llama3Json, State::Call) => {
                     // A call is the whole answer: JSON from the start (or after the tag).
-                    let t = self.held.trim_start();
-                    if t.is_empty() || !(t.starts_with('{') || t.starts_with(PYTHON_TAG) || PYTHON_TAG.starts_with(t)) {
+                    let (t, tag) = (self.held.trim_start(), ToolFormat::Llama3Json.open());
+                    if t.is_empty() || !(t.starts_with('{') || t.starts_with(tag) || tag.starts_with(t)) {
                         self.state = State::Text;
                         continue;
                     }
@@ -318,7 +316,7 @@ impl CallParser {
                         return out;
                     }
                     let body = std::mem::take(&mut self.held);
-                    let t = body.trim().strip_prefix(PYTHON_TAG).unwrap_or(body.trim());
+                    let t = body.trim().strip_prefix(ToolFormat::Llama3Json.open()).unwrap_or(body.trim());
                     match self.take(t) {
                         Some(calls) => out.extend(calls.into_iter().map(Piece::Call)),
                         None => out.push(Piece::Text(body)),
