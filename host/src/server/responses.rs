@@ -2,7 +2,8 @@
 //! function calls and their outputs, reasoning), `instructions`, function `tools`; the answer as
 //! output items — reasoning, a message, function calls — whole or streamed as Responses events
 //! (`response.created` … `response.completed`, each with its `sequence_number`). Nothing is
-//! stored here, so `previous_response_id` and `store: true` are refused.
+//! stored here, so `previous_response_id` and `store: true` are refused; a client that keeps no
+//! state sends its reasoning items back, which the model sees again as its earlier thought.
 
 use std::sync::Arc;
 
@@ -131,6 +132,10 @@ fn conversation(r: &ResponsesRequest) -> Result<Vec<ChatMessage>, ApiError> {
                 if t.is_empty() {
                     t = texts("summary");
                 }
+                // A client that kept only the item's encrypted_content (this server's: the thought).
+                if let (true, Some(e)) = (t.is_empty(), item.get("encrypted_content").and_then(Value::as_str)) {
+                    t.push(e.to_string());
+                }
                 thought = Some(t.join("\n"));
             }
             other => {
@@ -171,6 +176,39 @@ fn content_text(v: Option<&Value>, field: &str) -> Result<String, ApiError> {
     }
 }
 
+/// The `include` entry that asks for each reasoning item's `encrypted_content`: what a client that
+/// keeps no server state sends back for the model to see its earlier thought. Here it is the
+/// thought's text itself (nothing is hidden from the client: the item carries it already).
+const ENCRYPTED_REASONING: &str = "reasoning.encrypted_content";
+
+/// Whether `reasoning.summary` (or its old name `generate_summary`) asks for a summary. A summary
+/// here is the whole thought (`auto` and `detailed`: the most detailed there is); `concise` would
+/// need a summarizer and is refused.
+fn summary(r: &ResponsesRequest) -> Result<bool, ApiError> {
+    match Some(reasoning_field(r, "summary")).filter(|v| !v.is_null()) {
+        None => Ok(false),
+        Some(Value::String(s)) if s == "auto" || s == "detailed" => Ok(true),
+        Some(Value::String(s)) if s == "none" => Ok(false),
+        Some(Value::String(s)) if s == "concise" => Err(ApiError::field(
+            "reasoning.summary",
+            "`concise` summaries are not written here: a thought comes back whole; ask for `auto` or `detailed`",
+        )),
+        Some(v) => Err(ApiError::field(
+            "reasoning.summary",
+            format!("reasoning.summary must be `auto`, `detailed` or `concise`, got {v}"),
+        )),
+    }
+}
+
+/// `reasoning.<key>` as the request gave it (`summary` also by its old name, `generate_summary`).
+fn reasoning_field(r: &ResponsesRequest, key: &str) -> Value {
+    let v = r
+        .reasoning
+        .as_ref()
+        .and_then(|v| v.get(key).or_else(|| (key == "summary").then(|| v.get("generate_summary")).flatten()));
+    v.cloned().unwrap_or(Value::Null)
+}
+
 /// Refuses what this server cannot do as asked.
 fn refuse_unsupported(r: &ResponsesRequest) -> Result<(), ApiError> {
     if r.previous_response_id.as_ref().is_some_and(|s| !s.is_empty()) {
@@ -187,15 +225,7 @@ fn refuse_unsupported(r: &ResponsesRequest) -> Result<(), ApiError> {
             ));
         }
     }
-    if r.reasoning
-        .as_ref()
-        .is_some_and(|v| v.get("summary").or_else(|| v.get("generate_summary")).is_some_and(|s| !s.is_null()))
-    {
-        return Err(ApiError::field(
-            "reasoning.summary",
-            "reasoning summaries are not written here; a thought comes back whole as the reasoning item's reasoning_text",
-        ));
-    }
+    summary(r)?;
     if r.text.as_ref().and_then(|t| t.get("verbosity")).is_some_and(|v| !v.is_null()) {
         return Err(ApiError::field("text.verbosity", "verbosity is not supported"));
     }
@@ -205,8 +235,13 @@ fn refuse_unsupported(r: &ResponsesRequest) -> Result<(), ApiError> {
             "only `disabled`: a conversation over the context is refused, not cut",
         ));
     }
-    if r.include.as_ref().is_some_and(|i| !i.is_empty()) {
-        return Err(ApiError::field("include", "no extra output data is available here"));
+    for (i, what) in r.include.iter().flatten().enumerate() {
+        if what != ENCRYPTED_REASONING {
+            return Err(ApiError::field(
+                &format!("include[{i}]"),
+                format!("`{what}` is not available here; only `{ENCRYPTED_REASONING}` (the thought, to send back)"),
+            ));
+        }
     }
     if let Some(o) = &r.stream_options {
         if !r.stream.unwrap_or(false) {
@@ -284,6 +319,7 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
     job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;
     job.shown_special = super::tools::shown_tags(&model.text, tooling.as_ref());
     let prompt_tokens = job.prompt.len();
+    let summarized = summary(&r)?;
     let req = job.into_request(&state, model, "input")?;
     let events = submit(model, req)?;
     let head = Head {
@@ -302,7 +338,7 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
             "truncation": "disabled",
             "store": false,
             "previous_response_id": null,
-            "reasoning": {"effort": asked, "summary": null},
+            "reasoning": {"effort": asked, "summary": if summarized { reasoning_field(&r, "summary") } else { Value::Null }},
             "metadata": r.metadata.clone().filter(Value::is_object).unwrap_or(json!({})),
             "error": null,
         }),
@@ -320,6 +356,7 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
         cut_short: false,
         finished: Value::Null,
         tok: model.text.clone(),
+        thoughts: Thoughts { summarized, encrypted: r.include.iter().flatten().any(|i| i == ENCRYPTED_REASONING) },
     };
 
     if r.stream.unwrap_or(false) {
@@ -407,11 +444,19 @@ impl Item {
     }
 
     /// The finished item (`status` `incomplete` for text cut short).
-    fn done(self, cut_short: bool) -> Value {
+    fn done(self, cut_short: bool, thoughts: Thoughts) -> Value {
         let status = if cut_short { "incomplete" } else { "completed" };
         match self {
-            Item::Reasoning { id, text } => json!({"type": "reasoning", "id": id, "summary": [],
-                "content": [{"type": "reasoning_text", "text": text}], "status": status}),
+            Item::Reasoning { id, text } => {
+                let summary =
+                    if thoughts.summarized { json!([{"type": "summary_text", "text": text}]) } else { json!([]) };
+                let mut item = json!({"type": "reasoning", "id": id, "summary": summary,
+                    "content": [{"type": "reasoning_text", "text": text}], "status": status});
+                if thoughts.encrypted {
+                    item["encrypted_content"] = json!(text);
+                }
+                item
+            }
             Item::Message { id, text } => {
                 json!({"type": "message", "id": id, "status": status, "role": "assistant",
                 "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]})
@@ -420,6 +465,14 @@ impl Item {
                 "name": call.name, "arguments": call.arguments.to_string(), "status": "completed"}),
         }
     }
+}
+
+/// How reasoning items are written: with the thought as their summary too (`reasoning.summary`),
+/// with it as `encrypted_content` (`include`).
+#[derive(Clone, Copy)]
+struct Thoughts {
+    summarized: bool,
+    encrypted: bool,
 }
 
 /// The Responses event stream; the whole answer is the same items with the events left unsent.
@@ -437,6 +490,7 @@ struct ResponseStream {
     /// The response once done.
     finished: Value,
     tok: Arc<TextTokenizer>,
+    thoughts: Thoughts,
 }
 
 impl ResponseStream {
@@ -458,6 +512,17 @@ impl ResponseStream {
                     json!({"item_id": id, "output_index": index, "content_index": 0, "text": text}),
                 );
                 out.push(e);
+                if self.thoughts.summarized {
+                    let at = json!({"item_id": id, "output_index": index, "summary_index": 0});
+                    let mut e = at.clone();
+                    e["text"] = json!(text);
+                    let e = self.event("response.reasoning_summary_text.done", e);
+                    out.push(e);
+                    let mut e = at;
+                    e["part"] = json!({"type": "summary_text", "text": text});
+                    let e = self.event("response.reasoning_summary_part.done", e);
+                    out.push(e);
+                }
                 Some(json!({"type": "reasoning_text", "text": text}))
             }
             Item::Message { text, .. } => {
@@ -477,7 +542,7 @@ impl ResponseStream {
             );
             out.push(e);
         }
-        let done = item.done(self.cut_short);
+        let done = item.done(self.cut_short, self.thoughts);
         let e = self.event("response.output_item.done", json!({"output_index": index, "item": done}));
         out.push(e);
         self.output.push(done);
@@ -497,11 +562,18 @@ impl ResponseStream {
             Item::Message { .. } => Some(json!({"type": "output_text", "text": "", "annotations": [], "logprobs": []})),
             Item::Call { .. } => None,
         };
+        let id = item.id().to_string();
         if let Some(part) = part {
-            let id = item.id().to_string();
             let e = self.event(
                 "response.content_part.added",
                 json!({"item_id": id, "output_index": index, "content_index": 0, "part": part}),
+            );
+            out.push(e);
+        }
+        if matches!(item, Item::Reasoning { .. }) && self.thoughts.summarized {
+            let e = self.event(
+                "response.reasoning_summary_part.added",
+                json!({"item_id": id, "output_index": index, "summary_index": 0, "part": {"type": "summary_text", "text": ""}}),
             );
             out.push(e);
         }
@@ -522,6 +594,13 @@ impl ResponseStream {
                     json!({"item_id": id, "output_index": index, "content_index": 0, "delta": parts.reasoning}),
                 );
                 out.push(e);
+                if self.thoughts.summarized {
+                    let e = self.event(
+                        "response.reasoning_summary_text.delta",
+                        json!({"item_id": id, "output_index": index, "summary_index": 0, "delta": parts.reasoning}),
+                    );
+                    out.push(e);
+                }
             }
         }
         for piece in pieces_through(&mut self.calls, &parts.content, end) {

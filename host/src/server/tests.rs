@@ -1945,7 +1945,9 @@ async fn responses_api() {
         (json!({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}), "text.format"),
         (json!({"input": "hi", "store": true}), "store"),
         (json!({"input": "hi", "max_output_tokens": 0}), "max_output_tokens"),
-        (json!({"input": "hi", "reasoning": {"summary": "auto"}}), "reasoning.summary"),
+        (json!({"input": "hi", "reasoning": {"summary": "concise"}}), "reasoning.summary"),
+        (json!({"input": "hi", "reasoning": {"summary": 1}}), "reasoning.summary"),
+        (json!({"input": "hi", "include": ["message.output_text.logprobs"]}), "include[0]"),
         (json!({"input": "hi", "text": {"verbosity": "low"}}), "text.verbosity"),
         (json!({"input": [{"type": "input_image", "image_url": "x"}]}), "input[0].type"),
         (
@@ -2051,6 +2053,39 @@ async fn responses_api_function_calls_and_reasoning() {
         "{v}"
     );
     assert_eq!(out[1]["content"][0]["text"], "Paris.");
+    assert!(out[0]["summary"] == json!([]) && out[0].get("encrypted_content").is_none(), "{v}");
+    // As Codex asks with a reasoning model: the thought as the summary too (whole and streamed), and
+    // as encrypted_content, which brings it back to the model when the item is sent back.
+    let codex = json!({"input": "hi", "reasoning": {"effort": null, "summary": "auto"}, "store": false,
+        "include": ["reasoning.encrypted_content"], "stream": true, "prompt_cache_key": "c1"});
+    let (status, body, _) = t.post_text("/v1/responses", codex).await;
+    assert_eq!(status, 200, "{body}");
+    let data: Vec<Value> = sse(&body).into_iter().map(|e| serde_json::from_str(&e.1).unwrap()).collect();
+    let kinds: Vec<&str> = data.iter().map(|d| d["type"].as_str().unwrap()).collect();
+    let at = |k: &str| kinds.iter().position(|x| *x == k).unwrap_or_else(|| panic!("no {k}: {kinds:?}"));
+    assert!(at("response.reasoning_summary_part.added") < at("response.reasoning_summary_text.delta"));
+    assert!(at("response.reasoning_summary_text.done") < at("response.reasoning_summary_part.done"));
+    assert!(at("response.reasoning_summary_part.done") < at("response.output_item.done"));
+    let summary: String = data
+        .iter()
+        .filter(|d| d["type"] == "response.reasoning_summary_text.delta")
+        .map(|d| d["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(summary, "France's capital is well known.");
+    let done = &data.last().unwrap()["response"];
+    let item = &done["output"][0];
+    assert_eq!(item["summary"], json!([{"type": "summary_text", "text": "France's capital is well known."}]));
+    assert_eq!(item["encrypted_content"], "France's capital is well known.");
+    assert_eq!(done["reasoning"]["summary"], "auto");
+    // Sent back with only its encrypted_content, the thought reaches the template.
+    let back = json!([{"role": "user", "content": "hi"},
+        {"type": "reasoning", "id": item["id"], "summary": [], "encrypted_content": item["encrypted_content"]},
+        {"role": "assistant", "content": "Paris."}, {"role": "user", "content": "And Spain?"}]);
+    let shows = start_templated(config(), Fake::default(), true, OPEN_THOUGHT, 2048).await;
+    let (status, v) = shows.post("/v1/responses", json!({"input": back})).await;
+    assert_eq!(status, 200, "{v}");
+    let prompt = shows.last_prompt();
+    assert!(prompt.contains("<think>France's capital is well known.</think>Paris."), "{prompt}");
     // llama-server's reasoning_format here too: none leaves the thought in the message.
     let (_, v) = t.post("/v1/responses", json!({"input": "hi", "reasoning_format": "none"})).await;
     assert_eq!(
