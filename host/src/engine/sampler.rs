@@ -176,22 +176,29 @@ impl Sampler {
     }
 
     /// How many of a row's largest logits this sampler needs, when that is all it needs: greedy
-    /// decoding needs 1, top-k sampling `top_k`; penalties (which can lift any token) need the whole
-    /// row (`None`), as do logit biases and sampling without a top-k. The engine then has the backend
-    /// select them.
+    /// decoding needs 1, top-k sampling `top_k`, and one more for each banned token (a bias of
+    /// -inf, as `ignore_eos` bans the ends) that may be among them; penalties (which can lift any
+    /// token) need the whole row (`None`), as do other logit biases and sampling without a top-k.
+    /// The engine then has the backend select them.
     pub fn top_k_needed(&self) -> Option<usize> {
         let p = &self.params;
-        if !p.logit_bias.is_empty() {
+        if !self.only_bans() {
             return None;
         }
         let penalties = p.repeat_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0;
         if penalties && p.penalty_last_n > 0 {
             return None;
         }
+        let bans = p.logit_bias.len();
         if p.temperature <= 0.0 && !p.infill {
-            return Some(1);
+            return Some(1 + bans);
         }
-        (1..=MAX_TOP_K_ON_BACKEND).contains(&p.top_k).then_some(p.top_k)
+        (1..=MAX_TOP_K_ON_BACKEND).contains(&p.top_k).then_some(p.top_k + bans)
+    }
+
+    /// Whether every logit bias is a ban (-inf; none at all included).
+    fn only_bans(&self) -> bool {
+        self.params.logit_bias.iter().all(|&(_, b)| b == f32::NEG_INFINITY)
     }
 
     /// Picks the next token from `logits` given the tokens so far (`history`, for penalties).
@@ -220,14 +227,21 @@ impl Sampler {
     /// [`Sampler::sample`] from a row's largest logits alone, best first (`ids[i]` has `values[i]`; at
     /// least [`Sampler::top_k_needed`] of them): the same token the whole row would give.
     pub fn sample_top(&mut self, ids: &[u32], values: &[f32]) -> u32 {
+        debug_assert!(self.only_bans(), "other biases need the whole row");
+        let bans = &self.params.logit_bias;
+        let mut cand: Vec<(u32, f32)> = ids
+            .iter()
+            .copied()
+            .zip(values.iter().copied())
+            .filter(|(id, _)| !bans.iter().any(|(b, _)| b == id))
+            .collect();
         if self.params.temperature <= 0.0 && !self.params.infill {
-            return ids.first().copied().unwrap_or(0);
+            return cand.first().map_or(0, |c| c.0);
         }
-        let k = match self.params.top_k {
-            0 => ids.len(),
-            k => k.min(ids.len()),
-        };
-        self.pick(ids[..k].iter().copied().zip(values[..k].iter().copied()).collect())
+        if self.params.top_k > 0 {
+            cand.truncate(self.params.top_k);
+        }
+        self.pick(cand)
     }
 
     /// Top-p, min-p and temperature over candidates sorted best first (after top-k).
@@ -378,10 +392,22 @@ mod tests {
         let logits: Vec<f32> = (0..500).map(|i| ((i * 37 % 101) as f32 * 0.13).sin() * 4.0).collect();
         let mut order: Vec<u32> = (0..500).collect();
         order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
+        let bans = vec![(order[0], f32::NEG_INFINITY), (order[3], f32::NEG_INFINITY), (499, f32::NEG_INFINITY)];
         for params in [
             SamplingParams::greedy(),
             SamplingParams { seed: Some(5), ..Default::default() },
             SamplingParams { temperature: 1.3, top_k: 7, top_p: 1.0, min_p: 0.0, seed: Some(9), ..Default::default() },
+            // Banned tokens (ignore_eos bans the ends) among the best: the backend brings back more.
+            SamplingParams { logit_bias: bans.clone(), ..SamplingParams::greedy() },
+            SamplingParams {
+                temperature: 1.3,
+                top_k: 7,
+                top_p: 1.0,
+                min_p: 0.0,
+                seed: Some(9),
+                logit_bias: bans.clone(),
+                ..Default::default()
+            },
         ] {
             let k = Sampler::new(params.clone()).top_k_needed().expect("needs only a top-k");
             // A backend may bring back more than asked (the largest any sequence of the step needs).
@@ -397,6 +423,8 @@ mod tests {
         assert_eq!(Sampler::new(penalised).top_k_needed(), None);
         let no_top_k = SamplingParams { top_k: 0, ..Default::default() };
         assert_eq!(Sampler::new(no_top_k).top_k_needed(), None);
+        let lifted = SamplingParams { logit_bias: vec![(7, 2.0)], ..SamplingParams::greedy() };
+        assert_eq!(Sampler::new(lifted).top_k_needed(), None);
     }
 
     #[test]

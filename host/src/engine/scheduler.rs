@@ -791,6 +791,7 @@ impl<M: StepModel> Scheduler<M> {
                     self.cache = PrefixCache::new(self.model.kv_cache().block_size);
                     for s in &mut self.running {
                         s.kv = SeqBlocks::new();
+                        (s.offered_pages, s.offered_key) = (0, ROOT);
                     }
                 }
                 let err = EngineError::Internal(format!("the forward pass failed: {e:#}"));

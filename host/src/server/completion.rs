@@ -73,7 +73,7 @@ impl Job {
     /// Applies the context size, `-n`, `--timeout` and `--cache-prompt`; `prompt_param` names the request
     /// field an over-long prompt came from.
     pub fn into_request(
-        self,
+        mut self,
         state: &AppState,
         model: &LoadedModel,
         prompt_param: &str,
@@ -99,6 +99,12 @@ impl Job {
         })?;
         let room = ctx - self.prompt.len();
         let max_tokens = self.max_tokens.or(state.config.n_predict).unwrap_or(room).min(room);
+        if self.ignore_eos {
+            // As llama-server does: the tokens that would end the answer are never sampled, rather
+            // than sampled and passed over.
+            let ends = model.text.eos_ids.iter().chain(&self.end_tokens);
+            self.sampling.logit_bias.extend(ends.map(|&id| (id, f32::NEG_INFINITY)));
+        }
         let mut r = GenerationRequest::new(self.prompt, self.sampling, max_tokens);
         r.stop = self.stop.into_iter().filter(|s| !s.is_empty()).collect();
         r.ignore_eos = self.ignore_eos;

@@ -322,7 +322,6 @@ async fn completion_inner(
     let n_cmpl = answers_per_prompt(&r, state.config.parallel)?;
     let n_predict = r.n_predict();
     let stops = r.stop.map(StopField::into_vec).unwrap_or_default();
-    let settings = generation_settings(model, &params, n_predict.unwrap_or(-1));
     let response_fields = r.response_fields.clone().filter(|f| !f.is_empty());
     if response_fields.is_some() && stream {
         return Err(ApiError::field("response_fields", "response_fields applies to answers without stream: true"));
@@ -341,8 +340,10 @@ async fn completion_inner(
         job.code_limits = code_limits.clone();
         // A prompt's answers follow one another (llama-server's indices), each with its own seed.
         for i in 0..n_cmpl {
-            texts.push((text.clone(), job.prompt.len()));
-            jobs.push(job.with_seed_offset(i));
+            let answer = job.with_seed_offset(i);
+            let settings = generation_settings(model, &answer.sampling, n_predict.unwrap_or(-1));
+            texts.push((text.clone(), job.prompt.len(), settings));
+            jobs.push(answer);
         }
     }
 
@@ -352,11 +353,11 @@ async fn completion_inner(
             .into_iter()
             .zip(texts)
             .enumerate()
-            .map(|(index, ((events, _), (prompt, prompt_n)))| {
+            .map(|(index, ((events, _), (prompt, prompt_n, settings)))| {
                 let dialect = CompletionStream {
                     index,
                     model: model.facts.id.clone(),
-                    settings: settings.clone(),
+                    settings,
                     prompt,
                     with_probs,
                     extras,
@@ -370,7 +371,7 @@ async fn completion_inner(
     let done = run_all(jobs, &state, model, "prompt", &log).await?;
     let several = done.len() > 1;
     let mut answers = Vec::with_capacity(done.len());
-    for (index, (c, (prompt, _))) in done.into_iter().zip(texts).enumerate() {
+    for (index, (c, (prompt, _, settings))) in done.into_iter().zip(texts).enumerate() {
         let (kind, word) = stop_type(&c.ending);
         let mut out = json!({
             "index": index,

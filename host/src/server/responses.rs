@@ -132,8 +132,10 @@ fn conversation(r: &ResponsesRequest) -> Result<Vec<ChatMessage>, ApiError> {
                 if t.is_empty() {
                     t = texts("summary");
                 }
-                // A client that kept only the item's encrypted_content (this server's: the thought).
-                if let (true, Some(e)) = (t.is_empty(), item.get("encrypted_content").and_then(Value::as_str)) {
+                // A client that kept only the item's encrypted_content: this server's is the thought
+                // (another's, such as OpenAI's, cannot be read here and is left out).
+                let kept = item.get("encrypted_content").and_then(Value::as_str).and_then(|e| e.strip_prefix(OUR_THOUGHT));
+                if let (true, Some(e)) = (t.is_empty(), kept) {
                     t.push(e.to_string());
                 }
                 thought = Some(t.join("\n"));
@@ -180,6 +182,8 @@ fn content_text(v: Option<&Value>, field: &str) -> Result<String, ApiError> {
 /// keeps no server state sends back for the model to see its earlier thought. Here it is the
 /// thought's text itself (nothing is hidden from the client: the item carries it already).
 const ENCRYPTED_REASONING: &str = "reasoning.encrypted_content";
+/// What this server's `encrypted_content` starts with, before the thought.
+const OUR_THOUGHT: &str = "mlxcel-thought:";
 
 /// Whether `reasoning.summary` (or its old name `generate_summary`) asks for a summary. A summary
 /// here is the whole thought (`auto` and `detailed`: the most detailed there is); `concise` would
@@ -195,7 +199,7 @@ fn summary(r: &ResponsesRequest) -> Result<bool, ApiError> {
         )),
         Some(v) => Err(ApiError::field(
             "reasoning.summary",
-            format!("reasoning.summary must be `auto`, `detailed` or `concise`, got {v}"),
+            format!("reasoning.summary must be `auto`, `detailed`, `concise` or `none`, got {v}"),
         )),
     }
 }
@@ -453,7 +457,7 @@ impl Item {
                 let mut item = json!({"type": "reasoning", "id": id, "summary": summary,
                     "content": [{"type": "reasoning_text", "text": text}], "status": status});
                 if thoughts.encrypted {
-                    item["encrypted_content"] = json!(text);
+                    item["encrypted_content"] = json!(format!("{OUR_THOUGHT}{text}"));
                 }
                 item
             }

@@ -1503,7 +1503,9 @@ async fn n_cmpl_answers_each_prompt_several_times() {
     // Two prompts, two answers each (`n`, n_cmpl's other name), seeds moved on per answer.
     let (status, v) = s.post("/completion", json!({"prompt": ["a", "b"], "n": 2, "seed": 7, "n_predict": 2})).await;
     assert_eq!(status, 200, "{v}");
-    assert_eq!(v.as_array().map(Vec::len), Some(4), "{v}");
+    let seeds: Vec<Option<u64>> =
+        v.as_array().unwrap().iter().map(|a| a["generation_settings"]["seed"].as_u64()).collect();
+    assert_eq!(seeds, [Some(7), Some(8), Some(7), Some(8)], "{v}");
     let reqs = s.fake.requests.lock().unwrap().clone();
     let tok = s.fake.text.as_ref().unwrap();
     let asked: Vec<(String, Option<u64>)> =
@@ -1514,6 +1516,18 @@ async fn n_cmpl_answers_each_prompt_several_times() {
     let (status, body, _) = s.post_text("/completion", json!({"prompt": "a", "n_cmpl": 2, "stream": true})).await;
     assert_eq!(status, 200);
     assert!(body.contains("\"index\":1") && body.contains("\"index\":0"), "{body}");
+
+    // ignore_eos bans the tokens that would end the answer (the FIM ends on /infill too), as
+    // llama-server does, rather than passing over them once sampled.
+    let (status, _) = s.post("/infill", json!({"input_prefix": "a", "input_suffix": "", "ignore_eos": true})).await;
+    assert_eq!(status, 200);
+    let r = s.last_request();
+    let mut ends: Vec<u32> = tok.eos_ids.iter().chain(&r.end_tokens).copied().collect();
+    let mut banned: Vec<u32> =
+        r.sampling.logit_bias.iter().map(|&(id, b)| (b == f32::NEG_INFINITY).then_some(id).unwrap()).collect();
+    ends.sort();
+    banned.sort();
+    assert_eq!((banned.len() > 1, banned), (true, ends));
 
     for (body, words) in [
         (json!({"prompt": "a", "n_cmpl": 5}), "please increase -np"),
@@ -2075,7 +2089,7 @@ async fn responses_api_function_calls_and_reasoning() {
     let done = &data.last().unwrap()["response"];
     let item = &done["output"][0];
     assert_eq!(item["summary"], json!([{"type": "summary_text", "text": "France's capital is well known."}]));
-    assert_eq!(item["encrypted_content"], "France's capital is well known.");
+    assert_eq!(item["encrypted_content"], "mlxcel-thought:France's capital is well known.");
     assert_eq!(done["reasoning"]["summary"], "auto");
     // Sent back with only its encrypted_content, the thought reaches the template.
     let back = json!([{"role": "user", "content": "hi"},
@@ -2086,6 +2100,12 @@ async fn responses_api_function_calls_and_reasoning() {
     assert_eq!(status, 200, "{v}");
     let prompt = shows.last_prompt();
     assert!(prompt.contains("<think>France's capital is well known.</think>Paris."), "{prompt}");
+    // Another server's (OpenAI's opaque blob) is not shown to the model.
+    let mut foreign = back.clone();
+    foreign[1]["encrypted_content"] = json!("gAAAAB-opaque");
+    let (status, _) = shows.post("/v1/responses", json!({"input": foreign})).await;
+    assert_eq!(status, 200);
+    assert!(!shows.last_prompt().contains("opaque"), "{}", shows.last_prompt());
     // llama-server's reasoning_format here too: none leaves the thought in the message.
     let (_, v) = t.post("/v1/responses", json!({"input": "hi", "reasoning_format": "none"})).await;
     assert_eq!(
