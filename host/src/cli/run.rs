@@ -60,7 +60,8 @@ pub struct RunArgs {
     /// Random seed (same seed, same output).
     #[arg(short = 's', long)]
     pub seed: Option<u64>,
-    /// Keep going past end-of-sequence tokens.
+    /// Keep going past end-of-sequence: those tokens are never sampled (as llama.cpp's
+    /// `--ignore-eos` bans them).
     #[arg(long)]
     pub ignore_eos: bool,
     /// Stop when this text appears (repeatable).
@@ -120,7 +121,11 @@ struct Loaded {
 
 impl Loaded {
     fn request(&self, args: &RunArgs, prompt: Vec<u32>) -> GenerationRequest {
-        let mut r = GenerationRequest::new(prompt, self.sampling.clone(), args.max_tokens.unwrap_or(usize::MAX));
+        let mut sampling = self.sampling.clone();
+        if args.ignore_eos {
+            sampling.logit_bias.extend(self.tokenizer.eos_ids.iter().map(|&id| (id, f32::NEG_INFINITY)));
+        }
+        let mut r = GenerationRequest::new(prompt, sampling, args.max_tokens.unwrap_or(usize::MAX));
         r.stop = args.stop.clone();
         r.ignore_eos = args.ignore_eos;
         r
