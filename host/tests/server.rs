@@ -56,6 +56,21 @@ async fn chat_answers_paris_plain_and_streamed_and_sigterm_exits_cleanly() {
         })
         .collect();
     assert!(answer.contains("Paris"), "{answer}");
+    // Structured output: held to a JSON schema, the answer is that JSON (and still right).
+    let schema = json!({"type": "object", "properties": {"capital": {"type": "string", "maxLength": 40}},
+        "required": ["capital"], "additionalProperties": false});
+    let mut structured = body.clone();
+    structured["response_format"] =
+        json!({"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": true}});
+    structured["max_tokens"] = json!(48);
+    let v: Value = http.post(&url).bearer_auth(KEY).json(&structured).send().await.unwrap().json().await.unwrap();
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap_or_default();
+    let answer: Value = serde_json::from_str(content).unwrap_or_else(|e| panic!("{e}: {v}"));
+    assert!(
+        answer["capital"].as_str().is_some_and(|c| c.contains("Paris")) && answer.as_object().unwrap().len() == 1,
+        "{v}"
+    );
+    assert_eq!(v["choices"][0]["finish_reason"], "stop", "{v}");
     // SmolLM2 has no fill-in-the-middle tokens: /infill says so, in llama-server's words.
     let r = http
         .post(format!("{}/infill", server.base))

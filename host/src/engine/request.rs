@@ -8,6 +8,7 @@ use super::generate::FinishReason;
 use super::sampler::SamplingParams;
 use super::streaming_text::CodeLimits;
 use super::thought::ThoughtBudget;
+use crate::text::grammar::Constraint;
 
 /// One completion to run: a tokenized prompt and how to continue it.
 #[derive(Debug, Clone)]
@@ -39,6 +40,8 @@ pub struct GenerationRequest {
     pub end_tokens: Vec<u32>,
     /// llama-server's code-completion limits (see [`CodeLimits`](super::streaming_text::CodeLimits)).
     pub code_limits: CodeLimits,
+    /// A grammar every token must keep the answer inside (structured outputs).
+    pub constraint: Option<Constraint>,
 }
 
 impl GenerationRequest {
@@ -56,6 +59,7 @@ impl GenerationRequest {
             shown_special: Vec::new(),
             end_tokens: Vec::new(),
             code_limits: CodeLimits::default(),
+            constraint: None,
         }
     }
 }

@@ -27,6 +27,7 @@ use super::runner::{Logits, ModelRunner, RowsWanted, SeqChunk, StepRows};
 use super::sampler::{Sampler, SamplingParams};
 use super::streaming_text::StreamingText;
 use super::thought::Thought;
+use crate::text::grammar::Constraint;
 use crate::text::TextTokenizer;
 
 /// What the scheduler needs of a model: one batched forward pass and the KV pages it reads.
@@ -320,6 +321,8 @@ struct Sequence {
     cached_tokens: usize,
     slot: Option<usize>,
     thought: Option<Thought>,
+    /// The grammar its tokens must follow, if any (whole rows are then sampled, masked by it).
+    constraint: Option<Constraint>,
 }
 
 impl Sequence {
@@ -475,6 +478,7 @@ impl<M: StepModel> Scheduler<M> {
             cached_tokens: 0,
             slot: None,
             thought: r.thought_budget.map(Thought::new),
+            constraint: r.constraint,
         });
     }
 
@@ -763,7 +767,8 @@ impl<M: StepModel> Scheduler<M> {
                 let s = &self.running[i];
                 let samples = s.kv.len + n == s.tokens.len();
                 if samples {
-                    let needed = if s.logprobs.is_some() { None } else { s.sampler.top_k_needed() };
+                    let whole = s.logprobs.is_some() || s.constraint.is_some();
+                    let needed = if whole { None } else { s.sampler.top_k_needed() };
                     top_k = top_k.zip(needed).map(|(a, b)| a.max(b));
                 }
                 SeqChunk {
@@ -921,10 +926,23 @@ fn sample_next(
         (Some(t), Row::Top(..)) => (t, None),
         (None, Row::Full(row)) => {
             let model_row = seq.logprobs.map(|_| row.to_vec());
+            if let Some(c) = seq.constraint.as_mut() {
+                c.mask(row).map_err(|e| format!("the answer's grammar failed: {e}"))?;
+                // No token of the model's fits (its ends lie outside the row, as in a test model's).
+                if row.iter().all(|&l| l == f32::NEG_INFINITY) {
+                    return match c.may_end() {
+                        true => Ok(Some(FinishReason::Stop)),
+                        false => Err("no token of the model's vocabulary fits the answer's grammar".into()),
+                    };
+                }
+            }
             (seq.sampler.sample(row, &seq.tokens), model_row)
         }
         (None, Row::Top(ids, values)) => (seq.sampler.sample_top(ids, values), None),
     };
+    if let Some(c) = seq.constraint.as_mut() {
+        c.accept(token).map_err(|e| format!("token {token} does not follow the answer's grammar: {e}"))?;
+    }
     let step = seq.text.push(tokenizer, token)?;
     let mut logprobs = Vec::new();
     let mut tokens = Vec::new();
@@ -945,6 +963,10 @@ fn sample_next(
     }
     if step.finish.is_some() {
         return Ok(step.finish);
+    }
+    // The answer's grammar allows nothing more: it ends as at an end of sequence.
+    if seq.constraint.as_ref().is_some_and(Constraint::finished) {
+        return Ok(Some(FinishReason::Stop));
     }
     // Feeding this token next would pass the context.
     if seq.tokens.len() >= ctx_size {

@@ -316,6 +316,30 @@ fn answers_to_one_prompt_submitted_together_compute_its_pages_once() {
 }
 
 #[test]
+fn a_json_schema_holds_the_answer_to_it() {
+    let tok = tokenizer();
+    let schema = serde_json::json!({"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "maximum": 99}},
+        "required": ["answer", "n"], "additionalProperties": false});
+    let constraint = tok.grammars().unwrap().json_schema(&schema).unwrap();
+    let mut s = scheduler(CheckingModel::new(64, 16, 1024), opts(2));
+    let mut free = request(prompt(5, 20), 40);
+    free.ignore_eos = false;
+    let mut held = free.clone();
+    held.constraint = Some(constraint);
+    let mut c = vec![submit(&mut s, 1, held).unwrap(), submit(&mut s, 2, free).unwrap()];
+    drain(&mut s, &mut c);
+    let v: serde_json::Value =
+        serde_json::from_str(&c[0].got.text).unwrap_or_else(|e| panic!("{e}: {:?}", c[0].got.text));
+    assert!(["yes", "no"].contains(&v["answer"].as_str().unwrap()), "{v}");
+    assert!(v["n"].as_u64().is_some_and(|n| n <= 99) && v.as_object().unwrap().len() == 2, "{v}");
+    assert_eq!(c[0].got.finish, Some(FinishReason::Stop));
+    // The same model, unconstrained, writes something else (the check above is the grammar's doing).
+    assert!(serde_json::from_str::<serde_json::Value>(&c[1].got.text).is_err(), "{:?}", c[1].got.text);
+    assert!(s.model().wants.contains(&RowsWanted::Full), "a constrained row comes back whole");
+    assert_no_leak(&s);
+}
+
+#[test]
 fn a_repeated_prompt_still_computes_its_last_token() {
     let p = prompt(3, 64); // exactly four pages
     let mut s = scheduler(CheckingModel::new(64, 16, 1024), opts(1));

@@ -200,7 +200,7 @@ const REFUSED: &[(&[&str], &str, &str)] = &[
     (
         &["--grammar", "--grammar-file", "-j", "--json-schema", "-jf", "--json-schema-file"],
         "",
-        "grammars and JSON schemas are not supported",
+        "a server-wide grammar or JSON schema is not supported; send json_schema or response_format with each request",
     ),
     (
         &[

@@ -18,6 +18,7 @@ use super::state::{AppState, LoadedModel, RequestLog};
 use crate::engine::{
     CodeLimits, FinishReason, GenerationEvent, GenerationRequest, SamplingParams, ThoughtBudget, TokenLogprob, Usage,
 };
+use crate::text::grammar::Constraint;
 use crate::text::TextTokenizer;
 
 /// A request after its dialect is translated, before the server's limits are applied.
@@ -37,13 +38,15 @@ pub struct Job {
     /// Tokens that end the answer as end-of-sequence does.
     pub end_tokens: Vec<u32>,
     pub code_limits: CodeLimits,
+    /// The JSON the answer must be (structured outputs).
+    pub constraint: Option<Constraint>,
 }
 
 impl Job {
     pub fn new(prompt: Vec<u32>, sampling: SamplingParams) -> Job {
         let (max_tokens, stop, ignore_eos, cache_prompt, logprobs) = (None, vec![], false, None, None);
-        let (thought_budget, shown_special, end_tokens, code_limits) =
-            (None, Vec::new(), Vec::new(), CodeLimits::default());
+        let (thought_budget, shown_special, end_tokens, code_limits, constraint) =
+            (None, Vec::new(), Vec::new(), CodeLimits::default(), None);
         Job {
             prompt,
             sampling,
@@ -56,6 +59,7 @@ impl Job {
             shown_special,
             end_tokens,
             code_limits,
+            constraint,
         }
     }
 
@@ -114,6 +118,7 @@ impl Job {
         r.shown_special = self.shown_special;
         r.end_tokens = self.end_tokens;
         r.code_limits = self.code_limits;
+        r.constraint = self.constraint;
         r.timeout = state.config.timeout;
         Ok(r)
     }

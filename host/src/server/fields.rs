@@ -139,14 +139,17 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
             ok(v.is_null() || v.as_str() == Some("none"), "reasoning is split from the answer on the chat routes only")
         }
         "lora" => ok(v.is_null() || v.as_array().is_some_and(Vec::is_empty), "LoRA adapters are not implemented"),
-        "grammar" => ok(v.is_null() || v.as_str() == Some(""), "grammars are not implemented"),
+        "grammar" => ok(
+            v.is_null() || v.as_str() == Some(""),
+            "GBNF grammars are not implemented; a JSON schema (`json_schema`, `response_format`) is",
+        ),
         "json_schema" => ok(
             v.is_null() || v.as_object().is_some_and(Map::is_empty),
-            "JSON schemas (constrained output) are not implemented",
+            "not on this route (chat completions, /completion and /infill take it)",
         ),
         "response_format" => ok(
             v.is_null() || v.get("type").and_then(Value::as_str) == Some("text"),
-            "only `text` (grammars and JSON schemas are not implemented)",
+            "not on this route (chat completions take it; /v1/responses takes text.format)",
         ),
         _ => return None,
     })

@@ -23,6 +23,7 @@ use super::error::{parse_body, ApiError, Dialect, ErrorKind};
 use super::infill::{self, ExtraChunk, Fim, InfillInput};
 use super::openai::{chat_messages, MessageIn, StopField};
 use super::state::{AppState, LoadedModel, RequestLog};
+use super::structured;
 use crate::engine::{CodeLimits, SamplingParams, TokenLogprob, Usage};
 
 /// `prompt`, as llama-server reads it: a string, token ids, or ids and strings mixed (each string
@@ -87,6 +88,8 @@ pub struct CompletionRequest {
     /// Answers per prompt (llama-server's `n_cmpl`, `n` its other name), each its own sequence.
     pub n_cmpl: Option<i64>,
     pub n: Option<i64>,
+    /// The JSON schema the answer must follow (structured outputs).
+    pub json_schema: Option<Value>,
 }
 
 impl CompletionRequest {
@@ -320,6 +323,7 @@ async fn completion_inner(
         return Err(ApiError::field("n_probs", format!("n_probs must be at most {MAX_N_PROBS}")));
     }
     let n_cmpl = answers_per_prompt(&r, state.config.parallel)?;
+    let constraint = structured::constraint(model, r.json_schema.clone().filter(|s| !s.is_null()), "json_schema")?;
     let n_predict = r.n_predict();
     let stops = r.stop.map(StopField::into_vec).unwrap_or_default();
     let response_fields = r.response_fields.clone().filter(|f| !f.is_empty());
@@ -338,6 +342,7 @@ async fn completion_inner(
         job.logprobs = r.n_probs.filter(|&n| n > 0);
         job.end_tokens = end_tokens.clone();
         job.code_limits = code_limits.clone();
+        job.constraint = constraint.clone();
         // A prompt's answers follow one another (llama-server's indices), each with its own seed.
         for i in 0..n_cmpl {
             let answer = job.with_seed_offset(i);

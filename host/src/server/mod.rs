@@ -23,6 +23,7 @@ pub mod reasoning;
 pub mod responses;
 pub mod samplers;
 pub mod state;
+pub mod structured;
 #[cfg(test)]
 mod tests;
 pub mod tools;

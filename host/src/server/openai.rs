@@ -20,6 +20,7 @@ use super::completion::{
 use super::error::{parse_body, ApiError, Dialect, ErrorKind};
 use super::reasoning::{self, Parts, Splitter};
 use super::state::{AppState, LoadedModel, RequestLog};
+use super::structured;
 use super::tools::{pieces_through, text_and_calls, CallParser, ToolCall, Tooling};
 use crate::engine::{SamplingParams, TokenLogprob, Usage};
 use crate::text::{ChatMessage, TextTokenizer};
@@ -176,6 +177,8 @@ pub struct ChatRequest {
     pub tool_choice: Option<Value>,
     pub parallel_tool_calls: Option<bool>,
     pub response_format: Option<Value>,
+    /// llama-server's: the JSON schema the answer must follow (as `response_format` says it).
+    pub json_schema: Option<Value>,
     pub logit_bias: Option<Value>,
     /// More variables for the chat template (llama-server's; Qwen3's `enable_thinking`, …).
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
@@ -471,19 +474,6 @@ pub fn request_tools(
         .map_err(|e| ApiError::field("tools", e))
 }
 
-fn refuse_unsupported(response_format: &Option<Value>) -> Result<(), ApiError> {
-    if let Some(f) = response_format {
-        let kind = f.get("type").and_then(Value::as_str).unwrap_or("");
-        if kind != "text" {
-            return Err(ApiError::field(
-                "response_format",
-                format!("response_format `{kind}` is not supported (only `text`); grammars and JSON schemas are not implemented"),
-            ));
-        }
-    }
-    Ok(())
-}
-
 pub async fn chat(State(state): State<Arc<AppState>>, Extension(log): Extension<RequestLog>, body: Bytes) -> Response {
     chat_inner(state, log, &body).await.unwrap_or_else(|e| e.in_dialect(Dialect::OpenAi).into_response())
 }
@@ -491,8 +481,12 @@ pub async fn chat(State(state): State<Arc<AppState>>, Extension(log): Extension<
 async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Result<Response, ApiError> {
     let model = state.ready()?;
     let r: ChatRequest = parse_body(body)?;
-    refuse_unsupported(&r.response_format)?;
+    let (schema, schema_field) = match structured::requested_schema(r.response_format.as_ref(), "response_format")? {
+        Some(s) => (Some(s), "response_format"),
+        None => (r.json_schema.clone().filter(|s| !s.is_null()), "json_schema"),
+    };
     let tooling = request_tools(model, &r.tools, r.tool_choice.as_ref(), r.parallel_tool_calls)?;
+    structured::refuse_with_tools(schema.is_some(), tooling.is_some(), schema_field)?;
     let stream = r.stream.unwrap_or(false);
     let n = check_n(r.n, stream)?;
     check_stream_options(&r.stream_options, stream)?;
@@ -508,6 +502,12 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     let kwargs = state.template_kwargs_with(&effort.vars, r.chat_template_kwargs.as_ref());
     let (prompt_text, prompt) = chat_prompt(model, &messages, kwargs.as_ref(), tooling.as_ref())?;
     let thinking = reasoning::forced_open(&prompt_text);
+    if thinking && schema.is_some() {
+        return Err(ApiError::field(
+            schema_field,
+            "the chat template opens a thought, which the JSON format would fill; switch thinking off (chat_template_kwargs: {\"enable_thinking\": false})",
+        ));
+    }
     let mut sampling = sampling_fields!(r).apply(&model.facts.default_sampling, model.facts.ctx_size)?;
     if let Some(list) = r.samplers.as_ref().filter(|v| !v.is_null()) {
         super::samplers::apply(list, &mut sampling)?;
@@ -517,6 +517,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
         job.sampling.logit_bias = logit_bias(b, model, true)?;
     }
     job.max_tokens = limit;
+    job.constraint = structured::constraint(model, schema, schema_field)?;
     let effort_budget = effort.budget_under(r.chat_template_kwargs.as_ref());
     let budget = reasoning::tighter(reasoning::server_budget(&state, kwargs.as_ref()), effort_budget);
     job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;

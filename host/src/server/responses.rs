@@ -20,6 +20,7 @@ use super::error::{parse_body, ApiError, Dialect};
 use super::openai::{chat_prompt, request_tools, SamplingFields};
 use super::reasoning::{self, Parts, Splitter};
 use super::state::{AppState, RequestLog};
+use super::structured;
 use super::tools::{pieces_through, CallParser, Piece, ToolCall};
 use crate::engine::{TokenLogprob, Usage};
 use crate::text::{ChatMessage, TextTokenizer};
@@ -221,14 +222,6 @@ fn refuse_unsupported(r: &ResponsesRequest) -> Result<(), ApiError> {
             "responses are not stored by this server; send the whole conversation in `input`",
         ));
     }
-    if let Some(f) = r.text.as_ref().and_then(|t| t.pointer("/format/type")).and_then(Value::as_str) {
-        if f != "text" {
-            return Err(ApiError::field(
-                "text.format",
-                format!("text.format `{f}` is not supported (only `text`); JSON schemas need constrained decoding"),
-            ));
-        }
-    }
     summary(r)?;
     if r.text.as_ref().and_then(|t| t.get("verbosity")).is_some_and(|v| !v.is_null()) {
         return Err(ApiError::field("text.verbosity", "verbosity is not supported"));
@@ -299,6 +292,8 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
     let r: ResponsesRequest = parse_body(body)?;
     refuse_unsupported(&r)?;
     let tooling = request_tools(model, &chat_tools(&r.tools)?, r.tool_choice.as_ref(), r.parallel_tool_calls)?;
+    let schema = structured::requested_schema(r.text.as_ref().and_then(|t| t.get("format")), "text.format")?;
+    structured::refuse_with_tools(schema.is_some(), tooling.is_some(), "text.format")?;
     let messages = conversation(&r)?;
     let asked = r.reasoning.as_ref().and_then(|v| v.get("effort")).filter(|e| !e.is_null());
     let asked = match asked {
@@ -322,6 +317,14 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
     let budget = reasoning::tighter(reasoning::server_budget(&state, kwargs.as_ref()), effort.budget);
     job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;
     job.shown_special = super::tools::shown_tags(&model.text, tooling.as_ref());
+    if schema.is_some() && reasoning::forced_open(&prompt_text) {
+        return Err(ApiError::field(
+            "text.format",
+            "the chat template opens a thought, which the JSON format would fill; switch thinking off (reasoning.effort: none)",
+        ));
+    }
+    let text_format = r.text.as_ref().and_then(|t| t.get("format")).cloned().unwrap_or(json!({"type": "text"}));
+    job.constraint = structured::constraint(model, schema, "text.format")?;
     let prompt_tokens = job.prompt.len();
     let summarized = summary(&r)?;
     let req = job.into_request(&state, model, "input")?;
@@ -338,7 +341,7 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
             "tools": r.tools.clone().unwrap_or_default(),
             "tool_choice": r.tool_choice.clone().unwrap_or(json!("auto")),
             "parallel_tool_calls": r.parallel_tool_calls.unwrap_or(true),
-            "text": {"format": {"type": "text"}},
+            "text": {"format": text_format},
             "truncation": "disabled",
             "store": false,
             "previous_response_id": null,

@@ -1540,6 +1540,72 @@ async fn n_cmpl_answers_each_prompt_several_times() {
     }
 }
 
+/// Structured outputs as each dialect asks for them: chat's `response_format` (and llama-server's
+/// `json_schema`), the Responses API's `text.format`, `/completion`'s `json_schema`; a schema that
+/// cannot be compiled, an unknown format, and tools beside a format are refused by name.
+#[tokio::test]
+async fn structured_outputs_hold_answers_to_json_schemas() {
+    let s = start().await;
+    let schema = json!({"type": "object", "properties": {"capital": {"type": "string"}}, "required": ["capital"]});
+    let ask = json!([{"role": "user", "content": "hi"}]);
+    for format in [
+        json!({"type": "json_schema", "json_schema": {"name": "a", "schema": schema, "strict": true}}),
+        json!({"type": "json_object"}),
+    ] {
+        let (status, v) = s.post("/v1/chat/completions", json!({"messages": ask, "response_format": format})).await;
+        assert_eq!(status, 200, "{v}");
+        assert!(s.last_request().constraint.is_some(), "{format}");
+    }
+    let (status, _) =
+        s.post("/v1/chat/completions", json!({"messages": ask, "response_format": {"type": "text"}})).await;
+    assert_eq!(status, 200);
+    assert!(s.last_request().constraint.is_none());
+    let (status, _) = s.post("/v1/chat/completions", json!({"messages": ask, "json_schema": schema})).await;
+    assert_eq!((status, s.last_request().constraint.is_some()), (200, true));
+    let (status, _) = s.post("/completion", json!({"prompt": "a", "json_schema": schema})).await;
+    assert_eq!((status, s.last_request().constraint.is_some()), (200, true));
+    let format = json!({"format": {"type": "json_schema", "name": "a", "schema": schema}});
+    let (status, v) = s.post("/v1/responses", json!({"input": "hi", "text": format})).await;
+    assert_eq!((status, s.last_request().constraint.is_some()), (200, true), "{v}");
+    assert_eq!(v["text"], format);
+
+    let bad = json!({"type": "object", "properties": {"a": {"$ref": "#/nowhere"}}, "required": ["a"]});
+    for (route, body, param) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": ask, "response_format": {"type": "json_schema", "json_schema": {"schema": bad}}}),
+            "response_format",
+        ),
+        ("/v1/chat/completions", json!({"messages": ask, "response_format": {"type": "xml"}}), "response_format.type"),
+        (
+            "/v1/chat/completions",
+            json!({"messages": ask, "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}),
+            "response_format.schema",
+        ),
+        ("/completion", json!({"prompt": "a", "json_schema": bad}), "json_schema"),
+        ("/completion", json!({"prompt": "a", "grammar": "root ::= \"a\""}), "grammar"),
+        (
+            "/v1/responses",
+            json!({"input": "hi", "text": {"format": {"type": "json_schema", "schema": bad}}}),
+            "text.format",
+        ),
+        (
+            "/v1/messages",
+            json!({"messages": ask, "max_tokens": 4, "response_format": {"type": "json_object"}}),
+            "response_format",
+        ),
+    ] {
+        let (status, v) = s.post(route, body).await;
+        assert_eq!(status, 400, "{route}: {v}");
+        let named = v["error"]["param"].as_str().or(v["error"]["message"].as_str()).unwrap_or_default();
+        assert!(named.contains(param), "{route}: {v}");
+    }
+    let tools = start_tools().await;
+    let body = json!({"messages": ask, "tools": weather_tools(), "response_format": {"type": "json_object"}});
+    let (status, v) = tools.post("/v1/chat/completions", body).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("response_format")), "{v}");
+}
+
 /// A Qwen3-Coder-style template (XML calls).
 const QWEN_CODER: &str = "{% if tools %}<tools>{% for t in tools %}{{ t | tojson }}{% endfor %}</tools> Call as <tool_call>\n<function=NAME>\n<parameter=KEY>\nVALUE\n</parameter>\n</function>\n</tool_call>\n{% endif %}{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
 
@@ -1956,7 +2022,7 @@ async fn responses_api() {
     );
     for (body, param) in [
         (json!({"input": "hi", "previous_response_id": "resp_1"}), "previous_response_id"),
-        (json!({"input": "hi", "text": {"format": {"type": "json_schema", "schema": {}}}}), "text.format"),
+        (json!({"input": "hi", "text": {"format": {"type": "yaml"}}}), "text.format.type"),
         (json!({"input": "hi", "store": true}), "store"),
         (json!({"input": "hi", "max_output_tokens": 0}), "max_output_tokens"),
         (json!({"input": "hi", "reasoning": {"summary": "concise"}}), "reasoning.summary"),

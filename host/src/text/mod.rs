@@ -1,6 +1,7 @@
 //! Text in and out: tokenizer, chat templates, and stop-string matching for streamed output.
 
 pub mod chat_template;
+pub mod grammar;
 pub mod stop;
 pub mod tokenizer;
 

@@ -9,6 +9,7 @@ use serde_json::Value;
 use tokenizers::Tokenizer;
 
 use super::chat_template::{ChatMessage, ChatTemplate};
+use super::grammar::Grammars;
 
 pub struct TextTokenizer {
     pub inner: Tokenizer,
@@ -19,6 +20,8 @@ pub struct TextTokenizer {
     pub chat_template: Option<ChatTemplate>,
     /// A copy of `inner` that reads special-token text as plain text, made on first use.
     literal: std::sync::OnceLock<Tokenizer>,
+    /// Grammars over this vocabulary, made at the first constrained request.
+    grammars: std::sync::OnceLock<Result<std::sync::Arc<Grammars>, String>>,
 }
 
 /// A special token in `tokenizer_config.json`: a string or `{"content": ...}`.
@@ -84,7 +87,15 @@ impl TextTokenizer {
             ),
             None => None,
         };
-        Ok(TextTokenizer { inner, bos_token, eos_token, eos_ids, chat_template, literal: Default::default() })
+        Ok(TextTokenizer {
+            inner,
+            bos_token,
+            eos_token,
+            eos_ids,
+            chat_template,
+            literal: Default::default(),
+            grammars: Default::default(),
+        })
     }
 
     /// Token ids of `text`. With `add_special`, the tokenizer's own post-processor adds BOS etc., but a
@@ -150,6 +161,14 @@ impl TextTokenizer {
             (0u32..256).filter(|&b| !printable(b)).nth(k as usize).map(|b| b as u8)
         };
         piece.chars().map(byte_of).collect::<Option<Vec<u8>>>().unwrap_or_else(|| text.into_bytes())
+    }
+
+    /// What compiles grammars (JSON schemas) over this vocabulary, made on first use; Err when the
+    /// vocabulary cannot end a constrained answer.
+    pub fn grammars(&self) -> Result<std::sync::Arc<Grammars>, String> {
+        let made =
+            self.grammars.get_or_init(|| Grammars::new(self).map(std::sync::Arc::new).map_err(|e| format!("{e:#}")));
+        made.clone()
     }
 
     /// The ids of those of `tags` that are special tokens here (their text is skipped in decoding

@@ -1,0 +1,57 @@
+//! Structured outputs: the JSON an answer must be, as each dialect asks for it — OpenAI's
+//! `response_format`, the Responses API's `text.format`, llama-server's `json_schema` — compiled
+//! against the model's vocabulary into the engine's token-by-token constraint (see
+//! [`grammar`](crate::text::grammar)).
+
+use serde_json::{json, Value};
+
+use super::error::ApiError;
+use super::state::LoadedModel;
+use crate::text::grammar::Constraint;
+
+/// The schema a `response_format` (chat) or `text.format` (Responses) asks for: None for `text`,
+/// any object for `json_object`, the given schema for `json_schema` — nested in `json_schema` as
+/// chat sends it, or beside `type` as Responses (and llama-server) take it; no schema is any JSON
+/// value.
+pub fn requested_schema(format: Option<&Value>, field: &str) -> Result<Option<Value>, ApiError> {
+    let Some(f) = format.filter(|f| !f.is_null()) else { return Ok(None) };
+    let kind = f.get("type").and_then(Value::as_str);
+    match kind {
+        Some("text") => Ok(None),
+        Some("json_object") => Ok(Some(f.get("schema").cloned().unwrap_or_else(|| json!({"type": "object"})))),
+        Some("json_schema") => {
+            let inner = f.get("json_schema").unwrap_or(f);
+            match inner.get("schema") {
+                None | Some(Value::Null) => Ok(Some(json!({}))),
+                Some(s) if s.is_object() || s.is_boolean() => Ok(Some(s.clone())),
+                Some(_) => Err(ApiError::field(&format!("{field}.schema"), "a JSON schema must be an object")),
+            }
+        }
+        other => Err(ApiError::field(
+            &format!("{field}.type"),
+            format!("`{}` is not a format here: `text`, `json_object` or `json_schema`", other.unwrap_or("?")),
+        )),
+    }
+}
+
+/// The constraint that holds an answer to `schema`; a schema the grammar compiler refuses is the
+/// client's error (400, naming `field`).
+pub fn constraint(model: &LoadedModel, schema: Option<Value>, field: &str) -> Result<Option<Constraint>, ApiError> {
+    let Some(schema) = schema else { return Ok(None) };
+    let grammars = model.text.grammars().map_err(|e| ApiError::field(field, e))?;
+    grammars
+        .json_schema(&schema)
+        .map(Some)
+        .map_err(|e| ApiError::field(field, format!("the JSON schema in `{field}` cannot be used: {e}")))
+}
+
+/// Tools beside a JSON format: a call could not be written inside the JSON the answer must be.
+pub fn refuse_with_tools(constrained: bool, has_tools: bool, field: &str) -> Result<(), ApiError> {
+    if constrained && has_tools {
+        return Err(ApiError::field(
+            field,
+            "a JSON format and tools in one request are not supported: the answer held to the JSON could not call a tool",
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,113 @@
+//! Constrained decoding (structured outputs): an answer held to a JSON schema, token by token.
+//! llguidance keeps the grammar's state and says, before each token, which of the vocabulary's
+//! tokens keep the text inside the grammar; the engine sets the others' logits to -inf before
+//! sampling. The token trie behind it is built once per tokenizer, at the first constrained request.
+
+use std::fmt;
+use std::sync::Arc;
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{ApproximateTokEnv, TokEnv, TokRxInfo, TokTrie};
+use llguidance::{Matcher, ParserFactory};
+use serde_json::Value;
+
+use super::TextTokenizer;
+
+/// What compiles grammars against one tokenizer's vocabulary.
+pub struct Grammars {
+    factory: ParserFactory,
+    eos_ids: Vec<u32>,
+    vocab: u32,
+}
+
+impl Grammars {
+    /// The vocabulary as bytes: special tokens marked so that no grammar's text can spell them
+    /// (only the ends of sequence, which a grammar allows when the answer may end).
+    pub fn new(tok: &TextTokenizer) -> anyhow::Result<Grammars> {
+        let Some(&eos) = tok.eos_ids.first() else {
+            anyhow::bail!("the tokenizer names no end-of-sequence token, which a constrained answer ends with");
+        };
+        let added = tok.inner.get_added_vocabulary().get_added_tokens_decoder();
+        let n = tok.inner.get_vocab_size(true) as u32;
+        let words: Vec<Vec<u8>> = (0..n)
+            .map(|id| match added.get(&id).filter(|a| a.special) {
+                Some(a) => [&[TokTrie::SPECIAL_TOKEN_MARKER], a.content.as_bytes()].concat(),
+                None => tok.token_bytes(id),
+            })
+            .collect();
+        let trie = TokTrie::from(&TokRxInfo::new(n, eos), &words);
+        let env: TokEnv = Arc::new(ApproximateTokEnv::new(trie));
+        let mut factory = ParserFactory::new_simple(&env)?;
+        factory.quiet();
+        Ok(Grammars { factory, eos_ids: tok.eos_ids.clone(), vocab: n })
+    }
+
+    /// A constraint that holds the answer to JSON matching `schema` (`{"type": "object"}` for any
+    /// object); Err says what is wrong with the schema.
+    pub fn json_schema(&self, schema: &Value) -> Result<Constraint, String> {
+        let mut schema = schema.clone();
+        // Compact JSON, as OpenAI's structured outputs come: with whitespace allowed between its
+        // tokens a small model wanders (newlines, spaces until its token limit). A schema's own
+        // `x-guidance` options win.
+        if let Some(o) = schema.as_object_mut().filter(|o| !o.contains_key("x-guidance")) {
+            o.insert("x-guidance".into(), serde_json::json!({"whitespace_flexible": false}));
+        }
+        let grammar = TopLevelGrammar::from_json_schema(schema);
+        let parser = self.factory.create_parser(grammar).map_err(|e| format!("{e:#}"))?;
+        let matcher = Matcher::new(Ok(parser));
+        if let Some(e) = matcher.get_error() {
+            return Err(e);
+        }
+        Ok(Constraint { matcher, eos_ids: self.eos_ids.clone(), vocab: self.vocab })
+    }
+}
+
+/// One answer's grammar state.
+#[derive(Clone)]
+pub struct Constraint {
+    matcher: Matcher,
+    eos_ids: Vec<u32>,
+    /// The tokenizer's vocabulary (a model's rows may be longer: padding no text can use).
+    vocab: u32,
+}
+
+impl fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Constraint")
+    }
+}
+
+impl Constraint {
+    /// Sets the logit of every token the grammar does not allow next to -inf; the ends of sequence
+    /// are allowed where the answer may end (and are all that is allowed once it must).
+    pub fn mask(&mut self, row: &mut [f32]) -> Result<(), String> {
+        let mask = self.matcher.compute_mask_or_eos().map_err(|e| format!("{e:#}"))?;
+        let may_end = self.eos_ids.iter().any(|&t| mask.is_allowed(t));
+        for (id, l) in row.iter_mut().enumerate() {
+            let id = id as u32;
+            let allowed = if self.eos_ids.contains(&id) { may_end } else { id < self.vocab && mask.is_allowed(id) };
+            if !allowed {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the answer may end here (the grammar is satisfied).
+    pub fn may_end(&mut self) -> bool {
+        self.matcher.is_accepting().unwrap_or(false)
+    }
+
+    /// Whether the grammar is complete and allows nothing more (the answer is done).
+    pub fn finished(&self) -> bool {
+        self.matcher.is_stopped()
+    }
+
+    /// Moves the grammar on past `token` (an end of sequence ends the answer and needs nothing).
+    pub fn accept(&mut self, token: u32) -> Result<(), String> {
+        if self.eos_ids.contains(&token) {
+            return Ok(());
+        }
+        self.matcher.consume_token(token).map_err(|e| format!("{e:#}"))
+    }
+}
