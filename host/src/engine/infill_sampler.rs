@@ -25,16 +25,7 @@ impl TokenTexts {
         let added = tok.inner.get_added_vocabulary().get_added_tokens_decoder();
         let n = tok.inner.get_vocab_size(true) as u32;
         let texts = (0..n)
-            .map(|id| {
-                if added.get(&id).is_some_and(|a| a.special) {
-                    return Vec::new();
-                }
-                // A SentencePiece piece keeps its leading space (decoding it alone would drop it).
-                match tok.inner.id_to_token(id) {
-                    Some(p) if p.contains('▁') && !p.starts_with("<0x") => p.replace('▁', " ").into_bytes(),
-                    _ => tok.token_bytes(id),
-                }
-            })
+            .map(|id| if added.get(&id).is_some_and(|a| a.special) { Vec::new() } else { tok.piece_bytes(id) })
             .collect();
         Arc::new(TokenTexts { texts })
     }

@@ -936,7 +936,16 @@ fn sample_next(
                     };
                 }
             }
-            (seq.sampler.sample(row, &seq.tokens), model_row)
+            let token = seq.sampler.sample(row, &seq.tokens);
+            // A sampler that falls back on a token the grammar ruled out (the infill sampler's end,
+            // argmax of a row that biases left empty) ends the answer where the grammar may end.
+            if let Some(c) = seq.constraint.as_mut().filter(|_| row.get(token as usize) == Some(&f32::NEG_INFINITY)) {
+                return match c.may_end() {
+                    true => Ok(Some(FinishReason::Stop)),
+                    false => Err("no token the sampler may choose fits the answer's grammar".into()),
+                };
+            }
+            (token, model_row)
         }
         (None, Row::Top(ids, values)) => (seq.sampler.sample_top(ids, values), None),
     };

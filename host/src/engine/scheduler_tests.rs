@@ -339,6 +339,42 @@ fn a_json_schema_holds_the_answer_to_it() {
     assert_no_leak(&s);
 }
 
+/// A forced call: the answer is a Hermes `<tool_call>` to the named tool, its arguments fitting the
+/// tool's schema, read back as a call.
+#[test]
+fn a_forced_tool_call_is_a_call_in_the_templates_format() {
+    use crate::server::tools::{Forced, Piece, Tooling};
+    let tok = tokenizer();
+    let tools = vec![
+        serde_json::json!({"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+            "properties": {"unit": {"enum": ["C", "F"]}}, "required": ["unit"], "additionalProperties": false}}}),
+        serde_json::json!({"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}),
+    ];
+    let template = "{% if tools %}<tool_call>{% endif %}";
+    for (forced, name) in [(Forced::Named("get_weather".into()), Some("get_weather")), (Forced::Any, None)] {
+        let mut tooling = Tooling::new(tools.clone(), false, Some(template)).unwrap();
+        tooling.forced = Some(forced);
+        let grammar = tooling.forced_grammar(|_| None).unwrap();
+        let mut req = request(prompt(9, 12), 80);
+        req.ignore_eos = false;
+        req.constraint = Some(tok.grammars().unwrap().lark(&grammar).unwrap());
+        let mut s = scheduler(CheckingModel::new(64, 16, 1024), opts(1));
+        let mut c = vec![submit(&mut s, 1, req).unwrap()];
+        drain(&mut s, &mut c);
+        let text = &c[0].got.text;
+        assert!(text.starts_with("<tool_call>\n{\"name\":"), "{text:?}");
+        let pieces = tooling.pieces("call_", text);
+        let [Piece::Call(call)] = &pieces[..] else { panic!("{text:?}: {pieces:?}") };
+        if let Some(name) = name {
+            assert_eq!(call.name, name);
+        }
+        if call.name == "get_weather" {
+            assert!(["C", "F"].contains(&call.arguments["unit"].as_str().unwrap()), "{text:?}");
+        }
+        assert_eq!(c[0].got.finish, Some(FinishReason::Stop), "{text:?}");
+    }
+}
+
 #[test]
 fn a_repeated_prompt_still_computes_its_last_token() {
     let p = prompt(3, 64); // exactly four pages

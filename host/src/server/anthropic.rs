@@ -17,7 +17,8 @@ use super::error::{parse_body, ApiError, Dialect};
 use super::openai::{chat_prompt, StopField};
 use super::reasoning::{self, Parts, Splitter};
 use super::state::{AppState, LoadedModel, RequestLog};
-use super::tools::{pieces_through, shown_tags, CallParser, Piece, ToolCall, Tooling};
+use super::structured;
+use super::tools::{pieces_through, shown_tags, CallParser, Forced, Piece, ToolCall, Tooling};
 use crate::engine::{TokenLogprob, Usage};
 use crate::text::ChatMessage;
 
@@ -180,16 +181,27 @@ fn request_tools(model: &LoadedModel, r: &MessagesRequest) -> Result<Option<Tool
     }
     let kind = choice.map(|c| c.get("type").and_then(Value::as_str).unwrap_or_default());
     let parallel = !choice.and_then(|c| c.get("disable_parallel_tool_use")).and_then(Value::as_bool).unwrap_or(false);
-    match kind {
-        None | Some("auto") | Some("none") => {}
+    // `any` and a named `tool` force a call (the answer is held to a grammar of calls).
+    let forced = match kind {
+        None | Some("auto") | Some("none") => None,
+        Some("any") => Some(Forced::Any),
+        Some("tool") => match choice.and_then(|c| c.get("name")).and_then(Value::as_str) {
+            Some(n) => Some(Forced::Named(n.to_string())),
+            None => return Err(ApiError::field("tool_choice", "tool_choice `tool` needs the tool's name")),
+        },
         Some(k) => {
             return Err(ApiError::field(
                 "tool_choice",
-                format!("tool_choice `{k}` is not supported: forcing a tool call needs constrained decoding, which this server does not implement (use auto or none)"),
+                format!("tool_choice `{k}` is not supported (auto, any, tool or none)"),
             ))
         }
-    }
-    let Some(tools) = r.tools.as_ref().filter(|t| !t.is_empty()) else { return Ok(None) };
+    };
+    let Some(tools) = r.tools.as_ref().filter(|t| !t.is_empty()) else {
+        return match forced {
+            None => Ok(None),
+            Some(_) => Err(ApiError::field("tool_choice", "tool_choice forces a call, but the request gives no tools")),
+        };
+    };
     if kind == Some("none") {
         return Ok(None);
     }
@@ -215,9 +227,18 @@ fn request_tools(model: &LoadedModel, r: &MessagesRequest) -> Result<Option<Tool
         }
         shaped.push(json!({"type": "function", "function": function}));
     }
-    Tooling::new(shaped, parallel, model.facts.chat_template.as_deref())
-        .map(Some)
-        .map_err(|e| ApiError::field("tools", e))
+    let mut tooling = Tooling::new(shaped, parallel, model.facts.chat_template.as_deref())
+        .map_err(|e| ApiError::field("tools", e))?;
+    if let Some(Forced::Named(n)) = &forced {
+        if !tooling.names.contains(n) {
+            return Err(ApiError::field(
+                "tool_choice",
+                format!("tool_choice names `{n}`, which is not among the tools"),
+            ));
+        }
+    }
+    tooling.forced = forced;
+    Ok(Some(tooling))
 }
 
 /// What `thinking` asks for: the chat-template variables and a cap on the thought.
@@ -331,6 +352,13 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
     job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;
     job.shown_special = shown_tags(&model.text, tools.as_ref());
     job.stop = r.stop_sequences.clone().map(|v| StopField::Many(v).into_vec()).unwrap_or_default();
+    if open && tools.as_ref().is_some_and(|t| t.forced.is_some()) {
+        return Err(ApiError::field(
+            "tool_choice",
+            "the chat template opens a thought, which the forced call's grammar would fill; switch thinking off (thinking: {\"type\": \"disabled\"})",
+        ));
+    }
+    job.constraint = structured::forced_calls(model, tools.as_ref())?;
     let stops = job.stop.clone();
     let req = job.into_request(&state, model, "messages")?;
     let events = submit(model, req)?;

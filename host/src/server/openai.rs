@@ -21,7 +21,7 @@ use super::error::{parse_body, ApiError, Dialect, ErrorKind};
 use super::reasoning::{self, Parts, Splitter};
 use super::state::{AppState, LoadedModel, RequestLog};
 use super::structured;
-use super::tools::{pieces_through, text_and_calls, CallParser, ToolCall, Tooling};
+use super::tools::{pieces_through, text_and_calls, CallParser, Forced, ToolCall, Tooling};
 use crate::engine::{SamplingParams, TokenLogprob, Usage};
 use crate::text::{ChatMessage, TextTokenizer};
 
@@ -414,19 +414,24 @@ pub fn request_tools(
     choice: Option<&Value>,
     parallel: Option<bool>,
 ) -> Result<Option<Tooling>, ApiError> {
-    // `allowed_tools` in `auto` mode narrows the tools the model is shown.
+    // `allowed_tools` narrows the tools the model is shown; `required` (also as its mode) and a
+    // named function force a call.
     let mut allowed: Option<Vec<&str>> = None;
+    let mut forced = None;
     let choice_str = match choice {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) if s == "auto" || s == "none" => Some(s.as_str()),
+        Some(Value::String(s)) if s == "required" => {
+            forced = Some(Forced::Any);
+            None
+        }
         Some(v) if v.get("type").and_then(Value::as_str) == Some("allowed_tools") => {
             // Chat nests the list (`allowed_tools: {mode, tools}`); Responses does not.
             let spec = v.get("allowed_tools").unwrap_or(v);
-            if spec.get("mode").and_then(Value::as_str) != Some("auto") {
-                return Err(ApiError::field(
-                    "tool_choice",
-                    "allowed_tools takes mode `auto` only: `required` forces a call, which needs constrained decoding",
-                ));
+            match spec.get("mode").and_then(Value::as_str) {
+                Some("auto") => {}
+                Some("required") => forced = Some(Forced::Any),
+                _ => return Err(ApiError::field("tool_choice", "allowed_tools takes mode `auto` or `required`")),
             }
             let names = spec.get("tools").and_then(Value::as_array).into_iter().flatten();
             let names = names.map(|t| t.pointer("/function/name").or_else(|| t.get("name")).and_then(Value::as_str));
@@ -434,14 +439,28 @@ pub fn request_tools(
             allowed = Some(names.ok_or_else(|| ApiError::field("tool_choice", "each allowed tool needs a name"))?);
             None
         }
+        // Chat: `{"type": "function", "function": {"name"}}`; Responses: `{"type": "function", "name"}`.
+        Some(v) if v.get("type").and_then(Value::as_str) == Some("function") => {
+            let name = v.pointer("/function/name").or_else(|| v.get("name")).and_then(Value::as_str);
+            let name = name.ok_or_else(|| ApiError::field("tool_choice", "a forced function needs its name"))?;
+            forced = Some(Forced::Named(name.to_string()));
+            None
+        }
         Some(v) => {
             return Err(ApiError::field(
                 "tool_choice",
-                format!("tool_choice {v} is not supported: forcing a call needs constrained decoding, which this server does not implement (use \"auto\" or \"none\")"),
+                format!(
+                    "tool_choice {v} is not supported (\"auto\", \"none\", \"required\", a function, or allowed_tools)"
+                ),
             ))
         }
     };
-    let Some(tools) = tools.as_ref().filter(|t| !t.is_empty()) else { return Ok(None) };
+    let Some(tools) = tools.as_ref().filter(|t| !t.is_empty()) else {
+        return match forced {
+            None => Ok(None),
+            Some(_) => Err(ApiError::field("tool_choice", "tool_choice forces a call, but the request gives no tools")),
+        };
+    };
     if choice_str == Some("none") {
         return Ok(None);
     }
@@ -459,7 +478,10 @@ pub fn request_tools(
         }
     };
     if tools.is_empty() {
-        return Ok(None);
+        return match forced {
+            None => Ok(None),
+            Some(_) => Err(ApiError::field("tool_choice", "a call is forced but the request gives no tools")),
+        };
     }
     for (i, t) in tools.iter().enumerate() {
         if t.get("type").and_then(Value::as_str) != Some("function") {
@@ -469,9 +491,18 @@ pub fn request_tools(
             return Err(ApiError::field(&format!("tools[{i}].function.name"), "a function tool needs a name"));
         }
     }
-    Tooling::new(tools, parallel.unwrap_or(true), model.facts.chat_template.as_deref())
-        .map(Some)
-        .map_err(|e| ApiError::field("tools", e))
+    let mut tooling = Tooling::new(tools, parallel.unwrap_or(true), model.facts.chat_template.as_deref())
+        .map_err(|e| ApiError::field("tools", e))?;
+    if let Some(Forced::Named(n)) = &forced {
+        if !tooling.names.contains(n) {
+            return Err(ApiError::field(
+                "tool_choice",
+                format!("the forced function `{n}` is not among the request's tools"),
+            ));
+        }
+    }
+    tooling.forced = forced;
+    Ok(Some(tooling))
 }
 
 pub async fn chat(State(state): State<Arc<AppState>>, Extension(log): Extension<RequestLog>, body: Bytes) -> Response {
@@ -502,10 +533,11 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     let kwargs = state.template_kwargs_with(&effort.vars, r.chat_template_kwargs.as_ref());
     let (prompt_text, prompt) = chat_prompt(model, &messages, kwargs.as_ref(), tooling.as_ref())?;
     let thinking = reasoning::forced_open(&prompt_text);
-    if thinking && schema.is_some() {
+    let forced = tooling.as_ref().is_some_and(|t| t.forced.is_some());
+    if thinking && (schema.is_some() || forced) {
         return Err(ApiError::field(
-            schema_field,
-            "the chat template opens a thought, which the JSON format would fill; switch thinking off (chat_template_kwargs: {\"enable_thinking\": false})",
+            if forced { "tool_choice" } else { schema_field },
+            "the chat template opens a thought, which the grammar would fill; switch thinking off (chat_template_kwargs: {\"enable_thinking\": false})",
         ));
     }
     let mut sampling = sampling_fields!(r).apply(&model.facts.default_sampling, model.facts.ctx_size)?;
@@ -517,7 +549,10 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
         job.sampling.logit_bias = logit_bias(b, model, true)?;
     }
     job.max_tokens = limit;
-    job.constraint = structured::constraint(model, schema, schema_field)?;
+    job.constraint = match schema {
+        Some(_) => structured::constraint(model, schema, schema_field)?,
+        None => structured::forced_calls(model, tooling.as_ref())?,
+    };
     let effort_budget = effort.budget_under(r.chat_template_kwargs.as_ref());
     let budget = reasoning::tighter(reasoning::server_budget(&state, kwargs.as_ref()), effort_budget);
     job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;

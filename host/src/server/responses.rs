@@ -317,14 +317,18 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
     let budget = reasoning::tighter(reasoning::server_budget(&state, kwargs.as_ref()), effort.budget);
     job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;
     job.shown_special = super::tools::shown_tags(&model.text, tooling.as_ref());
-    if schema.is_some() && reasoning::forced_open(&prompt_text) {
+    let forced = tooling.as_ref().is_some_and(|t| t.forced.is_some());
+    if (schema.is_some() || forced) && reasoning::forced_open(&prompt_text) {
         return Err(ApiError::field(
-            "text.format",
-            "the chat template opens a thought, which the JSON format would fill; switch thinking off (reasoning.effort: none)",
+            if forced { "tool_choice" } else { "text.format" },
+            "the chat template opens a thought, which the grammar would fill; switch thinking off (reasoning.effort: none)",
         ));
     }
     let text_format = r.text.as_ref().and_then(|t| t.get("format")).cloned().unwrap_or(json!({"type": "text"}));
-    job.constraint = structured::constraint(model, schema, "text.format")?;
+    job.constraint = match schema {
+        Some(_) => structured::constraint(model, schema, "text.format")?,
+        None => structured::forced_calls(model, tooling.as_ref())?,
+    };
     let prompt_tokens = job.prompt.len();
     let summarized = summary(&r)?;
     let req = job.into_request(&state, model, "input")?;

@@ -1,12 +1,13 @@
 //! Structured outputs: the JSON an answer must be, as each dialect asks for it — OpenAI's
-//! `response_format`, the Responses API's `text.format`, llama-server's `json_schema` — compiled
-//! against the model's vocabulary into the engine's token-by-token constraint (see
-//! [`grammar`](crate::text::grammar)).
+//! `response_format`, the Responses API's `text.format`, llama-server's `json_schema` — and the
+//! calls it must be where a request forces one (`tool_choice`), compiled against the model's
+//! vocabulary into the engine's token-by-token constraint (see [`grammar`](crate::text::grammar)).
 
 use serde_json::{json, Value};
 
 use super::error::ApiError;
 use super::state::LoadedModel;
+use super::tools::{ToolFormat, Tooling};
 use crate::text::grammar::Constraint;
 
 /// The schema a `response_format` (chat) or `text.format` (Responses) asks for: None for `text`,
@@ -24,7 +25,10 @@ pub fn requested_schema(format: Option<&Value>, field: &str) -> Result<Option<Va
             match inner.get("schema") {
                 None | Some(Value::Null) => Ok(Some(json!({}))),
                 Some(s) if s.is_object() || s.is_boolean() => Ok(Some(s.clone())),
-                Some(_) => Err(ApiError::field(&format!("{field}.schema"), "a JSON schema must be an object")),
+                Some(_) => {
+                    let at = if f.get("json_schema").is_some() { "json_schema.schema" } else { "schema" };
+                    Err(ApiError::field(&format!("{field}.{at}"), "a JSON schema must be an object"))
+                }
             }
         }
         other => Err(ApiError::field(
@@ -43,6 +47,20 @@ pub fn constraint(model: &LoadedModel, schema: Option<Value>, field: &str) -> Re
         .json_schema(&schema)
         .map(Some)
         .map_err(|e| ApiError::field(field, format!("the JSON schema in `{field}` cannot be used: {e}")))
+}
+
+/// The constraint that holds an answer to calls, where the request forces one (`tool_choice`
+/// `required`, `any`, or a named tool).
+pub fn forced_calls(model: &LoadedModel, tooling: Option<&Tooling>) -> Result<Option<Constraint>, ApiError> {
+    let Some(t) = tooling.filter(|t| t.forced.is_some()) else { return Ok(None) };
+    let special = model.text.special_ids(&[ToolFormat::Hermes.open(), "</tool_call>"]);
+    let tag_id = |tag: &str| model.text.inner.token_to_id(tag).filter(|id| special.contains(id));
+    let grammar = t.forced_grammar(tag_id).map_err(|e| ApiError::field("tool_choice", e))?;
+    let grammars = model.text.grammars().map_err(|e| ApiError::field("tool_choice", e))?;
+    let c = grammars
+        .lark(&grammar)
+        .map_err(|e| ApiError::field("tools", format!("the tools' schemas cannot be used to force a call: {e}")))?;
+    Ok(Some(c))
 }
 
 /// Tools beside a JSON format: a call could not be written inside the JSON the answer must be.

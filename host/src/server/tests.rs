@@ -1580,7 +1580,7 @@ async fn structured_outputs_hold_answers_to_json_schemas() {
         (
             "/v1/chat/completions",
             json!({"messages": ask, "response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}),
-            "response_format.schema",
+            "response_format.json_schema.schema",
         ),
         ("/completion", json!({"prompt": "a", "json_schema": bad}), "json_schema"),
         ("/completion", json!({"prompt": "a", "grammar": "root ::= \"a\""}), "grammar"),
@@ -1734,9 +1734,21 @@ async fn openai_tool_calls() {
     assert!(!s.last_prompt().contains("get_weather"), "{}", s.last_prompt());
     let calls = v["choices"][0]["message"]["tool_calls"].as_array().unwrap();
     assert_eq!((calls.len(), calls[0]["function"]["name"].as_str()), (1, Some("get_time")), "{v}");
+    // A forced call (required, allowed_tools in mode required, a named function) holds the answer
+    // to a grammar of calls.
     for choice in [
+        json!("required"),
         json!({"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "get_time"}}]}}),
+        json!({"type": "function", "function": {"name": "get_weather"}}),
+    ] {
+        let body = json!({"messages": ask, "tools": weather_tools(), "tool_choice": choice});
+        let (status, v) = s.post("/v1/chat/completions", body).await;
+        assert_eq!((status, s.last_request().constraint.is_some()), (200, true), "{choice}: {v}");
+    }
+    for choice in [
         json!({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {"name": "nope"}}]}}),
+        json!({"type": "function", "function": {"name": "nope"}}),
+        json!({"type": "allowed_tools", "allowed_tools": {"mode": "sometimes", "tools": []}}),
     ] {
         let (status, v) = s
             .post("/v1/chat/completions", json!({"messages": ask, "tools": weather_tools(), "tool_choice": choice}))
@@ -1792,7 +1804,7 @@ async fn openai_tool_calls() {
         "{v}"
     );
     for (body, param) in [
-        (json!({"messages": ask, "tools": weather_tools(), "tool_choice": "required"}), "tool_choice"),
+        (json!({"messages": ask, "tool_choice": "required"}), "tool_choice"),
         (json!({"messages": ask, "tools": [{"type": "custom", "custom": {"name": "x"}}]}), "tools[0].type"),
     ] {
         let (status, v) = s.post("/v1/chat/completions", body).await;
@@ -1806,7 +1818,7 @@ async fn openai_tool_calls() {
 }
 
 /// Anthropic tool use: `tool_use` blocks and `stop_reason: tool_use` (whole and streamed with
-/// `input_json_delta`), `tool_use`/`tool_result` history rendered, forced calls refused.
+/// `input_json_delta`), `tool_use`/`tool_result` history rendered, forced calls held to a grammar of calls.
 #[tokio::test]
 async fn anthropic_tool_use() {
     let s = start_tools().await;
@@ -1872,9 +1884,13 @@ async fn anthropic_tool_use() {
         let (status, v) = s
             .post("/v1/messages", json!({"max_tokens": 5, "messages": ask, "tools": tools, "tool_choice": choice}))
             .await;
-        assert_eq!(status, 400, "{v}");
-        assert!(v["error"]["message"].as_str().unwrap().contains("constrained decoding"), "{v}");
+        assert_eq!((status, s.last_request().constraint.is_some()), (200, true), "{choice}: {v}");
     }
+    let choice = json!({"type": "tool", "name": "nope"});
+    let (status, v) =
+        s.post("/v1/messages", json!({"max_tokens": 5, "messages": ask, "tools": tools, "tool_choice": choice})).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("nope"), "{v}");
     let (status, v) =
         s.post("/v1/messages", json!({"max_tokens": 5, "messages": ask, "tools": tools, "tool_choice": "auto"})).await;
     assert_eq!(status, 400, "{v}");

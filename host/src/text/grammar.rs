@@ -28,11 +28,12 @@ impl Grammars {
             anyhow::bail!("the tokenizer names no end-of-sequence token, which a constrained answer ends with");
         };
         let added = tok.inner.get_added_vocabulary().get_added_tokens_decoder();
-        let n = tok.inner.get_vocab_size(true) as u32;
+        let n = tok.id_count();
         let words: Vec<Vec<u8>> = (0..n)
             .map(|id| match added.get(&id).filter(|a| a.special) {
                 Some(a) => [&[TokTrie::SPECIAL_TOKEN_MARKER], a.content.as_bytes()].concat(),
-                None => tok.token_bytes(id),
+                None if tok.inner.id_to_token(id).is_none() => Vec::new(),
+                None => tok.piece_bytes(id),
             })
             .collect();
         let trie = TokTrie::from(&TokRxInfo::new(n, eos), &words);
@@ -52,7 +53,15 @@ impl Grammars {
         if let Some(o) = schema.as_object_mut().filter(|o| !o.contains_key("x-guidance")) {
             o.insert("x-guidance".into(), serde_json::json!({"whitespace_flexible": false}));
         }
-        let grammar = TopLevelGrammar::from_json_schema(schema);
+        self.compile(TopLevelGrammar::from_json_schema(schema))
+    }
+
+    /// A constraint that holds the answer to a grammar in llguidance's Lark syntax.
+    pub fn lark(&self, grammar: &str) -> Result<Constraint, String> {
+        self.compile(TopLevelGrammar::from_lark(grammar.to_string()))
+    }
+
+    fn compile(&self, grammar: TopLevelGrammar) -> Result<Constraint, String> {
         let parser = self.factory.create_parser(grammar).map_err(|e| format!("{e:#}"))?;
         let matcher = Matcher::new(Ok(parser));
         if let Some(e) = matcher.get_error() {
@@ -82,13 +91,29 @@ impl Constraint {
     /// are allowed where the answer may end (and are all that is allowed once it must).
     pub fn mask(&mut self, row: &mut [f32]) -> Result<(), String> {
         let mask = self.matcher.compute_mask_or_eos().map_err(|e| format!("{e:#}"))?;
-        let may_end = self.eos_ids.iter().any(|&t| mask.is_allowed(t));
-        for (id, l) in row.iter_mut().enumerate() {
-            let id = id as u32;
-            let allowed = if self.eos_ids.contains(&id) { may_end } else { id < self.vocab && mask.is_allowed(id) };
-            if !allowed {
-                *l = f32::NEG_INFINITY;
+        let may_end = self.eos_ids.iter().any(|&t| t < self.vocab && mask.is_allowed(t));
+        // Every end of sequence may end the answer where one may (the grammar knows one of them).
+        let ends: Vec<(usize, f32)> =
+            self.eos_ids.iter().filter_map(|&t| row.get(t as usize).map(|&l| (t as usize, l))).collect();
+        // A word of the mask at a time: most are all allowed or all not.
+        let words = mask.as_slice();
+        for (w, chunk) in row.chunks_mut(32).enumerate() {
+            match words.get(w).copied().unwrap_or(0) {
+                u32::MAX => {}
+                0 => chunk.fill(f32::NEG_INFINITY),
+                bits => {
+                    for (b, l) in chunk.iter_mut().enumerate() {
+                        if bits >> b & 1 == 0 {
+                            *l = f32::NEG_INFINITY;
+                        }
+                    }
+                }
             }
+        }
+        // (Past the vocabulary the mask's last word may have bits set; no token lives there.)
+        row.iter_mut().skip(self.vocab as usize).for_each(|l| *l = f32::NEG_INFINITY);
+        for (t, l) in ends {
+            row[t] = if may_end { l } else { f32::NEG_INFINITY };
         }
         Ok(())
     }

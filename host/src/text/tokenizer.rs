@@ -163,6 +163,22 @@ impl TextTokenizer {
         piece.chars().map(byte_of).collect::<Option<Vec<u8>>>().unwrap_or_else(|| text.into_bytes())
     }
 
+    /// The bytes token `id` adds to a text it follows: [`token_bytes`](Self::token_bytes), except
+    /// that a SentencePiece piece keeps its leading space (decoding it alone would drop it).
+    pub fn piece_bytes(&self, id: u32) -> Vec<u8> {
+        match self.inner.id_to_token(id) {
+            Some(p) if p.contains('▁') && !p.starts_with("<0x") => p.replace('▁', " ").into_bytes(),
+            _ => self.token_bytes(id),
+        }
+    }
+
+    /// The number of token ids: one past the highest id the vocabulary or the ends of sequence
+    /// use (the tokenizer's own count is of distinct strings, short where ids repeat or skip).
+    pub fn id_count(&self) -> u32 {
+        let highest = self.inner.get_vocab(true).into_values().chain(self.eos_ids.iter().copied()).max();
+        highest.map_or(0, |h| h + 1)
+    }
+
     /// What compiles grammars (JSON schemas) over this vocabulary, made on first use; Err when the
     /// vocabulary cannot end a constrained answer.
     pub fn grammars(&self) -> Result<std::sync::Arc<Grammars>, String> {

@@ -64,6 +64,18 @@ pub fn format_of(template: Option<&str>) -> Result<ToolFormat, String> {
 }
 
 impl ToolFormat {
+    /// The format as its models' documentation names it.
+    pub fn name(self) -> &'static str {
+        match self {
+            ToolFormat::Hermes => "Hermes `<tool_call>` JSON",
+            ToolFormat::QwenXml => "Qwen3-Coder XML",
+            ToolFormat::Glm => "GLM-4.5 `<arg_key>`",
+            ToolFormat::Lfm2 => "LFM2 Python",
+            ToolFormat::Mistral => "Mistral `[TOOL_CALLS]`",
+            ToolFormat::Llama3Json => "Llama 3 JSON",
+        }
+    }
+
     /// The tag a call (or a list of calls) starts with; on Llama 3's JSON calls the tag is optional.
     pub fn open(self) -> &'static str {
         match self {

@@ -19,9 +19,10 @@ mod python;
 use formats::RawCall;
 pub use formats::{format_of, ToolFormat};
 
-/// The tools a request gives the model, checked against its template. Calls are not forced
-/// (there is no constrained decoding): a `strict` tool's calls are checked against its parameter
-/// schema instead, and one that does not fit it is not a call.
+/// The tools a request gives the model, checked against its template. Where the client forces a
+/// call (`tool_choice` `required` or a named tool) the answer is held to a grammar of calls in the
+/// template's format ([`Tooling::forced_grammar`]); otherwise the model chooses, and a `strict`
+/// tool's calls are checked against its parameter schema (one that does not fit is not a call).
 #[derive(Debug, Clone)]
 pub struct Tooling {
     pub format: ToolFormat,
@@ -30,6 +31,15 @@ pub struct Tooling {
     pub names: Vec<String>,
     /// More than one call per answer (else the first call is kept).
     pub parallel: bool,
+    /// The answer must be calls: to any of the tools, or to the one named.
+    pub forced: Option<Forced>,
+}
+
+/// A call the client forces.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Forced {
+    Any,
+    Named(String),
 }
 
 impl Tooling {
@@ -98,7 +108,53 @@ impl Tooling {
             .iter()
             .map(|t| t.pointer("/function/name").and_then(Value::as_str).unwrap_or_default().to_string())
             .collect();
-        Ok(Tooling { format, tools, names, parallel })
+        Ok(Tooling { format, tools, names, parallel, forced: None })
+    }
+
+    /// The grammar (llguidance's Lark) of answers that are only calls in this template's format —
+    /// to the forced tool, or to any when none is named; one call, or several where parallel —
+    /// each call's arguments held to its tool's parameter schema. `tag_id` gives the token of a tag
+    /// that is a special token. Err for a format whose calls are not written as a grammar here.
+    pub fn forced_grammar(&self, tag_id: impl Fn(&str) -> Option<u32>) -> Result<String, String> {
+        let Some(forced) = &self.forced else { return Err("no call is forced".into()) };
+        let args_key = if self.format == ToolFormat::Llama3Json { "parameters" } else { "arguments" };
+        let calls: Vec<Value> = self
+            .tools
+            .iter()
+            .map(|t| &t["function"])
+            .filter(|f| match forced {
+                Forced::Any => true,
+                Forced::Named(n) => f["name"] == n.as_str(),
+            })
+            .map(|f| {
+                let params =
+                    Some(&f["parameters"]).filter(|p| !p.is_null()).cloned().unwrap_or(json!({"type": "object"}));
+                json!({"type": "object", "properties": {"name": {"const": f["name"]}, args_key: params},
+                    "required": ["name", args_key], "additionalProperties": false})
+            })
+            .collect();
+        let schema = match calls.len() {
+            0 => return Err("the forced tool is not among the request's tools".into()),
+            1 => calls.into_iter().next().expect("one"),
+            _ => json!({"anyOf": calls}),
+        };
+        let mut schema = schema;
+        schema["x-guidance"] = json!({"whitespace_flexible": false});
+        let call = format!("%json {schema}");
+        let tag = |t: &str| match tag_id(t) {
+            Some(id) => format!("<[{id}]>"),
+            None => serde_json::to_string(t).expect("a string"),
+        };
+        match self.format {
+            ToolFormat::Hermes => {
+                let one = format!("{} \"\\n\" {call} \"\\n\" {}", tag("<tool_call>"), tag("</tool_call>"));
+                let more = if self.parallel { "(\"\\n\" call)*" } else { "" };
+                Ok(format!("start: call {more}\ncall: {one}\n"))
+            }
+            // The whole answer is the call (optionally after `<|python_tag|>`, left out here).
+            ToolFormat::Llama3Json => Ok(format!("start: {call}\n")),
+            other => Err(format!("forcing a call is not supported for {} calls (only auto and none)", other.name())),
+        }
     }
 
     pub fn parser(&self, id_prefix: &'static str) -> CallParser {
@@ -481,7 +537,7 @@ mod tests {
                 .collect::<Vec<_>>()
         };
         let names = || ["weather", "time", "f"].map(String::from).to_vec();
-        let tooling = Tooling { format, tools: vec![], names: names(), parallel: true };
+        let tooling = Tooling { format, tools: vec![], names: names(), parallel: true, forced: None };
         let whole = strip(tooling.pieces("call_", text));
         for cut in (0..=text.len()).filter(|&i| text.is_char_boundary(i)) {
             let mut p = tooling.parser("call_");
@@ -510,7 +566,7 @@ mod tests {
         );
         // Without parallel calls, the first only.
         let names = vec!["weather".into(), "time".into()];
-        let one = Tooling { format: ToolFormat::Hermes, tools: vec![], names, parallel: false };
+        let one = Tooling { format: ToolFormat::Hermes, tools: vec![], names, parallel: false, forced: None };
         let (content, calls) = one.split("call_", a);
         assert_eq!((content.as_str(), calls.len(), calls[0].name.as_str()), ("Let me look.", 1, "weather"));
         assert_eq!(streamed(ToolFormat::Hermes, "Paris is the capital."), [text("Paris is the capital.")]);
@@ -568,6 +624,7 @@ mod tests {
                 tools: vec![tool(true)],
                 names: vec!["f".into()],
                 parallel: true,
+                forced: None,
             };
             let pieces = strict.pieces("call_", &answer(args));
             assert_eq!(matches!(pieces[..], [Piece::Call(_)]), ok, "{args}: {pieces:?}");
@@ -610,7 +667,13 @@ mod tests {
     #[test]
     fn ids_are_fresh_and_openai_arguments_are_a_string() {
         let answer = "<tool_call>{\"name\": \"f\", \"arguments\": {\"a\": 1}}</tool_call>";
-        let tooling = Tooling { format: ToolFormat::Hermes, tools: vec![], names: vec!["f".into()], parallel: true };
+        let tooling = Tooling {
+            format: ToolFormat::Hermes,
+            tools: vec![],
+            names: vec!["f".into()],
+            parallel: true,
+            forced: None,
+        };
         let pieces = tooling.pieces("call_", answer);
         let Piece::Call(c) = &pieces[0] else { panic!("{pieces:?}") };
         assert!(c.id.starts_with("call_") && c.id.len() > 10);
