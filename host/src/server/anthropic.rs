@@ -227,18 +227,9 @@ fn request_tools(model: &LoadedModel, r: &MessagesRequest) -> Result<Option<Tool
         }
         shaped.push(json!({"type": "function", "function": function}));
     }
-    let mut tooling = Tooling::new(shaped, parallel, model.facts.chat_template.as_deref())
+    let tooling = Tooling::new(shaped, parallel, model.facts.chat_template.as_deref())
         .map_err(|e| ApiError::field("tools", e))?;
-    if let Some(Forced::Named(n)) = &forced {
-        if !tooling.names.contains(n) {
-            return Err(ApiError::field(
-                "tool_choice",
-                format!("tool_choice names `{n}`, which is not among the tools"),
-            ));
-        }
-    }
-    tooling.forced = forced;
-    Ok(Some(tooling))
+    tooling.forcing(forced).map(Some).map_err(|e| ApiError::field("tool_choice", e))
 }
 
 /// What `thinking` asks for: the chat-template variables and a cap on the thought.

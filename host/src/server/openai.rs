@@ -491,18 +491,9 @@ pub fn request_tools(
             return Err(ApiError::field(&format!("tools[{i}].function.name"), "a function tool needs a name"));
         }
     }
-    let mut tooling = Tooling::new(tools, parallel.unwrap_or(true), model.facts.chat_template.as_deref())
+    let tooling = Tooling::new(tools, parallel.unwrap_or(true), model.facts.chat_template.as_deref())
         .map_err(|e| ApiError::field("tools", e))?;
-    if let Some(Forced::Named(n)) = &forced {
-        if !tooling.names.contains(n) {
-            return Err(ApiError::field(
-                "tool_choice",
-                format!("the forced function `{n}` is not among the request's tools"),
-            ));
-        }
-    }
-    tooling.forced = forced;
-    Ok(Some(tooling))
+    tooling.forcing(forced).map(Some).map_err(|e| ApiError::field("tool_choice", e))
 }
 
 pub async fn chat(State(state): State<Arc<AppState>>, Extension(log): Extension<RequestLog>, body: Bytes) -> Response {

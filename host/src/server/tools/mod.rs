@@ -111,6 +111,18 @@ impl Tooling {
         Ok(Tooling { format, tools, names, parallel, forced: None })
     }
 
+    /// These tools with a call forced (None: the model chooses); Err when the named tool is not
+    /// among them.
+    pub fn forcing(mut self, forced: Option<Forced>) -> Result<Tooling, String> {
+        if let Some(Forced::Named(n)) = &forced {
+            if !self.names.contains(n) {
+                return Err(format!("the forced tool `{n}` is not among the request's tools"));
+            }
+        }
+        self.forced = forced;
+        Ok(self)
+    }
+
     /// The grammar (llguidance's Lark) of answers that are only calls in this template's format —
     /// to the forced tool, or to any when none is named; one call, or several where parallel —
     /// each call's arguments held to its tool's parameter schema. `tag_id` gives the token of a tag
