@@ -285,7 +285,14 @@ impl Sampler {
                 return c.0;
             }
         }
-        cand.last().map_or(0, |c| c.0)
+        // Rounding left `r` past the sum: the last candidate that has any probability (a masked
+        // or banned one has none).
+        cand.iter()
+            .zip(&probs)
+            .rev()
+            .find(|(_, &pr)| pr > 0.0)
+            .or(cand.last().zip(probs.last()))
+            .map_or(0, |(c, _)| c.0)
     }
 
     fn apply_penalties(&self, logits: &mut [f32], history: &[u32]) {

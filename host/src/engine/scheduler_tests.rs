@@ -350,29 +350,53 @@ fn a_forced_tool_call_is_a_call_in_the_templates_format() {
             "properties": {"unit": {"enum": ["C", "F"]}}, "required": ["unit"], "additionalProperties": false}}}),
         serde_json::json!({"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}),
     ];
-    let template = "{% if tools %}<tool_call>{% endif %}";
-    for (forced, name) in [(Forced::Named("get_weather".into()), Some("get_weather")), (Forced::Any, None)] {
-        let mut tooling = Tooling::new(tools.clone(), false, Some(template)).unwrap();
+    // (A tool whose schema refers to its own definitions, as Pydantic writes them.)
+    let with_defs = serde_json::json!({"type": "function", "function": {"name": "get_time", "parameters": {"type": "object",
+        "properties": {"zone": {"$ref": "#/$defs/Zone"}}, "required": ["zone"], "additionalProperties": false, "$defs": {"Zone": {"enum": ["UTC", "CET"]}}}}});
+    let hermes = "{% if tools %}<tool_call>{% endif %}";
+    let llama3 = "{% if tools %}<|python_tag|>{% endif %}";
+    let cases = [
+        (hermes, false, Forced::Named("get_weather".into()), Some("get_weather")),
+        (hermes, false, Forced::Any, None),
+        (hermes, true, Forced::Any, None),
+        (hermes, true, Forced::Named("get_time".into()), Some("get_time")),
+        (llama3, false, Forced::Any, None),
+    ];
+    for (template, parallel, forced, name) in cases {
+        let mut tooling = Tooling::new(vec![tools[0].clone(), with_defs.clone()], parallel, Some(template)).unwrap();
         tooling.forced = Some(forced);
         let grammar = tooling.forced_grammar(|_| None).unwrap();
-        let mut req = request(prompt(9, 12), 80);
+        let mut req = request(prompt(9, 12), 120);
         req.ignore_eos = false;
         req.constraint = Some(tok.grammars().unwrap().lark(&grammar).unwrap());
         let mut s = scheduler(CheckingModel::new(64, 16, 1024), opts(1));
         let mut c = vec![submit(&mut s, 1, req).unwrap()];
         drain(&mut s, &mut c);
         let text = &c[0].got.text;
-        assert!(text.starts_with("<tool_call>\n{\"name\":"), "{text:?}");
+        let start = if template == hermes { "<tool_call>\n{\"name\": \"" } else { "{\"name\": \"" };
+        assert!(text.starts_with(start), "{text:?}");
         let pieces = tooling.pieces("call_", text);
-        let [Piece::Call(call)] = &pieces[..] else { panic!("{text:?}: {pieces:?}") };
-        if let Some(name) = name {
-            assert_eq!(call.name, name);
-        }
-        if call.name == "get_weather" {
-            assert!(["C", "F"].contains(&call.arguments["unit"].as_str().unwrap()), "{text:?}");
+        let calls: Vec<_> = pieces.iter().filter_map(|p| if let Piece::Call(c) = p { Some(c) } else { None }).collect();
+        assert!(!calls.is_empty() && calls.len() == pieces.len(), "{text:?}: {pieces:?}");
+        assert!(calls.len() == 1 || (parallel && name.is_none()), "{text:?}");
+        for call in calls {
+            if let Some(name) = name {
+                assert_eq!(call.name, name);
+            }
+            match call.name.as_str() {
+                "get_weather" => assert!(["C", "F"].contains(&call.arguments["unit"].as_str().unwrap()), "{text:?}"),
+                _ => assert!(["UTC", "CET"].contains(&call.arguments["zone"].as_str().unwrap()), "{text:?}"),
+            }
         }
         assert_eq!(c[0].got.finish, Some(FinishReason::Stop), "{text:?}");
     }
+    // A tag the tokenizer holds as a special token is written as that token.
+    let mut tooling = Tooling::new(tools, false, Some(hermes)).unwrap();
+    tooling.forced = Some(Forced::Any);
+    let eos = tok.eos_ids[0];
+    let grammar = tooling.forced_grammar(|t| (t == "<tool_call>").then_some(eos)).unwrap();
+    assert!(grammar.contains(&format!("<[{eos}]>")), "{grammar}");
+    tok.grammars().unwrap().lark(&grammar).unwrap();
 }
 
 #[test]

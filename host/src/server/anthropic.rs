@@ -171,9 +171,9 @@ fn conversation(r: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
     Ok(out)
 }
 
-/// The request's tools in the template's shape (None: none, or `tool_choice: {"type": "none"}`). A
-/// call cannot be forced without constrained decoding, so `any` and a named tool are refused, as
-/// are Anthropic's server tools.
+/// The request's tools in the template's shape (None: none, or `tool_choice: {"type": "none"}`).
+/// `any` and a named tool force a call (see [`Tooling::forced_grammar`]); Anthropic's server tools
+/// are refused.
 fn request_tools(model: &LoadedModel, r: &MessagesRequest) -> Result<Option<Tooling>, ApiError> {
     let choice = r.tool_choice.as_ref().filter(|c| !c.is_null());
     if choice.is_some_and(|c| !c.is_object()) {

@@ -405,9 +405,9 @@ fn check_stream_options(options: &Option<StreamOptions>, stream: bool) -> Result
 }
 
 /// The request's tools, for the template and for reading calls back (None: no tools, or
-/// `tool_choice: none`). A call cannot be forced without constrained decoding, so `required` and a
-/// named function are refused; a `strict` tool's calls are checked against its schema instead (see
-/// [`Tooling`]).
+/// `tool_choice: none`). `required` and a named function force a call (a grammar of calls holds the
+/// answer, see [`Tooling::forced_grammar`]); otherwise a `strict` tool's calls are checked against
+/// its schema (see [`Tooling`]).
 pub fn request_tools(
     model: &LoadedModel,
     tools: &Option<Vec<Value>>,

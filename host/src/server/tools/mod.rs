@@ -35,6 +35,22 @@ pub struct Tooling {
     pub forced: Option<Forced>,
 }
 
+/// Prefixes every local `$ref` (`#/…`) inside `v` with `at`, the JSON pointer `v` now sits at.
+fn rebase_refs(v: &mut Value, at: &str) {
+    match v {
+        Value::Object(o) => {
+            for (k, x) in o.iter_mut() {
+                match x {
+                    Value::String(r) if k == "$ref" && r.starts_with("#/") => *r = format!("#{at}{}", &r[1..]),
+                    _ => rebase_refs(x, at),
+                }
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(|x| rebase_refs(x, at)),
+        _ => {}
+    }
+}
+
 /// A call the client forces.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Forced {
@@ -145,13 +161,23 @@ impl Tooling {
                     "required": ["name", args_key], "additionalProperties": false})
             })
             .collect();
-        let schema = match calls.len() {
+        let many = calls.len() > 1;
+        let mut calls = calls;
+        // Each tool's schema moves under its call's `arguments`: its own `#/…` references follow.
+        for (i, c) in calls.iter_mut().enumerate() {
+            let at = if many { format!("/anyOf/{i}/properties/{args_key}") } else { format!("/properties/{args_key}") };
+            rebase_refs(&mut c["properties"][args_key], &at);
+        }
+        let mut schema = match calls.len() {
             0 => return Err("the forced tool is not among the request's tools".into()),
             1 => calls.into_iter().next().expect("one"),
             _ => json!({"anyOf": calls}),
         };
-        let mut schema = schema;
-        schema["x-guidance"] = json!({"whitespace_flexible": false});
+        // The JSON as these templates write calls (`", "`, `": "`, no other whitespace); keywords
+        // the grammar cannot hold to (`uniqueItems`, formats) are left unchecked, as the model
+        // would have been shown them.
+        schema["x-guidance"] =
+            json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": ", "lenient": true});
         let call = format!("%json {schema}");
         let tag = |t: &str| match tag_id(t) {
             Some(id) => format!("<[{id}]>"),
@@ -160,7 +186,8 @@ impl Tooling {
         match self.format {
             ToolFormat::Hermes => {
                 let one = format!("{} \"\\n\" {call} \"\\n\" {}", tag("<tool_call>"), tag("</tool_call>"));
-                let more = if self.parallel { "(\"\\n\" call)*" } else { "" };
+                // A named tool is one call (OpenAI's forced function); `required` may be several.
+                let more = if self.parallel && *forced == Forced::Any { "(\"\\n\" call)*" } else { "" };
                 Ok(format!("start: call {more}\ncall: {one}\n"))
             }
             // The whole answer is the call (optionally after `<|python_tag|>`, left out here).
