@@ -146,6 +146,8 @@ impl SamplingOverrides {
 /// The largest `top_k` the engine has the backend select (llama.cpp's default is 40); a larger one
 /// samples from whole rows.
 pub const MAX_TOP_K_ON_BACKEND: usize = 128;
+/// The most banned tokens (-inf biases) a top-k taken by the backend makes room for.
+const MAX_BANS_ON_BACKEND: usize = 16;
 
 pub struct Sampler {
     params: SamplingParams,
@@ -196,9 +198,11 @@ impl Sampler {
         (1..=MAX_TOP_K_ON_BACKEND).contains(&p.top_k).then_some(p.top_k + bans)
     }
 
-    /// Whether every logit bias is a ban (-inf; none at all included).
+    /// Whether every logit bias is a ban (-inf; none at all included) and they are few (the ends
+    /// `ignore_eos` bans): a long list is cheaper applied to the whole row than asked of the top-k.
     fn only_bans(&self) -> bool {
-        self.params.logit_bias.iter().all(|&(_, b)| b == f32::NEG_INFINITY)
+        let bias = &self.params.logit_bias;
+        bias.len() <= MAX_BANS_ON_BACKEND && bias.iter().all(|&(_, b)| b == f32::NEG_INFINITY)
     }
 
     /// Picks the next token from `logits` given the tokens so far (`history`, for penalties).
@@ -432,6 +436,11 @@ mod tests {
         assert_eq!(Sampler::new(no_top_k).top_k_needed(), None);
         let lifted = SamplingParams { logit_bias: vec![(7, 2.0)], ..SamplingParams::greedy() };
         assert_eq!(Sampler::new(lifted).top_k_needed(), None);
+        let many = SamplingParams {
+            logit_bias: (0..100).map(|t| (t, f32::NEG_INFINITY)).collect(),
+            ..SamplingParams::greedy()
+        };
+        assert_eq!(Sampler::new(many).top_k_needed(), None);
     }
 
     #[test]
