@@ -930,20 +930,14 @@ fn sample_next(
                 c.mask(row).map_err(|e| format!("the answer's grammar failed: {e}"))?;
                 // No token of the model's fits (its ends lie outside the row, as in a test model's).
                 if row.iter().all(|&l| l == f32::NEG_INFINITY) {
-                    return match c.may_end() {
-                        true => Ok(Some(FinishReason::Stop)),
-                        false => Err("no token of the model's vocabulary fits the answer's grammar".into()),
-                    };
+                    return ruled_out(c, "no token of the model's vocabulary");
                 }
             }
             let token = seq.sampler.sample(row, &seq.tokens);
             // A sampler that falls back on a token the grammar ruled out (the infill sampler's end,
             // argmax of a row that biases left empty) ends the answer where the grammar may end.
             if let Some(c) = seq.constraint.as_mut().filter(|_| row.get(token as usize) == Some(&f32::NEG_INFINITY)) {
-                return match c.may_end() {
-                    true => Ok(Some(FinishReason::Stop)),
-                    false => Err("no token the sampler may choose fits the answer's grammar".into()),
-                };
+                return ruled_out(c, "no token the sampler may choose");
             }
             (token, model_row)
         }
@@ -982,6 +976,15 @@ fn sample_next(
         return Ok(Some(FinishReason::Length));
     }
     Ok(None)
+}
+
+/// Where the grammar rules out every token there is to take (`what`): the answer ends if the grammar
+/// may end here, and fails otherwise.
+fn ruled_out(c: &mut Constraint, what: &str) -> Result<Option<FinishReason>, String> {
+    match c.may_end() {
+        true => Ok(Some(FinishReason::Stop)),
+        false => Err(format!("{what} fits the answer's grammar")),
+    }
 }
 
 /// The log-sum-exp of `row` and its `n` most likely tokens with their log-probabilities.

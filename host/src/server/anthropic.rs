@@ -343,12 +343,7 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
     job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;
     job.shown_special = shown_tags(&model.text, tools.as_ref());
     job.stop = r.stop_sequences.clone().map(|v| StopField::Many(v).into_vec()).unwrap_or_default();
-    if open && tools.as_ref().is_some_and(|t| t.forced.is_some()) {
-        return Err(ApiError::field(
-            "tool_choice",
-            "the chat template opens a thought, which the forced call's grammar would fill; switch thinking off (thinking: {\"type\": \"disabled\"})",
-        ));
-    }
+    structured::refuse_in_thought(open, false, tools.as_ref(), "tool_choice", "thinking: {\"type\": \"disabled\"}")?;
     job.constraint = structured::forced_calls(model, tools.as_ref())?;
     let stops = job.stop.clone();
     let req = job.into_request(&state, model, "messages")?;

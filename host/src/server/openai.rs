@@ -524,13 +524,13 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     let kwargs = state.template_kwargs_with(&effort.vars, r.chat_template_kwargs.as_ref());
     let (prompt_text, prompt) = chat_prompt(model, &messages, kwargs.as_ref(), tooling.as_ref())?;
     let thinking = reasoning::forced_open(&prompt_text);
-    let forced = tooling.as_ref().is_some_and(|t| t.forced.is_some());
-    if thinking && (schema.is_some() || forced) {
-        return Err(ApiError::field(
-            if forced { "tool_choice" } else { schema_field },
-            "the chat template opens a thought, which the grammar would fill; switch thinking off (chat_template_kwargs: {\"enable_thinking\": false})",
-        ));
-    }
+    structured::refuse_in_thought(
+        thinking,
+        schema.is_some(),
+        tooling.as_ref(),
+        schema_field,
+        "chat_template_kwargs: {\"enable_thinking\": false}",
+    )?;
     let mut sampling = sampling_fields!(r).apply(&model.facts.default_sampling, model.facts.ctx_size)?;
     if let Some(list) = r.samplers.as_ref().filter(|v| !v.is_null()) {
         super::samplers::apply(list, &mut sampling)?;

@@ -317,13 +317,14 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
     let budget = reasoning::tighter(reasoning::server_budget(&state, kwargs.as_ref()), effort.budget);
     job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;
     job.shown_special = super::tools::shown_tags(&model.text, tooling.as_ref());
-    let forced = tooling.as_ref().is_some_and(|t| t.forced.is_some());
-    if (schema.is_some() || forced) && reasoning::forced_open(&prompt_text) {
-        return Err(ApiError::field(
-            if forced { "tool_choice" } else { "text.format" },
-            "the chat template opens a thought, which the grammar would fill; switch thinking off (reasoning.effort: none)",
-        ));
-    }
+    let thinking = reasoning::forced_open(&prompt_text);
+    structured::refuse_in_thought(
+        thinking,
+        schema.is_some(),
+        tooling.as_ref(),
+        "text.format",
+        "reasoning.effort: none",
+    )?;
     let text_format = r.text.as_ref().and_then(|t| t.get("format")).cloned().unwrap_or(json!({"type": "text"}));
     job.constraint = match schema {
         Some(_) => structured::constraint(model, schema, "text.format")?,

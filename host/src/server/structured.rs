@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 
 use super::error::ApiError;
 use super::state::LoadedModel;
-use super::tools::{ToolFormat, Tooling};
+use super::tools::Tooling;
 use crate::text::grammar::Constraint;
 
 /// The schema a `response_format` (chat) or `text.format` (Responses) asks for: None for `text`,
@@ -53,7 +53,8 @@ pub fn constraint(model: &LoadedModel, schema: Option<Value>, field: &str) -> Re
 /// `required`, `any`, or a named tool).
 pub fn forced_calls(model: &LoadedModel, tooling: Option<&Tooling>) -> Result<Option<Constraint>, ApiError> {
     let Some(t) = tooling.filter(|t| t.forced.is_some()) else { return Ok(None) };
-    let special = model.text.special_ids(&[ToolFormat::Hermes.open(), "</tool_call>"]);
+    let tags: Vec<&str> = [Some(t.format.open()), t.format.close()].into_iter().flatten().collect();
+    let special = model.text.special_ids(&tags);
     let tag_id = |tag: &str| model.text.inner.token_to_id(tag).filter(|id| special.contains(id));
     let grammar = t.forced_grammar(tag_id).map_err(|e| ApiError::field("tool_choice", e))?;
     let grammars = model.text.grammars().map_err(|e| ApiError::field("tool_choice", e))?;
@@ -61,6 +62,28 @@ pub fn forced_calls(model: &LoadedModel, tooling: Option<&Tooling>) -> Result<Op
         .lark(&grammar)
         .map_err(|e| ApiError::field("tools", format!("the tools' schemas cannot be used to force a call: {e}")))?;
     Ok(Some(c))
+}
+
+/// A grammar — a JSON format (at `field`) or a forced call — where the chat template has opened a
+/// thought: the grammar would fill the thought. `switch_off` says how this dialect switches thinking
+/// off.
+pub fn refuse_in_thought(
+    thinking: bool,
+    schema: bool,
+    tooling: Option<&Tooling>,
+    field: &str,
+    switch_off: &str,
+) -> Result<(), ApiError> {
+    let forced = tooling.is_some_and(|t| t.forced.is_some());
+    if thinking && (schema || forced) {
+        return Err(ApiError::field(
+            if forced { "tool_choice" } else { field },
+            format!(
+                "the chat template opens a thought, which the grammar would fill; switch thinking off ({switch_off})"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Tools beside a JSON format: a call could not be written inside the JSON the answer must be.

@@ -185,7 +185,8 @@ impl Tooling {
         };
         match self.format {
             ToolFormat::Hermes => {
-                let one = format!("{} \"\\n\" {call} \"\\n\" {}", tag("<tool_call>"), tag("</tool_call>"));
+                let close = self.format.close().expect("Hermes calls end with a tag");
+                let one = format!("{} \"\\n\" {call} \"\\n\" {}", tag(self.format.open()), tag(close));
                 // A named tool is one call (OpenAI's forced function); `required` may be several.
                 let more = if self.parallel && *forced == Forced::Any { "(\"\\n\" call)*" } else { "" };
                 Ok(format!("start: call {more}\ncall: {one}\n"))
