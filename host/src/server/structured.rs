@@ -3,12 +3,14 @@
 //! calls it must be where a request forces one (`tool_choice`), compiled against the model's
 //! vocabulary into the engine's token-by-token constraint (see [`grammar`](crate::text::grammar)).
 
+use std::sync::Arc;
+
 use serde_json::{json, Value};
 
 use super::error::ApiError;
 use super::state::LoadedModel;
 use super::tools::Tooling;
-use crate::text::grammar::Constraint;
+use crate::text::grammar::{Constraint, Grammars};
 
 /// The schema a `response_format` (chat) or `text.format` (Responses) asks for: None for `text`,
 /// any object for `json_object`, the given schema for `json_schema` — nested in `json_schema` as
@@ -42,7 +44,7 @@ pub fn requested_schema(format: Option<&Value>, field: &str) -> Result<Option<Va
 /// client's error (400, naming `field`).
 pub fn constraint(model: &LoadedModel, schema: Option<Value>, field: &str) -> Result<Option<Constraint>, ApiError> {
     let Some(schema) = schema else { return Ok(None) };
-    let grammars = model.text.grammars().map_err(|e| ApiError::field(field, e))?;
+    let grammars = grammars(model).map_err(|e| ApiError::field(field, e))?;
     grammars
         .json_schema(&schema)
         .map(Some)
@@ -57,11 +59,22 @@ pub fn forced_calls(model: &LoadedModel, tooling: Option<&Tooling>) -> Result<Op
     let special = model.text.special_ids(&tags);
     let tag_id = |tag: &str| model.text.inner.token_to_id(tag).filter(|id| special.contains(id));
     let grammar = t.forced_grammar(tag_id).map_err(|e| ApiError::field("tool_choice", e))?;
-    let grammars = model.text.grammars().map_err(|e| ApiError::field("tool_choice", e))?;
+    let grammars = grammars(model).map_err(|e| ApiError::field("tool_choice", e))?;
     let c = grammars
         .lark(&grammar)
         .map_err(|e| ApiError::field("tools", format!("the tools' schemas cannot be used to force a call: {e}")))?;
     Ok(Some(c))
+}
+
+/// The model's grammar compiler. Its vocabulary index is built by the first request that needs it
+/// (~0.2 s for a 49K vocabulary, more for larger ones; kept from then on), which tells the runtime
+/// it blocks so that the worker's other connections move on meanwhile.
+fn grammars(model: &LoadedModel) -> Result<Arc<Grammars>, String> {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(|| model.text.grammars()),
+        _ => model.text.grammars(),
+    }
 }
 
 /// A grammar — a JSON format (at `field`) or a forced call — where the chat template has opened a
