@@ -363,13 +363,17 @@ fn completion_logprobs(tok: &TextTokenizer, lps: &[TokenLogprob], start_offset: 
     json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
 }
 
-fn check_n(n: Option<u32>, stream: bool) -> Result<usize, ApiError> {
+/// The answers per prompt that `field` (`n`, or llama-server's `n_cmpl`) asks for.
+fn check_n(field: &str, n: Option<u32>, stream: bool) -> Result<usize, ApiError> {
     let n = n.unwrap_or(1) as usize;
     if n == 0 || n > 16 {
-        return Err(ApiError::field("n", format!("n must be between 1 and 16, got {n}")));
+        return Err(ApiError::field(field, format!("{field} must be between 1 and 16, got {n}")));
     }
     if n > 1 && stream {
-        return Err(ApiError::field("n", "n > 1 is not supported with stream: true; send n separate requests"));
+        return Err(ApiError::field(
+            field,
+            format!("{field} > 1 is not supported with stream: true; send {n} separate requests"),
+        ));
     }
     Ok(n)
 }
@@ -510,7 +514,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     let tooling = request_tools(model, &r.tools, r.tool_choice.as_ref(), r.parallel_tool_calls)?;
     structured::refuse_with_tools(schema.is_some(), tooling.is_some(), schema_field)?;
     let stream = r.stream.unwrap_or(false);
-    let n = check_n(r.n, stream)?;
+    let n = check_n("n", r.n, stream)?;
     check_stream_options(&r.stream_options, stream)?;
     let limit = token_limit(
         &[("max_completion_tokens", r.max_completion_tokens), ("max_tokens", r.max_tokens), ("n_predict", r.n_predict)],
@@ -779,6 +783,8 @@ pub struct CompletionRequest {
     pub n_predict: Option<i64>,
     pub stop: Option<StopField>,
     pub n: Option<u32>,
+    /// llama-server's name for `n`.
+    pub n_cmpl: Option<u32>,
     pub logprobs: Option<u32>,
     pub echo: Option<bool>,
     pub suffix: Option<String>,
@@ -856,7 +862,11 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
         }
     }
     let stream = r.stream.unwrap_or(false);
-    let n = check_n(r.n, stream)?;
+    // llama-server's name for `n` on this route too.
+    let n = match r.n_cmpl {
+        Some(k) => check_n("n_cmpl", Some(k), stream)?,
+        None => check_n("n", r.n, stream)?,
+    };
     check_stream_options(&r.stream_options, stream)?;
     let extras = StreamExtras::new(r.timings_per_token, r.return_progress, stream)?;
     let prompts = prompts(model, r.prompt)?;

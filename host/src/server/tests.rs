@@ -355,6 +355,14 @@ async fn completions_take_strings_token_ids_and_echo_and_refuse_suffix() {
     assert_eq!(status, 200, "{v}");
     assert_eq!(v["choices"].as_array().unwrap().len(), 2);
     assert_eq!(s.last_request().prompt, vec![7]);
+    // `n` (and llama-server's `n_cmpl`): answers per prompt, listed prompt by prompt.
+    let (status, v) = s.post("/v1/completions", json!({"prompt": ["a", "b"], "n_cmpl": 2, "seed": 3})).await;
+    assert_eq!(status, 200, "{v}");
+    let indexes: Vec<_> = v["choices"].as_array().unwrap().iter().map(|c| c["index"].as_u64()).collect();
+    assert_eq!(indexes, [Some(0), Some(1), Some(2), Some(3)], "{v}");
+    assert_eq!(s.last_request().sampling.seed, Some(4));
+    let (status, v) = s.post("/v1/completions", json!({"prompt": "a", "n_cmpl": 2, "stream": true})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("n_cmpl")), "{v}");
     let (status, v) = s.post("/v1/completions", json!({"prompt": "a", "suffix": "b"})).await;
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("suffix")), "{v}");
     let (status, v) = s.post("/v1/completions", json!({"prompt": [100000]})).await;
