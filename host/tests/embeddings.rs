@@ -203,6 +203,10 @@ fn embedding_server_matches_transformers_on_every_route_and_refuses_bad_input() 
     assert_eq!((s, v["type"].as_str()), (400, Some("error")), "{v}");
     let (s, v) = server.post("/completion", json!({"prompt": "hi"}));
     assert_eq!((s, v["error"]["code"].as_u64()), (400, Some(400)), "{v}");
+    let m = server.refused("/v1/responses", json!({"input": "hi"}), 400);
+    assert!(m.contains("embedding model"), "{m}");
+    let (s, v) = server.post("/infill", json!({"input_prefix": "a", "input_suffix": "b"}));
+    assert_eq!((s, v["error"]["code"].as_u64()), (400, Some(400)), "{v}");
     let m = server.refused("/v1/rerank", json!({"query": "a", "documents": ["b"]}), 400);
     assert!(m.contains("cross-encoder"), "{m}");
     // The server still works after all that, and concurrent requests (which the encoder may gather into

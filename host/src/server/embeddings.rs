@@ -105,8 +105,17 @@ fn cannot_generate(id: &str, task: Task) -> String {
 }
 
 /// The text-generation routes.
-const GENERATION_PATHS: &[&str] =
-    &["/v1/chat/completions", "/chat/completions", "/v1/completions", "/v1/messages", "/completion", "/completions"];
+const GENERATION_PATHS: &[&str] = &[
+    "/v1/chat/completions",
+    "/chat/completions",
+    "/v1/completions",
+    "/v1/messages",
+    "/v1/responses",
+    "/responses",
+    "/completion",
+    "/completions",
+    "/infill",
+];
 
 /// Answers the text-generation routes with a 400 in their dialect when the model is an encoder.
 pub async fn task_gate(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {

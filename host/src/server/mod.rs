@@ -59,9 +59,13 @@ pub fn router(state: Arc<AppState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(openai::chat))
         .route("/chat/completions", post(openai::chat))
+        .route("/v1/chat/completions/input_tokens", post(openai::chat_input_tokens))
+        .route("/chat/completions/input_tokens", post(openai::chat_input_tokens))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/responses", post(responses::responses))
         .route("/responses", post(responses::responses))
+        .route("/v1/responses/input_tokens", post(responses::input_tokens))
+        .route("/responses/input_tokens", post(responses::input_tokens))
         .route("/v1/models", get(openai::models))
         .route("/models", get(openai::models))
         // `{*id}`: names given as hub ids or paths hold slashes.

@@ -504,6 +504,40 @@ pub async fn chat(State(state): State<Arc<AppState>>, Extension(log): Extension<
     chat_inner(state, log, &body).await.unwrap_or_else(|e| e.in_dialect(Dialect::OpenAi).into_response())
 }
 
+/// A chat request's prompt as the template writes it, with what it was written from.
+struct ChatPrompt {
+    text: String,
+    ids: Vec<u32>,
+    /// The tools given to the template (and how their calls are read back).
+    tooling: Option<Tooling>,
+    effort: reasoning::Effort,
+    /// The template variables the prompt was written with.
+    kwargs: Option<serde_json::Map<String, Value>>,
+}
+
+/// The prompt of a chat request: its messages, tools and reasoning effort through the template.
+fn chat_prompt_of(state: &AppState, model: &LoadedModel, r: &ChatRequest) -> Result<ChatPrompt, ApiError> {
+    let tooling = request_tools(model, &r.tools, r.tool_choice.as_ref(), r.parallel_tool_calls)?;
+    let messages = chat_messages(&r.messages)?;
+    let effort =
+        reasoning::effort(r.reasoning_effort.as_deref(), "reasoning_effort", model.facts.chat_template.as_deref())?;
+    let kwargs = state.template_kwargs_with(&effort.vars, r.chat_template_kwargs.as_ref());
+    let (text, ids) = chat_prompt(model, &messages, kwargs.as_ref(), tooling.as_ref())?;
+    Ok(ChatPrompt { text, ids, tooling, effort, kwargs })
+}
+
+/// `POST /v1/chat/completions/input_tokens` (llama-server's): the tokens a chat request's prompt
+/// would take, answered as OpenAI's `/v1/responses/input_tokens` answers.
+pub async fn chat_input_tokens(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let run = || -> Result<Response, ApiError> {
+        let model = state.ready()?;
+        let r: ChatRequest = parse_body(&body)?;
+        let n = chat_prompt_of(&state, model, &r)?.ids.len();
+        Ok(Json(json!({"object": "response.input_tokens", "input_tokens": n})).into_response())
+    };
+    run().unwrap_or_else(|e| e.in_dialect(Dialect::OpenAi).into_response())
+}
+
 async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Result<Response, ApiError> {
     let model = state.ready()?;
     let r: ChatRequest = parse_body(body)?;
@@ -511,7 +545,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
         Some(s) => (Some(s), "response_format"),
         None => (r.json_schema.clone().filter(|s| !s.is_null()), "json_schema"),
     };
-    let tooling = request_tools(model, &r.tools, r.tool_choice.as_ref(), r.parallel_tool_calls)?;
+    let ChatPrompt { text: prompt_text, ids: prompt, tooling, effort, kwargs } = chat_prompt_of(&state, model, &r)?;
     structured::refuse_with_tools(schema.is_some(), tooling.is_some(), schema_field)?;
     let stream = r.stream.unwrap_or(false);
     let n = check_n("n", r.n, stream)?;
@@ -522,11 +556,6 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     )?;
     let extras = StreamExtras::new(r.timings_per_token, r.return_progress, stream)?;
     let reasoning = reasoning::request_format(&state, r.reasoning_format.as_deref(), false)?;
-    let messages = chat_messages(&r.messages)?;
-    let effort =
-        reasoning::effort(r.reasoning_effort.as_deref(), "reasoning_effort", model.facts.chat_template.as_deref())?;
-    let kwargs = state.template_kwargs_with(&effort.vars, r.chat_template_kwargs.as_ref());
-    let (prompt_text, prompt) = chat_prompt(model, &messages, kwargs.as_ref(), tooling.as_ref())?;
     let thinking = reasoning::forced_open(&prompt_text);
     structured::refuse_in_thought(
         thinking,

@@ -19,9 +19,9 @@ use super::completion::{collect, new_id, stream_response, submit, unix_time, End
 use super::error::{parse_body, ApiError, Dialect};
 use super::openai::{chat_prompt, request_tools, SamplingFields};
 use super::reasoning::{self, Parts, Splitter};
-use super::state::{AppState, RequestLog};
+use super::state::{AppState, LoadedModel, RequestLog};
 use super::structured;
-use super::tools::{pieces_through, CallParser, Piece, ToolCall};
+use super::tools::{pieces_through, CallParser, Piece, ToolCall, Tooling};
 use crate::engine::{TokenLogprob, Usage};
 use crate::text::{ChatMessage, TextTokenizer};
 
@@ -287,23 +287,55 @@ pub async fn responses(
     responses_inner(state, log, &body).await.unwrap_or_else(|e| e.in_dialect(Dialect::OpenAi).into_response())
 }
 
+/// A Responses request's prompt as the template writes it, with what it was written from.
+struct ResponsesPrompt {
+    text: String,
+    ids: Vec<u32>,
+    /// The tools given to the template (and how their calls are read back).
+    tooling: Option<Tooling>,
+    effort: reasoning::Effort,
+    /// The template variables the prompt was written with.
+    kwargs: Option<serde_json::Map<String, Value>>,
+}
+
+/// The prompt of a Responses request: its instructions, input items, tools and reasoning effort
+/// through the template.
+fn prompt_of(state: &AppState, model: &LoadedModel, r: &ResponsesRequest) -> Result<ResponsesPrompt, ApiError> {
+    refuse_unsupported(r)?;
+    let tooling = request_tools(model, &chat_tools(&r.tools)?, r.tool_choice.as_ref(), r.parallel_tool_calls)?;
+    let messages = conversation(r)?;
+    let effort = reasoning::effort(asked_effort(r)?, "reasoning.effort", model.facts.chat_template.as_deref())?;
+    let kwargs = state.template_kwargs_with(&effort.vars, None);
+    let (text, ids) = chat_prompt(model, &messages, kwargs.as_ref(), tooling.as_ref())?;
+    Ok(ResponsesPrompt { text, ids, tooling, effort, kwargs })
+}
+
+/// The `reasoning.effort` a request asks for.
+fn asked_effort(r: &ResponsesRequest) -> Result<Option<&str>, ApiError> {
+    match r.reasoning.as_ref().and_then(|v| v.get("effort")).filter(|e| !e.is_null()) {
+        None => Ok(None),
+        Some(Value::String(e)) => Ok(Some(e.as_str())),
+        Some(_) => Err(ApiError::field("reasoning.effort", "reasoning.effort must be a string")),
+    }
+}
+
+/// `POST /v1/responses/input_tokens`: the tokens a Responses request's prompt would take.
+pub async fn input_tokens(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
+    let run = || -> Result<Response, ApiError> {
+        let model = state.ready()?;
+        let r: ResponsesRequest = parse_body(&body)?;
+        let n = prompt_of(&state, model, &r)?.ids.len();
+        Ok(Json(json!({"object": "response.input_tokens", "input_tokens": n})).into_response())
+    };
+    run().unwrap_or_else(|e| e.in_dialect(Dialect::OpenAi).into_response())
+}
+
 async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Result<Response, ApiError> {
     let model = state.ready()?;
     let r: ResponsesRequest = parse_body(body)?;
-    refuse_unsupported(&r)?;
-    let tooling = request_tools(model, &chat_tools(&r.tools)?, r.tool_choice.as_ref(), r.parallel_tool_calls)?;
+    let ResponsesPrompt { text: prompt_text, ids: prompt, tooling, effort, kwargs } = prompt_of(&state, model, &r)?;
     let schema = structured::requested_schema(r.text.as_ref().and_then(|t| t.get("format")), "text.format")?;
     structured::refuse_with_tools(schema.is_some(), tooling.is_some(), "text.format")?;
-    let messages = conversation(&r)?;
-    let asked = r.reasoning.as_ref().and_then(|v| v.get("effort")).filter(|e| !e.is_null());
-    let asked = match asked {
-        None => None,
-        Some(Value::String(e)) => Some(e.as_str()),
-        Some(_) => return Err(ApiError::field("reasoning.effort", "reasoning.effort must be a string")),
-    };
-    let effort = reasoning::effort(asked, "reasoning.effort", model.facts.chat_template.as_deref())?;
-    let kwargs = state.template_kwargs_with(&effort.vars, None);
-    let (prompt_text, prompt) = chat_prompt(model, &messages, kwargs.as_ref(), tooling.as_ref())?;
     let (temperature, top_p) = (r.temperature.map(|t| t as f32), r.top_p.map(|p| p as f32));
     let sampling = SamplingFields { temperature, top_p, ..Default::default() };
     let mut job = Job::new(prompt, sampling.apply(&model.facts.default_sampling, model.facts.ctx_size)?);
@@ -350,7 +382,7 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
             "truncation": "disabled",
             "store": false,
             "previous_response_id": null,
-            "reasoning": {"effort": asked, "summary": if summarized { reasoning_field(&r, "summary") } else { Value::Null }},
+            "reasoning": {"effort": asked_effort(&r)?, "summary": if summarized { reasoning_field(&r, "summary") } else { Value::Null }},
             "metadata": r.metadata.clone().filter(Value::is_object).unwrap_or(json!({})),
             "error": null,
         }),

@@ -522,6 +522,38 @@ async fn anthropic_errors_and_count_tokens() {
     assert_eq!(v["input_tokens"], want.unwrap().len());
 }
 
+/// Token counts before sending (OpenAI's `/v1/responses/input_tokens`, llama-server's chat one): the
+/// prompt the request would take, tools and instructions included; bad requests fail as the
+/// generating route would.
+#[tokio::test]
+async fn input_tokens_count_the_prompt_a_request_would_take() {
+    let s = start().await;
+    let ask = json!([{"role": "user", "content": "hi"}]);
+    for path in ["/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"] {
+        let (status, v) = s.post(path, json!({"messages": ask})).await;
+        assert_eq!((status, v["object"].as_str()), (200, Some("response.input_tokens")), "{v}");
+        let (_, full) = s.post("/v1/chat/completions", json!({"messages": ask, "max_tokens": 1})).await;
+        assert_eq!(v["input_tokens"], full["usage"]["prompt_tokens"], "{v} {full}");
+    }
+    for path in ["/v1/responses/input_tokens", "/responses/input_tokens"] {
+        let body = json!({"input": "hi", "instructions": "Be brief."});
+        let (status, v) = s.post(path, body.clone()).await;
+        assert_eq!((status, v["object"].as_str()), (200, Some("response.input_tokens")), "{v}");
+        let (_, full) = s.post("/v1/responses", body).await;
+        assert_eq!(v["input_tokens"], full["usage"]["input_tokens"], "{v} {full}");
+        assert!(v["input_tokens"].as_u64().unwrap() > 5, "{v}");
+    }
+    let tools = start_tools().await;
+    let (_, bare) = tools.post("/v1/chat/completions/input_tokens", json!({"messages": ask})).await;
+    let (_, with) =
+        tools.post("/v1/chat/completions/input_tokens", json!({"messages": ask, "tools": weather_tools()})).await;
+    assert!(with["input_tokens"].as_u64() > bare["input_tokens"].as_u64(), "{bare} {with}");
+    let (status, v) = s.post("/v1/chat/completions/input_tokens", json!({"messages": "hi"})).await;
+    assert_eq!((status, v["error"]["type"].as_str()), (400, Some("invalid_request_error")), "{v}");
+    let (status, v) = s.post("/v1/responses/input_tokens", json!({"input": "hi", "store": true})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("store")), "{v}");
+}
+
 #[tokio::test]
 async fn llama_completion_plain_and_stream_with_timings() {
     let s = start().await;
