@@ -235,7 +235,7 @@ fn rerank_server_orders_documents_by_the_cross_encoders_scores() {
         let best = if scores[0] >= scores[1] { 0 } else { 1 };
         let server = start(&fixture(name));
 
-        for path in ["/rerank", "/v1/rerank"] {
+        for path in ["/rerank", "/v1/rerank", "/reranking", "/v1/reranking"] {
             let (s, v) = server.post(path, json!({"query": query, "documents": docs}));
             assert_eq!(s, 200, "{name} {path}: {v}");
             let results = v["results"].as_array().unwrap();

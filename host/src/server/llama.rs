@@ -607,6 +607,15 @@ pub async fn slot_action() -> Response {
     ))
 }
 
+/// `POST /props`: llama-server changes no global property either, and without `--props` it answers
+/// this way (`--props` is refused at start).
+pub async fn set_props() -> Response {
+    llama_err(ApiError::new(
+        ErrorKind::NotSupported,
+        "This server does not support changing global properties (--props is not supported)",
+    ))
+}
+
 /// `POST /lora-adapters`: setting adapter scales; with no adapters loaded, only an empty list.
 pub async fn set_lora_adapters(body: Bytes) -> Response {
     match parse_body::<Vec<Value>>(&body) {

@@ -1014,6 +1014,9 @@ async fn api_keys_by_bearer_or_x_api_key_and_health_stays_public() {
     assert_eq!(r.status(), 501);
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["type"], "not_supported_error", "{v}");
+    // So does changing global properties (`--props`).
+    let r = s.client.post(s.url("/props")).bearer_auth("k1").json(&json!({})).send().await.unwrap();
+    assert_eq!(r.status(), 501);
     assert_eq!(s.get("/v1/models/tiny").await.0, 401);
     assert_eq!(s.get("/slots").await.0, 401);
 }
