@@ -409,13 +409,15 @@ pub fn stream_response(
     state: Arc<AppState>,
     log: RequestLog,
 ) -> Response {
-    stream_many(vec![(events, dialect, prompt_tokens)], stops, tok, state, log)
+    stream_many(vec![(events, dialect, prompt_tokens)], 1, stops, tok, state, log)
 }
 
-/// [`stream_response`] for several requests of one HTTP request (llama-server's several prompts),
-/// their events interleaved as they come, each through its own dialect (which says its index).
+/// [`stream_response`] for several requests of one HTTP request (several prompts, several answers
+/// to each), their events interleaved as they come, each through its own dialect (which says its
+/// index). `per_prompt`: the answers to each prompt, adjacent in `requests`.
 pub fn stream_many<D: StreamDialect>(
     requests: Vec<(EventStream, D, usize)>,
+    per_prompt: usize,
     stops: Vec<String>,
     tok: Arc<TextTokenizer>,
     state: Arc<AppState>,
@@ -471,9 +473,12 @@ pub fn stream_many<D: StreamDialect>(
                 return;
             }
         }
-        let total = relays.iter().fold(Usage::default(), |mut t, r| {
-            t.prompt_tokens += r.usage.prompt_tokens;
-            t.cached_tokens += r.usage.cached_tokens;
+        // A prompt answered several times counts once, as its answers' shared pages are computed once.
+        let total = relays.iter().enumerate().fold(Usage::default(), |mut t, (i, r)| {
+            if i % per_prompt.max(1) == 0 {
+                t.prompt_tokens += r.usage.prompt_tokens;
+                t.cached_tokens += r.usage.cached_tokens;
+            }
             t.completion_tokens += r.usage.completion_tokens;
             t
         });

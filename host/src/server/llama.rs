@@ -371,7 +371,7 @@ async fn completion_inner(
                 (events, dialect, prompt_n)
             })
             .collect();
-        return Ok(stream_many(streams, stops, model.text.clone(), state.clone(), log));
+        return Ok(stream_many(streams, n_cmpl, stops, model.text.clone(), state.clone(), log));
     }
     let done = run_all(jobs, &state, model, "prompt", &log).await?;
     let several = done.len() > 1;

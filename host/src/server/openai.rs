@@ -14,8 +14,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::completion::{
-    data, logit_bias, new_id, run_all, stream_many, stream_response, submit, submit_all, timings, token_label,
-    unix_time, Ending, Job, Live, StreamDialect, StreamExtras,
+    data, logit_bias, new_id, run_all, stream_many, submit_all, timings, token_label, unix_time, Ending, Job, Live,
+    StreamDialect, StreamExtras,
 };
 use super::error::{parse_body, ApiError, Dialect, ErrorKind};
 use super::reasoning::{self, Parts, Splitter};
@@ -363,17 +363,12 @@ fn completion_logprobs(tok: &TextTokenizer, lps: &[TokenLogprob], start_offset: 
     json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
 }
 
-/// The answers per prompt that `field` (`n`, or llama-server's `n_cmpl`) asks for.
-fn check_n(field: &str, n: Option<u32>, stream: bool) -> Result<usize, ApiError> {
+/// The answers per prompt that `field` (`n`, or llama-server's `n_cmpl`) asks for; streamed, each
+/// answer's chunks carry its `index`.
+fn check_n(field: &str, n: Option<u32>) -> Result<usize, ApiError> {
     let n = n.unwrap_or(1) as usize;
     if n == 0 || n > 16 {
         return Err(ApiError::field(field, format!("{field} must be between 1 and 16, got {n}")));
-    }
-    if n > 1 && stream {
-        return Err(ApiError::field(
-            field,
-            format!("{field} > 1 is not supported with stream: true; send {n} separate requests"),
-        ));
     }
     Ok(n)
 }
@@ -548,7 +543,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     let ChatPrompt { text: prompt_text, ids: prompt, tooling, effort, kwargs } = chat_prompt_of(&state, model, &r)?;
     structured::refuse_with_tools(schema.is_some(), tooling.is_some(), schema_field)?;
     let stream = r.stream.unwrap_or(false);
-    let n = check_n("n", r.n, stream)?;
+    let n = check_n("n", r.n)?;
     check_stream_options(&r.stream_options, stream)?;
     let limit = token_limit(
         &[("max_completion_tokens", r.max_completion_tokens), ("max_tokens", r.max_tokens), ("n_predict", r.n_predict)],
@@ -597,28 +592,34 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     let model_name = r.model.filter(|m| !m.is_empty()).unwrap_or_else(|| model.facts.id.clone());
     let id = new_id("chatcmpl-");
 
+    let jobs: Vec<Job> = (0..n).map(|i| job.with_seed_offset(i)).collect();
     if stream {
-        let stops = job.stop.clone();
-        let prompt_tokens = job.prompt.len();
-        let req = job.into_request(&state, model, "messages")?;
-        let events = submit(model, req)?;
-        let include_usage = r.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
-        let dialect = ChatStream {
-            id,
-            created: unix_time(),
-            model: model_name,
-            include_usage,
-            logprobs: want_logprobs,
-            tok: model.text.clone(),
-            split: Splitter::new(reasoning, thinking),
-            calls: tooling.as_ref().map(|t| t.parser("call_")),
-            sent_calls: 0,
-            extras,
-        };
-        return Ok(stream_response(events, dialect, prompt_tokens, stops, model.text.clone(), state.clone(), log));
+        // Each choice streams on its own, its chunks interleaved with the others' by `index`.
+        let (stops, prompt_tokens) = (job.stop.clone(), job.prompt.len());
+        let (created, include_usage) = (unix_time(), r.stream_options.and_then(|o| o.include_usage).unwrap_or(false));
+        let streams = submit_all(jobs, &state, model, "messages")?
+            .into_iter()
+            .enumerate()
+            .map(|(index, (events, _))| {
+                let dialect = ChatStream {
+                    id: id.clone(),
+                    index,
+                    created,
+                    model: model_name.clone(),
+                    include_usage,
+                    logprobs: want_logprobs,
+                    tok: model.text.clone(),
+                    split: Splitter::new(reasoning, thinking),
+                    calls: tooling.as_ref().map(|t| t.parser("call_")),
+                    sent_calls: 0,
+                    extras,
+                };
+                (events, dialect, prompt_tokens)
+            })
+            .collect();
+        return Ok(stream_many(streams, n, stops, model.text.clone(), state.clone(), log));
     }
 
-    let jobs = (0..n).map(|i| job.with_seed_offset(i)).collect();
     let done = run_all(jobs, &state, model, "messages", &log).await?;
     let choices: Vec<Value> = done
         .iter()
@@ -688,6 +689,8 @@ fn system_fingerprint() -> String {
 
 struct ChatStream {
     id: String,
+    /// Which choice this is (of `n`).
+    index: usize,
     created: u64,
     model: String,
     include_usage: bool,
@@ -708,7 +711,7 @@ impl ChatStream {
             "created": self.created,
             "model": self.model,
             "system_fingerprint": system_fingerprint(),
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+            "choices": [{"index": self.index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
         });
         if self.include_usage {
             c["usage"] = Value::Null;
@@ -893,8 +896,8 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
     let stream = r.stream.unwrap_or(false);
     // llama-server's name for `n` on this route too.
     let n = match r.n_cmpl {
-        Some(k) => check_n("n_cmpl", Some(k), stream)?,
-        None => check_n("n", r.n, stream)?,
+        Some(k) => check_n("n_cmpl", Some(k))?,
+        None => check_n("n", r.n)?,
     };
     check_stream_options(&r.stream_options, stream)?;
     let extras = StreamExtras::new(r.timings_per_token, r.return_progress, stream)?;
@@ -917,18 +920,24 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
         job
     };
 
+    // `n` answers to each prompt, listed prompt by prompt.
+    let mut jobs = Vec::with_capacity(prompts.len() * n);
+    for (_, ids) in &prompts {
+        let job = make_job(ids.clone());
+        jobs.extend((0..n).map(|i| job.with_seed_offset(i)));
+    }
     if stream {
-        // Each prompt is a choice of its own, its chunks interleaved with the others' by `index`.
-        let jobs: Vec<Job> = prompts.iter().map(|(_, ids)| make_job(ids.clone())).collect();
+        // Each answer is a choice of its own, its chunks interleaved with the others' by `index`.
         let lens: Vec<usize> = jobs.iter().map(|j| j.prompt.len()).collect();
+        let texts: Vec<String> = prompts.iter().flat_map(|(text, _)| std::iter::repeat_n(text.clone(), n)).collect();
         let created = unix_time();
         let include_usage = r.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
         let streams = submit_all(jobs, &state, model, "prompt")?
             .into_iter()
-            .zip(prompts)
+            .zip(texts)
             .zip(lens)
             .enumerate()
-            .map(|(index, (((events, _), (text, _)), prompt_tokens))| {
+            .map(|(index, (((events, _), text), prompt_tokens))| {
                 let dialect = CompletionStream {
                     id: id.clone(),
                     index,
@@ -944,14 +953,9 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
                 (events, dialect, prompt_tokens)
             })
             .collect();
-        return Ok(stream_many(streams, stop, model.text.clone(), state.clone(), log));
+        return Ok(stream_many(streams, n, stop, model.text.clone(), state.clone(), log));
     }
 
-    let mut jobs = Vec::new();
-    for (_, ids) in &prompts {
-        let job = make_job(ids.clone());
-        jobs.extend((0..n).map(|i| job.with_seed_offset(i)));
-    }
     let done = run_all(jobs, &state, model, "prompt", &log).await?;
     let mut choices = Vec::new();
     let (mut prompt_tokens, mut cached, mut completion_tokens) = (0, 0, 0);

@@ -315,6 +315,22 @@ async fn chat_answers_with_usage_and_passes_the_request_through() {
     assert_eq!(v["choices"].as_array().unwrap().len(), 2);
     assert_eq!(v["choices"][1]["message"]["content"], ANSWER.concat());
     assert_eq!(v["model"], "tiny");
+    // Streamed, each choice's chunks carry its index (OpenAI's stream with n).
+    let body = json!({"messages": [{"role": "user", "content": "hi"}], "n": 3, "stream": true,
+        "stream_options": {"include_usage": true}});
+    let (status, body, _) = s.post_text("/v1/chat/completions", body).await;
+    assert_eq!(status, 200);
+    let chunks: Vec<Value> =
+        sse(&body).iter().filter(|e| e.1 != "[DONE]").map(|e| serde_json::from_str(&e.1).unwrap()).collect();
+    for i in 0..3 {
+        let mine = chunks.iter().filter(|c| c["choices"][0]["index"] == i);
+        let text: String = mine.clone().filter_map(|c| c["choices"][0]["delta"]["content"].as_str()).collect();
+        assert_eq!(text, ANSWER.concat(), "choice {i}");
+        assert_eq!(mine.filter(|c| c["choices"][0]["finish_reason"] == "stop").count(), 1, "choice {i}");
+    }
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["prompt_tokens"], v["usage"]["prompt_tokens"], "{usage} {v}");
+    assert_eq!(usage["completion_tokens"].as_u64(), v["usage"]["completion_tokens"].as_u64().map(|c| c / 2 * 3));
 }
 
 #[tokio::test]
@@ -361,8 +377,24 @@ async fn completions_take_strings_token_ids_and_echo_and_refuse_suffix() {
     let indexes: Vec<_> = v["choices"].as_array().unwrap().iter().map(|c| c["index"].as_u64()).collect();
     assert_eq!(indexes, [Some(0), Some(1), Some(2), Some(3)], "{v}");
     assert_eq!(s.last_request().sampling.seed, Some(4));
-    let (status, v) = s.post("/v1/completions", json!({"prompt": "a", "n_cmpl": 2, "stream": true})).await;
-    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("n_cmpl")), "{v}");
+    // Streamed: each answer's chunks carry its index; the prompt counts once per prompt in the usage.
+    let body = json!({"prompt": ["a", "b"], "n_cmpl": 2, "stream": true, "stream_options": {"include_usage": true}});
+    let (status, body, _) = s.post_text("/v1/completions", body).await;
+    assert_eq!(status, 200);
+    let chunks: Vec<Value> =
+        sse(&body).iter().filter(|e| e.1 != "[DONE]").map(|e| serde_json::from_str(&e.1).unwrap()).collect();
+    for i in 0..4 {
+        let text: String = chunks
+            .iter()
+            .filter(|c| c["choices"][0]["index"] == i)
+            .map(|c| c["choices"][0]["text"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(text, ANSWER.concat(), "choice {i}");
+    }
+    let usage = &chunks.last().unwrap()["usage"];
+    let (_, one) = s.post("/v1/completions", json!({"prompt": ["a", "b"]})).await;
+    assert_eq!(usage["prompt_tokens"], one["usage"]["prompt_tokens"], "{usage} {one}");
+    assert_eq!(usage["completion_tokens"], 4 * one["usage"]["completion_tokens"].as_u64().unwrap() / 2, "{usage}");
     let (status, v) = s.post("/v1/completions", json!({"prompt": "a", "suffix": "b"})).await;
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("suffix")), "{v}");
     let (status, v) = s.post("/v1/completions", json!({"prompt": [100000]})).await;
