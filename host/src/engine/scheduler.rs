@@ -326,6 +326,15 @@ struct Sequence {
 }
 
 impl Sequence {
+    /// The grammar that holds the next token: none while a thought goes on (the answer's grammar
+    /// holds what follows the thought, as a thought is free text).
+    fn held(&mut self) -> Option<&mut Constraint> {
+        match self.thought.as_ref().is_some_and(Thought::inside) {
+            true => None,
+            false => self.constraint.as_mut(),
+        }
+    }
+
     /// Tokens still to feed before the next token can be sampled (1 while decoding).
     fn pending(&self) -> usize {
         self.tokens.len() - self.kv.len
@@ -926,7 +935,7 @@ fn sample_next(
         (Some(t), Row::Top(..)) => (t, None),
         (None, Row::Full(row)) => {
             let model_row = seq.logprobs.map(|_| row.to_vec());
-            if let Some(c) = seq.constraint.as_mut() {
+            if let Some(c) = seq.held() {
                 c.mask(row).map_err(|e| format!("the answer's grammar failed: {e}"))?;
                 // No token of the model's fits (its ends lie outside the row, as in a test model's).
                 if row.iter().all(|&l| l == f32::NEG_INFINITY) {
@@ -936,14 +945,16 @@ fn sample_next(
             let token = seq.sampler.sample(row, &seq.tokens);
             // A sampler that falls back on a token the grammar ruled out (the infill sampler's end,
             // argmax of a row that biases left empty) ends the answer where the grammar may end.
-            if let Some(c) = seq.constraint.as_mut().filter(|_| row.get(token as usize) == Some(&f32::NEG_INFINITY)) {
+            if let Some(c) = seq.held().filter(|_| row.get(token as usize) == Some(&f32::NEG_INFINITY)) {
                 return ruled_out(c, "no token the sampler may choose");
             }
             (token, model_row)
         }
         (None, Row::Top(ids, values)) => (seq.sampler.sample_top(ids, values), None),
     };
-    if let Some(c) = seq.constraint.as_mut() {
+    // A token the engine wrote in (a thought's close) is not the answer's: the grammar holds what
+    // follows.
+    if let Some(c) = seq.held().filter(|_| forced.is_none()) {
         c.accept(token).map_err(|e| format!("token {token} does not follow the answer's grammar: {e}"))?;
     }
     let step = seq.text.push(tokenizer, token)?;

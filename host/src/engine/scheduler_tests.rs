@@ -339,6 +339,32 @@ fn a_json_schema_holds_the_answer_to_it() {
     assert_no_leak(&s);
 }
 
+/// A thought the prompt opened is free text: the answer's grammar holds only what follows it (here
+/// the thought is closed by its budget, the close written in by the engine).
+#[test]
+fn a_grammar_holds_what_follows_the_thought() {
+    let tok = tokenizer();
+    let schema = serde_json::json!({"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+        "required": ["answer"], "additionalProperties": false});
+    let close = tok.encode("\n</think>\n\n", false).unwrap();
+    let mut free = request(prompt(5, 20), 40);
+    free.ignore_eos = false;
+    let free = solo(&free);
+    let mut req = request(prompt(5, 20), 40);
+    req.ignore_eos = false;
+    req.thought_budget = Some(crate::engine::ThoughtBudget { budget: 6, close: close.clone(), open_at_start: true });
+    req.constraint = Some(tok.grammars().unwrap().json_schema(&schema).unwrap());
+    let got = solo(&req);
+    assert_eq!(got.error, None, "{got:?}");
+    // The thought is the model's own (unconstrained) tokens, then the close, then JSON.
+    assert_eq!(got.tokens[..6], free.tokens[..6]);
+    assert_eq!(got.tokens[6..6 + close.len()], close[..]);
+    let (_, answer) = got.text.split_once("</think>").unwrap_or_else(|| panic!("{:?}", got.text));
+    let v: serde_json::Value = serde_json::from_str(answer.trim()).unwrap_or_else(|e| panic!("{e}: {answer:?}"));
+    assert!(["yes", "no"].contains(&v["answer"].as_str().unwrap()), "{v}");
+    assert_eq!(got.finish, Some(FinishReason::Stop));
+}
+
 /// A forced call: the answer is a Hermes `<tool_call>` to the named tool, its arguments fitting the
 /// tool's schema, read back as a call.
 #[test]

@@ -65,6 +65,11 @@ impl Thought {
         self.phase != Phase::After
     }
 
+    /// Whether the thought has begun and not ended.
+    pub fn inside(&self) -> bool {
+        self.phase == Phase::Inside
+    }
+
     /// Takes note of a generated token's text.
     pub fn push(&mut self, piece: &str) {
         match self.phase {

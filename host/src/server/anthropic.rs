@@ -343,8 +343,8 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
     job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;
     job.shown_special = shown_tags(&model.text, tools.as_ref());
     job.stop = r.stop_sequences.clone().map(|v| StopField::Many(v).into_vec()).unwrap_or_default();
-    structured::refuse_in_thought(open, false, tools.as_ref(), "tool_choice", "thinking: {\"type\": \"disabled\"}")?;
     job.constraint = structured::forced_calls(model, tools.as_ref())?;
+    structured::after_thought(model, &prompt_text, &mut job)?;
     let stops = job.stop.clone();
     let req = job.into_request(&state, model, "messages")?;
     let events = submit(model, req)?;

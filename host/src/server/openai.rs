@@ -552,13 +552,6 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     let extras = StreamExtras::new(r.timings_per_token, r.return_progress, stream)?;
     let reasoning = reasoning::request_format(&state, r.reasoning_format.as_deref(), false)?;
     let thinking = reasoning::forced_open(&prompt_text);
-    structured::refuse_in_thought(
-        thinking,
-        schema.is_some(),
-        tooling.as_ref(),
-        schema_field,
-        "chat_template_kwargs: {\"enable_thinking\": false}",
-    )?;
     let mut sampling = sampling_fields!(r).apply(&model.facts.default_sampling, model.facts.ctx_size)?;
     if let Some(list) = r.samplers.as_ref().filter(|v| !v.is_null()) {
         super::samplers::apply(list, &mut sampling)?;
@@ -575,6 +568,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     let effort_budget = effort.budget_under(r.chat_template_kwargs.as_ref());
     let budget = reasoning::tighter(reasoning::server_budget(&state, kwargs.as_ref()), effort_budget);
     job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;
+    structured::after_thought(model, &prompt_text, &mut job)?;
     job.shown_special = super::tools::shown_tags(&model.text, tooling.as_ref());
     job.stop = r.stop.map(StopField::into_vec).unwrap_or_default();
     job.cache_prompt = r.cache_prompt;

@@ -349,19 +349,12 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
     let budget = reasoning::tighter(reasoning::server_budget(&state, kwargs.as_ref()), effort.budget);
     job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;
     job.shown_special = super::tools::shown_tags(&model.text, tooling.as_ref());
-    let thinking = reasoning::forced_open(&prompt_text);
-    structured::refuse_in_thought(
-        thinking,
-        schema.is_some(),
-        tooling.as_ref(),
-        "text.format",
-        "reasoning.effort: none",
-    )?;
     let text_format = r.text.as_ref().and_then(|t| t.get("format")).cloned().unwrap_or(json!({"type": "text"}));
     job.constraint = match schema {
         Some(_) => structured::constraint(model, schema, "text.format")?,
         None => structured::forced_calls(model, tooling.as_ref())?,
     };
+    structured::after_thought(model, &prompt_text, &mut job)?;
     let prompt_tokens = job.prompt.len();
     let summarized = summary(&r)?;
     let req = job.into_request(&state, model, "input")?;

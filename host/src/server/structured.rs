@@ -7,7 +7,9 @@ use std::sync::Arc;
 
 use serde_json::{json, Value};
 
+use super::completion::Job;
 use super::error::ApiError;
+use super::reasoning;
 use super::state::LoadedModel;
 use super::tools::Tooling;
 use crate::text::grammar::{Constraint, Grammars};
@@ -77,24 +79,12 @@ fn grammars(model: &LoadedModel) -> Result<Arc<Grammars>, String> {
     }
 }
 
-/// A grammar — a JSON format (at `field`) or a forced call — where the chat template has opened a
-/// thought: the grammar would fill the thought. `switch_off` says how this dialect switches thinking
-/// off.
-pub fn refuse_in_thought(
-    thinking: bool,
-    schema: bool,
-    tooling: Option<&Tooling>,
-    field: &str,
-    switch_off: &str,
-) -> Result<(), ApiError> {
-    let forced = tooling.is_some_and(|t| t.forced.is_some());
-    if thinking && (schema || forced) {
-        return Err(ApiError::field(
-            if forced { "tool_choice" } else { field },
-            format!(
-                "the chat template opens a thought, which the grammar would fill; switch thinking off ({switch_off})"
-            ),
-        ));
+/// Where the template has opened a thought, the answer's grammar (a JSON format or a forced call)
+/// holds only what follows the thought, as a reasoning model's structured answer comes after its
+/// reasoning: the engine watches for the thought's end (with no cap where no budget gives one).
+pub fn after_thought(model: &LoadedModel, prompt_text: &str, job: &mut Job) -> Result<(), ApiError> {
+    if job.constraint.is_some() && job.thought_budget.is_none() && reasoning::forced_open(prompt_text) {
+        job.thought_budget = reasoning::thought_budget(model, Some(usize::MAX), prompt_text)?;
     }
     Ok(())
 }

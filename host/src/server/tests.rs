@@ -2048,20 +2048,27 @@ async fn a_thought_the_prompt_opens() {
     assert_eq!(s.last_request().thought_budget.map(|b| (b.budget, b.open_at_start)), Some((0, false)));
     assert!(s.last_prompt().ends_with("[quiet]assistant\n<think>\n</think>\n\n"), "{:?}", s.last_prompt());
 
-    // A JSON format would fill the thought the template opens: refused, with each dialect's way to
-    // switch thinking off; with thinking off it is held to the format.
+    // A JSON format where the template opens a thought holds only what follows the thought: the
+    // engine watches for its end (no cap unless a budget gives one); with thinking off, from the start.
     let json_format = json!({"type": "json_object"});
     let (status, v) = s.post("/v1/chat/completions", json!({"messages": hi, "response_format": json_format})).await;
-    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("response_format")), "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("enable_thinking"), "{v}");
+    assert_eq!(status, 200, "{v}");
+    let r = s.last_request();
+    assert!(r.constraint.is_some());
+    assert_eq!(r.thought_budget.map(|b| (b.budget, b.open_at_start)), Some((usize::MAX, true)));
     let quiet =
         json!({"messages": hi, "response_format": json_format, "chat_template_kwargs": {"enable_thinking": false}});
     let (status, v) = s.post("/v1/chat/completions", quiet).await;
     assert_eq!(status, 200, "{v}");
-    assert!(s.last_request().constraint.is_some());
+    let r = s.last_request();
+    assert!(r.constraint.is_some() && r.thought_budget.is_none());
     let (status, v) = s.post("/v1/responses", json!({"input": "hi", "text": {"format": json_format}})).await;
-    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("text.format")), "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("reasoning.effort"), "{v}");
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(s.last_request().thought_budget.map(|b| b.open_at_start), Some(true));
+    // Capped by a budget as any thought is.
+    let low = json!({"messages": hi, "response_format": json_format, "reasoning_effort": "low"});
+    let (status, v) = s.post("/v1/chat/completions", low).await;
+    assert_eq!((status, s.last_request().thought_budget.map(|b| b.budget)), (200, Some(1024)), "{v}");
 
     // OpenAI's reasoning effort, for a template with Qwen3's thinking switch: none and minimal
     // switch thinking off, low and medium cap the thought, high leaves it; the request's own
