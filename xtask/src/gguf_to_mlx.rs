@@ -90,7 +90,7 @@ pub fn quantize_4bit(w: &[f32], rows: usize, cols: usize) -> Quantized {
 /// Undoes llama.cpp's rotary permutation of Q/K rows (`convert_hf_to_gguf.py`'s `permute`): within each
 /// head, row `2a + b` of the GGUF becomes row `b * dim + a`, dim = head rows / 2.
 pub fn unpermute_rows<T: Copy>(data: &[T], rows: usize, n_head: usize) -> Result<Vec<T>> {
-    ensure!(n_head > 0 && rows % (2 * n_head) == 0, "{rows} rows do not split into {n_head} heads of pairs");
+    ensure!(n_head > 0 && rows.is_multiple_of(2 * n_head), "{rows} rows do not split into {n_head} heads of pairs");
     let width = data.len() / rows;
     let dim = rows / n_head / 2;
     let mut out = Vec::with_capacity(data.len());
