@@ -205,6 +205,12 @@ fn embedding_server_matches_transformers_on_every_route_and_refuses_bad_input() 
     assert_eq!((s, v["error"]["code"].as_u64()), (400, Some(400)), "{v}");
     let m = server.refused("/v1/responses", json!({"input": "hi"}), 400);
     assert!(m.contains("embedding model"), "{m}");
+    let m = server.refused(
+        "/v1/chat/completions/input_tokens",
+        json!({"messages": [{"role": "user", "content": "hi"}]}),
+        400,
+    );
+    assert!(m.contains("embedding model"), "{m}");
     let (s, v) = server.post("/infill", json!({"input_prefix": "a", "input_suffix": "b"}));
     assert_eq!((s, v["error"]["code"].as_u64()), (400, Some(400)), "{v}");
     let m = server.refused("/v1/rerank", json!({"query": "a", "documents": ["b"]}), 400);

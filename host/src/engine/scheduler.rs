@@ -941,6 +941,13 @@ fn sample_next(
                 if row.iter().all(|&l| l == f32::NEG_INFINITY) {
                     return ruled_out(c, "no token of the model's vocabulary");
                 }
+            } else if seq.constraint.is_some() {
+                // Inside a thought that the answer's grammar must follow, the answer may not end.
+                for &id in tokenizer.eos_ids.iter().chain(seq.text.end_tokens()) {
+                    if let Some(l) = row.get_mut(id as usize) {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
             }
             let token = seq.sampler.sample(row, &seq.tokens);
             // A sampler that falls back on a token the grammar ruled out (the infill sampler's end,

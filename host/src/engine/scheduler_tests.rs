@@ -363,6 +363,12 @@ fn a_grammar_holds_what_follows_the_thought() {
     let v: serde_json::Value = serde_json::from_str(answer.trim()).unwrap_or_else(|e| panic!("{e}: {answer:?}"));
     assert!(["yes", "no"].contains(&v["answer"].as_str().unwrap()), "{v}");
     assert_eq!(got.finish, Some(FinishReason::Stop));
+    // A model that would end inside the thought may not: the answer the grammar holds still comes.
+    req.sampling.logit_bias = vec![(tok.eos_ids[0], 50.0)];
+    let eager = solo(&req);
+    assert_eq!(eager.tokens[6..6 + close.len()], close[..], "{eager:?}");
+    let (_, answer) = eager.text.split_once("</think>").unwrap_or_else(|| panic!("{:?}", eager.text));
+    serde_json::from_str::<serde_json::Value>(answer.trim()).unwrap_or_else(|e| panic!("{e}: {answer:?}"));
 }
 
 /// A forced call: the answer is a Hermes `<tool_call>` to the named tool, its arguments fitting the

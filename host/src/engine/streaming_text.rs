@@ -110,6 +110,11 @@ impl StreamingText {
         self
     }
 
+    /// The tokens besides the tokenizer's end of sequence that end this answer.
+    pub fn end_tokens(&self) -> &[u32] {
+        &self.end_tokens
+    }
+
     /// Shows the text of these special tokens (see [`GenerationRequest::shown_special`](super::GenerationRequest)).
     pub fn showing(mut self, special: Vec<u32>) -> Self {
         self.shown_special = special;

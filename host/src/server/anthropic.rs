@@ -15,7 +15,7 @@ use serde_json::{json, Value};
 use super::completion::{collect, new_id, stream_response, submit, Ending, Job, Live, StreamDialect};
 use super::error::{parse_body, ApiError, Dialect};
 use super::openai::{chat_prompt, StopField};
-use super::reasoning::{self, Parts, Splitter};
+use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
 use super::state::{AppState, LoadedModel, RequestLog};
 use super::structured;
 use super::tools::{pieces_through, shown_tags, CallParser, Forced, Piece, ToolCall, Tooling};
@@ -344,7 +344,7 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
     job.shown_special = shown_tags(&model.text, tools.as_ref());
     job.stop = r.stop_sequences.clone().map(|v| StopField::Many(v).into_vec()).unwrap_or_default();
     job.constraint = structured::forced_calls(model, tools.as_ref())?;
-    structured::after_thought(model, &prompt_text, &mut job)?;
+    structured::after_thought(model, &prompt_text, &mut job, format != ReasoningFormat::Split, "tool_choice")?;
     let stops = job.stop.clone();
     let req = job.into_request(&state, model, "messages")?;
     let events = submit(model, req)?;

@@ -473,7 +473,7 @@ pub fn stream_many<D: StreamDialect>(
                 return;
             }
         }
-        // A prompt answered several times counts once, as its answers' shared pages are computed once.
+        // A prompt answered several times counts once (as OpenAI counts it for `n`).
         let total = relays.iter().enumerate().fold(Usage::default(), |mut t, (i, r)| {
             if i % per_prompt.max(1) == 0 {
                 t.prompt_tokens += r.usage.prompt_tokens;

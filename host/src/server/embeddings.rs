@@ -104,13 +104,18 @@ fn cannot_generate(id: &str, task: Task) -> String {
     }
 }
 
-/// The text-generation routes.
+/// The text-generation routes (and their token counts).
 const GENERATION_PATHS: &[&str] = &[
     "/v1/chat/completions",
     "/chat/completions",
     "/v1/completions",
     "/v1/messages",
+    "/v1/messages/count_tokens",
+    "/v1/chat/completions/input_tokens",
+    "/chat/completions/input_tokens",
     "/v1/responses",
+    "/v1/responses/input_tokens",
+    "/responses/input_tokens",
     "/responses",
     "/completion",
     "/completions",

@@ -18,7 +18,7 @@ use super::completion::{
     StreamDialect, StreamExtras,
 };
 use super::error::{parse_body, ApiError, Dialect, ErrorKind};
-use super::reasoning::{self, Parts, Splitter};
+use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
 use super::state::{AppState, LoadedModel, RequestLog};
 use super::structured;
 use super::tools::{pieces_through, text_and_calls, CallParser, Forced, ToolCall, Tooling};
@@ -503,22 +503,25 @@ pub async fn chat(State(state): State<Arc<AppState>>, Extension(log): Extension<
 struct ChatPrompt {
     text: String,
     ids: Vec<u32>,
-    /// The tools given to the template (and how their calls are read back).
-    tooling: Option<Tooling>,
     effort: reasoning::Effort,
     /// The template variables the prompt was written with.
     kwargs: Option<serde_json::Map<String, Value>>,
 }
 
-/// The prompt of a chat request: its messages, tools and reasoning effort through the template.
-fn chat_prompt_of(state: &AppState, model: &LoadedModel, r: &ChatRequest) -> Result<ChatPrompt, ApiError> {
-    let tooling = request_tools(model, &r.tools, r.tool_choice.as_ref(), r.parallel_tool_calls)?;
+/// The prompt of a chat request: its messages, `tooling` (the request's tools) and reasoning effort
+/// through the template.
+fn chat_prompt_of(
+    state: &AppState,
+    model: &LoadedModel,
+    r: &ChatRequest,
+    tooling: Option<&Tooling>,
+) -> Result<ChatPrompt, ApiError> {
     let messages = chat_messages(&r.messages)?;
     let effort =
         reasoning::effort(r.reasoning_effort.as_deref(), "reasoning_effort", model.facts.chat_template.as_deref())?;
     let kwargs = state.template_kwargs_with(&effort.vars, r.chat_template_kwargs.as_ref());
-    let (text, ids) = chat_prompt(model, &messages, kwargs.as_ref(), tooling.as_ref())?;
-    Ok(ChatPrompt { text, ids, tooling, effort, kwargs })
+    let (text, ids) = chat_prompt(model, &messages, kwargs.as_ref(), tooling)?;
+    Ok(ChatPrompt { text, ids, effort, kwargs })
 }
 
 /// `POST /v1/chat/completions/input_tokens` (llama-server's): the tokens a chat request's prompt
@@ -527,7 +530,8 @@ pub async fn chat_input_tokens(State(state): State<Arc<AppState>>, body: Bytes) 
     let run = || -> Result<Response, ApiError> {
         let model = state.ready()?;
         let r: ChatRequest = parse_body(&body)?;
-        let n = chat_prompt_of(&state, model, &r)?.ids.len();
+        let tooling = request_tools(model, &r.tools, r.tool_choice.as_ref(), r.parallel_tool_calls)?;
+        let n = chat_prompt_of(&state, model, &r, tooling.as_ref())?.ids.len();
         Ok(Json(json!({"object": "response.input_tokens", "input_tokens": n})).into_response())
     };
     run().unwrap_or_else(|e| e.in_dialect(Dialect::OpenAi).into_response())
@@ -540,7 +544,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
         Some(s) => (Some(s), "response_format"),
         None => (r.json_schema.clone().filter(|s| !s.is_null()), "json_schema"),
     };
-    let ChatPrompt { text: prompt_text, ids: prompt, tooling, effort, kwargs } = chat_prompt_of(&state, model, &r)?;
+    let tooling = request_tools(model, &r.tools, r.tool_choice.as_ref(), r.parallel_tool_calls)?;
     structured::refuse_with_tools(schema.is_some(), tooling.is_some(), schema_field)?;
     let stream = r.stream.unwrap_or(false);
     let n = check_n("n", r.n)?;
@@ -551,6 +555,8 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     )?;
     let extras = StreamExtras::new(r.timings_per_token, r.return_progress, stream)?;
     let reasoning = reasoning::request_format(&state, r.reasoning_format.as_deref(), false)?;
+    let ChatPrompt { text: prompt_text, ids: prompt, effort, kwargs } =
+        chat_prompt_of(&state, model, &r, tooling.as_ref())?;
     let thinking = reasoning::forced_open(&prompt_text);
     let mut sampling = sampling_fields!(r).apply(&model.facts.default_sampling, model.facts.ctx_size)?;
     if let Some(list) = r.samplers.as_ref().filter(|v| !v.is_null()) {
@@ -561,6 +567,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
         job.sampling.logit_bias = logit_bias(b, model, true)?;
     }
     job.max_tokens = limit;
+    let held_at = if schema.is_some() { schema_field } else { "tool_choice" };
     job.constraint = match schema {
         Some(_) => structured::constraint(model, schema, schema_field)?,
         None => structured::forced_calls(model, tooling.as_ref())?,
@@ -568,7 +575,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     let effort_budget = effort.budget_under(r.chat_template_kwargs.as_ref());
     let budget = reasoning::tighter(reasoning::server_budget(&state, kwargs.as_ref()), effort_budget);
     job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;
-    structured::after_thought(model, &prompt_text, &mut job)?;
+    structured::after_thought(model, &prompt_text, &mut job, reasoning != ReasoningFormat::Split, held_at)?;
     job.shown_special = super::tools::shown_tags(&model.text, tooling.as_ref());
     job.stop = r.stop.map(StopField::into_vec).unwrap_or_default();
     job.cache_prompt = r.cache_prompt;

@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 use super::completion::{collect, new_id, stream_response, submit, unix_time, Ending, Job, Live, StreamDialect};
 use super::error::{parse_body, ApiError, Dialect};
 use super::openai::{chat_prompt, request_tools, SamplingFields};
-use super::reasoning::{self, Parts, Splitter};
+use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
 use super::state::{AppState, LoadedModel, RequestLog};
 use super::structured;
 use super::tools::{pieces_through, CallParser, Piece, ToolCall, Tooling};
@@ -291,23 +291,30 @@ pub async fn responses(
 struct ResponsesPrompt {
     text: String,
     ids: Vec<u32>,
-    /// The tools given to the template (and how their calls are read back).
-    tooling: Option<Tooling>,
     effort: reasoning::Effort,
     /// The template variables the prompt was written with.
     kwargs: Option<serde_json::Map<String, Value>>,
 }
 
-/// The prompt of a Responses request: its instructions, input items, tools and reasoning effort
-/// through the template.
-fn prompt_of(state: &AppState, model: &LoadedModel, r: &ResponsesRequest) -> Result<ResponsesPrompt, ApiError> {
+/// The tools a Responses request gives the model (fields it cannot have refused first).
+fn tooling_of(model: &LoadedModel, r: &ResponsesRequest) -> Result<Option<Tooling>, ApiError> {
     refuse_unsupported(r)?;
-    let tooling = request_tools(model, &chat_tools(&r.tools)?, r.tool_choice.as_ref(), r.parallel_tool_calls)?;
+    request_tools(model, &chat_tools(&r.tools)?, r.tool_choice.as_ref(), r.parallel_tool_calls)
+}
+
+/// The prompt of a Responses request: its instructions, input items, `tooling` and reasoning effort
+/// through the template.
+fn prompt_of(
+    state: &AppState,
+    model: &LoadedModel,
+    r: &ResponsesRequest,
+    tooling: Option<&Tooling>,
+) -> Result<ResponsesPrompt, ApiError> {
     let messages = conversation(r)?;
     let effort = reasoning::effort(asked_effort(r)?, "reasoning.effort", model.facts.chat_template.as_deref())?;
     let kwargs = state.template_kwargs_with(&effort.vars, None);
-    let (text, ids) = chat_prompt(model, &messages, kwargs.as_ref(), tooling.as_ref())?;
-    Ok(ResponsesPrompt { text, ids, tooling, effort, kwargs })
+    let (text, ids) = chat_prompt(model, &messages, kwargs.as_ref(), tooling)?;
+    Ok(ResponsesPrompt { text, ids, effort, kwargs })
 }
 
 /// The `reasoning.effort` a request asks for.
@@ -324,7 +331,8 @@ pub async fn input_tokens(State(state): State<Arc<AppState>>, body: Bytes) -> Re
     let run = || -> Result<Response, ApiError> {
         let model = state.ready()?;
         let r: ResponsesRequest = parse_body(&body)?;
-        let n = prompt_of(&state, model, &r)?.ids.len();
+        let tooling = tooling_of(model, &r)?;
+        let n = prompt_of(&state, model, &r, tooling.as_ref())?.ids.len();
         Ok(Json(json!({"object": "response.input_tokens", "input_tokens": n})).into_response())
     };
     run().unwrap_or_else(|e| e.in_dialect(Dialect::OpenAi).into_response())
@@ -333,9 +341,11 @@ pub async fn input_tokens(State(state): State<Arc<AppState>>, body: Bytes) -> Re
 async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Result<Response, ApiError> {
     let model = state.ready()?;
     let r: ResponsesRequest = parse_body(body)?;
-    let ResponsesPrompt { text: prompt_text, ids: prompt, tooling, effort, kwargs } = prompt_of(&state, model, &r)?;
+    let tooling = tooling_of(model, &r)?;
     let schema = structured::requested_schema(r.text.as_ref().and_then(|t| t.get("format")), "text.format")?;
     structured::refuse_with_tools(schema.is_some(), tooling.is_some(), "text.format")?;
+    let ResponsesPrompt { text: prompt_text, ids: prompt, effort, kwargs } =
+        prompt_of(&state, model, &r, tooling.as_ref())?;
     let (temperature, top_p) = (r.temperature.map(|t| t as f32), r.top_p.map(|p| p as f32));
     let sampling = SamplingFields { temperature, top_p, ..Default::default() };
     let mut job = Job::new(prompt, sampling.apply(&model.facts.default_sampling, model.facts.ctx_size)?);
@@ -350,11 +360,13 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
     job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;
     job.shown_special = super::tools::shown_tags(&model.text, tooling.as_ref());
     let text_format = r.text.as_ref().and_then(|t| t.get("format")).cloned().unwrap_or(json!({"type": "text"}));
+    let held_at = if schema.is_some() { "text.format" } else { "tool_choice" };
     job.constraint = match schema {
         Some(_) => structured::constraint(model, schema, "text.format")?,
         None => structured::forced_calls(model, tooling.as_ref())?,
     };
-    structured::after_thought(model, &prompt_text, &mut job)?;
+    let format = reasoning::request_format(&state, r.reasoning_format.as_deref(), true)?;
+    structured::after_thought(model, &prompt_text, &mut job, format != ReasoningFormat::Split, held_at)?;
     let prompt_tokens = job.prompt.len();
     let summarized = summary(&r)?;
     let req = job.into_request(&state, model, "input")?;
@@ -380,7 +392,6 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
             "error": null,
         }),
     };
-    let format = reasoning::request_format(&state, r.reasoning_format.as_deref(), true)?;
     let split = Splitter::new(format, reasoning::forced_open(&prompt_text));
     let calls = tooling.as_ref().map(|t| t.parser("call_"));
     let mut dialect = ResponseStream {

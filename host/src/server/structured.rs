@@ -74,16 +74,44 @@ pub fn forced_calls(model: &LoadedModel, tooling: Option<&Tooling>) -> Result<Op
 fn grammars(model: &LoadedModel) -> Result<Arc<Grammars>, String> {
     use tokio::runtime::{Handle, RuntimeFlavor};
     match Handle::try_current().map(|h| h.runtime_flavor()) {
-        Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(|| model.text.grammars()),
+        Ok(RuntimeFlavor::MultiThread) if !model.text.has_grammars() => {
+            tokio::task::block_in_place(|| model.text.grammars())
+        }
         _ => model.text.grammars(),
     }
 }
 
-/// Where the template has opened a thought, the answer's grammar (a JSON format or a forced call)
-/// holds only what follows the thought, as a reasoning model's structured answer comes after its
-/// reasoning: the engine watches for the thought's end (with no cap where no budget gives one).
-pub fn after_thought(model: &LoadedModel, prompt_text: &str, job: &mut Job) -> Result<(), ApiError> {
-    if job.constraint.is_some() && job.thought_budget.is_none() && reasoning::forced_open(prompt_text) {
+/// Where the template has opened a thought, the answer's grammar (a JSON format at `field`, or a
+/// forced call at `tool_choice`) holds only what follows the thought, as a reasoning model's
+/// structured answer comes after its reasoning: the engine watches for the thought's end (with no
+/// cap where no budget gives one). Refused where the thought would stay in a JSON answer's content
+/// (`thought_in_content`: reasoning format `none` or `deepseek-legacy`), and where the tokenizer
+/// writes `</think>` in pieces (a piece could carry answer text the grammar never saw).
+pub fn after_thought(
+    model: &LoadedModel,
+    prompt_text: &str,
+    job: &mut Job,
+    thought_in_content: bool,
+    field: &str,
+) -> Result<(), ApiError> {
+    if job.constraint.is_none() || !reasoning::forced_open(prompt_text) {
+        return Ok(());
+    }
+    if thought_in_content && field != "tool_choice" {
+        return Err(ApiError::field(
+            "reasoning_format",
+            "the chat template opens a thought, which this reasoning format leaves in the content, so the content \
+             would not be the JSON asked for; use reasoning_format auto, or switch thinking off",
+        ));
+    }
+    if model.text.encode("</think>", false).map_or(true, |ids| ids.len() != 1) {
+        return Err(ApiError::field(
+            field,
+            "the chat template opens a thought, whose end this tokenizer writes in pieces, so the grammar could not \
+             tell where the answer starts; switch thinking off",
+        ));
+    }
+    if job.thought_budget.is_none() {
         job.thought_budget = reasoning::thought_budget(model, Some(usize::MAX), prompt_text)?;
     }
     Ok(())

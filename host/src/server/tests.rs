@@ -2050,25 +2050,36 @@ async fn a_thought_the_prompt_opens() {
 
     // A JSON format where the template opens a thought holds only what follows the thought: the
     // engine watches for its end (no cap unless a budget gives one); with thinking off, from the start.
+    // That needs `</think>` to be one token (this tokenizer writes it in pieces: refused).
     let json_format = json!({"type": "json_object"});
     let (status, v) = s.post("/v1/chat/completions", json!({"messages": hi, "response_format": json_format})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("response_format")), "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("in pieces"), "{v}");
+    let mut text = tokenizer();
+    Arc::get_mut(&mut text).unwrap().inner.add_tokens(&[tokenizers::AddedToken::from("</think>", true)]);
+    let t = start_tokenized(config(), Fake::default(), true, OPEN_THOUGHT, 2048, text).await;
+    let (status, v) = t.post("/v1/chat/completions", json!({"messages": hi, "response_format": json_format})).await;
     assert_eq!(status, 200, "{v}");
-    let r = s.last_request();
+    let r = t.last_request();
     assert!(r.constraint.is_some());
     assert_eq!(r.thought_budget.map(|b| (b.budget, b.open_at_start)), Some((usize::MAX, true)));
     let quiet =
         json!({"messages": hi, "response_format": json_format, "chat_template_kwargs": {"enable_thinking": false}});
-    let (status, v) = s.post("/v1/chat/completions", quiet).await;
+    let (status, v) = t.post("/v1/chat/completions", quiet).await;
     assert_eq!(status, 200, "{v}");
-    let r = s.last_request();
+    let r = t.last_request();
     assert!(r.constraint.is_some() && r.thought_budget.is_none());
-    let (status, v) = s.post("/v1/responses", json!({"input": "hi", "text": {"format": json_format}})).await;
+    let (status, v) = t.post("/v1/responses", json!({"input": "hi", "text": {"format": json_format}})).await;
     assert_eq!(status, 200, "{v}");
-    assert_eq!(s.last_request().thought_budget.map(|b| b.open_at_start), Some(true));
+    assert_eq!(t.last_request().thought_budget.map(|b| b.open_at_start), Some(true));
     // Capped by a budget as any thought is.
     let low = json!({"messages": hi, "response_format": json_format, "reasoning_effort": "low"});
-    let (status, v) = s.post("/v1/chat/completions", low).await;
-    assert_eq!((status, s.last_request().thought_budget.map(|b| b.budget)), (200, Some(1024)), "{v}");
+    let (status, v) = t.post("/v1/chat/completions", low).await;
+    assert_eq!((status, t.last_request().thought_budget.map(|b| b.budget)), (200, Some(1024)), "{v}");
+    // A thought left in the content would spoil the JSON.
+    let raw = json!({"messages": hi, "response_format": json_format, "reasoning_format": "none"});
+    let (status, v) = t.post("/v1/chat/completions", raw).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("reasoning_format")), "{v}");
 
     // OpenAI's reasoning effort, for a template with Qwen3's thinking switch: none and minimal
     // switch thinking off, low and medium cap the thought, high leaves it; the request's own

@@ -179,6 +179,11 @@ impl TextTokenizer {
         highest.map_or(0, |h| h + 1)
     }
 
+    /// Whether [`grammars`](Self::grammars) has been made (or failed) already.
+    pub fn has_grammars(&self) -> bool {
+        self.grammars.get().is_some()
+    }
+
     /// What compiles grammars (JSON schemas) over this vocabulary, made on first use; Err when the
     /// vocabulary cannot end a constrained answer.
     pub fn grammars(&self) -> Result<std::sync::Arc<Grammars>, String> {
