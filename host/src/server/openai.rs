@@ -499,13 +499,14 @@ pub async fn chat(State(state): State<Arc<AppState>>, Extension(log): Extension<
     chat_inner(state, log, &body).await.unwrap_or_else(|e| e.in_dialect(Dialect::OpenAi).into_response())
 }
 
-/// A chat request's prompt as the template writes it, with what it was written from.
-struct ChatPrompt {
-    text: String,
-    ids: Vec<u32>,
-    effort: reasoning::Effort,
+/// A request's prompt as the chat template writes it (chat and Responses), with what it was
+/// written from.
+pub struct TemplatedPrompt {
+    pub text: String,
+    pub ids: Vec<u32>,
+    pub effort: reasoning::Effort,
     /// The template variables the prompt was written with.
-    kwargs: Option<serde_json::Map<String, Value>>,
+    pub kwargs: Option<serde_json::Map<String, Value>>,
 }
 
 /// The prompt of a chat request: its messages, `tooling` (the request's tools) and reasoning effort
@@ -515,13 +516,13 @@ fn chat_prompt_of(
     model: &LoadedModel,
     r: &ChatRequest,
     tooling: Option<&Tooling>,
-) -> Result<ChatPrompt, ApiError> {
+) -> Result<TemplatedPrompt, ApiError> {
     let messages = chat_messages(&r.messages)?;
     let effort =
         reasoning::effort(r.reasoning_effort.as_deref(), "reasoning_effort", model.facts.chat_template.as_deref())?;
     let kwargs = state.template_kwargs_with(&effort.vars, r.chat_template_kwargs.as_ref());
     let (text, ids) = chat_prompt(model, &messages, kwargs.as_ref(), tooling)?;
-    Ok(ChatPrompt { text, ids, effort, kwargs })
+    Ok(TemplatedPrompt { text, ids, effort, kwargs })
 }
 
 /// `POST /v1/chat/completions/input_tokens` (llama-server's): the tokens a chat request's prompt
@@ -555,7 +556,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     )?;
     let extras = StreamExtras::new(r.timings_per_token, r.return_progress, stream)?;
     let reasoning = reasoning::request_format(&state, r.reasoning_format.as_deref(), false)?;
-    let ChatPrompt { text: prompt_text, ids: prompt, effort, kwargs } =
+    let TemplatedPrompt { text: prompt_text, ids: prompt, effort, kwargs } =
         chat_prompt_of(&state, model, &r, tooling.as_ref())?;
     let thinking = reasoning::forced_open(&prompt_text);
     let mut sampling = sampling_fields!(r).apply(&model.facts.default_sampling, model.facts.ctx_size)?;

@@ -17,7 +17,7 @@ use serde_json::{json, Value};
 
 use super::completion::{collect, new_id, stream_response, submit, unix_time, Ending, Job, Live, StreamDialect};
 use super::error::{parse_body, ApiError, Dialect};
-use super::openai::{chat_prompt, request_tools, SamplingFields};
+use super::openai::{chat_prompt, request_tools, SamplingFields, TemplatedPrompt};
 use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
 use super::state::{AppState, LoadedModel, RequestLog};
 use super::structured;
@@ -287,15 +287,6 @@ pub async fn responses(
     responses_inner(state, log, &body).await.unwrap_or_else(|e| e.in_dialect(Dialect::OpenAi).into_response())
 }
 
-/// A Responses request's prompt as the template writes it, with what it was written from.
-struct ResponsesPrompt {
-    text: String,
-    ids: Vec<u32>,
-    effort: reasoning::Effort,
-    /// The template variables the prompt was written with.
-    kwargs: Option<serde_json::Map<String, Value>>,
-}
-
 /// The tools a Responses request gives the model (fields it cannot have refused first).
 fn tooling_of(model: &LoadedModel, r: &ResponsesRequest) -> Result<Option<Tooling>, ApiError> {
     refuse_unsupported(r)?;
@@ -309,12 +300,12 @@ fn prompt_of(
     model: &LoadedModel,
     r: &ResponsesRequest,
     tooling: Option<&Tooling>,
-) -> Result<ResponsesPrompt, ApiError> {
+) -> Result<TemplatedPrompt, ApiError> {
     let messages = conversation(r)?;
     let effort = reasoning::effort(asked_effort(r)?, "reasoning.effort", model.facts.chat_template.as_deref())?;
     let kwargs = state.template_kwargs_with(&effort.vars, None);
     let (text, ids) = chat_prompt(model, &messages, kwargs.as_ref(), tooling)?;
-    Ok(ResponsesPrompt { text, ids, effort, kwargs })
+    Ok(TemplatedPrompt { text, ids, effort, kwargs })
 }
 
 /// The `reasoning.effort` a request asks for.
@@ -344,7 +335,7 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
     let tooling = tooling_of(model, &r)?;
     let schema = structured::requested_schema(r.text.as_ref().and_then(|t| t.get("format")), "text.format")?;
     structured::refuse_with_tools(schema.is_some(), tooling.is_some(), "text.format")?;
-    let ResponsesPrompt { text: prompt_text, ids: prompt, effort, kwargs } =
+    let TemplatedPrompt { text: prompt_text, ids: prompt, effort, kwargs } =
         prompt_of(&state, model, &r, tooling.as_ref())?;
     let (temperature, top_p) = (r.temperature.map(|t| t as f32), r.top_p.map(|p| p as f32));
     let sampling = SamplingFields { temperature, top_p, ..Default::default() };
