@@ -100,8 +100,9 @@ pub fn after_thought(
     if thought_in_content && field != "tool_choice" {
         return Err(ApiError::field(
             "reasoning_format",
-            "the chat template opens a thought, which this reasoning format leaves in the content, so the content \
-             would not be the JSON asked for; use reasoning_format auto, or switch thinking off",
+            "the chat template opens a thought, which this reasoning format (the request's reasoning_format, or \
+             the server's --reasoning-format) leaves in the content, so the content would not be the JSON asked \
+             for; use reasoning_format auto, or switch thinking off",
         ));
     }
     if model.text.encode("</think>", false).map_or(true, |ids| ids.len() != 1) {

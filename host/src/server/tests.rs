@@ -2055,6 +2055,8 @@ async fn a_thought_the_prompt_opens() {
     let (status, v) = s.post("/v1/chat/completions", json!({"messages": hi, "response_format": json_format})).await;
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("response_format")), "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("in pieces"), "{v}");
+    let (status, v) = s.post("/v1/responses", json!({"input": "hi", "text": {"format": json_format}})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("text.format")), "{v}");
     let mut text = tokenizer();
     Arc::get_mut(&mut text).unwrap().inner.add_tokens(&[tokenizers::AddedToken::from("</think>", true)]);
     let t = start_tokenized(config(), Fake::default(), true, OPEN_THOUGHT, 2048, text).await;
