@@ -6,6 +6,7 @@ pub mod cache_type;
 pub mod embed;
 pub mod inspect;
 pub mod run;
+pub mod sampling_args;
 pub mod store;
 pub mod transcribe;
 

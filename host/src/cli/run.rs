@@ -10,11 +10,12 @@ use clap::Args;
 use serde_json::Value;
 
 use super::cache_type::CacheTypeArgs;
+use super::sampling_args::SamplingArgs;
 use super::GlobalArgs;
 use crate::engine::memory::MemoryEstimate;
 use crate::engine::{
     Engine, EngineError, EngineHandle, EngineOptions, FinishReason, GenerationEvent, GenerationRequest, ModelRunner,
-    RequestStream, RunnerOptions, SamplingOverrides, SamplingParams, Usage,
+    RequestStream, RunnerOptions, SamplingParams, Usage,
 };
 use crate::text::{ChatMessage, TextTokenizer};
 
@@ -35,31 +36,8 @@ pub struct RunArgs {
     /// Most tokens to generate (default: until EOS or the context is full).
     #[arg(short = 'n', long = "max-tokens", visible_alias = "n-predict")]
     pub max_tokens: Option<usize>,
-    /// Temperature; 0 = greedy.
-    #[arg(long = "temp", visible_alias = "temperature")]
-    pub temp: Option<f32>,
-    /// Keep the K most likely tokens (0 = off).
-    #[arg(long)]
-    pub top_k: Option<usize>,
-    /// Nucleus sampling threshold (1.0 = off).
-    #[arg(long)]
-    pub top_p: Option<f32>,
-    /// Drop tokens less likely than min-p × the most likely (0 = off).
-    #[arg(long)]
-    pub min_p: Option<f32>,
-    /// Penalise repeats of the last --repeat-last-n tokens (1.0 = off).
-    #[arg(long)]
-    pub repeat_penalty: Option<f32>,
-    /// How many recent tokens the penalties consider.
-    #[arg(long)]
-    pub repeat_last_n: Option<usize>,
-    #[arg(long)]
-    pub presence_penalty: Option<f32>,
-    #[arg(long)]
-    pub frequency_penalty: Option<f32>,
-    /// Random seed (same seed, same output).
-    #[arg(short = 's', long)]
-    pub seed: Option<u64>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Keep going past end-of-sequence: those tokens are never sampled (as llama.cpp's
     /// `--ignore-eos` bans them).
     #[arg(long)]
@@ -96,19 +74,10 @@ pub fn resolve_model(model: &str, revision: Option<&str>) -> Result<PathBuf> {
 }
 
 /// Defaults from `generation_config.json`, then the command-line flags on top.
-fn sampling_params(args: &RunArgs, generation_config: Option<&Value>) -> SamplingParams {
-    let flags = SamplingOverrides {
-        temperature: args.temp,
-        top_k: args.top_k,
-        top_p: args.top_p,
-        min_p: args.min_p,
-        repeat_penalty: args.repeat_penalty,
-        repeat_last_n: args.repeat_last_n,
-        presence_penalty: args.presence_penalty,
-        frequency_penalty: args.frequency_penalty,
-        seed: args.seed,
-    };
-    flags.resolve(generation_config)
+fn sampling_params(args: &RunArgs, generation_config: Option<&Value>) -> Result<SamplingParams> {
+    let p = args.sampling.overrides()?.resolve(generation_config);
+    p.validate().map_err(|e| anyhow::anyhow!("invalid sampling flag: {e}"))?;
+    Ok(p)
 }
 
 /// The model behind one batching engine (one sequence at a time: the CLI is one person), and how to
@@ -155,7 +124,7 @@ fn load(global: &GlobalArgs, args: &RunArgs) -> Result<Loaded> {
         bail!("{} does not fit in memory: {}; lower --ctx-size or pass --force", dir.display(), est.summary());
     }
     let tokenizer = TextTokenizer::load(&dir, &runner.checkpoint.config, runner.checkpoint.generation_config.as_ref())?;
-    let sampling = sampling_params(args, runner.checkpoint.generation_config.as_ref());
+    let sampling = sampling_params(args, runner.checkpoint.generation_config.as_ref())?;
     sampling.validate().map_err(|e| anyhow::anyhow!("invalid sampling option: {e}"))?;
     tracing::info!(
         "loaded {} ({} via family `{}`) on backend `{}` [{}], context {}, KV cache {}",
@@ -344,16 +313,16 @@ mod tests {
     #[test]
     fn generation_config_supplies_defaults_and_flags_override_them() {
         let g = serde_json::json!({"temperature": 0.6, "top_k": 20, "top_p": 0.9, "repetition_penalty": 1.1});
-        let p = sampling_params(&args(&[]), Some(&g));
+        let p = sampling_params(&args(&[]), Some(&g)).unwrap();
         assert_eq!((p.temperature, p.top_k, p.top_p, p.repeat_penalty), (0.6, 20, 0.9, 1.1));
-        let p = sampling_params(&args(&["--temp", "0", "--top-k", "5"]), Some(&g));
+        let p = sampling_params(&args(&["--temp", "0", "--top-k", "5"]), Some(&g)).unwrap();
         assert_eq!((p.temperature, p.top_k, p.top_p), (0.0, 5, 0.9));
     }
 
     #[test]
     fn do_sample_false_means_greedy_unless_a_temperature_is_given() {
         let g = serde_json::json!({"do_sample": false, "temperature": 0.7});
-        assert_eq!(sampling_params(&args(&[]), Some(&g)).temperature, 0.0);
-        assert_eq!(sampling_params(&args(&["--temp", "0.5"]), Some(&g)).temperature, 0.5);
+        assert_eq!(sampling_params(&args(&[]), Some(&g)).unwrap().temperature, 0.0);
+        assert_eq!(sampling_params(&args(&["--temp", "0.5"]), Some(&g)).unwrap().temperature, 0.5);
     }
 }

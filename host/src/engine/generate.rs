@@ -9,7 +9,7 @@ use anyhow::{bail, Result};
 
 use super::kv_cache::SeqBlocks;
 use super::runner::{Logits, ModelRunner, RowsWanted, SeqChunk, StepRows};
-use super::sampler::{Sampler, SamplingParams};
+use super::sampling::{DryBreakers, Sampler, SamplingParams, TokenTexts};
 use super::streaming_text::StreamingText;
 use crate::text::TextTokenizer;
 
@@ -134,6 +134,10 @@ impl Session {
 
         let t0 = Instant::now();
         let mut sampler = Sampler::new(opts.sampling.clone());
+        if let Some(breakers) = sampler.dry_breakers_needed() {
+            let table = DryBreakers::new(tokenizer, &TokenTexts::new(tokenizer), breakers);
+            sampler = sampler.with_dry_breakers(std::sync::Arc::new(table));
+        }
         // Greedy and top-k sampling need only a row's largest logits: the backend selects them.
         let want = sampler.top_k_needed().map_or(RowsWanted::Full, RowsWanted::Top);
         let mut rows = StepRows::Full(Vec::new());

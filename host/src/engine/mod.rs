@@ -4,14 +4,13 @@
 pub mod embed;
 pub mod generate;
 pub mod handle;
-pub mod infill_sampler;
 pub mod kv_cache;
 pub mod kv_plan;
 pub mod memory;
 pub mod prefix_cache;
 pub mod request;
 pub mod runner;
-pub mod sampler;
+pub mod sampling;
 pub mod scheduler;
 pub mod streaming_text;
 pub mod thought;
@@ -24,7 +23,7 @@ pub use kv_plan::{KvCacheType, KvCacheTypes, KvPlan};
 pub use prefix_cache::PrefixCache;
 pub use request::{EngineError, GenerationEvent, GenerationRequest, TokenLogprob, Usage};
 pub use runner::{EmbeddingFlags, Logits, ModelRunner, RowsWanted, RunnerOptions, SeqChunk, StepRows};
-pub use sampler::{Sampler, SamplingOverrides, SamplingParams};
+pub use sampling::{DryParams, Sampler, SamplingOverrides, SamplingParams, Step};
 pub use scheduler::{
     EngineCounters, EngineOptions, EngineStats, RequestLimits, Scheduler, SlotState, SlotStats, StepModel, Submission,
 };

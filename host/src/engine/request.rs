@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use super::generate::FinishReason;
-use super::sampler::SamplingParams;
+use super::sampling::SamplingParams;
 use super::streaming_text::CodeLimits;
 use super::thought::ThoughtBudget;
 use crate::text::grammar::Constraint;

@@ -11,7 +11,7 @@
 //! [`Scheduler`] is synchronous and single-threaded (tests drive it step by step);
 //! [`Engine`](super::handle::Engine) runs it on its own thread behind channels.
 
-use std::collections::VecDeque;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -19,12 +19,12 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::generate::FinishReason;
-use super::infill_sampler::TokenTexts;
 use super::kv_cache::{KvCache, SeqBlocks};
 use super::prefix_cache::{PrefixCache, ROOT};
 use super::request::{EngineError, GenerationEvent, GenerationRequest, TokenLogprob, Usage};
 use super::runner::{Logits, ModelRunner, RowsWanted, SeqChunk, StepRows};
-use super::sampler::{Sampler, SamplingParams};
+use super::sampling::{DryBreakers, TokenTexts};
+use super::sampling::{Sampler, SamplingParams};
 use super::streaming_text::StreamingText;
 use super::thought::Thought;
 use crate::text::grammar::Constraint;
@@ -388,8 +388,10 @@ pub struct Scheduler<M: StepModel> {
     counters: EngineCounters,
     /// The model's state epoch the running sequences' KV belongs to.
     epoch: u64,
-    /// Every token's text, for the infill sampler (made when a request first asks for it).
+    /// Every token's text, for the infill sampler and DRY (made when a request first asks for it).
     token_texts: std::sync::OnceLock<Arc<TokenTexts>>,
+    /// DRY's sequence breakers over the vocabulary, per list of breaker texts asked for.
+    dry_breakers: HashMap<Vec<String>, Arc<DryBreakers>>,
 }
 
 impl<M: StepModel> Scheduler<M> {
@@ -407,6 +409,7 @@ impl<M: StepModel> Scheduler<M> {
             opts,
             reuse_prefixes,
             token_texts: Default::default(),
+            dry_breakers: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             free_slots: (0..parallel).rev().collect(),
@@ -453,7 +456,7 @@ impl<M: StepModel> Scheduler<M> {
         let r = sub.request;
         self.counters.requests += 1;
         let mut sampler = Sampler::new(r.sampling.clone());
-        if r.sampling.infill {
+        if r.sampling.infill() {
             let texts = self.token_texts.get_or_init(|| TokenTexts::new(&self.tokenizer)).clone();
             // With ends ignored, the sampler has none to prefer (llama.cpp bans them then).
             let ends = match r.ignore_eos {
@@ -461,6 +464,22 @@ impl<M: StepModel> Scheduler<M> {
                 false => self.tokenizer.eos_ids.iter().chain(&r.end_tokens).copied().collect(),
             };
             sampler = sampler.with_vocab(texts, ends);
+        }
+        if let Some(breakers) = sampler.dry_breakers_needed() {
+            let table = match self.dry_breakers.get(breakers) {
+                Some(t) => t.clone(),
+                None => {
+                    let texts = self.token_texts.get_or_init(|| TokenTexts::new(&self.tokenizer));
+                    let t = Arc::new(DryBreakers::new(&self.tokenizer, texts, breakers));
+                    // A few lists are in use at a time; a client sending ever new ones gets no cache.
+                    if self.dry_breakers.len() >= 16 {
+                        self.dry_breakers.clear();
+                    }
+                    self.dry_breakers.insert(breakers.to_vec(), t.clone());
+                    t
+                }
+            };
+            sampler = sampler.with_dry_breakers(table);
         }
         self.waiting.push_back(Sequence {
             id: sub.id,

@@ -13,7 +13,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::*;
 use crate::engine::runner::{RowsWanted, StepRows};
-use crate::engine::sampler::SamplingParams;
+use crate::engine::sampling::SamplingParams;
 
 const VOCAB: usize = 320;
 

@@ -11,6 +11,7 @@ use clap::Args;
 use super::reasoning::ReasoningFormat;
 use crate::checkpoint::sentence_transformers::PoolingFlag;
 use crate::cli::cache_type::CacheTypeArgs;
+use crate::cli::sampling_args::SamplingArgs;
 use crate::engine::{EmbeddingFlags, KvCacheTypes, SamplingOverrides};
 
 #[derive(Args, Debug, Clone)]
@@ -125,26 +126,8 @@ pub struct ServerArgs {
     /// Largest upload to /v1/audio/* in bytes (larger: 413); OpenAI's limit by default.
     #[arg(long = "max-audio-bytes", default_value_t = 25 << 20)]
     pub max_audio_bytes: usize,
-    /// Default temperature (0: greedy).
-    #[arg(long = "temp", visible_alias = "temperature")]
-    pub temp: Option<f32>,
-    #[arg(long = "top-k")]
-    pub top_k: Option<usize>,
-    #[arg(long = "top-p")]
-    pub top_p: Option<f32>,
-    #[arg(long = "min-p")]
-    pub min_p: Option<f32>,
-    #[arg(long = "repeat-penalty")]
-    pub repeat_penalty: Option<f32>,
-    #[arg(long = "repeat-last-n")]
-    pub repeat_last_n: Option<usize>,
-    #[arg(long = "presence-penalty")]
-    pub presence_penalty: Option<f32>,
-    #[arg(long = "frequency-penalty")]
-    pub frequency_penalty: Option<f32>,
-    /// Default seed (-1: random).
-    #[arg(short = 's', long = "seed", env = "LLAMA_ARG_SEED", allow_negative_numbers = true)]
-    pub seed: Option<i64>,
+    #[command(flatten)]
+    pub sampling: SamplingArgs,
     /// Serve MODEL as an embedding model even without sentence-transformers files (a decoder such as
     /// a Qwen3 checkpoint: last-token pooling, L2-normalised). Models with the files need no flag.
     #[arg(long = "embedding", visible_alias = "embeddings", env = "LLAMA_ARG_EMBEDDINGS")]
@@ -409,22 +392,7 @@ impl ServerArgs {
         if self.batch_size == 0 || self.ubatch_size == 0 {
             bail!("--batch-size and --ubatch-size must be at least 1");
         }
-        let seed = match self.seed {
-            None | Some(-1) => None,
-            Some(s) if s >= 0 => Some(s as u64),
-            Some(s) => bail!("--seed must be ≥ 0 or -1 (random), got {s}"),
-        };
-        let sampling = SamplingOverrides {
-            temperature: self.temp,
-            top_k: self.top_k,
-            top_p: self.top_p,
-            min_p: self.min_p,
-            repeat_penalty: self.repeat_penalty,
-            repeat_last_n: self.repeat_last_n,
-            presence_penalty: self.presence_penalty,
-            frequency_penalty: self.frequency_penalty,
-            seed,
-        };
+        let sampling = self.sampling.overrides()?;
         sampling.resolve(None).validate().map_err(|e| anyhow::anyhow!("invalid sampling flag: {e}"))?;
         Ok(ServerConfig {
             model,

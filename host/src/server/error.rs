@@ -226,6 +226,32 @@ fn expected_shape(type_name: &str) -> &'static str {
 /// Parses a JSON request body into `T`, reporting a wrong field by its path. A field `T` does not read
 /// is refused by name unless it is one of [`fields`](super::fields)' inert ones at an inert value.
 pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    parse(body, &[]).map(|(v, _)| v)
+}
+
+/// [`parse_body`] for a route that also reads `X` from the same top-level fields (`X::FIELDS`):
+/// settings several routes share, kept out of each route's own request type.
+pub fn parse_body_with<T: serde::de::DeserializeOwned, X: Shared>(body: &[u8]) -> Result<(T, X), ApiError> {
+    let (v, shared) = parse(body, X::FIELDS)?;
+    let x = serde_path_to_error::deserialize(serde_json::Value::Object(shared)).map_err(json_error)?;
+    Ok((v, x))
+}
+
+/// Settings read from the top level of several routes' bodies (see [`parse_body_with`]).
+pub trait Shared: serde::de::DeserializeOwned {
+    /// The fields it reads.
+    const FIELDS: &'static [&'static str];
+}
+
+impl Shared for super::samplers::LlamaSamplers {
+    const FIELDS: &'static [&'static str] = super::samplers::LlamaSamplers::FIELDS;
+}
+
+/// `T` from `body`, and the top-level fields named in `shared` that `T` left unread.
+fn parse<T: serde::de::DeserializeOwned>(
+    body: &[u8],
+    shared: &[&str],
+) -> Result<(T, serde_json::Map<String, serde_json::Value>), ApiError> {
     if body.iter().all(u8::is_ascii_whitespace) {
         return Err(ApiError::invalid("the request body is empty; send a JSON object"));
     }
@@ -235,13 +261,21 @@ pub fn parse_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiE
     let v =
         serde_path_to_error::deserialize(serde_ignored::Deserializer::new(&mut de, &mut note)).map_err(json_error)?;
     de.end().map_err(|e| ApiError::invalid(format!("the request body is not valid JSON: {e}")))?;
+    let mut taken = serde_json::Map::new();
     if !unread.is_empty() {
-        let whole: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body).unwrap_or_default();
+        let mut whole: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body).unwrap_or_default();
         for field in &unread {
-            super::fields::check(field, &whole)?;
+            match field.top.as_deref().filter(|t| shared.contains(t)) {
+                Some(name) => {
+                    if let Some(v) = whole.remove(name) {
+                        taken.insert(name.to_string(), v);
+                    }
+                }
+                None => super::fields::check(field, &whole)?,
+            }
         }
     }
-    Ok(v)
+    Ok((v, taken))
 }
 
 #[cfg(test)]

@@ -61,6 +61,10 @@ pub fn check(field: &Unread, body: &Map<String, Value>) -> Result<(), ApiError> 
     }
 }
 
+/// Why a sampler setting that would act is refused where it is not read.
+const SAMPLER_ROUTES: &str =
+    "llama.cpp's sampler settings are read by /completion, /infill, /v1/chat/completions and /v1/completions";
+
 /// `Some(Ok)` for a known field at a value where it changes nothing, `Some(Err(why))` for a known
 /// field at a value that would act, `None` for a field this server does not know.
 fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), String>> {
@@ -87,27 +91,22 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
         // Read by the chat routes; inert where only a template is rendered.
         "parallel_tool_calls" => ok(v.is_boolean(), "expected true or false"),
         "modalities" => ok(v.is_null() || v == &serde_json::json!(["text"]), "this server answers in text only"),
-        // llama-server's samplers that this one does not have, each at its "off" value; their
-        // settings are inert while the sampler is off.
-        "typical_p" | "typ_p" => ok(num(1.0), "locally typical sampling is not implemented (1.0 turns it off)"),
-        "mirostat" => ok(num(0.0), "Mirostat is not implemented (0 turns it off)"),
-        "mirostat_tau" | "mirostat_eta" => ok(off("mirostat", 0.0), "Mirostat is not implemented"),
-        "dry_multiplier" => ok(num(0.0), "DRY is not implemented (0 turns it off)"),
+        // llama-server's sampler settings: read by the routes its clients send them to (see
+        // [`samplers`](super::samplers)); elsewhere inert at their "off" values only.
+        "typical_p" | "typ_p" => ok(num(1.0), SAMPLER_ROUTES),
+        "mirostat" => ok(num(0.0), SAMPLER_ROUTES),
+        "mirostat_tau" | "mirostat_eta" => ok(off("mirostat", 0.0), SAMPLER_ROUTES),
+        "dry_multiplier" => ok(num(0.0), SAMPLER_ROUTES),
         "dry_base" | "dry_allowed_length" | "dry_penalty_last_n" | "dry_sequence_breakers" => {
-            ok(off("dry_multiplier", 0.0), "DRY is not implemented")
+            ok(off("dry_multiplier", 0.0), SAMPLER_ROUTES)
         }
-        "xtc_probability" => ok(num(0.0), "XTC is not implemented (0 turns it off)"),
-        "xtc_threshold" => ok(off("xtc_probability", 0.0), "XTC is not implemented"),
-        "top_n_sigma" => ok(v.is_null() || v.as_f64().is_some_and(|x| x <= 0.0), "top-n-sigma is not implemented"),
-        "dynatemp_range" => ok(num(0.0), "dynamic temperature is not implemented (0 turns it off)"),
-        "dynatemp_exponent" => ok(off("dynatemp_range", 0.0), "dynamic temperature is not implemented"),
-        "min_keep" => ok(num(0.0), "min_keep is not implemented"),
-        // Read by /completion, /infill and chat completions; elsewhere only a list that changes
-        // nothing is.
-        "samplers" => ok(
-            v.is_null() || super::samplers::is_default_order(v),
-            "this route runs every sampler (penalties, top_k, top_p, min_p, temperature); a list that switches some off is read by /completion, /infill and /v1/chat/completions",
-        ),
+        "xtc_probability" => ok(num(0.0), SAMPLER_ROUTES),
+        "xtc_threshold" => ok(off("xtc_probability", 0.0), SAMPLER_ROUTES),
+        "top_n_sigma" => ok(v.is_null() || v.as_f64().is_some_and(|x| x <= 0.0), SAMPLER_ROUTES),
+        "dynatemp_range" => ok(num(0.0), SAMPLER_ROUTES),
+        "dynatemp_exponent" => ok(off("dynatemp_range", 0.0), SAMPLER_ROUTES),
+        "min_keep" => ok(num(0.0), SAMPLER_ROUTES),
+        "samplers" => ok(v.is_null() || super::samplers::is_default_order(v), SAMPLER_ROUTES),
         // Tokens kept when the context shifts: this server never shifts (generation stops at the end
         // of the context), as llama-server without --context-shift.
         "n_keep" => ok(v.is_null() || v.is_i64(), "expected an integer"),
@@ -177,7 +176,7 @@ mod tests {
         }
         let e = check(&top("dry_multiplier"), &b).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("dry_multiplier"));
-        assert!(e.message.contains("DRY is not implemented"), "{}", e.message);
+        assert!(e.message.contains("read by /completion"), "{}", e.message);
         // A sampler's setting is inert only while the sampler is off.
         let b = body(json!({"mirostat": 2, "mirostat_tau": 5.0}));
         assert!(check(&top("mirostat_tau"), &b).is_err());
@@ -185,23 +184,5 @@ mod tests {
         assert_eq!(e.message, "Unrecognized request argument supplied: frobnicate");
         let nested = Unread { path: "messages[0].colour".into(), top: None };
         assert!(check(&nested, &b).unwrap_err().message.contains("messages[0].colour"));
-    }
-
-    #[test]
-    fn sampler_orders_that_match_this_servers_pass() {
-        assert!(super::super::samplers::is_default_order(&json!("edskypmxt")));
-        assert!(super::super::samplers::is_default_order(&json!([
-            "penalties",
-            "dry",
-            "top_k",
-            "typ_p",
-            "top_p",
-            "min_p",
-            "xtc",
-            "temperature"
-        ])));
-        assert!(super::super::samplers::is_default_order(&json!(["top_k", "typ_p", "top_p", "min_p", "temperature"])));
-        assert!(!super::super::samplers::is_default_order(&json!(["top_k", "temperature"])));
-        assert!(!super::super::samplers::is_default_order(&json!("ektpm")));
     }
 }

@@ -19,9 +19,10 @@ use super::completion::{
     data, logit_bias, run_all, stream_many, submit_all, timings, token_text, Ending, Job, Live, StreamDialect,
     StreamExtras,
 };
-use super::error::{parse_body, ApiError, Dialect, ErrorKind};
+use super::error::{parse_body, parse_body_with, ApiError, Dialect, ErrorKind};
 use super::infill::{self, ExtraChunk, Fim, InfillInput};
 use super::openai::{chat_messages, MessageIn, StopField};
+use super::samplers::LlamaSamplers;
 use super::state::{AppState, LoadedModel, RequestLog};
 use super::structured;
 use crate::engine::{CodeLimits, SamplingParams, TokenLogprob, Usage};
@@ -79,8 +80,6 @@ pub struct CompletionRequest {
     /// `timings` in every stream chunk, and prompt-progress chunks.
     pub timings_per_token: Option<bool>,
     pub return_progress: Option<bool>,
-    /// Which samplers run (see [`samplers`](super::samplers)).
-    pub samplers: Option<Value>,
     /// Code completion's limits: a later line indented less than this ends the answer; past this
     /// many ms the answer ends at the next line break (see [`CodeLimits`]).
     pub n_indent: Option<f64>,
@@ -206,6 +205,8 @@ fn probabilities(tok: &crate::text::TextTokenizer, lps: &[TokenLogprob]) -> Valu
 }
 
 fn generation_settings(model: &LoadedModel, p: &SamplingParams, n_predict: i64) -> Value {
+    // How many recent tokens a penalty reads, -1 for all of them (as llama-server writes it).
+    let last_n = |n: usize| if n == usize::MAX { -1 } else { n as i64 };
     json!({
         "n_predict": n_predict,
         "temperature": p.temperature,
@@ -213,9 +214,25 @@ fn generation_settings(model: &LoadedModel, p: &SamplingParams, n_predict: i64) 
         "top_p": p.top_p,
         "min_p": p.min_p,
         "repeat_penalty": p.repeat_penalty,
-        "repeat_last_n": p.penalty_last_n,
+        "repeat_last_n": last_n(p.penalty_last_n),
         "presence_penalty": p.presence_penalty,
         "frequency_penalty": p.frequency_penalty,
+        "dynatemp_range": p.dynatemp_range,
+        "dynatemp_exponent": p.dynatemp_exponent,
+        "typical_p": p.typical_p,
+        "top_n_sigma": p.top_n_sigma,
+        "xtc_probability": p.xtc_probability,
+        "xtc_threshold": p.xtc_threshold,
+        "min_keep": p.min_keep,
+        "dry_multiplier": p.dry.multiplier,
+        "dry_base": p.dry.base,
+        "dry_allowed_length": p.dry.allowed_length,
+        "dry_penalty_last_n": last_n(p.dry.last_n),
+        "dry_sequence_breakers": p.dry.sequence_breakers,
+        "mirostat": p.mirostat,
+        "mirostat_tau": p.mirostat_tau,
+        "mirostat_eta": p.mirostat_eta,
+        "samplers": p.chain.iter().map(|s| s.name()).collect::<Vec<_>>(),
         "seed": p.seed.map_or(-1i64, |s| s as i64),
         "logit_bias": p.logit_bias.iter().map(|(t, b)| json!([t, if b.is_finite() { json!(b) } else { json!(false) }])).collect::<Vec<_>>(),
         "n_ctx": model.facts.ctx_size,
@@ -286,7 +303,7 @@ async fn completion_inner(
     infill: bool,
 ) -> Result<Response, ApiError> {
     let model = state.ready()?;
-    let r: CompletionRequest = parse_body(body)?;
+    let (r, llama_samplers): (CompletionRequest, LlamaSamplers) = parse_body_with(body)?;
     let (prompts, end_tokens) = if infill {
         let (prompt, ends) = infill_prompt(&state, model, &r)?;
         (vec![prompt], ends)
@@ -311,9 +328,7 @@ async fn completion_inner(
     if let Some(b) = &r.logit_bias {
         params.logit_bias = logit_bias(b, model, false)?;
     }
-    if let Some(list) = r.samplers.as_ref().filter(|v| !v.is_null()) {
-        super::samplers::apply(list, &mut params)?;
-    }
+    llama_samplers.apply(&mut params)?;
     // (Numbers of either kind, as llama-server converts them; 0 or less is off.)
     let code_limits = CodeLimits::new(
         r.n_indent.filter(|n| n.is_finite() && *n > 0.0).map_or(0, |n| n as usize),

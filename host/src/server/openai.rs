@@ -17,8 +17,9 @@ use super::completion::{
     data, logit_bias, new_id, run_all, stream_many, submit_all, timings, token_label, unix_time, Ending, Job, Live,
     StreamDialect, StreamExtras,
 };
-use super::error::{parse_body, ApiError, Dialect, ErrorKind};
+use super::error::{parse_body, parse_body_with, ApiError, Dialect, ErrorKind};
 use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
+use super::samplers::LlamaSamplers;
 use super::state::{AppState, LoadedModel, RequestLog};
 use super::structured;
 use super::tools::{pieces_through, text_and_calls, CallParser, Forced, ToolCall, Tooling};
@@ -186,8 +187,6 @@ pub struct ChatRequest {
     pub reasoning_format: Option<String>,
     /// OpenAI's: how much a reasoning model thinks (see [`reasoning::effort`]).
     pub reasoning_effort: Option<String>,
-    /// llama-server's: which samplers run (see [`samplers`](super::samplers)).
-    pub samplers: Option<Value>,
     /// llama-server's: `timings` in every stream chunk, and prompt-progress chunks.
     pub timings_per_token: Option<bool>,
     pub return_progress: Option<bool>,
@@ -540,7 +539,7 @@ pub async fn chat_input_tokens(State(state): State<Arc<AppState>>, body: Bytes) 
 
 async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Result<Response, ApiError> {
     let model = state.ready()?;
-    let r: ChatRequest = parse_body(body)?;
+    let (r, llama_samplers): (ChatRequest, LlamaSamplers) = parse_body_with(body)?;
     let (schema, schema_field) = match structured::requested_schema(r.response_format.as_ref(), "response_format")? {
         Some(s) => (Some(s), "response_format"),
         None => (r.json_schema.clone().filter(|s| !s.is_null()), "json_schema"),
@@ -560,9 +559,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
         chat_prompt_of(&state, model, &r, tooling.as_ref())?;
     let thinking = reasoning::forced_open(&prompt_text);
     let mut sampling = sampling_fields!(r).apply(&model.facts.default_sampling, model.facts.ctx_size)?;
-    if let Some(list) = r.samplers.as_ref().filter(|v| !v.is_null()) {
-        super::samplers::apply(list, &mut sampling)?;
-    }
+    llama_samplers.apply(&mut sampling)?;
     let mut job = Job::new(prompt, sampling);
     if let Some(b) = &r.logit_bias {
         job.sampling.logit_bias = logit_bias(b, model, true)?;
@@ -879,7 +876,7 @@ pub async fn completions(
 
 async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Result<Response, ApiError> {
     let model = state.ready()?;
-    let r: CompletionRequest = parse_body(body)?;
+    let (r, llama_samplers): (CompletionRequest, LlamaSamplers) = parse_body_with(body)?;
     if r.suffix.as_deref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::field("suffix", "suffix (fill-in-the-middle) is not supported by this server"));
     }
@@ -905,6 +902,7 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
     let extras = StreamExtras::new(r.timings_per_token, r.return_progress, stream)?;
     let prompts = prompts(model, r.prompt)?;
     let mut sampling = sampling_fields!(r).apply(&model.facts.default_sampling, model.facts.ctx_size)?;
+    llama_samplers.apply(&mut sampling)?;
     if let Some(b) = &r.logit_bias {
         sampling.logit_bias = logit_bias(b, model, true)?;
     }

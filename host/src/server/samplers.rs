@@ -1,116 +1,146 @@
-//! llama-server's `samplers`: which samplers run, in what order, by name (`["top_k", "top_p",
-//! "infill"]`) or by letter (`"kpt"`). Here the order is fixed — penalties, top-k, top-p, infill,
-//! min-p, temperature — so a list must keep it; the samplers it leaves out are off, as in
-//! llama-server, where only the listed ones run before the final draw (without `temperature`, the
-//! draw weighs the survivors by their raw logits, at temperature 1). Samplers this server lacks
-//! (DRY, typical-p, XTC, top-n-sigma) may be named: each is refused by its own settings when they
-//! would switch it on, as without a list. Names llama-server does not know either are skipped, as it
-//! skips them (older web UIs still send `tfs_z`); `adaptive_p`, which would replace the draw, is
-//! refused.
+//! llama-server's sampler settings beyond OpenAI's — typical-p, top-nσ, XTC, DRY, dynamic
+//! temperature, Mirostat, `min_keep` — and `samplers`, which lists the samplers that run and their
+//! order, by name (`["top_k", "top_p", "infill"]`) or by letter (`"kpt"`). The routes llama-server's
+//! clients send them to (`/completion`, `/infill`, `/v1/chat/completions`, `/v1/completions`) read
+//! them with [`parse_body_with`](super::error::parse_body_with); elsewhere they are refused unless
+//! at their "off" values (see [`fields`](super::fields)).
+//!
+//! As in llama-server, names it does not know are skipped (older web UIs still send `tfs_z`);
+//! `adaptive_p`, a sampler this server lacks, is refused.
 
+use serde::Deserialize;
 use serde_json::Value;
 
 use super::error::ApiError;
-use crate::engine::SamplingParams;
+use crate::engine::{SamplingParams, Step};
 
-/// This server's samplers, in the order they run.
-const ORDER: [&str; 6] = ["penalties", "top_k", "top_p", "infill", "min_p", "temperature"];
-/// llama-server's samplers that this server does not have (off at their default settings).
-const LACKING: [&str; 4] = ["dry", "typ_p", "xtc", "top_n_sigma"];
+/// The settings, as llama-server's request fields name them.
+#[derive(Deserialize, Debug, Default)]
+pub struct LlamaSamplers {
+    #[serde(alias = "typ_p")]
+    pub typical_p: Option<f32>,
+    pub top_n_sigma: Option<f32>,
+    pub xtc_probability: Option<f32>,
+    pub xtc_threshold: Option<f32>,
+    pub dynatemp_range: Option<f32>,
+    pub dynatemp_exponent: Option<f32>,
+    pub min_keep: Option<i64>,
+    pub dry_multiplier: Option<f32>,
+    pub dry_base: Option<f32>,
+    pub dry_allowed_length: Option<i64>,
+    pub dry_penalty_last_n: Option<i64>,
+    pub dry_sequence_breakers: Option<Vec<String>>,
+    pub mirostat: Option<i64>,
+    pub mirostat_tau: Option<f32>,
+    pub mirostat_eta: Option<f32>,
+    pub samplers: Option<Value>,
+}
 
-/// The canonical names in a `samplers` value (unknown ones left out), or why it is not one.
-fn names(v: &Value) -> Result<Vec<String>, String> {
-    let letter = |c: char| -> Result<Option<&'static str>, String> {
-        Ok(Some(match c {
-            'e' => "penalties",
-            'd' => "dry",
-            'k' => "top_k",
-            'y' => "typ_p",
-            'p' => "top_p",
-            'm' => "min_p",
-            'x' => "xtc",
-            't' => "temperature",
-            's' => "top_n_sigma",
-            'i' => "infill",
-            'a' => return Err("the adaptive-p sampler is not implemented".into()),
-            _ => return Ok(None),
-        }))
-    };
-    let named = |n: &Value| -> Result<Option<String>, String> {
-        let n = n.as_str().ok_or("expected sampler names (strings)")?;
-        let name = n.trim().to_lowercase().replace('-', "_");
-        Ok(match name.as_str() {
-            "topk" => Some("top_k"),
-            "topp" | "nucleus" => Some("top_p"),
-            "minp" => Some("min_p"),
-            "temp" => Some("temperature"),
-            "typ" | "typp" | "typical_p" => Some("typ_p"),
-            "topnsigma" => Some("top_n_sigma"),
-            "adaptive_p" | "adaptivep" => return Err("the adaptive-p sampler is not implemented".into()),
-            n if ORDER.contains(&n) || LACKING.contains(&n) => Some(n),
-            _ => None,
+impl LlamaSamplers {
+    /// The request fields this type reads (its serde names and aliases).
+    pub const FIELDS: &'static [&'static str] = &[
+        "typical_p",
+        "typ_p",
+        "top_n_sigma",
+        "xtc_probability",
+        "xtc_threshold",
+        "dynatemp_range",
+        "dynatemp_exponent",
+        "min_keep",
+        "dry_multiplier",
+        "dry_base",
+        "dry_allowed_length",
+        "dry_penalty_last_n",
+        "dry_sequence_breakers",
+        "mirostat",
+        "mirostat_tau",
+        "mirostat_eta",
+        "samplers",
+    ];
+
+    /// These settings over `p` (the rest of the request's sampling), or the field at fault.
+    pub fn apply(&self, p: &mut SamplingParams) -> Result<(), ApiError> {
+        fn set<T: Copy>(field: &mut T, v: Option<T>) {
+            if let Some(v) = v {
+                *field = v;
+            }
         }
-        .map(str::to_string))
-    };
-    let listed: Result<Vec<Option<String>>, String> = match v {
-        Value::String(s) => s.chars().map(|c| letter(c).map(|n| n.map(str::to_string))).collect(),
-        Value::Array(list) => list.iter().map(named).collect(),
+        set(&mut p.typical_p, self.typical_p);
+        set(&mut p.top_n_sigma, self.top_n_sigma);
+        set(&mut p.xtc_probability, self.xtc_probability);
+        set(&mut p.xtc_threshold, self.xtc_threshold);
+        set(&mut p.dynatemp_range, self.dynatemp_range);
+        set(&mut p.dynatemp_exponent, self.dynatemp_exponent);
+        set(&mut p.dry.multiplier, self.dry_multiplier);
+        set(&mut p.mirostat_tau, self.mirostat_tau);
+        set(&mut p.mirostat_eta, self.mirostat_eta);
+        if let Some(k) = self.min_keep {
+            p.min_keep = usize::try_from(k).map_err(|_| ApiError::field("min_keep", "min_keep must be ≥ 0"))?;
+        }
+        if let Some(b) = self.dry_base {
+            // (llama-server puts a base under 1 back to its default; here it is refused, not ignored.)
+            if b.is_nan() || b < 1.0 {
+                return Err(ApiError::field("dry_base", format!("dry_base must be at least 1, got {b}")));
+            }
+            p.dry.base = b;
+        }
+        if let Some(n) = self.dry_allowed_length {
+            p.dry.allowed_length = usize::try_from(n)
+                .map_err(|_| ApiError::field("dry_allowed_length", "dry_allowed_length must be ≥ 0"))?;
+        }
+        if let Some(n) = self.dry_penalty_last_n {
+            p.dry.last_n = match n {
+                -1 => usize::MAX,
+                n => usize::try_from(n).map_err(|_| {
+                    ApiError::field("dry_penalty_last_n", "dry_penalty_last_n must be ≥ -1 (-1: the whole context)")
+                })?,
+            };
+        }
+        if let Some(b) = &self.dry_sequence_breakers {
+            if b.is_empty() {
+                return Err(ApiError::field(
+                    "dry_sequence_breakers",
+                    "dry_sequence_breakers must be a non-empty array of strings",
+                ));
+            }
+            p.dry.sequence_breakers = b.clone();
+        }
+        if let Some(m) = self.mirostat {
+            p.mirostat = u8::try_from(m)
+                .ok()
+                .filter(|m| *m <= 2)
+                .ok_or_else(|| ApiError::field("mirostat", format!("mirostat must be 0 (off), 1 or 2, got {m}")))?;
+        }
+        if let Some(list) = self.samplers.as_ref().filter(|v| !v.is_null()) {
+            p.chain = chain(list).map_err(|e| ApiError::field("samplers", e))?;
+        }
+        Ok(())
+    }
+}
+
+/// The samplers a `samplers` value lists, in order (names llama.cpp does not know skipped), or why
+/// it cannot be run here.
+fn chain(v: &Value) -> Result<Vec<Step>, String> {
+    let listed: Result<Vec<Option<Step>>, String> = match v {
+        Value::String(s) => s.chars().map(Step::from_letter).collect(),
+        Value::Array(list) => list
+            .iter()
+            .map(|n| n.as_str().ok_or_else(|| "expected sampler names (strings)".to_string()).and_then(Step::from_name))
+            .collect(),
         _ => Err("expected a list of sampler names or a string of their letters".into()),
     };
     Ok(listed?.into_iter().flatten().collect())
 }
 
-/// The samplers of this server a `samplers` value lists, in order, or why it cannot be run here.
-fn ours(v: &Value) -> Result<Vec<&'static str>, String> {
-    let listed = names(v)?;
-    let ours: Vec<&'static str> = listed.iter().filter_map(|n| ORDER.iter().find(|o| *o == n).copied()).collect();
-    // (A name given twice runs once: a sampler run again on its own output changes nothing.)
-    let mut next = 0;
-    for name in &ours {
-        match ORDER[next..].iter().position(|o| o == name) {
-            Some(at) => next += at,
-            None => {
-                return Err(format!(
-                    "samplers run here in the order {}; [{}] does not keep it",
-                    ORDER.join(", "),
-                    ours.join(", ")
-                ))
-            }
-        }
-    }
-    Ok(ours)
-}
-
-/// Runs only the samplers `v` lists: the others of this server are switched off in `p`.
-pub fn apply(v: &Value, p: &mut SamplingParams) -> Result<(), ApiError> {
-    let ours = ours(v).map_err(|e| ApiError::field("samplers", e))?;
-    let on = |name: &str| ours.contains(&name);
-    if !on("penalties") {
-        (p.repeat_penalty, p.presence_penalty, p.frequency_penalty) = (1.0, 0.0, 0.0);
-    }
-    if !on("top_k") {
-        p.top_k = 0;
-    }
-    if !on("top_p") {
-        p.top_p = 1.0;
-    }
-    if !on("min_p") {
-        p.min_p = 0.0;
-    }
-    if !on("temperature") {
-        p.temperature = 1.0;
-    }
-    p.infill = on("infill");
-    Ok(())
-}
-
-/// Whether `v` lists all of this server's samplers but infill in their order (penalties may go
-/// unnamed, as llama.cpp's web UI leaves them): a list that changes nothing, whatever it says of
-/// the samplers this server lacks.
+/// Whether `v` lists the samplers a route that does not read these settings runs anyway: the
+/// default order, less the samplers those routes cannot switch on (DRY, typical-p, XTC, top-nσ) and
+/// with penalties optional (llama.cpp's web UI sends its whole list everywhere).
 pub fn is_default_order(v: &Value) -> bool {
-    let Ok(ours) = ours(v) else { return false };
-    let all = ["penalties", "top_k", "top_p", "min_p", "temperature"];
-    ours == all || ours == all[1..]
+    let Ok(steps) = chain(v) else { return false };
+    let on: Vec<Step> =
+        steps.into_iter().filter(|s| !matches!(s, Step::Dry | Step::TypicalP | Step::Xtc | Step::TopNSigma)).collect();
+    let rest = [Step::TopK, Step::TopP, Step::MinP, Step::Temperature];
+    on == rest || on.split_first().is_some_and(|(first, tail)| *first == Step::Penalties && tail == rest)
 }
 
 #[cfg(test)]
@@ -119,46 +149,79 @@ mod tests {
     use serde_json::json;
 
     fn applied(v: Value) -> Result<SamplingParams, ApiError> {
-        let mut p = SamplingParams { repeat_penalty: 1.1, ..Default::default() };
-        apply(&v, &mut p).map(|_| p)
+        let s: LlamaSamplers = serde_json::from_value(v).unwrap();
+        let mut p = SamplingParams::default();
+        s.apply(&mut p).map(|_| p)
     }
 
     #[test]
-    fn listed_samplers_run_and_the_rest_are_off() {
+    fn listed_samplers_run_in_their_order() {
         // llama.vim's fill-in-the-middle chain.
-        let p = applied(json!(["top_k", "top_p", "infill"])).unwrap();
-        assert_eq!(
-            (p.top_k, p.top_p, p.min_p, p.temperature, p.infill, p.repeat_penalty),
-            (40, 0.95, 0.0, 1.0, true, 1.0)
-        );
-        // Its chat chain, and an empty list (the draw alone).
-        let p = applied(json!(["min_p", "temperature"])).unwrap();
-        assert_eq!((p.top_k, p.top_p, p.min_p, p.temperature, p.infill), (0, 1.0, 0.05, 0.8, false));
-        let p = applied(json!([])).unwrap();
-        assert_eq!((p.top_k, p.top_p, p.min_p, p.temperature), (0, 1.0, 0.0, 1.0));
-        // llama.cpp's web UI: every sampler, by letter; names in other spellings.
-        let p = applied(json!("edkypmxt")).unwrap();
-        assert_eq!((p.top_k, p.top_p, p.min_p, p.temperature, p.repeat_penalty), (40, 0.95, 0.05, 0.8, 1.1));
-        assert!(applied(json!(["Top-K", "nucleus", "temp"])).is_ok());
-        // Names llama-server does not know are skipped, as there (an older web UI's list).
-        let p = applied(json!(["top_k", "tfs_z", "typical_p", " top_p", "min_p", "temperature"])).unwrap();
-        assert_eq!((p.top_k, p.top_p, p.min_p, p.temperature), (40, 0.95, 0.05, 0.8));
-        assert!(applied(json!("kfpmt")).is_ok() && applied(json!(["top_k", "top_k", "top_p"])).is_ok());
-        assert!(is_default_order(&json!("edkypmxt")) && is_default_order(&json!("kpmt")));
-        assert!(!is_default_order(&json!(["top_k", "top_p", "infill"])));
+        let p = applied(json!({"samplers": ["top_k", "top_p", "infill"]})).unwrap();
+        assert_eq!(p.chain, [Step::TopK, Step::TopP, Step::Infill]);
+        assert!(p.infill() && p.validate().is_ok());
+        // Any order, as llama-server runs it; letters; other spellings; unknown names skipped.
+        let p = applied(json!({"samplers": ["temperature", "Top-K", "tfs_z", "nucleus"]})).unwrap();
+        assert_eq!(p.chain, [Step::Temperature, Step::TopK, Step::TopP]);
+        let p = applied(json!({"samplers": "edskypmxt"})).unwrap();
+        assert_eq!(p.chain, Step::DEFAULT_CHAIN);
+        assert!(applied(json!({"samplers": []})).unwrap().chain.is_empty());
+        assert!(is_default_order(&json!("edskypmxt")) && is_default_order(&json!("kpmt")));
+        assert!(is_default_order(&json!(["top_k", "typ_p", "top_p", "min_p", "temperature"])));
+        assert!(!is_default_order(&json!(["top_k", "temperature"])) && !is_default_order(&json!("ektpm")));
     }
 
     #[test]
-    fn another_order_or_adaptive_p_is_refused_by_name() {
-        for (v, says) in [
-            (json!(["temperature", "top_k"]), "order"),
-            (json!(["top_k", "adaptive_p"]), "adaptive-p"),
-            (json!("kpa"), "adaptive-p"),
-            (json!([1]), "names"),
+    fn llama_server_settings_reach_the_sampler() {
+        let p = applied(json!({
+            "typical_p": 0.9, "top_n_sigma": 1.5, "xtc_probability": 0.5, "xtc_threshold": 0.2,
+            "dynatemp_range": 0.3, "dynatemp_exponent": 2.0, "min_keep": 2, "dry_multiplier": 0.8,
+            "dry_base": 1.5, "dry_allowed_length": 3, "dry_penalty_last_n": -1,
+            "dry_sequence_breakers": ["\n", "###"], "mirostat": 2, "mirostat_tau": 4.0, "mirostat_eta": 0.2
+        }))
+        .unwrap();
+        assert_eq!((p.typical_p, p.top_n_sigma, p.xtc_probability, p.xtc_threshold), (0.9, 1.5, 0.5, 0.2));
+        assert_eq!((p.dynatemp_range, p.dynatemp_exponent, p.min_keep), (0.3, 2.0, 2));
+        assert_eq!((p.dry.multiplier, p.dry.base, p.dry.allowed_length, p.dry.last_n), (0.8, 1.5, 3, usize::MAX));
+        assert_eq!(p.dry.sequence_breakers, ["\n", "###"]);
+        assert_eq!((p.mirostat, p.mirostat_tau, p.mirostat_eta), (2, 4.0, 0.2));
+        assert_eq!(applied(json!({"typ_p": 0.5})).unwrap().typical_p, 0.5);
+    }
+
+    #[test]
+    fn out_of_range_settings_and_adaptive_p_are_refused_by_name() {
+        for (v, field, says) in [
+            (json!({"samplers": ["top_k", "adaptive_p"]}), "samplers", "adaptive-p"),
+            (json!({"samplers": "kpa"}), "samplers", "adaptive-p"),
+            (json!({"samplers": [1]}), "samplers", "names"),
+            (json!({"mirostat": 3}), "mirostat", "0 (off), 1 or 2"),
+            (json!({"dry_base": 0.5}), "dry_base", "at least 1"),
+            (json!({"dry_penalty_last_n": -2}), "dry_penalty_last_n", "≥ -1"),
+            (json!({"dry_sequence_breakers": []}), "dry_sequence_breakers", "non-empty"),
+            (json!({"min_keep": -1}), "min_keep", "≥ 0"),
         ] {
             let e = applied(v.clone()).unwrap_err();
-            assert_eq!(e.param.as_deref(), Some("samplers"));
+            assert_eq!(e.param.as_deref(), Some(field), "{v}");
             assert!(e.message.contains(says), "{v}: {}", e.message);
+        }
+    }
+
+    /// `FIELDS` names every field the type reads, so that the routes reading them accept them.
+    #[test]
+    fn fields_lists_what_the_type_reads() {
+        for name in LlamaSamplers::FIELDS {
+            let v = if *name == "dry_sequence_breakers" {
+                json!(["x"])
+            } else if *name == "samplers" {
+                json!("k")
+            } else {
+                json!(1)
+            };
+            let mut unread = Vec::new();
+            let body = serde_json::to_vec(&json!({ *name: v })).unwrap();
+            let mut de = serde_json::Deserializer::from_slice(&body);
+            let _: LlamaSamplers = serde_ignored::deserialize(&mut de, |p| unread.push(p.to_string())).unwrap();
+            assert!(unread.is_empty(), "{name} is not read: {unread:?}");
         }
     }
 }

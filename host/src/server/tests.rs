@@ -10,7 +10,7 @@ use tokio::sync::mpsc;
 
 use super::args::ServerConfig;
 use super::*;
-use crate::engine::{CodeLimits, SamplingOverrides};
+use crate::engine::{CodeLimits, SamplingOverrides, Step};
 use crate::engine::{
     EngineError, FinishReason, GenerationEvent, GenerationRequest, SamplingParams, TokenLogprob, Usage,
 };
@@ -956,8 +956,8 @@ async fn tool_call_history_reaches_the_template() {
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("messages[0].audio")), "{v}");
 }
 
-/// A field a route does not read is refused by name in the route's dialect; llama-server's settings
-/// of samplers this server lacks pass while those samplers are off (as llama.cpp's web UI sends them).
+/// A field a route does not read is refused by name in the route's dialect; llama-server's sampler
+/// settings are read where its clients send them and pass elsewhere only while those samplers are off.
 #[tokio::test]
 async fn unread_fields_are_refused_by_name_and_inert_ones_pass() {
     let s = start().await;
@@ -972,9 +972,15 @@ async fn unread_fields_are_refused_by_name_and_inert_ones_pass() {
     );
     // In Anthropic's own words.
     assert_eq!(v["error"]["message"], "speed: Extra inputs are not permitted", "{v}");
-    let (status, v) = s.post("/completion", json!({"prompt": "x", "mirostat": 2})).await;
+    let (status, v) = s.post("/completion", json!({"prompt": "x", "mirostat": 2, "mirostat_tau": 4})).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!((s.last_request().sampling.mirostat, s.last_request().sampling.mirostat_tau), (2, 4.0));
+    let (status, v) = s.post("/completion", json!({"prompt": "x", "mirostat": 3})).await;
     assert_eq!((status, v["error"]["code"].as_i64()), (400, Some(400)), "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("Mirostat is not implemented"), "{v}");
+    let msg = json!({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "dry_multiplier": 0.8});
+    let (status, v) = s.post("/v1/messages", msg).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("read by /completion"), "{v}");
     let (status, v) = s.post("/v1/completions", json!({"prompt": "x", "grammar": "root ::= \"yes\""})).await;
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("grammar")), "{v}");
     let webui = json!({"prompt": "x", "n_predict": 2, "mirostat": 0, "mirostat_tau": 5, "typical_p": 1, "dry_multiplier": 0,
@@ -1530,7 +1536,8 @@ async fn infill_frames_the_code_with_fim_tokens() {
     assert!(v["timings/prompt_n"].is_u64() && v.get("timings").is_none(), "{v}");
     let r = s.last_request();
     let p = &r.sampling;
-    assert_eq!((p.infill, p.top_k, p.top_p, p.min_p, p.temperature), (true, 40, 0.9, 0.0, 1.0));
+    assert_eq!((p.infill(), p.top_k, p.top_p), (true, 40, 0.9));
+    assert_eq!(p.chain, [Step::TopK, Step::TopP, Step::Infill]);
     assert_eq!(r.code_limits, CodeLimits::new(4, Some(Duration::from_millis(250))));
     let warm = json!({"id_slot": 0, "input_prefix": "", "input_suffix": "", "input_extra": [], "prompt": "",
         "n_predict": 0, "temperature": 0.0, "samplers": [], "stream": false, "cache_prompt": true,
@@ -1542,7 +1549,8 @@ async fn infill_frames_the_code_with_fim_tokens() {
     let (status, v) = s.post("/v1/chat/completions", chat).await;
     assert_eq!(status, 200, "{v}");
     let p = &s.last_request().sampling;
-    assert_eq!((p.top_k, p.top_p, p.min_p, p.temperature, p.infill), (0, 1.0, 0.1, 0.1, false));
+    assert_eq!((p.min_p, p.temperature, p.infill()), (0.1, 0.1, false));
+    assert_eq!(p.chain, [Step::MinP, Step::Temperature]);
     // The infill sampler compares every pair of candidates: it needs a top-k before it.
     let (status, v) =
         s.post("/infill", json!({"input_prefix": "", "input_suffix": "", "samplers": ["top_p", "infill"]})).await;
@@ -1573,7 +1581,7 @@ async fn n_cmpl_answers_each_prompt_several_times() {
     assert!(answers.iter().all(|a| a["content"] == ANSWER.concat()), "{v}");
     let reqs = s.fake.requests.lock().unwrap().clone();
     assert_eq!(reqs.len(), 3);
-    assert!(reqs.iter().all(|r| r.prompt == reqs[0].prompt && r.sampling.infill));
+    assert!(reqs.iter().all(|r| r.prompt == reqs[0].prompt && r.sampling.infill()));
 
     // Two prompts, two answers each (`n`, n_cmpl's other name), seeds moved on per answer.
     let (status, v) = s.post("/completion", json!({"prompt": ["a", "b"], "n": 2, "seed": 7, "n_predict": 2})).await;

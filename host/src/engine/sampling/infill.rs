@@ -11,35 +11,7 @@
 //!
 //! Only which candidates survive matters: the draw that follows weighs them by their own logits.
 
-use std::sync::Arc;
-
-use crate::text::TextTokenizer;
-
-/// Every token's text as the infill sampler compares it (special tokens have none).
-pub struct TokenTexts {
-    texts: Vec<Vec<u8>>,
-}
-
-impl TokenTexts {
-    pub fn new(tok: &TextTokenizer) -> Arc<TokenTexts> {
-        let added = tok.inner.get_added_vocabulary().get_added_tokens_decoder();
-        let n = tok.inner.get_vocab_size(true) as u32;
-        let texts = (0..n)
-            .map(|id| if added.get(&id).is_some_and(|a| a.special) { Vec::new() } else { tok.piece_bytes(id) })
-            .collect();
-        Arc::new(TokenTexts { texts })
-    }
-
-    /// Texts given by hand, token `i` being `words[i]`.
-    #[cfg(test)]
-    pub fn for_test(words: &[&str]) -> TokenTexts {
-        TokenTexts { texts: words.iter().map(|w| w.as_bytes().to_vec()).collect() }
-    }
-
-    fn text(&self, id: u32) -> &[u8] {
-        self.texts.get(id as usize).map_or(&[], Vec::as_slice)
-    }
-}
+use super::token_texts::TokenTexts;
 
 /// The candidates (`(id, logit)`, best first) the infill sampler keeps; `ends`: the tokens that end
 /// generation (the first stands for them when nothing else is left).
@@ -65,7 +37,7 @@ pub fn keep(cand: Vec<(u32, f32)>, texts: Option<&TokenTexts>, ends: &[u32]) -> 
     }
 
     // Merge a token into another whose text it starts (or that starts it), keeping the likelier.
-    let text = |i: usize| texts.map_or(&[][..], |t| t.text(cand[i].0));
+    let text = |i: usize| texts.map_or(&[][..], |t| t.plain_text(cand[i].0));
     let mut alive = vec![true; cand.len()];
     for i0 in 0..cand.len() {
         for i1 in 0..cand.len() {
