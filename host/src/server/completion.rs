@@ -129,6 +129,14 @@ pub fn submit(model: &LoadedModel, req: GenerationRequest) -> Result<EventStream
     model.generator.submit(req).map_err(ApiError::from)
 }
 
+/// The request fields [`submit_all`]'s refusals name: the prompt's (over the context), and the one
+/// that asked for more completions than the server takes at once (`n`, or the list of prompts).
+#[derive(Clone, Copy)]
+pub struct Asked<'a> {
+    pub prompt: &'a str,
+    pub count: &'a str,
+}
+
 /// Checks and queues every job (the `n` choices of one or more prompts) before any answer is
 /// awaited, so that they run together; a refusal drops those queued before it, which cancels them.
 /// One request may ask for no more completions than the server's slots and queue hold.
@@ -136,12 +144,12 @@ pub fn submit_all(
     jobs: Vec<Job>,
     state: &AppState,
     model: &LoadedModel,
-    prompt_param: &str,
+    asked: Asked,
 ) -> Result<Vec<(EventStream, Vec<String>)>, ApiError> {
     let (parallel, queue) = (state.config.parallel, state.config.queue_limit);
     if jobs.len() > parallel + queue {
         return Err(ApiError::field(
-            prompt_param,
+            asked.count,
             format!(
                 "this request asks for {} completions; one request may ask for at most {} here (--parallel {parallel} plus a queue of {queue})",
                 jobs.len(),
@@ -152,7 +160,7 @@ pub fn submit_all(
     let mut pending = Vec::with_capacity(jobs.len());
     for job in jobs {
         let stops = job.stop.clone();
-        let req = job.into_request(state, model, prompt_param)?;
+        let req = job.into_request(state, model, asked.prompt)?;
         pending.push((submit(model, req)?, stops));
     }
     Ok(pending)
@@ -163,11 +171,11 @@ pub async fn run_all(
     jobs: Vec<Job>,
     state: &AppState,
     model: &LoadedModel,
-    prompt_param: &str,
+    asked: Asked<'_>,
     log: &RequestLog,
 ) -> Result<Vec<Completion>, ApiError> {
     let mut out = Vec::with_capacity(jobs.len());
-    for (events, stops) in submit_all(jobs, state, model, prompt_param)? {
+    for (events, stops) in submit_all(jobs, state, model, asked)? {
         out.push(collect(events, &stops, &model.text, state, log).await?);
     }
     Ok(out)

@@ -16,7 +16,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::completion::{
-    data, logit_bias, run_all, stream_many, submit_all, timings, token_text, Ending, Job, Live, StreamDialect,
+    data, logit_bias, run_all, stream_many, submit_all, timings, token_text, Asked, Ending, Job, Live, StreamDialect,
     StreamExtras,
 };
 use super::error::{parse_body, parse_body_with, ApiError, Dialect, ErrorKind};
@@ -367,8 +367,10 @@ async fn completion_inner(
         }
     }
 
+    // (n_cmpl alone is held to the slots: too many answers come from the list of prompts.)
+    let asked = Asked { prompt: "prompt", count: "prompt" };
     if stream {
-        let pending = submit_all(jobs, &state, model, "prompt")?;
+        let pending = submit_all(jobs, &state, model, asked)?;
         let streams = pending
             .into_iter()
             .zip(texts)
@@ -388,7 +390,7 @@ async fn completion_inner(
             .collect();
         return Ok(stream_many(streams, n_cmpl, stops, model.text.clone(), state.clone(), log));
     }
-    let done = run_all(jobs, &state, model, "prompt", &log).await?;
+    let done = run_all(jobs, &state, model, asked, &log).await?;
     let several = done.len() > 1;
     let mut answers = Vec::with_capacity(done.len());
     for (index, (c, (prompt, _, settings))) in done.into_iter().zip(texts).enumerate() {

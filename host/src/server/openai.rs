@@ -14,8 +14,8 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::completion::{
-    data, logit_bias, new_id, run_all, stream_many, submit_all, timings, token_label, unix_time, Ending, Job, Live,
-    StreamDialect, StreamExtras,
+    data, logit_bias, new_id, run_all, stream_many, submit_all, timings, token_label, unix_time, Asked, Ending, Job,
+    Live, StreamDialect, StreamExtras,
 };
 use super::error::{parse_body, parse_body_with, ApiError, Dialect, ErrorKind};
 use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
@@ -596,7 +596,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
         // Each choice streams on its own, its chunks interleaved with the others' by `index`.
         let (stops, prompt_tokens) = (job.stop.clone(), job.prompt.len());
         let (created, include_usage) = (unix_time(), r.stream_options.and_then(|o| o.include_usage).unwrap_or(false));
-        let streams = submit_all(jobs, &state, model, "messages")?
+        let streams = submit_all(jobs, &state, model, Asked { prompt: "messages", count: "n" })?
             .into_iter()
             .enumerate()
             .map(|(index, (events, _))| {
@@ -619,7 +619,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
         return Ok(stream_many(streams, n, stops, model.text.clone(), state.clone(), log));
     }
 
-    let done = run_all(jobs, &state, model, "messages", &log).await?;
+    let done = run_all(jobs, &state, model, Asked { prompt: "messages", count: "n" }, &log).await?;
     let choices: Vec<Value> = done
         .iter()
         .enumerate()
@@ -926,13 +926,14 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
         let job = make_job(ids.clone());
         jobs.extend((0..n).map(|i| job.with_seed_offset(i)));
     }
+    let asked = Asked { prompt: "prompt", count: if n > 1 { "n" } else { "prompt" } };
     if stream {
         // Each answer is a choice of its own, its chunks interleaved with the others' by `index`.
         let lens: Vec<usize> = jobs.iter().map(|j| j.prompt.len()).collect();
         let texts: Vec<String> = prompts.iter().flat_map(|(text, _)| std::iter::repeat_n(text.clone(), n)).collect();
         let created = unix_time();
         let include_usage = r.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
-        let streams = submit_all(jobs, &state, model, "prompt")?
+        let streams = submit_all(jobs, &state, model, asked)?
             .into_iter()
             .zip(texts)
             .zip(lens)
@@ -956,7 +957,7 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
         return Ok(stream_many(streams, n, stop, model.text.clone(), state.clone(), log));
     }
 
-    let done = run_all(jobs, &state, model, "prompt", &log).await?;
+    let done = run_all(jobs, &state, model, asked, &log).await?;
     let mut choices = Vec::new();
     let (mut prompt_tokens, mut cached, mut completion_tokens) = (0, 0, 0);
     for (i, c) in done.iter().enumerate() {

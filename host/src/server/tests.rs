@@ -331,6 +331,25 @@ async fn chat_answers_with_usage_and_passes_the_request_through() {
     let usage = &chunks.last().unwrap()["usage"];
     assert_eq!(usage["prompt_tokens"], v["usage"]["prompt_tokens"], "{usage} {v}");
     assert_eq!(usage["completion_tokens"].as_u64(), v["usage"]["completion_tokens"].as_u64().map(|c| c / 2 * 3));
+
+    // More answers than the slots and the queue hold: refused by the field that asked for them.
+    let small =
+        start_templated(ServerConfig { parallel: 1, queue_limit: 2, ..config() }, Fake::default(), true, CHATML, 2048)
+            .await;
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    for (route, body, param) in [
+        ("/v1/chat/completions", json!({"messages": hi, "n": 4}), "n"),
+        ("/v1/completions", json!({"prompt": "a", "n": 4}), "n"),
+        ("/v1/completions", json!({"prompt": ["a", "b", "c", "d"]}), "prompt"),
+    ] {
+        let (status, v) = small.post(route, body).await;
+        assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{route}: {v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("at most 3"), "{v}");
+    }
+    // (llama-server's errors name no field.)
+    let (status, v) = small.post("/completion", json!({"prompt": ["a", "b", "c", "d"]})).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("at most 3"), "{v}");
 }
 
 #[tokio::test]
