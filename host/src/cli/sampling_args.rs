@@ -10,7 +10,7 @@ use crate::engine::{SamplingOverrides, Step};
 #[derive(Args, Debug, Clone, Default)]
 pub struct SamplingArgs {
     /// Temperature; 0 = greedy.
-    #[arg(long = "temp", visible_alias = "temperature")]
+    #[arg(long = "temp", visible_alias = "temperature", allow_negative_numbers = true)]
     pub temp: Option<f32>,
     /// Keep the K most likely tokens (0 = off).
     #[arg(long = "top-k", env = "LLAMA_ARG_TOP_K", allow_negative_numbers = true)]
@@ -105,11 +105,16 @@ impl SamplingArgs {
         if let Some(b) = self.dry_base.filter(|b| b.is_nan() || *b < 1.0) {
             bail!("--dry-base must be at least 1, got {b}");
         }
-        let breakers = match self.dry_sequence_breaker.as_slice() {
-            [] => None,
-            list if list.iter().any(|b| b == "none") => Some(Vec::new()),
-            list => Some(list.to_vec()),
-        };
+        // As llama.cpp: the first breaker given replaces the defaults; "none" empties the list so far.
+        let breakers = (!self.dry_sequence_breaker.is_empty()).then(|| {
+            self.dry_sequence_breaker.iter().fold(Vec::new(), |mut list, b| {
+                match b.as_str() {
+                    "none" => list.clear(),
+                    b => list.push(b.to_string()),
+                }
+                list
+            })
+        });
         let chain = match (&self.samplers, &self.sampling_seq) {
             (Some(names), _) => Some(chain_of(names.split(';').map(Step::from_name))?),
             (None, Some(letters)) => Some(chain_of(letters.chars().map(Step::from_letter))?),
@@ -194,9 +199,12 @@ mod tests {
         assert_eq!((o.dry_last_n, o.mirostat, o.mirostat_tau), (Some(usize::MAX), Some(2), Some(4.0)));
         assert_eq!(o.chain, Some(vec![Step::TopK, Step::TypicalP, Step::TopP, Step::Temperature]));
         assert_eq!((o.top_k, o.seed), (Some(0), None));
-        let o = parse(&["--sampling-seq", "kpt", "--dry-sequence-breaker", "none"]).unwrap();
+        let o = parse(&["--sampling-seq", "kpt", "--dry-sequence-breaker", "none", "--temp", "-1"]).unwrap();
         assert_eq!(o.chain, Some(vec![Step::TopK, Step::TopP, Step::Temperature]));
-        assert_eq!(o.dry_sequence_breakers, Some(Vec::new()));
+        assert_eq!((o.dry_sequence_breakers, o.temperature), (Some(Vec::new()), Some(0.0)));
+        let o =
+            parse(&["--dry-sequence-breaker", "a", "--dry-sequence-breaker", "none", "--dry-sequence-breaker", "b"]);
+        assert_eq!(o.unwrap().dry_sequence_breakers, Some(vec!["b".to_string()]));
     }
 
     #[test]

@@ -172,7 +172,7 @@ impl Session {
             }
             let next = match &mut rows {
                 StepRows::Full(logits) if logits.len() >= vocab => sampler.sample(&mut logits[..vocab], &history),
-                StepRows::Top { ids, values, .. } if !ids.is_empty() => sampler.sample_top(ids, values),
+                StepRows::Top { ids, values, .. } if !ids.is_empty() => sampler.sample_top(ids, values, &history),
                 _ => bail!("internal: the model returned no logits"),
             };
             let step = out.push(tokenizer, next).map_err(|e| anyhow::anyhow!(e))?;

@@ -976,13 +976,16 @@ fn sample_next(
             }
             (token, model_row)
         }
-        (None, Row::Top(ids, values)) => (seq.sampler.sample_top(ids, values), None),
+        (None, Row::Top(ids, values)) => (seq.sampler.sample_top(ids, values, &seq.tokens), None),
     };
     // A token the engine wrote in (a thought's close) is not the answer's: the grammar holds what
     // follows.
     if let Some(c) = seq.held().filter(|_| forced.is_none()) {
         c.accept(token).map_err(|e| format!("token {token} does not follow the answer's grammar: {e}"))?;
     }
+    // A stop string does not end a thought whose answer a grammar holds: the answer would be missing.
+    let in_thought = seq.thought.as_ref().is_some_and(Thought::inside);
+    seq.text.match_stops(!(in_thought && seq.constraint.is_some()));
     let step = seq.text.push(tokenizer, token)?;
     let mut logprobs = Vec::new();
     let mut tokens = Vec::new();

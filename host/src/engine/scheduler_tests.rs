@@ -369,6 +369,16 @@ fn a_grammar_holds_what_follows_the_thought() {
     assert_eq!(eager.tokens.get(6..6 + close.len()), Some(&close[..]), "{eager:?}");
     let (_, answer) = eager.text.split_once("</think>").unwrap_or_else(|| panic!("{:?}", eager.text));
     serde_json::from_str::<serde_json::Value>(answer.trim()).unwrap_or_else(|e| panic!("{e}: {answer:?}"));
+    // Nor does a stop string end it there (unconstrained, the same stop ends the thought).
+    req.sampling.logit_bias.clear();
+    let thought = tok.decode(&free.tokens[2..4]).unwrap();
+    req.stop = vec![thought.clone()];
+    let stopped = solo(&req);
+    let (_, answer) = stopped.text.split_once("</think>").unwrap_or_else(|| panic!("{thought:?}: {stopped:?}"));
+    serde_json::from_str::<serde_json::Value>(answer.trim()).unwrap_or_else(|e| panic!("{e}: {answer:?}"));
+    let mut unheld = req.clone();
+    unheld.constraint = None;
+    assert!(!solo(&unheld).text.contains("</think>"), "the stop string is in the thought");
 }
 
 /// A forced call: the answer is a Hermes `<tool_call>` to the named tool, its arguments fitting the

@@ -10,6 +10,8 @@ use crate::text::TextTokenizer;
 /// The text state of one sequence's generation.
 pub struct StreamingText {
     stop: StopMatcher,
+    /// Whether stop strings are looked for in the next token's text (see [`StreamingText::match_stops`]).
+    stops_on: bool,
     ignore_eos: bool,
     max_tokens: usize,
     generated: usize,
@@ -86,6 +88,7 @@ impl StreamingText {
     pub fn new(stop: &[String], ignore_eos: bool, max_tokens: usize) -> Self {
         StreamingText {
             stop: StopMatcher::new(stop),
+            stops_on: true,
             ignore_eos,
             max_tokens,
             generated: 0,
@@ -136,6 +139,12 @@ impl StreamingText {
         self.generated >= self.max_tokens
     }
 
+    /// Whether the next tokens' text may end the answer at a stop string: not inside a thought whose
+    /// answer a grammar must hold (the answer would end before it).
+    pub fn match_stops(&mut self, on: bool) {
+        self.stops_on = on;
+    }
+
     /// Takes the next sampled token.
     pub fn push(&mut self, tokenizer: &TextTokenizer, token: u32) -> Result<TokenStep, String> {
         if !self.ignore_eos && (tokenizer.eos_ids.contains(&token) || self.end_tokens.contains(&token)) {
@@ -164,7 +173,10 @@ impl StreamingText {
             false => piece,
         };
         let mut text = String::new();
-        if let Some(piece) = piece {
+        if !self.stops_on {
+            // Text held back as a possible stop's start goes out with this piece, unmatched.
+            text = self.stop.flush() + &piece.unwrap_or_default();
+        } else if let Some(piece) = piece {
             match self.stop.push(&piece) {
                 StopResult::Continue(s) => text = s,
                 StopResult::Stopped(s) => {

@@ -13,9 +13,10 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::completion::{collect, new_id, stream_response, submit, Ending, Job, Live, StreamDialect};
-use super::error::{parse_body, ApiError, Dialect};
+use super::error::{parse_body_with, ApiError, Dialect};
 use super::openai::{chat_prompt, StopField};
 use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
+use super::samplers::LlamaSamplers;
 use super::state::{AppState, LoadedModel, RequestLog};
 use super::structured;
 use super::tools::{pieces_through, shown_tags, CallParser, Forced, Piece, ToolCall, Tooling};
@@ -325,7 +326,7 @@ pub async fn messages(
 
 async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Result<Response, ApiError> {
     let model = state.ready()?;
-    let r: MessagesRequest = parse_body(body)?;
+    let (r, llama_samplers): (MessagesRequest, LlamaSamplers) = parse_body_with(body)?;
     let max_tokens = r.max_tokens.ok_or_else(|| ApiError::field("max_tokens", "max_tokens: Field required"))?;
     let Prompt { text: prompt_text, ids: prompt, tools, budget } = prompt_of(&state, model, &r)?;
     let format = reasoning::request_format(&state, r.reasoning_format.as_deref(), true)?;
@@ -337,6 +338,7 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
     sampling.temperature = r.temperature.unwrap_or(sampling.temperature);
     sampling.top_p = r.top_p.unwrap_or(sampling.top_p);
     sampling.top_k = r.top_k.unwrap_or(sampling.top_k);
+    llama_samplers.apply(&mut sampling)?;
     let prompt_tokens = prompt.len();
     let mut job = Job::new(prompt, sampling);
     job.max_tokens = Some(max_tokens as usize);
@@ -537,7 +539,8 @@ impl StreamDialect for MessageStream {
 pub async fn count_tokens(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let run = || -> Result<Response, ApiError> {
         let model = state.ready()?;
-        let r: MessagesRequest = parse_body(&body)?;
+        // (The sampler settings a generating request may carry do not change the count.)
+        let (r, _): (MessagesRequest, LlamaSamplers) = parse_body_with(&body)?;
         let n = prompt_of(&state, model, &r)?.ids.len();
         Ok(Json(json!({"input_tokens": n})).into_response())
     };

@@ -62,8 +62,7 @@ pub fn check(field: &Unread, body: &Map<String, Value>) -> Result<(), ApiError> 
 }
 
 /// Why a sampler setting that would act is refused where it is not read.
-const SAMPLER_ROUTES: &str =
-    "llama.cpp's sampler settings are read by /completion, /infill, /v1/chat/completions and /v1/completions";
+const SAMPLER_ROUTES: &str = "llama.cpp's sampler settings are read by the routes that generate text";
 
 /// `Some(Ok)` for a known field at a value where it changes nothing, `Some(Err(why))` for a known
 /// field at a value that would act, `None` for a field this server does not know.
@@ -91,8 +90,9 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
         // Read by the chat routes; inert where only a template is rendered.
         "parallel_tool_calls" => ok(v.is_boolean(), "expected true or false"),
         "modalities" => ok(v.is_null() || v == &serde_json::json!(["text"]), "this server answers in text only"),
-        // llama-server's sampler settings: read by the routes its clients send them to (see
-        // [`samplers`](super::samplers)); elsewhere inert at their "off" values only.
+        // llama-server's sampler settings: read by every generating route (and by the token-count
+        // routes, which ignore them; see [`samplers`](super::samplers)); elsewhere inert at their
+        // "off" values only.
         "typical_p" | "typ_p" => ok(num(1.0), SAMPLER_ROUTES),
         "mirostat" => ok(num(0.0), SAMPLER_ROUTES),
         "mirostat_tau" | "mirostat_eta" => ok(off("mirostat", 0.0), SAMPLER_ROUTES),
@@ -176,7 +176,7 @@ mod tests {
         }
         let e = check(&top("dry_multiplier"), &b).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("dry_multiplier"));
-        assert!(e.message.contains("read by /completion"), "{}", e.message);
+        assert!(e.message.contains("routes that generate"), "{}", e.message);
         // A sampler's setting is inert only while the sampler is off.
         let b = body(json!({"mirostat": 2, "mirostat_tau": 5.0}));
         assert!(check(&top("mirostat_tau"), &b).is_err());

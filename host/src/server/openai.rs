@@ -17,7 +17,7 @@ use super::completion::{
     data, logit_bias, new_id, run_all, stream_many, submit_all, timings, token_label, unix_time, Asked, Ending, Job,
     Live, StreamDialect, StreamExtras,
 };
-use super::error::{parse_body, parse_body_with, ApiError, Dialect, ErrorKind};
+use super::error::{parse_body_with, ApiError, Dialect, ErrorKind};
 use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
 use super::samplers::LlamaSamplers;
 use super::state::{AppState, LoadedModel, RequestLog};
@@ -529,7 +529,8 @@ fn chat_prompt_of(
 pub async fn chat_input_tokens(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let run = || -> Result<Response, ApiError> {
         let model = state.ready()?;
-        let r: ChatRequest = parse_body(&body)?;
+        // (The sampler settings a generating request may carry do not change the count.)
+        let (r, _): (ChatRequest, LlamaSamplers) = parse_body_with(&body)?;
         let tooling = request_tools(model, &r.tools, r.tool_choice.as_ref(), r.parallel_tool_calls)?;
         let n = chat_prompt_of(&state, model, &r, tooling.as_ref())?.ids.len();
         Ok(Json(json!({"object": "response.input_tokens", "input_tokens": n})).into_response())

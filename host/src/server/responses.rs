@@ -16,9 +16,10 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::completion::{collect, new_id, stream_response, submit, unix_time, Ending, Job, Live, StreamDialect};
-use super::error::{parse_body, ApiError, Dialect};
+use super::error::{parse_body_with, ApiError, Dialect};
 use super::openai::{chat_prompt, request_tools, SamplingFields, TemplatedPrompt};
 use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
+use super::samplers::LlamaSamplers;
 use super::state::{AppState, LoadedModel, RequestLog};
 use super::structured;
 use super::tools::{pieces_through, CallParser, Piece, ToolCall, Tooling};
@@ -321,7 +322,8 @@ fn asked_effort(r: &ResponsesRequest) -> Result<Option<&str>, ApiError> {
 pub async fn input_tokens(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let run = || -> Result<Response, ApiError> {
         let model = state.ready()?;
-        let r: ResponsesRequest = parse_body(&body)?;
+        // (The sampler settings a generating request may carry do not change the count.)
+        let (r, _): (ResponsesRequest, LlamaSamplers) = parse_body_with(&body)?;
         let tooling = tooling_of(model, &r)?;
         let n = prompt_of(&state, model, &r, tooling.as_ref())?.ids.len();
         Ok(Json(json!({"object": "response.input_tokens", "input_tokens": n})).into_response())
@@ -331,7 +333,7 @@ pub async fn input_tokens(State(state): State<Arc<AppState>>, body: Bytes) -> Re
 
 async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Result<Response, ApiError> {
     let model = state.ready()?;
-    let r: ResponsesRequest = parse_body(body)?;
+    let (r, llama_samplers): (ResponsesRequest, LlamaSamplers) = parse_body_with(body)?;
     let tooling = tooling_of(model, &r)?;
     let schema = structured::requested_schema(r.text.as_ref().and_then(|t| t.get("format")), "text.format")?;
     structured::refuse_with_tools(schema.is_some(), tooling.is_some(), "text.format")?;
@@ -339,7 +341,9 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
         prompt_of(&state, model, &r, tooling.as_ref())?;
     let (temperature, top_p) = (r.temperature.map(|t| t as f32), r.top_p.map(|p| p as f32));
     let sampling = SamplingFields { temperature, top_p, ..Default::default() };
-    let mut job = Job::new(prompt, sampling.apply(&model.facts.default_sampling, model.facts.ctx_size)?);
+    let mut sampling = sampling.apply(&model.facts.default_sampling, model.facts.ctx_size)?;
+    llama_samplers.apply(&mut sampling)?;
+    let mut job = Job::new(prompt, sampling);
     job.max_tokens = match r.max_output_tokens {
         None => None,
         Some(n) if n >= 1 => Some(n as usize),

@@ -996,10 +996,14 @@ async fn unread_fields_are_refused_by_name_and_inert_ones_pass() {
     assert_eq!((s.last_request().sampling.mirostat, s.last_request().sampling.mirostat_tau), (2, 4.0));
     let (status, v) = s.post("/completion", json!({"prompt": "x", "mirostat": 3})).await;
     assert_eq!((status, v["error"]["code"].as_i64()), (400, Some(400)), "{v}");
+    // Every generating route reads them (Anthropic's too, as llama-server does); others refuse them on.
     let msg = json!({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}], "dry_multiplier": 0.8});
     let (status, v) = s.post("/v1/messages", msg).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(s.last_request().sampling.dry.multiplier, 0.8);
+    let (status, v) = s.post("/tokenize", json!({"content": "hi", "dry_multiplier": 0.8})).await;
     assert_eq!(status, 400, "{v}");
-    assert!(v["error"]["message"].as_str().unwrap().contains("read by /completion"), "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("routes that generate"), "{v}");
     let (status, v) = s.post("/v1/completions", json!({"prompt": "x", "grammar": "root ::= \"yes\""})).await;
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("grammar")), "{v}");
     let webui = json!({"prompt": "x", "n_predict": 2, "mirostat": 0, "mirostat_tau": 5, "typical_p": 1, "dry_multiplier": 0,

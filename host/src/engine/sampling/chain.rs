@@ -168,7 +168,8 @@ impl Candidates {
         let max = finite().map(|c| c.logit).fold(self.items[0].logit, f32::max);
         let count = finite().count();
         let mean = if count > 0 { finite().map(|c| c.logit).sum::<f32>() / count as f32 } else { 0.0 };
-        let acc: f32 = finite().map(|c| (f64::from(c.logit - mean)).powi(2) as f32).sum();
+        // (Each square in f64, the sum in f32, as llama.cpp's `acc += pow(d, 2)`.)
+        let acc = finite().fold(0f32, |acc, c| (f64::from(acc) + f64::from(c.logit - mean).powi(2)) as f32);
         let std = if count > 0 { (acc / count as f32).sqrt() } else { 0.0 };
         for c in &mut self.items {
             if c.logit < max - n * std {
@@ -274,14 +275,14 @@ impl Candidates {
         let total: f64 = self.items.iter().map(|c| f64::from(c.p)).sum();
         let u = rng.gen::<f64>();
         let mut cum = 0.0f64;
-        let last = self.items.len() - 1;
         for (i, c) in self.items.iter().enumerate() {
             cum += f64::from(c.p) / total;
-            if i == last || (c.p > 0.0 && cum >= u) {
+            if c.p > 0.0 && cum >= u {
                 return i;
             }
         }
-        last
+        // Rounding left `u` past the sum: the last candidate with any probability.
+        self.items.iter().rposition(|c| c.p > 0.0).unwrap_or(0)
     }
 
     /// Mirostat (version 1): estimates the distribution's Zipf exponent from its best `m`, keeps the

@@ -33,6 +33,8 @@ impl DryBreakers {
         let mut heads: HashMap<u32, Vec<Vec<u32>>> = HashMap::new();
         for breaker in breakers.iter().filter(|b| !b.is_empty()) {
             let b = &breaker.as_bytes()[..breaker.len().min(MAX_BREAKER_BYTES)];
+            // The rest of the breaker after each possible first part, tokenized once.
+            let mut tails: HashMap<usize, Vec<u32>> = HashMap::new();
             for id in 0..texts.len() as u32 {
                 let word = texts.full_text(id);
                 if contains(word, b) {
@@ -43,9 +45,12 @@ impl DryBreakers {
                 for pos in (0..word.len()).filter(|&p| word[p] == b[0]) {
                     let matched = (word.len() - pos).min(b.len());
                     if word[pos..pos + matched] == b[..matched] && matched < b.len() {
-                        let mut tail = tokenize(&String::from_utf8_lossy(&b[matched..]));
-                        tail.truncate(MAX_TAIL_TOKENS);
-                        add(&mut heads, id, tail);
+                        let tail = tails.entry(matched).or_insert_with(|| {
+                            let mut t = tokenize(&String::from_utf8_lossy(&b[matched..]));
+                            t.truncate(MAX_TAIL_TOKENS);
+                            t
+                        });
+                        add(&mut heads, id, tail.clone());
                     }
                 }
             }

@@ -99,18 +99,32 @@ impl Sampler {
             && !p.chain.iter().any(|&s| matches!(s, Step::TypicalP | Step::Xtc | Step::Infill) && p.acts(s))
     }
 
-    /// The steps that move logits (penalties, DRY) and act before a greedy pick.
-    fn moves_before_greedy(&self) -> Vec<Step> {
+    /// Whether a step that moves logits (penalties, DRY) acts before a greedy pick: the pick is then
+    /// the best after every step before the temperature, not simply the row's best.
+    fn moves_before_greedy(&self) -> bool {
         let p = &self.params;
-        if p.mirostat > 0 {
-            return Vec::new();
+        p.mirostat == 0
+            && p.chain
+                .iter()
+                .take_while(|&&s| s != Step::Temperature)
+                .any(|&s| matches!(s, Step::Penalties | Step::Dry) && p.acts(s))
+    }
+
+    /// The greedy pick from `cand`: the first best after the steps before the temperature (where
+    /// some move logits; the cuts among them keep the best, so alone they change nothing).
+    fn greedy_pick(&mut self, mut cand: Candidates, history: &[u32]) -> u32 {
+        if self.moves_before_greedy() {
+            let before: Vec<Step> =
+                self.params.chain.iter().take_while(|&&s| s != Step::Temperature).copied().collect();
+            for step in before {
+                self.apply(step, &mut cand, history);
+            }
         }
-        p.chain
-            .iter()
-            .take_while(|&&s| s != Step::Temperature)
-            .filter(|&&s| matches!(s, Step::Penalties | Step::Dry) && p.acts(s))
-            .copied()
-            .collect()
+        let best = cand.items.iter().fold(None::<chain::Cand>, |best, c| match best {
+            Some(b) if b.logit >= c.logit => Some(b),
+            _ => Some(*c),
+        });
+        best.map_or(0, |c| c.id)
     }
 
     /// How many of a row's largest logits this sampler needs, when that is all it needs: greedy
@@ -125,8 +139,8 @@ impl Sampler {
             return None;
         }
         let bans = p.logit_bias.len();
-        if self.greedy() {
-            return self.moves_before_greedy().is_empty().then_some(1 + bans);
+        if self.greedy() && !self.moves_before_greedy() {
+            return Some(1 + bans);
         }
         if p.mirostat > 0 {
             return None;
@@ -161,39 +175,28 @@ impl Sampler {
         }
         let vocab = logits.len();
         if self.greedy() {
-            let moves = self.moves_before_greedy();
-            if moves.is_empty() {
+            if !self.moves_before_greedy() {
                 return argmax(logits);
             }
-            let mut cand = Candidates::from_row(logits);
-            for step in moves {
-                self.apply(step, &mut cand, history);
-            }
-            return cand
-                .items
-                .iter()
-                .fold(None::<chain::Cand>, |best, c| match best {
-                    Some(b) if b.logit >= c.logit => Some(b),
-                    _ => Some(*c),
-                })
-                .map_or(0, |c| c.id);
+            return self.greedy_pick(Candidates::from_row(logits), history);
         }
         self.run(Candidates::from_row(logits), history, vocab)
     }
 
     /// [`Sampler::sample`] from a row's largest logits alone, best first (`ids[i]` has `values[i]`; at
-    /// least [`Sampler::top_k_needed`] of them): the same token the whole row would give.
-    pub fn sample_top(&mut self, ids: &[u32], values: &[f32]) -> u32 {
+    /// least [`Sampler::top_k_needed`] of them): the same token the whole row would give. (Penalties
+    /// and DRY after the top-k move the survivors' logits by `history`.)
+    pub fn sample_top(&mut self, ids: &[u32], values: &[f32], history: &[u32]) -> u32 {
         debug_assert!(self.only_bans(), "other biases need the whole row");
         let bans = &self.params.logit_bias;
         let cand = Candidates::from_sorted(
             ids.iter().copied().zip(values.iter().copied()).filter(|(id, _)| !bans.iter().any(|(b, _)| b == id)),
         );
         if self.greedy() {
-            return cand.items.first().map_or(0, |c| c.id);
+            return self.greedy_pick(cand, history);
         }
         let vocab = cand.len();
-        self.run(cand, &[], vocab)
+        self.run(cand, history, vocab)
     }
 
     /// The chain over `cand`, then the draw (or Mirostat in place of both).
@@ -339,6 +342,9 @@ mod tests {
         let mut order: Vec<u32> = (0..500).collect();
         order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]).then(a.cmp(&b)));
         let bans = vec![(order[0], f32::NEG_INFINITY), (order[3], f32::NEG_INFINITY), (499, f32::NEG_INFINITY)];
+        // The best tokens said before, some twice (for the penalties and DRY after a top-k).
+        let history: Vec<u32> = [order[1], order[2], order[5], order[1], order[2]].to_vec();
+        let dry = DryParams { multiplier: 2.0, base: 1.5, allowed_length: 1, ..Default::default() };
         for params in [
             SamplingParams::greedy(),
             SamplingParams { seed: Some(5), ..Default::default() },
@@ -352,6 +358,21 @@ mod tests {
                 chain: vec![Step::Temperature, Step::MinP, Step::TopK, Step::TopP],
                 seed: Some(5),
                 ..Default::default()
+            },
+            // Penalties and DRY after the top-k move only its survivors; greedy picks after them.
+            SamplingParams {
+                repeat_penalty: 1.5,
+                frequency_penalty: 0.5,
+                chain: vec![Step::TopK, Step::Penalties, Step::Dry, Step::Temperature],
+                dry: dry.clone(),
+                seed: Some(6),
+                ..Default::default()
+            },
+            SamplingParams {
+                top_k: 3,
+                repeat_penalty: 3.0,
+                chain: vec![Step::TopK, Step::Penalties, Step::Temperature],
+                ..SamplingParams::greedy()
             },
             // Banned tokens (ignore_eos bans the ends) among the best: the backend brings back more.
             SamplingParams { logit_bias: bans.clone(), ..SamplingParams::greedy() },
@@ -372,7 +393,8 @@ mod tests {
             let values: Vec<f32> = ids.iter().map(|&i| logits[i as usize]).collect();
             let (mut whole, mut top) = (Sampler::new(params.clone()), Sampler::new(params.clone()));
             for _ in 0..30 {
-                assert_eq!(whole.sample(&mut logits.clone(), &[]), top.sample_top(ids, &values), "{params:?}");
+                let want = whole.sample(&mut logits.clone(), &history);
+                assert_eq!(want, top.sample_top(ids, &values, &history), "{params:?}");
             }
         }
         // Samplers that read or move the whole row first.

@@ -241,8 +241,11 @@ impl SamplingParams {
         if !self.temperature.is_finite() || self.temperature < 0.0 {
             return Err(format!("temperature must be ≥ 0, got {}", self.temperature));
         }
-        if !self.dynatemp_range.is_finite() || !self.dynatemp_exponent.is_finite() {
-            return Err("dynatemp_range and dynatemp_exponent must be finite".into());
+        if !self.dynatemp_range.is_finite() {
+            return Err(format!("dynatemp_range must be finite, got {}", self.dynatemp_range));
+        }
+        if !self.dynatemp_exponent.is_finite() {
+            return Err(format!("dynatemp_exponent must be finite, got {}", self.dynatemp_exponent));
         }
         for (name, v) in [("top_p", self.top_p), ("min_p", self.min_p), ("typical_p", self.typical_p)] {
             if !(0.0..=1.0).contains(&v) {
@@ -261,14 +264,17 @@ impl SamplingParams {
         if !self.repeat_penalty.is_finite() || self.repeat_penalty <= 0.0 {
             return Err(format!("repeat_penalty must be > 0, got {}", self.repeat_penalty));
         }
-        if !self.presence_penalty.is_finite() || !self.frequency_penalty.is_finite() {
-            return Err("presence_penalty and frequency_penalty must be finite".into());
+        if !self.presence_penalty.is_finite() {
+            return Err("presence_penalty must be finite".into());
         }
-        if !self.dry.multiplier.is_finite() || self.dry.multiplier < 0.0 || !self.dry.base.is_finite() {
-            return Err(format!(
-                "dry_multiplier must be ≥ 0 and dry_base finite, got {} and {}",
-                self.dry.multiplier, self.dry.base
-            ));
+        if !self.frequency_penalty.is_finite() {
+            return Err("frequency_penalty must be finite".into());
+        }
+        if !self.dry.multiplier.is_finite() || self.dry.multiplier < 0.0 {
+            return Err(format!("dry_multiplier must be ≥ 0, got {}", self.dry.multiplier));
+        }
+        if !self.dry.base.is_finite() {
+            return Err(format!("dry_base must be finite, got {}", self.dry.base));
         }
         if self.dry.active() && self.dry.sequence_breakers.iter().any(String::is_empty) {
             return Err("dry_sequence_breakers must not hold an empty string".into());
@@ -276,8 +282,11 @@ impl SamplingParams {
         if self.mirostat > 2 {
             return Err(format!("mirostat must be 0 (off), 1 or 2, got {}", self.mirostat));
         }
-        if self.mirostat > 0 && !(self.mirostat_tau.is_finite() && self.mirostat_eta.is_finite()) {
-            return Err("mirostat_tau and mirostat_eta must be finite".into());
+        if self.mirostat > 0 && !self.mirostat_tau.is_finite() {
+            return Err(format!("mirostat_tau must be finite, got {}", self.mirostat_tau));
+        }
+        if self.mirostat > 0 && !self.mirostat_eta.is_finite() {
+            return Err(format!("mirostat_eta must be finite, got {}", self.mirostat_eta));
         }
         if let Some((t, b)) = self.logit_bias.iter().find(|(_, b)| b.is_nan() || *b == f32::INFINITY) {
             return Err(format!("logit_bias of token {t} must be a number or -inf, got {b}"));
