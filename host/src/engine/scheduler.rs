@@ -785,8 +785,9 @@ impl<M: StepModel> Scheduler<M> {
     /// Runs the planned chunks as one forward pass, then samples and streams for every sequence that
     /// asked for logits. Returns the sequences that ended, `(index in running, how)`, in order.
     ///
-    /// When every sampling sequence of the step needs only a row's largest logits (greedy, top-k, no
-    /// penalties, no log-probabilities), the backend selects them and the rows never come back whole.
+    /// When every sampling sequence of the step needs only a row's largest logits (greedy, or a top-k
+    /// as the first cut; no penalties or DRY before it, no log-probabilities), the backend selects them
+    /// and the rows never come back whole.
     fn run(&mut self, plan: &[(usize, usize)]) -> Vec<(usize, Outcome)> {
         let mut top_k = Some(0);
         let chunks: Vec<SeqChunk> = plan
@@ -984,7 +985,8 @@ fn sample_next(
         c.accept(token).map_err(|e| format!("token {token} does not follow the answer's grammar: {e}"))?;
     }
     // A stop string does not end a thought whose answer a grammar holds: the answer would be missing.
-    let in_thought = seq.thought.as_ref().is_some_and(Thought::inside);
+    // (The close the engine writes for a budget is the thought's too, to its last token.)
+    let in_thought = forced.is_some() || seq.thought.as_ref().is_some_and(Thought::inside);
     seq.text.match_stops(!(in_thought && seq.constraint.is_some()));
     let step = seq.text.push(tokenizer, token)?;
     let mut logprobs = Vec::new();

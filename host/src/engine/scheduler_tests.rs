@@ -13,7 +13,7 @@ use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::*;
 use crate::engine::runner::{RowsWanted, StepRows};
-use crate::engine::sampling::SamplingParams;
+use crate::engine::sampling::{SamplingParams, Step};
 
 const VOCAB: usize = 320;
 
@@ -379,6 +379,11 @@ fn a_grammar_holds_what_follows_the_thought() {
     let mut unheld = req.clone();
     unheld.constraint = None;
     assert!(!solo(&unheld).text.contains("</think>"), "the stop string is in the thought");
+    // Nor a stop string in the close the engine writes for the budget (it ends "\n\n").
+    req.stop = vec!["\n\n".into()];
+    let closed = solo(&req);
+    let (_, answer) = closed.text.split_once("</think>").unwrap_or_else(|| panic!("{closed:?}"));
+    serde_json::from_str::<serde_json::Value>(answer.trim()).unwrap_or_else(|e| panic!("{e}: {answer:?}"));
 }
 
 /// A forced call: the answer is a Hermes `<tool_call>` to the named tool, its arguments fitting the
@@ -831,6 +836,28 @@ fn steps_bring_back_only_the_top_k_their_samplers_need() {
     let mut c = vec![submit(&mut s, 1, penalised).unwrap()];
     drain(&mut s, &mut c);
     assert!(s.model().wants.iter().all(|w| *w == RowsWanted::Full));
+
+    // Penalties after the top-k: served from the top-k, the survivors moved by the sequence's own
+    // tokens — the answer whole rows give (greedy, so a penalty that demotes the best shows).
+    // (A long prompt: the model's best tokens are often among those already said.)
+    let mut after = request(prompt(6, 120), 12);
+    after.sampling.top_k = 3;
+    after.sampling.repeat_penalty = 50.0;
+    after.sampling.penalty_last_n = 256;
+    after.sampling.chain = vec![Step::TopK, Step::Penalties, Step::Temperature];
+    let mut forcing = request(prompt(4, 30), 40);
+    forcing.logprobs = Some(2);
+    let mut s = scheduler(CheckingModel::new(256, 16, 2048), opts(2));
+    let mut c = vec![submit(&mut s, 1, after.clone()).unwrap(), submit(&mut s, 2, forcing).unwrap()];
+    drain(&mut s, &mut c);
+    let mut t = scheduler(CheckingModel::new(256, 16, 2048), opts(1));
+    let mut d = vec![submit(&mut t, 1, after.clone()).unwrap()];
+    drain(&mut t, &mut d);
+    assert!(t.model().wants.iter().all(|w| *w == RowsWanted::Top(3)), "{:?}", t.model().wants);
+    same_answer(&d[0].got, &c[0].got);
+    let mut unpenalised = after.clone();
+    unpenalised.sampling.repeat_penalty = 1.0;
+    assert_ne!(solo(&unpenalised).tokens, d[0].got.tokens, "the penalty changes the answer");
 }
 
 #[test]

@@ -927,7 +927,14 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
         let job = make_job(ids.clone());
         jobs.extend((0..n).map(|i| job.with_seed_offset(i)));
     }
-    let asked = Asked { prompt: "prompt", count: if n > 1 { "n" } else { "prompt" } };
+    let count = if n == 1 {
+        "prompt"
+    } else if r.n_cmpl.is_some() {
+        "n_cmpl"
+    } else {
+        "n"
+    };
+    let asked = Asked { prompt: "prompt", count };
     if stream {
         // Each answer is a choice of its own, its chunks interleaved with the others' by `index`.
         let lens: Vec<usize> = jobs.iter().map(|j| j.prompt.len()).collect();

@@ -1,9 +1,9 @@
 //! llama-server's sampler settings beyond OpenAI's — typical-p, top-nσ, XTC, DRY, dynamic
 //! temperature, Mirostat, `min_keep` — and `samplers`, which lists the samplers that run and their
-//! order, by name (`["top_k", "top_p", "infill"]`) or by letter (`"kpt"`). The routes llama-server's
-//! clients send them to (`/completion`, `/infill`, `/v1/chat/completions`, `/v1/completions`) read
-//! them with [`parse_body_with`](super::error::parse_body_with); elsewhere they are refused unless
-//! at their "off" values (see [`fields`](super::fields)).
+//! order, by name (`["top_k", "top_p", "infill"]`) or by letter (`"kpt"`). Every generating route
+//! reads them with [`parse_body_with`](super::error::parse_body_with), as llama-server reads them on
+//! all of its routes; the token-count routes read and drop them; elsewhere they are refused unless at
+//! their "off" values (see [`fields`](super::fields)).
 //!
 //! As in llama-server, names it does not know are skipped (older web UIs still send `tfs_z`);
 //! `adaptive_p`, a sampler this server lacks, is refused.

@@ -340,6 +340,7 @@ async fn chat_answers_with_usage_and_passes_the_request_through() {
     for (route, body, param) in [
         ("/v1/chat/completions", json!({"messages": hi, "n": 4}), "n"),
         ("/v1/completions", json!({"prompt": "a", "n": 4}), "n"),
+        ("/v1/completions", json!({"prompt": "a", "n_cmpl": 4}), "n_cmpl"),
         ("/v1/completions", json!({"prompt": ["a", "b", "c", "d"]}), "prompt"),
     ] {
         let (status, v) = small.post(route, body).await;
@@ -1001,6 +1002,21 @@ async fn unread_fields_are_refused_by_name_and_inert_ones_pass() {
     let (status, v) = s.post("/v1/messages", msg).await;
     assert_eq!(status, 200, "{v}");
     assert_eq!(s.last_request().sampling.dry.multiplier, 0.8);
+    let (status, v) = s.post("/v1/responses", json!({"input": "hi", "mirostat": 2, "samplers": "kt"})).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!((s.last_request().sampling.mirostat, s.last_request().sampling.chain.len()), (2, 2));
+    // The token-count routes take the same bodies (and drop the settings, which change no count).
+    for (route, body) in [
+        ("/v1/messages/count_tokens", json!({"messages": [{"role": "user", "content": "hi"}], "dry_multiplier": 0.8})),
+        (
+            "/v1/chat/completions/input_tokens",
+            json!({"messages": [{"role": "user", "content": "hi"}], "samplers": ["top_k"]}),
+        ),
+        ("/v1/responses/input_tokens", json!({"input": "hi", "typical_p": 0.5})),
+    ] {
+        let (status, v) = s.post(route, body).await;
+        assert_eq!(status, 200, "{route}: {v}");
+    }
     let (status, v) = s.post("/tokenize", json!({"content": "hi", "dry_multiplier": 0.8})).await;
     assert_eq!(status, 400, "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("routes that generate"), "{v}");

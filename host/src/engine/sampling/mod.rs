@@ -130,8 +130,9 @@ impl Sampler {
     /// How many of a row's largest logits this sampler needs, when that is all it needs: greedy
     /// decoding needs 1, sampling whose first cut is a top-k `top_k`, and one more for each banned
     /// token (a bias of -inf, as `ignore_eos` bans the ends) that may be among them. Penalties and
-    /// DRY (which can lift any token), other logit biases, and samplers that read the whole
-    /// distribution before a top-k (top-p, typical-p, top-nσ, Mirostat) need the whole row (`None`).
+    /// DRY before the top-k (they can lift any token), other logit biases, and samplers that read the
+    /// whole distribution before a top-k (top-p, typical-p, top-nσ, Mirostat) need the whole row
+    /// (`None`); penalties and DRY after it move only its survivors.
     /// The engine then has the backend select them.
     pub fn top_k_needed(&self) -> Option<usize> {
         let p = &self.params;
