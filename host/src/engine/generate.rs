@@ -134,7 +134,7 @@ impl Session {
 
         let t0 = Instant::now();
         let mut sampler = Sampler::new(opts.sampling.clone());
-        if let Some(breakers) = sampler.dry_breakers_needed() {
+        if let Some(breakers) = opts.sampling.dry_breakers_needed() {
             let table = DryBreakers::new(tokenizer, &TokenTexts::new(tokenizer), breakers);
             sampler = sampler.with_dry_breakers(std::sync::Arc::new(table));
         }

@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 use super::request::{EngineError, GenerationEvent, GenerationRequest};
+use super::sampling::{SamplingParams, VocabTables};
 use super::scheduler::{EngineOptions, EngineStats, QueueCounts, RequestLimits, Scheduler, StepModel, Submission};
 use crate::text::TextTokenizer;
 
@@ -30,6 +31,7 @@ struct Shared {
     limits: RequestLimits,
     options: EngineOptions,
     stats: Mutex<EngineStats>,
+    vocab: Arc<VocabTables>,
     thread: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -54,6 +56,7 @@ impl Engine {
             limits: scheduler.limits(),
             options: scheduler.options().clone(),
             stats: Mutex::new(scheduler.stats()),
+            vocab: scheduler.vocab_tables(),
             thread: Mutex::new(None),
         });
         let weak = Arc::downgrade(&shared);
@@ -138,13 +141,16 @@ pub struct EngineHandle {
 
 impl EngineHandle {
     /// Queues a request. Refuses at once what could never run (`Invalid`, `PromptTooLong`), a full
-    /// queue (`QueueFull`) and a stopped engine (`ShuttingDown`).
+    /// queue (`QueueFull`) and a stopped engine (`ShuttingDown`). Builds any vocabulary table its
+    /// sampler reads that no request built before (see [`sampler_ready`](Self::sampler_ready)), here
+    /// rather than on the engine thread.
     pub fn submit(&self, request: GenerationRequest) -> Result<RequestStream, EngineError> {
         let s = &self.shared;
         if !s.accepting.load(Ordering::SeqCst) {
             return Err(EngineError::ShuttingDown);
         }
         s.limits.check(&request)?;
+        s.vocab.prepare(&request.sampling);
         s.counts.try_enter(s.options.parallel, s.options.max_queue)?;
         let (events, receiver) = unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
@@ -156,6 +162,12 @@ impl EngineHandle {
             return Err(EngineError::ShuttingDown);
         }
         Ok(RequestStream { id, events: receiver, cancel })
+    }
+
+    /// Whether [`submit`](Self::submit) can make a sampler for `params` without first building a
+    /// vocabulary table (milliseconds of work: an async caller says it blocks when this is false).
+    pub fn sampler_ready(&self, params: &SamplingParams) -> bool {
+        self.shared.vocab.is_ready(params)
     }
 
     /// The latest snapshot (updated after every step). `queued` also counts requests submitted but

@@ -11,7 +11,7 @@
 //! [`Scheduler`] is synchronous and single-threaded (tests drive it step by step);
 //! [`Engine`](super::handle::Engine) runs it on its own thread behind channels.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,7 +23,7 @@ use super::kv_cache::{KvCache, SeqBlocks};
 use super::prefix_cache::{PrefixCache, ROOT};
 use super::request::{EngineError, GenerationEvent, GenerationRequest, TokenLogprob, Usage};
 use super::runner::{Logits, ModelRunner, RowsWanted, SeqChunk, StepRows};
-use super::sampling::{DryBreakers, TokenTexts};
+use super::sampling::VocabTables;
 use super::sampling::{Sampler, SamplingParams};
 use super::streaming_text::StreamingText;
 use super::thought::Thought;
@@ -388,10 +388,9 @@ pub struct Scheduler<M: StepModel> {
     counters: EngineCounters,
     /// The model's state epoch the running sequences' KV belongs to.
     epoch: u64,
-    /// Every token's text, for the infill sampler and DRY (made when a request first asks for it).
-    token_texts: std::sync::OnceLock<Arc<TokenTexts>>,
-    /// DRY's sequence breakers over the vocabulary, per list of breaker texts asked for.
-    dry_breakers: HashMap<Vec<String>, Arc<DryBreakers>>,
+    /// What the infill sampler and DRY read over the vocabulary, shared with the engine's handle,
+    /// which builds it before a request arrives here.
+    vocab: Arc<VocabTables>,
 }
 
 impl<M: StepModel> Scheduler<M> {
@@ -405,11 +404,10 @@ impl<M: StepModel> Scheduler<M> {
         Scheduler {
             cache: PrefixCache::new(model.kv_cache().block_size),
             model,
+            vocab: Arc::new(VocabTables::new(tokenizer.clone())),
             tokenizer,
             opts,
             reuse_prefixes,
-            token_texts: Default::default(),
-            dry_breakers: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
             free_slots: (0..parallel).rev().collect(),
@@ -429,6 +427,11 @@ impl<M: StepModel> Scheduler<M> {
 
     pub fn limits(&self) -> RequestLimits {
         RequestLimits::of(&self.model)
+    }
+
+    /// The vocabulary tables samplers read, for submitters to build before they submit.
+    pub fn vocab_tables(&self) -> Arc<VocabTables> {
+        self.vocab.clone()
     }
 
     /// The counts the queue limit is checked against, shared with submitters.
@@ -455,32 +458,12 @@ impl<M: StepModel> Scheduler<M> {
     pub fn enqueue(&mut self, sub: Submission) {
         let r = sub.request;
         self.counters.requests += 1;
-        let mut sampler = Sampler::new(r.sampling.clone());
-        if r.sampling.infill() {
-            let texts = self.token_texts.get_or_init(|| TokenTexts::new(&self.tokenizer)).clone();
-            // With ends ignored, the sampler has none to prefer (llama.cpp bans them then).
-            let ends = match r.ignore_eos {
-                true => Vec::new(),
-                false => self.tokenizer.eos_ids.iter().chain(&r.end_tokens).copied().collect(),
-            };
-            sampler = sampler.with_vocab(texts, ends);
-        }
-        if let Some(breakers) = sampler.dry_breakers_needed() {
-            let table = match self.dry_breakers.get(breakers) {
-                Some(t) => t.clone(),
-                None => {
-                    let texts = self.token_texts.get_or_init(|| TokenTexts::new(&self.tokenizer));
-                    let t = Arc::new(DryBreakers::new(&self.tokenizer, texts, breakers));
-                    // A few lists are in use at a time; a client sending ever new ones gets no cache.
-                    if self.dry_breakers.len() >= 16 {
-                        self.dry_breakers.clear();
-                    }
-                    self.dry_breakers.insert(breakers.to_vec(), t.clone());
-                    t
-                }
-            };
-            sampler = sampler.with_dry_breakers(table);
-        }
+        // With ends ignored, the infill sampler has none to prefer (llama.cpp bans them then).
+        let ends = match r.ignore_eos {
+            true => Vec::new(),
+            false => self.tokenizer.eos_ids.iter().chain(&r.end_tokens).copied().collect(),
+        };
+        let sampler = self.vocab.sampler(r.sampling.clone(), ends);
         self.waiting.push_back(Sequence {
             id: sub.id,
             prompt_len: r.prompt.len(),

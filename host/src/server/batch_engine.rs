@@ -46,7 +46,11 @@ impl Drop for BatchEngine {
 
 impl Generator for BatchEngine {
     fn submit(&self, req: GenerationRequest) -> Result<EventStream, EngineError> {
-        let mut stream = self.handle.submit(req)?;
+        let mut stream = match self.handle.sampler_ready(&req.sampling) {
+            true => self.handle.submit(req)?,
+            // A first infill or DRY request builds a table over the vocabulary (milliseconds).
+            false => super::blocking(|| self.handle.submit(req))?,
+        };
         let (tx, rx) = mpsc::channel(64);
         // Relay until the request ends or the HTTP side lets go of its receiver; either way `stream`
         // is dropped here, which cancels the request (its pages are freed within one step).

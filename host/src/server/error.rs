@@ -243,10 +243,6 @@ pub trait Shared: serde::de::DeserializeOwned {
     const FIELDS: &'static [&'static str];
 }
 
-impl Shared for super::samplers::LlamaSamplers {
-    const FIELDS: &'static [&'static str] = super::samplers::LlamaSamplers::FIELDS;
-}
-
 /// `T` from `body`, and the top-level fields named in `shared` that `T` left unread.
 fn parse<T: serde::de::DeserializeOwned>(
     body: &[u8],

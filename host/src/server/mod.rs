@@ -53,6 +53,16 @@ pub use state::{AppState, LoadedModel, RequestLog};
 /// and its web UI read before they have a key).
 const PUBLIC_PATHS: &[&str] = &["/health", "/v1/health", "/models", "/v1/models"];
 
+/// Runs `work`, which may take milliseconds of CPU, telling the runtime (where it has other workers)
+/// that it blocks, so that the worker's other connections move on meanwhile.
+pub(crate) fn blocking<T>(work: impl FnOnce() -> T) -> T {
+    use tokio::runtime::{Handle, RuntimeFlavor};
+    match Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(RuntimeFlavor::MultiThread) => tokio::task::block_in_place(work),
+        _ => work(),
+    }
+}
+
 /// Every route, with the layers around them.
 pub fn router(state: Arc<AppState>) -> Router {
     let limit = state.config.max_body_bytes;

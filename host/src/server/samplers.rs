@@ -11,8 +11,8 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::error::ApiError;
-use crate::engine::{SamplingParams, Step};
+use super::error::{ApiError, Shared};
+use crate::engine::{SamplingOverrides, SamplingParams, Step};
 
 /// The settings, as llama-server's request fields name them.
 #[derive(Deserialize, Debug, Default)]
@@ -36,9 +36,9 @@ pub struct LlamaSamplers {
     pub samplers: Option<Value>,
 }
 
-impl LlamaSamplers {
+impl Shared for LlamaSamplers {
     /// The request fields this type reads (its serde names and aliases).
-    pub const FIELDS: &'static [&'static str] = &[
+    const FIELDS: &'static [&'static str] = &[
         "typical_p",
         "typ_p",
         "top_n_sigma",
@@ -57,64 +57,72 @@ impl LlamaSamplers {
         "mirostat_eta",
         "samplers",
     ];
+}
 
+impl LlamaSamplers {
     /// These settings over `p` (the rest of the request's sampling), or the field at fault.
     pub fn apply(&self, p: &mut SamplingParams) -> Result<(), ApiError> {
-        fn set<T: Copy>(field: &mut T, v: Option<T>) {
-            if let Some(v) = v {
-                *field = v;
-            }
-        }
-        set(&mut p.typical_p, self.typical_p);
-        set(&mut p.top_n_sigma, self.top_n_sigma);
-        set(&mut p.xtc_probability, self.xtc_probability);
-        set(&mut p.xtc_threshold, self.xtc_threshold);
-        set(&mut p.dynatemp_range, self.dynatemp_range);
-        set(&mut p.dynatemp_exponent, self.dynatemp_exponent);
-        set(&mut p.dry.multiplier, self.dry_multiplier);
-        set(&mut p.mirostat_tau, self.mirostat_tau);
-        set(&mut p.mirostat_eta, self.mirostat_eta);
-        if let Some(k) = self.min_keep {
-            p.min_keep = usize::try_from(k).map_err(|_| ApiError::field("min_keep", "min_keep must be ≥ 0"))?;
-        }
-        if let Some(b) = self.dry_base {
-            // (llama-server puts a base under 1 back to its default; here it is refused, not ignored.)
-            if b.is_nan() || b < 1.0 {
-                return Err(ApiError::field("dry_base", format!("dry_base must be at least 1, got {b}")));
-            }
-            p.dry.base = b;
-        }
-        if let Some(n) = self.dry_allowed_length {
-            p.dry.allowed_length = usize::try_from(n)
-                .map_err(|_| ApiError::field("dry_allowed_length", "dry_allowed_length must be ≥ 0"))?;
-        }
-        if let Some(n) = self.dry_penalty_last_n {
-            p.dry.last_n = match n {
-                -1 => usize::MAX,
-                n => usize::try_from(n).map_err(|_| {
-                    ApiError::field("dry_penalty_last_n", "dry_penalty_last_n must be ≥ -1 (-1: the whole context)")
-                })?,
-            };
-        }
-        if let Some(b) = &self.dry_sequence_breakers {
-            if b.is_empty() {
-                return Err(ApiError::field(
-                    "dry_sequence_breakers",
-                    "dry_sequence_breakers must be a non-empty array of strings",
-                ));
-            }
-            p.dry.sequence_breakers = b.clone();
-        }
-        if let Some(m) = self.mirostat {
-            p.mirostat = u8::try_from(m)
-                .ok()
-                .filter(|m| *m <= 2)
-                .ok_or_else(|| ApiError::field("mirostat", format!("mirostat must be 0 (off), 1 or 2, got {m}")))?;
-        }
-        if let Some(list) = self.samplers.as_ref().filter(|v| !v.is_null()) {
-            p.chain = chain(list).map_err(|e| ApiError::field("samplers", e))?;
-        }
+        self.overrides()?.apply_to(p);
         Ok(())
+    }
+
+    /// The settings, checked, as overrides of the request's other sampling fields.
+    fn overrides(&self) -> Result<SamplingOverrides, ApiError> {
+        let count = |v: Option<i64>, field: &str| {
+            v.map(|n| usize::try_from(n).map_err(|_| ApiError::field(field, format!("{field} must be ≥ 0"))))
+                .transpose()
+        };
+        // (llama-server puts a base under 1 back to its default; here it is refused, not ignored.)
+        if let Some(b) = self.dry_base.filter(|b| b.is_nan() || *b < 1.0) {
+            return Err(ApiError::field("dry_base", format!("dry_base must be at least 1, got {b}")));
+        }
+        let dry_last_n = match self.dry_penalty_last_n {
+            Some(-1) => Some(usize::MAX),
+            n => n
+                .map(|n| {
+                    usize::try_from(n).map_err(|_| {
+                        ApiError::field("dry_penalty_last_n", "dry_penalty_last_n must be ≥ -1 (-1: the whole context)")
+                    })
+                })
+                .transpose()?,
+        };
+        if self.dry_sequence_breakers.as_ref().is_some_and(Vec::is_empty) {
+            return Err(ApiError::field(
+                "dry_sequence_breakers",
+                "dry_sequence_breakers must be a non-empty array of strings",
+            ));
+        }
+        let mirostat =
+            self.mirostat
+                .map(|m| {
+                    u8::try_from(m).ok().filter(|m| *m <= 2).ok_or_else(|| {
+                        ApiError::field("mirostat", format!("mirostat must be 0 (off), 1 or 2, got {m}"))
+                    })
+                })
+                .transpose()?;
+        let chain = match self.samplers.as_ref().filter(|v| !v.is_null()) {
+            Some(list) => Some(chain(list).map_err(|e| ApiError::field("samplers", e))?),
+            None => None,
+        };
+        Ok(SamplingOverrides {
+            typical_p: self.typical_p,
+            top_n_sigma: self.top_n_sigma,
+            xtc_probability: self.xtc_probability,
+            xtc_threshold: self.xtc_threshold,
+            dynatemp_range: self.dynatemp_range,
+            dynatemp_exponent: self.dynatemp_exponent,
+            min_keep: count(self.min_keep, "min_keep")?,
+            dry_multiplier: self.dry_multiplier,
+            dry_base: self.dry_base,
+            dry_allowed_length: count(self.dry_allowed_length, "dry_allowed_length")?,
+            dry_last_n,
+            dry_sequence_breakers: self.dry_sequence_breakers.clone(),
+            mirostat,
+            mirostat_tau: self.mirostat_tau,
+            mirostat_eta: self.mirostat_eta,
+            chain,
+            ..Default::default()
+        })
     }
 }
 

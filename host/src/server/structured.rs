@@ -72,12 +72,9 @@ pub fn forced_calls(model: &LoadedModel, tooling: Option<&Tooling>) -> Result<Op
 /// (~0.2 s for a 49K vocabulary, more for larger ones; kept from then on), which tells the runtime
 /// it blocks so that the worker's other connections move on meanwhile.
 fn grammars(model: &LoadedModel) -> Result<Arc<Grammars>, String> {
-    use tokio::runtime::{Handle, RuntimeFlavor};
-    match Handle::try_current().map(|h| h.runtime_flavor()) {
-        Ok(RuntimeFlavor::MultiThread) if !model.text.has_grammars() => {
-            tokio::task::block_in_place(|| model.text.grammars())
-        }
-        _ => model.text.grammars(),
+    match model.text.has_grammars() {
+        true => model.text.grammars(),
+        false => super::blocking(|| model.text.grammars()),
     }
 }
 

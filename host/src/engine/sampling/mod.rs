@@ -8,6 +8,7 @@ pub mod dry;
 pub mod infill;
 mod params;
 pub mod token_texts;
+mod vocab_tables;
 
 #[cfg(test)]
 mod reference_tests;
@@ -22,6 +23,7 @@ use chain::Candidates;
 pub use dry::DryBreakers;
 pub use params::{DryParams, SamplingOverrides, SamplingParams, Step};
 pub use token_texts::TokenTexts;
+pub use vocab_tables::VocabTables;
 
 /// The largest `top_k` the engine has the backend select (llama.cpp's default is 40); a larger one
 /// samples from whole rows.
@@ -68,16 +70,10 @@ impl Sampler {
         self
     }
 
-    /// DRY's sequence breakers over this model's vocabulary (see [`Sampler::dry_breakers_needed`]).
+    /// DRY's sequence breakers over this model's vocabulary (see [`SamplingParams::dry_breakers_needed`]).
     pub fn with_dry_breakers(mut self, breakers: Arc<DryBreakers>) -> Self {
         self.dry = Some(breakers);
         self
-    }
-
-    /// The breaker texts DRY needs tokenized ([`DryBreakers`]), where it runs.
-    pub fn dry_breakers_needed(&self) -> Option<&[String]> {
-        let p = &self.params;
-        (p.mirostat == 0 && p.runs(Step::Dry) && p.dry.active()).then_some(p.dry.sequence_breakers.as_slice())
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -114,10 +110,9 @@ impl Sampler {
     /// some move logits; the cuts among them keep the best, so alone they change nothing).
     fn greedy_pick(&mut self, mut cand: Candidates, history: &[u32]) -> u32 {
         if self.moves_before_greedy() {
-            let before: Vec<Step> =
-                self.params.chain.iter().take_while(|&&s| s != Step::Temperature).copied().collect();
-            for step in before {
-                self.apply(step, &mut cand, history);
+            let before = self.params.chain.iter().take_while(|&&s| s != Step::Temperature).count();
+            for i in 0..before {
+                self.apply(self.params.chain[i], &mut cand, history);
             }
         }
         let best = cand.items.iter().fold(None::<chain::Cand>, |best, c| match best {
@@ -212,8 +207,8 @@ impl Sampler {
             };
             return token.unwrap_or(0);
         }
-        for step in self.params.chain.clone() {
-            self.apply(step, &mut cand, history);
+        for i in 0..self.params.chain.len() {
+            self.apply(self.params.chain[i], &mut cand, history);
         }
         cand.draw(&mut self.draw_rng).unwrap_or(0)
     }

@@ -217,6 +217,13 @@ impl SamplingParams {
         self.mirostat == 0 && self.runs(Step::Infill)
     }
 
+    /// The breaker texts DRY needs found over the vocabulary ([`DryBreakers`](super::DryBreakers)),
+    /// where it runs.
+    pub fn dry_breakers_needed(&self) -> Option<&[String]> {
+        (self.mirostat == 0 && self.runs(Step::Dry) && self.dry.active())
+            .then_some(self.dry.sequence_breakers.as_slice())
+    }
+
     /// Whether `step`, where it runs, changes anything at these settings.
     pub fn acts(&self, step: Step) -> bool {
         match step {
@@ -365,6 +372,12 @@ impl SamplingOverrides {
                 p.temperature = 0.0;
             }
         }
+        self.apply_to(&mut p);
+        p
+    }
+
+    /// Replaces each setting of `p` that these override.
+    pub fn apply_to(&self, p: &mut SamplingParams) {
         let o = self.clone();
         fn set<T>(field: &mut T, v: Option<T>) {
             if let Some(v) = v {
@@ -396,6 +409,5 @@ impl SamplingOverrides {
         set(&mut p.mirostat_eta, o.mirostat_eta);
         set(&mut p.chain, o.chain);
         p.seed = o.seed.or(p.seed);
-        p
     }
 }
