@@ -597,8 +597,9 @@ impl<M: StepModel> Scheduler<M> {
     /// their prompts (counting pages found in the prefix cache and cached pages it could evict).
     fn admit(&mut self) {
         let bs = self.model.kv_cache().block_size;
+        let mut next = 0;
         while self.running.len() < self.opts.parallel {
-            let Some(seq) = self.waiting.front() else { break };
+            let Some(seq) = self.waiting.get(next) else { break };
             // Reuse whole cached pages, but always compute the last token (its logits are needed) in a
             // page this sequence owns.
             let reusable = (seq.tokens.len() - 1) / bs;
@@ -606,7 +607,10 @@ impl<M: StepModel> Scheduler<M> {
             let hit =
                 if reuse { self.cache.lookup(&seq.tokens[..reusable * bs], reusable) } else { Default::default() };
             if reuse && self.computing_shared_pages(seq, hit.pages.len()) {
-                break;
+                // It keeps its place and finds those pages cached a step or so later; the requests
+                // behind it need not wait for them.
+                next += 1;
+                continue;
             }
             let pool = self.model.kv_cache();
             let need = pool.pages_for(seq.tokens.len()) - hit.pages.len();
@@ -614,7 +618,7 @@ impl<M: StepModel> Scheduler<M> {
             if need > available && !self.running.is_empty() {
                 break;
             }
-            let mut seq = self.waiting.pop_front().expect("front exists");
+            let mut seq = self.waiting.remove(next).expect("the request looked at");
             let mut reused = hit.pages.len() * bs;
             for page in hit.pages {
                 seq.kv.push_shared(page);

@@ -316,6 +316,24 @@ fn answers_to_one_prompt_submitted_together_compute_its_pages_once() {
 }
 
 #[test]
+fn a_request_waiting_for_shared_pages_lets_the_ones_behind_it_start() {
+    let p = prompt(12, 300);
+    let reqs = [request(p.clone(), 4), request(p.clone(), 4), request(prompt(13, 20), 4)];
+    let mut s = scheduler(CheckingModel::new(128, 16, 2048), EngineOptions { ubatch_size: 64, ..opts(3) });
+    let mut clients: Vec<Client> =
+        reqs.iter().enumerate().map(|(i, r)| submit(&mut s, i as u64, r.clone()).unwrap()).collect();
+    s.step();
+    let running: Vec<u64> = s.running.iter().map(|r| r.id).collect();
+    assert_eq!(running, [0, 2], "the second waits for the first's pages; the third need not");
+    drain(&mut s, &mut clients);
+    assert!(clients[1].got.usage.cached_tokens >= 288, "{:?}", clients[1].got.usage);
+    for (c, r) in clients.iter().zip(&reqs) {
+        same_answer(&c.got, &solo(r));
+    }
+    assert_no_leak(&s);
+}
+
+#[test]
 fn a_json_schema_holds_the_answer_to_it() {
     let tok = tokenizer();
     let schema = serde_json::json!({"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "maximum": 99}},
