@@ -66,6 +66,8 @@ pub struct ApiError {
     pub retry_after: Option<u64>,
     /// A field the route does not know (`param`), which each API words its own way.
     pub unknown_field: bool,
+    /// A prompt over the context: its tokens and the context size (llama-server reports both).
+    pub context: Option<(usize, usize)>,
     pub dialect: Dialect,
 }
 
@@ -79,6 +81,7 @@ impl ApiError {
             code: None,
             retry_after: None,
             unknown_field: false,
+            context: None,
             dialect: Dialect::OpenAi,
         }
     }
@@ -95,6 +98,19 @@ impl ApiError {
         let message = format!("Unrecognized request argument supplied: {param}");
         ApiError { unknown_field: true, ..Self::field(param, message) }
     }
+    /// A prompt of `prompt_tokens` (from the request field `param`, where one is named) that leaves
+    /// no room in a context of `ctx_size`.
+    pub fn context_exceeded(param: Option<&str>, prompt_tokens: usize, ctx_size: usize) -> Self {
+        let message = format!(
+            "the prompt has {prompt_tokens} tokens but the context size is {ctx_size}; shorten it or start the server with a larger --ctx-size"
+        );
+        let e = match param {
+            Some(p) => Self::field(p, message),
+            None => Self::invalid(message),
+        };
+        ApiError { context: Some((prompt_tokens, ctx_size)), ..e.with_code("context_length_exceeded") }
+    }
+
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Internal, message)
     }
@@ -109,6 +125,10 @@ impl ApiError {
 
     pub fn status(&self) -> StatusCode {
         match self.kind {
+            // Anthropic's "overloaded" status.
+            ErrorKind::Unavailable if self.dialect == Dialect::Anthropic => {
+                StatusCode::from_u16(529).expect("529 is a valid status")
+            }
             ErrorKind::InvalidRequest => StatusCode::BAD_REQUEST,
             ErrorKind::Authentication => StatusCode::UNAUTHORIZED,
             ErrorKind::NotFound => StatusCode::NOT_FOUND,
@@ -130,6 +150,7 @@ impl ApiError {
             (Dialect::Anthropic, ErrorKind::TooLarge) => "request_too_large",
             (Dialect::Anthropic, ErrorKind::Unavailable) => "overloaded_error",
             (Dialect::Anthropic, ErrorKind::NotSupported | ErrorKind::Timeout | ErrorKind::Internal) => "api_error",
+            (Dialect::Llama, ErrorKind::InvalidRequest) if self.context.is_some() => "exceed_context_size_error",
             (_, ErrorKind::InvalidRequest | ErrorKind::TooLarge | ErrorKind::MethodNotAllowed) => {
                 "invalid_request_error"
             }
@@ -158,11 +179,18 @@ impl ApiError {
                 };
                 json!({"type": "error", "error": {"type": self.type_name(), "message": message}})
             }
-            Dialect::Llama => json!({"error": {
-                "code": self.status().as_u16(),
-                "message": self.message,
-                "type": self.type_name(),
-            }}),
+            Dialect::Llama => {
+                let mut error = json!({
+                    "code": self.status().as_u16(),
+                    "message": self.message,
+                    "type": self.type_name(),
+                });
+                if let Some((n_prompt_tokens, n_ctx)) = self.context {
+                    error["n_prompt_tokens"] = n_prompt_tokens.into();
+                    error["n_ctx"] = n_ctx.into();
+                }
+                json!({ "error": error })
+            }
         }
     }
 }
@@ -185,7 +213,9 @@ impl From<EngineError> for ApiError {
                 ApiError { retry_after: Some(1), ..ApiError::new(ErrorKind::Unavailable, message) }
             }
             EngineError::ShuttingDown => ApiError::new(ErrorKind::Unavailable, message),
-            EngineError::PromptTooLong { .. } => ApiError::invalid(message).with_code("context_length_exceeded"),
+            EngineError::PromptTooLong { prompt_tokens, ctx_size } => {
+                ApiError::context_exceeded(None, prompt_tokens, ctx_size)
+            }
             EngineError::Invalid(_) => ApiError::invalid(message),
             EngineError::Internal(_) => ApiError::internal(message),
         }
@@ -259,7 +289,10 @@ fn parse<T: serde::de::DeserializeOwned>(
     de.end().map_err(|e| ApiError::invalid(format!("the request body is not valid JSON: {e}")))?;
     let mut taken = serde_json::Map::new();
     if !unread.is_empty() {
-        let mut whole: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body).unwrap_or_default();
+        // (Where this fails, the type's own parse passed over a value nested beyond serde_json's
+        // recursion limit in a field it does not read; an empty map would pass every check.)
+        let mut whole: serde_json::Map<String, serde_json::Value> = serde_json::from_slice(body)
+            .map_err(|e| ApiError::invalid(format!("the request body cannot be read: {e}")))?;
         for field in &unread {
             match field.top.as_deref().filter(|t| shared.contains(t)) {
                 Some(name) => {
@@ -315,6 +348,15 @@ mod tests {
         let e = parse_body::<R>(br#"{"messages": [{"role": "user", "colour": "red"}]}"#).unwrap_err();
         assert_eq!(e.param.as_deref(), Some("messages[0].colour"));
         assert!(parse_body::<R>(br#"{"user": "u-1", "mirostat": 0}"#).is_ok());
+    }
+
+    #[test]
+    fn an_unread_field_nested_too_deep_is_refused_not_dropped() {
+        let deep = format!(r#"{{"temperature": 1, "mirostat": 2, "zz": {}{}}}"#, "[".repeat(130), "]".repeat(130));
+        let e = parse_body::<R>(deep.as_bytes()).unwrap_err();
+        assert!(e.message.contains("recursion limit"), "{}", e.message);
+        let e = parse_body_with::<R, crate::server::samplers::LlamaSamplers>(deep.as_bytes()).unwrap_err();
+        assert!(e.message.contains("recursion limit"), "{}", e.message);
     }
 
     #[test]

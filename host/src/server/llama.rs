@@ -16,7 +16,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::completion::{
-    data, logit_bias, run_all, stream_many, submit_all, timings, token_text, Asked, Ending, Job, Live, StreamDialect,
+    data, logit_bias, run_all, stream_many, submit_all, timings, token_entry, Asked, Ending, Job, Live, StreamDialect,
     StreamExtras,
 };
 use super::error::{parse_body, parse_body_with, ApiError, Dialect, ErrorKind};
@@ -193,13 +193,19 @@ fn stop_type(e: &Ending) -> (&'static str, String) {
     }
 }
 
+/// Whether the answer stopped because the context was full (llama-server's `truncated`).
+fn ran_out_of_context(e: &Ending, usage: &Usage, ctx_size: usize) -> bool {
+    matches!(e, Ending::Length) && usage.prompt_tokens + usage.completion_tokens >= ctx_size
+}
+
 /// `completion_probabilities`: per token, its probability list in llama-server's shape.
 fn probabilities(tok: &crate::text::TextTokenizer, lps: &[TokenLogprob]) -> Value {
     lps.iter()
         .map(|l| {
-            let top: Vec<Value> =
-                l.top.iter().map(|(id, lp)| json!({"id": id, "token": token_text(tok, *id), "logprob": lp})).collect();
-            json!({"id": l.token, "token": token_text(tok, l.token), "logprob": l.logprob, "top_logprobs": top})
+            let top: Vec<Value> = l.top.iter().map(|&(id, lp)| token_entry(tok, id, lp)).collect();
+            let mut entry = token_entry(tok, l.token, l.logprob);
+            entry["top_logprobs"] = top.into();
+            entry
         })
         .collect()
 }
@@ -361,7 +367,9 @@ async fn completion_inner(
         // A prompt's answers follow one another (llama-server's indices), each with its own seed.
         for i in 0..n_cmpl {
             let answer = job.with_seed_offset(i);
-            let settings = generation_settings(model, &answer.sampling, n_predict.unwrap_or(-1));
+            // The request's limit, else the server's `-n`.
+            let limit = n_predict.or(state.config.n_predict.and_then(|n| i64::try_from(n).ok()));
+            let settings = generation_settings(model, &answer.sampling, limit.unwrap_or(-1));
             texts.push((text.clone(), job.prompt.len(), settings));
             jobs.push(answer);
         }
@@ -384,6 +392,7 @@ async fn completion_inner(
                     with_probs,
                     extras,
                     tok: model.text.clone(),
+                    ctx_size: model.facts.ctx_size,
                 };
                 (events, dialect, prompt_n)
             })
@@ -407,7 +416,7 @@ async fn completion_inner(
             "generation_settings": settings,
             "prompt": prompt,
             "has_new_line": c.text.contains('\n'),
-            "truncated": false,
+            "truncated": ran_out_of_context(&c.ending, &c.usage, model.facts.ctx_size),
             "stop_type": kind,
             "stopping_word": word,
             "tokens_cached": c.usage.prompt_tokens + c.usage.completion_tokens,
@@ -468,6 +477,7 @@ struct CompletionStream {
     with_probs: bool,
     extras: StreamExtras,
     tok: Arc<crate::text::TextTokenizer>,
+    ctx_size: usize,
 }
 
 impl CompletionStream {
@@ -516,7 +526,7 @@ impl StreamDialect for CompletionStream {
             "tokens_evaluated": usage.prompt_tokens,
             "generation_settings": self.settings,
             "prompt": self.prompt,
-            "truncated": false,
+            "truncated": ran_out_of_context(ending, usage, self.ctx_size),
             "stop_type": kind,
             "stopping_word": word,
             "tokens_cached": usage.prompt_tokens + usage.completion_tokens,

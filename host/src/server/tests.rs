@@ -467,6 +467,29 @@ async fn logprobs_in_each_dialect_shape() {
     let probs = v["completion_probabilities"].as_array().unwrap();
     assert!(probs[0]["id"].is_number() && probs[0]["token"].is_string() && probs[0]["logprob"] == -0.25);
     assert_eq!(probs[0]["top_logprobs"].as_array().unwrap().len(), 2);
+    // Each entry and its alternatives carry the token's bytes, as llama-server's do.
+    for entry in [&probs[0], &probs[0]["top_logprobs"][0]] {
+        let bytes: Vec<u8> = serde_json::from_value(entry["bytes"].clone()).unwrap();
+        assert_eq!(String::from_utf8(bytes).unwrap(), entry["token"].as_str().unwrap(), "{entry}");
+    }
+}
+
+#[tokio::test]
+async fn an_answer_the_full_context_cut_short_is_truncated() {
+    let s = start().await;
+    // 61 prompt tokens leave three of the 64.
+    let (status, v) = s.post("/completion", json!({"prompt": vec![5; 61]})).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!((v["stop_type"].as_str(), v["truncated"].as_bool()), (Some("limit"), Some(true)), "{v}");
+    let (_, v) = s.post("/completion", json!({"prompt": vec![5; 10], "n_predict": 3})).await;
+    assert_eq!((v["stop_type"].as_str(), v["truncated"].as_bool()), (Some("limit"), Some(false)), "{v}");
+    let body = s.post_text("/completion", json!({"prompt": vec![5; 61], "stream": true})).await.1;
+    assert!(body.contains("\"truncated\":true"), "{body}");
+
+    // The settings an answer reports hold the server's `-n` where the request has none.
+    let s = start_with(ServerConfig { n_predict: Some(2), ..config() }, Fake::default(), true).await;
+    let (_, v) = s.post("/completion", json!({"prompt": "x"})).await;
+    assert_eq!((v["generation_settings"]["n_predict"].as_i64(), v["tokens_predicted"].as_u64()), (Some(2), Some(2)));
 }
 
 #[tokio::test]
@@ -1058,6 +1081,11 @@ async fn prompt_over_the_context_is_400_with_the_numbers() {
     let (status, v) =
         s.post("/v1/messages", json!({"max_tokens": 5, "messages": [{"role": "user", "content": long}]})).await;
     assert_eq!((status, v["type"].as_str()), (400, Some("error")));
+    // llama-server's own type, with both numbers as fields.
+    let (status, v) = s.post("/completion", json!({"prompt": long})).await;
+    let e = &v["error"];
+    assert_eq!((status, e["type"].as_str(), e["n_ctx"].as_u64()), (400, Some("exceed_context_size_error"), Some(64)));
+    assert!(e["n_prompt_tokens"].as_u64().unwrap() >= 64, "{v}");
 }
 
 #[tokio::test]
@@ -1140,7 +1168,7 @@ async fn unknown_routes_wrong_methods_and_cors_preflight() {
 }
 
 #[tokio::test]
-async fn a_full_queue_is_503_with_retry_after() {
+async fn a_full_queue_is_503_with_retry_after_and_529_for_anthropic() {
     let fake = Fake { refuse: Mutex::new(Some(EngineError::QueueFull { queued: 3 })), ..Default::default() };
     let s = start_with(config(), fake, true).await;
     let (status, body, headers) =
@@ -1150,7 +1178,8 @@ async fn a_full_queue_is_503_with_retry_after() {
     let (status, body, _) =
         s.post_text("/v1/messages", json!({"max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})).await;
     let v: Value = serde_json::from_str(&body).unwrap();
-    assert_eq!((status, v["error"]["type"].as_str()), (503, Some("overloaded_error")));
+    // Anthropic's status for "overloaded", which its SDK retries.
+    assert_eq!((status, v["error"]["type"].as_str()), (529, Some("overloaded_error")));
 }
 
 #[tokio::test]
