@@ -168,6 +168,20 @@ fn embedding_server_matches_transformers_on_every_route_and_refuses_bad_input() 
         let (_, v) = server.post(path, json!({"input": [texts[0], texts[1]]}));
         assert_eq!(v.as_array().unwrap().len(), 2);
     }
+    // llama-server's embd_normalize: the same direction, scaled to the norm asked for.
+    let (s, v) = server.post("/embedding", json!({"content": texts[0], "embd_normalize": 0}));
+    assert_eq!(s, 200, "{v}");
+    let int16 = floats(&v[0]["embedding"][0]);
+    assert!((int16.iter().fold(0.0f32, |m, x| m.max(x.abs())) - 32760.0).abs() < 0.1, "{int16:?}");
+    assert!(cos(&int16, &want[0]) > 0.9999);
+    let (_, v) = server.post("/v1/embeddings", json!({"input": texts[0], "embd_normalize": 1}));
+    let taxicab = floats(&v["data"][0]["embedding"]);
+    assert!((taxicab.iter().map(|x| x.abs()).sum::<f32>() - 1.0).abs() < 1e-4);
+    assert!(cos(&taxicab, &want[0]) > 0.9999);
+    let m = server.refused("/embedding", json!({"content": "x", "embd_normalize": -1}), 400);
+    assert!(m.contains("normalises its vectors"), "the fixture's pipeline normalises: {m}");
+    let m = server.refused("/v1/embeddings", json!({"input": "x", "embd_normalize": -2}), 400);
+    assert!(m.contains("embd_normalize"), "{m}");
 
     // Bad input: clear 400s naming the field, never a crash.
     let m = server.refused("/v1/embeddings", json!({"input": []}), 400);

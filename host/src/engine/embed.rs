@@ -192,6 +192,19 @@ pub fn shorten(v: &mut Vec<f32>, dims: usize, normalize: bool) {
     }
 }
 
+/// llama-server's `embd_normalize` over a vector: `p` = -1 none, 0 the largest magnitude to 32760
+/// (int16's range), 1 taxicab, 2 Euclidean, larger the p-norm. A zero vector stays zero.
+pub fn normalize_by(v: &mut [f32], p: i64) {
+    let sum: f64 = match p {
+        -1 => 1.0,
+        0 => v.iter().fold(0.0f64, |m, &x| m.max(x.abs() as f64)) / 32760.0,
+        2 => v.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt(),
+        p => v.iter().map(|&x| (x.abs() as f64).powi(p as i32)).sum::<f64>().powf(1.0 / p as f64),
+    };
+    let scale = if sum > 0.0 { (1.0 / sum) as f32 } else { 0.0 };
+    v.iter_mut().for_each(|x| *x *= scale);
+}
+
 /// Counters since start.
 #[derive(Debug, Default)]
 pub struct EncoderCounters {
@@ -381,6 +394,26 @@ mod tests {
         let sizes: Vec<usize> = batches(&items, 6).iter().map(|b| b.len()).collect();
         assert_eq!(sizes, [2, 1, 1, 1]);
         assert_eq!(batches(&items, 100).len(), 1);
+    }
+
+    #[test]
+    fn llama_server_normalisations() {
+        let v = [3.0f32, -4.0];
+        let by = |p| {
+            let mut w = v;
+            normalize_by(&mut w, p);
+            w
+        };
+        let near = |a: [f32; 2], b: [f64; 2]| a.iter().zip(b).all(|(x, y)| (*x as f64 - y).abs() <= 1e-6 * y.abs());
+        assert_eq!(by(-1), v);
+        assert!(near(by(0), [24570.0, -32760.0]));
+        assert!(near(by(1), [3.0 / 7.0, -4.0 / 7.0]));
+        assert!(near(by(2), [0.6, -0.8]));
+        let cubic = (27.0f64 + 64.0).powf(1.0 / 3.0);
+        assert!(near(by(3), [3.0 / cubic, -4.0 / cubic]));
+        let mut zero = [0.0f32; 3];
+        normalize_by(&mut zero, 2);
+        assert_eq!(zero, [0.0; 3]);
     }
 
     #[test]

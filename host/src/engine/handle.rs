@@ -108,6 +108,9 @@ fn serve<M: StepModel>(mut scheduler: Scheduler<M>, commands: Receiver<Command>,
                 }
             }
         }
+        if scheduler.admit_waiting() {
+            publish(&scheduler, shared);
+        }
         scheduler.step();
         publish(&scheduler, shared);
     }

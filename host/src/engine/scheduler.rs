@@ -496,9 +496,7 @@ impl<M: StepModel> Scheduler<M> {
     /// One scheduling step: drop cancelled requests, admit waiting ones, run one forward pass over
     /// every running sequence that has room, sample, stream. Returns whether a forward pass ran.
     pub fn step(&mut self) -> bool {
-        self.drop_cancelled();
-        self.admit();
-        self.counts.running.store(self.running.len(), Ordering::SeqCst);
+        self.admit_waiting();
         let plan = self.plan();
         let ran = !plan.is_empty();
         if ran {
@@ -512,6 +510,17 @@ impl<M: StepModel> Scheduler<M> {
         }
         self.counts.running.store(self.running.len(), Ordering::SeqCst);
         ran
+    }
+
+    /// What a step does first: drops cancelled requests and admits waiting ones. True where that
+    /// changed which requests run or wait (the engine thread then publishes its stats before the
+    /// step, so that `/slots` shows a request during its first prefill chunk).
+    pub fn admit_waiting(&mut self) -> bool {
+        let before = (self.running.len(), self.waiting.len());
+        self.drop_cancelled();
+        self.admit();
+        self.counts.running.store(self.running.len(), Ordering::SeqCst);
+        (self.running.len(), self.waiting.len()) != before
     }
 
     /// Ends every request (shutdown).

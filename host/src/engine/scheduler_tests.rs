@@ -334,6 +334,18 @@ fn a_request_waiting_for_shared_pages_lets_the_ones_behind_it_start() {
 }
 
 #[test]
+fn admission_comes_before_the_step_so_stats_show_a_request_in_its_first_prefill() {
+    let mut s = scheduler(CheckingModel::new(64, 16, 1024), opts(2));
+    let mut c = vec![submit(&mut s, 1, request(prompt(3, 100), 2)).unwrap()];
+    assert!(s.admit_waiting(), "the request is admitted");
+    assert!(s.model().steps.is_empty(), "before any forward pass");
+    assert_eq!(s.stats().busy_slots(), 1);
+    assert!(!s.admit_waiting(), "nothing changed since");
+    drain(&mut s, &mut c);
+    assert_eq!(c[0].got.finish, Some(FinishReason::Length));
+}
+
+#[test]
 fn a_json_schema_holds_the_answer_to_it() {
     let tok = tokenizer();
     let schema = serde_json::json!({"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}, "n": {"type": "integer", "maximum": 99}},

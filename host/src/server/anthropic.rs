@@ -155,13 +155,31 @@ fn conversation(r: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
                 format!("unknown role `{}` (expected user or assistant; the system prompt goes in `system`)", m.role),
             ));
         }
-        let t = turn(&m.content, &format!("messages[{i}].content"), &m.role)?;
+        let at = format!("messages[{i}].content");
+        let t = turn(&m.content, &at, &m.role)?;
+        let last = i + 1 == r.messages.len();
+        let empty = t.text.is_empty() && t.calls.is_empty() && t.results.is_empty() && t.thinking.is_none();
+        if empty && !(last && m.role == "assistant") {
+            return Err(ApiError::field(
+                &at,
+                format!("messages.{i}: all messages must have non-empty content except for the optional final assistant message"),
+            ));
+        }
         // A user turn's tool results are the templates' `tool` messages, before its text.
         for (id, result) in &t.results {
             out.push(ChatMessage { tool_call_id: Some(id.clone()), ..ChatMessage::new("tool", result) });
         }
         if m.role == "user" && !t.results.is_empty() && t.text.is_empty() {
             continue;
+        }
+        // Consecutive turns of one role are one turn, as Anthropic's API combines them.
+        let plain = t.calls.is_empty() && t.results.is_empty() && t.thinking.is_none();
+        match out.last_mut() {
+            Some(prev) if plain && prev.role == m.role && prev.tool_calls.is_none() => {
+                prev.content = [prev.content.as_str(), &t.text].join("\n");
+                continue;
+            }
+            _ => {}
         }
         out.push(ChatMessage {
             reasoning_content: t.thinking,
@@ -293,7 +311,7 @@ fn prompt_of(state: &AppState, model: &LoadedModel, r: &MessagesRequest) -> Resu
     let conversation = conversation(r)?;
     let tools = request_tools(model, r)?;
     let (kwargs, budget) = thinking(state, r)?;
-    let (text, ids) = chat_prompt(model, &conversation, kwargs.as_ref(), tools.as_ref())?;
+    let (text, ids) = chat_prompt(model, &conversation, kwargs.as_ref(), tools.as_ref(), Default::default())?;
     Ok(Prompt { text, ids, tools, budget })
 }
 

@@ -29,7 +29,7 @@ use super::error::{parse_body, ApiError, Dialect};
 use super::generator::{EngineStats, EventStream, Generator, ModelFacts, SlotStats};
 use super::openai::PromptField;
 use super::state::{AppState, LoadedModel, RequestLog};
-use crate::engine::embed::{check_dimensions, relevance_score, shorten, EncoderInfo};
+use crate::engine::embed::{check_dimensions, normalize_by, relevance_score, shorten, EncoderInfo};
 use crate::engine::{
     EncodedInput, Encoder, EncoderOptions, EncoderTokenizer, EngineError, GenerationRequest, ModelRunner, Usage,
 };
@@ -209,6 +209,8 @@ pub struct EmbeddingsRequest {
     pub dimensions: Option<u64>,
     /// OpenAI's end-user id (for abuse monitoring upstream); it changes no result.
     pub user: Option<String>,
+    /// llama-server's normalisation (see [`normalize_by`]); without it, the model's own.
+    pub embd_normalize: Option<i64>,
 }
 
 /// `POST /v1/embeddings`.
@@ -242,11 +244,15 @@ async fn openai_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Res
                 .map_err(|m| ApiError::field("dimensions", format!("`dimensions` {m}")))
         })
         .transpose()?;
+    let norm = normalization(r.embd_normalize, enc.info())?;
     let inputs = encode_inputs(&enc.tokenizer, r.input, "input")?;
     let n_tokens = tokens(&inputs);
     let mut vectors = enc.encoder.run(inputs).await?;
     if let Some(dims) = dims {
         vectors.iter_mut().for_each(|v| shorten(v, dims, enc.info().normalized));
+    }
+    if let Some(p) = norm {
+        vectors.iter_mut().for_each(|v| normalize_by(v, p));
     }
     record(&state, &log, n_tokens, started);
     let data: Vec<Value> = vectors
@@ -289,6 +295,23 @@ fn base64_f32(v: &[f32]) -> String {
 pub struct LlamaEmbeddingRequest {
     pub content: Option<PromptField>,
     pub input: Option<PromptField>,
+    pub embd_normalize: Option<i64>,
+}
+
+/// A request's `embd_normalize`, checked against what the model gives: its `-1` (none) cannot undo
+/// the normalisation a model's sentence-transformers pipeline does.
+fn normalization(p: Option<i64>, info: &EncoderInfo) -> Result<Option<i64>, ApiError> {
+    match p {
+        Some(p) if p < -1 => Err(ApiError::field(
+            "embd_normalize",
+            format!("embd_normalize must be -1 (none), 0 (int16 range), 1 (taxicab), 2 (Euclidean) or a larger p-norm, got {p}"),
+        )),
+        Some(-1) if info.normalized => Err(ApiError::field(
+            "embd_normalize",
+            "embd_normalize -1 (none) is not available: this model's pipeline normalises its vectors (its sentence-transformers Normalize module)",
+        )),
+        p => Ok(p),
+    }
 }
 
 /// llama-server's `POST /embedding` and `/embeddings`: `[{"index": i, "embedding": [[...]]}]`.
@@ -311,9 +334,13 @@ async fn llama_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resu
         (Some(_), Some(_)) => return Err(ApiError::invalid("send `content` or `input`, not both")),
         (None, None) => return Err(ApiError::field("content", "`content` is required")),
     };
+    let norm = normalization(r.embd_normalize, enc.info())?;
     let inputs = encode_inputs(&enc.tokenizer, input, field)?;
     let n_tokens = tokens(&inputs);
-    let vectors = enc.encoder.run(inputs).await?;
+    let mut vectors = enc.encoder.run(inputs).await?;
+    if let Some(p) = norm {
+        vectors.iter_mut().for_each(|v| normalize_by(v, p));
+    }
     record(&state, &log, n_tokens, started);
     let out: Vec<Value> = vectors.into_iter().enumerate().map(|(i, v)| json!({"index": i, "embedding": [v]})).collect();
     Ok(Json(Value::Array(out)).into_response())

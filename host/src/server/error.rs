@@ -249,6 +249,7 @@ fn expected_shape(type_name: &str) -> &'static str {
         "Blocks" => "a string or a list of content blocks",
         "PromptField" => "a string, a list of strings, a list of token ids or a list of token-id lists",
         "Prompt" => "a string, a list of token ids, or token ids and strings mixed",
+        "TokenizeContent" => "a string, or a list of token ids and strings",
         _ => "another type",
     }
 }

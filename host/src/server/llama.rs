@@ -545,11 +545,19 @@ fn llama_err(e: ApiError) -> Response {
 
 #[derive(Deserialize)]
 struct TokenizeRequest {
-    content: String,
+    /// Text, or token ids and texts mixed (llama-server's `tokenize_mixed`: ids kept as they are).
+    content: TokenizeContent,
     add_special: Option<bool>,
     /// Special-token text read as special tokens (llama-server's default) or as plain text.
     parse_special: Option<bool>,
     with_pieces: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum TokenizeContent {
+    Text(String),
+    Pieces(Vec<Piece>),
 }
 
 pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
@@ -557,12 +565,34 @@ pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
         let model = state.ready()?;
         let r: TokenizeRequest = parse_body(&body)?;
         let add_special = r.add_special.unwrap_or(false);
-        let ids = if r.parse_special.unwrap_or(true) {
-            model.text.encode(&r.content, add_special)
-        } else {
-            model.text.encode_literal(&r.content, add_special)
-        }
-        .map_err(|e| ApiError::internal(e.to_string()))?;
+        let encode = |text: &str, add_special: bool| {
+            match r.parse_special.unwrap_or(true) {
+                true => model.text.encode(text, add_special),
+                false => model.text.encode_literal(text, add_special),
+            }
+            .map_err(|e| ApiError::internal(e.to_string()))
+        };
+        let ids = match &r.content {
+            TokenizeContent::Text(text) => encode(text, add_special)?,
+            TokenizeContent::Pieces(pieces) => {
+                let vocab = model.facts.vocab_size as u32;
+                let mut ids = Vec::new();
+                // As llama-server: specials (BOS) only before a leading string.
+                for (i, p) in pieces.iter().enumerate() {
+                    match p {
+                        Piece::Token(t) if *t >= vocab => {
+                            return Err(ApiError::field(
+                                &format!("content[{i}]"),
+                                format!("token id {t} is outside the vocabulary (size {vocab})"),
+                            ))
+                        }
+                        Piece::Token(t) => ids.push(*t),
+                        Piece::Text(text) => ids.extend(encode(text, add_special && i == 0)?),
+                    }
+                }
+                ids
+            }
+        };
         if !r.with_pieces.unwrap_or(false) {
             return Ok(Json(json!({"tokens": ids})).into_response());
         }
@@ -603,6 +633,8 @@ pub async fn detokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Resp
 struct ApplyTemplateRequest {
     messages: Vec<MessageIn>,
     chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    add_generation_prompt: Option<bool>,
+    continue_final_message: Option<Value>,
     tools: Option<Vec<Value>>,
     tool_choice: Option<Value>,
 }
@@ -614,7 +646,11 @@ pub async fn apply_template(State(state): State<Arc<AppState>>, body: Bytes) -> 
         let kwargs = state.template_kwargs(r.chat_template_kwargs.as_ref());
         let tools = super::openai::request_tools(model, &r.tools, r.tool_choice.as_ref(), None)?;
         let messages = chat_messages(&r.messages)?;
-        let (prompt, _) = super::openai::chat_prompt(model, &messages, kwargs.as_ref(), tools.as_ref())?;
+        let end = super::openai::PromptEnd {
+            add_generation_prompt: r.add_generation_prompt,
+            continue_final_message: r.continue_final_message.as_ref(),
+        };
+        let (prompt, _) = super::openai::chat_prompt(model, &messages, kwargs.as_ref(), tools.as_ref(), end)?;
         Ok(Json(json!({"prompt": prompt})).into_response())
     };
     run().unwrap_or_else(llama_err)

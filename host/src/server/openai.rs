@@ -183,6 +183,12 @@ pub struct ChatRequest {
     pub logit_bias: Option<Value>,
     /// More variables for the chat template (llama-server's; Qwen3's `enable_thinking`, …).
     pub chat_template_kwargs: Option<serde_json::Map<String, Value>>,
+    /// llama-server's: whether the template opens the assistant's turn (default true), and whether
+    /// the final (assistant) message is continued instead.
+    pub add_generation_prompt: Option<bool>,
+    pub continue_final_message: Option<Value>,
+    /// llama-server's cap on the thought, in tokens (-1: none), where `--reasoning-budget` sets none.
+    pub thinking_budget_tokens: Option<i64>,
     /// llama-server's: how thinking is returned (the server's `--reasoning-format` by default).
     pub reasoning_format: Option<String>,
     /// OpenAI's: how much a reasoning model thinks (see [`reasoning::effort`]).
@@ -282,20 +288,70 @@ fn template_tool_call(call: &Value) -> Value {
     call
 }
 
+/// How a conversation's prompt ends, as a request asks: llama-server's `add_generation_prompt` (default
+/// true) and `continue_final_message` (`true` or `"content"`).
+#[derive(Default, Clone, Copy)]
+pub struct PromptEnd<'a> {
+    pub add_generation_prompt: Option<bool>,
+    pub continue_final_message: Option<&'a Value>,
+}
+
+impl PromptEnd<'_> {
+    /// Whether the request asks for the final message to be continued (else it is, as llama-server
+    /// does, where that message is the assistant's).
+    fn continues(&self) -> Result<bool, ApiError> {
+        let field = "continue_final_message";
+        let asked = match self.continue_final_message {
+            None | Some(Value::Null) | Some(Value::Bool(false)) => false,
+            Some(Value::Bool(true)) => true,
+            Some(Value::String(s)) if s == "content" => true,
+            Some(Value::String(s)) if s == "reasoning_content" => {
+                return Err(ApiError::field(field, "continuing a message's reasoning_content is not supported"))
+            }
+            Some(v) => {
+                return Err(ApiError::field(field, format!("{field} must be true, false or \"content\", got {v}")))
+            }
+        };
+        // (llama-server's rule: add_generation_prompt defaults to true, so a continuation sets it false.)
+        if asked && self.add_generation_prompt != Some(false) {
+            return Err(ApiError::field(
+                "add_generation_prompt",
+                "Cannot set both add_generation_prompt and continue_final_message to true (add_generation_prompt defaults to true)",
+            ));
+        }
+        Ok(asked)
+    }
+}
+
 /// The token ids of a conversation through the model's chat template. A conversation that ends with
 /// an assistant message is a prefill, as Anthropic's API and llama-server take it: the answer
-/// continues that message (the turns before it, the assistant's turn opened, then its text). With
-/// thinking switched off (`enable_thinking: false`), a thought the template opens anyway (as
-/// DeepSeek-R1's does, without that switch) is closed before the answer.
+/// continues that message (the turns before it, the assistant's turn opened, then its text). `end`
+/// may ask for that explicitly, or for no generation prompt. With thinking switched off
+/// (`enable_thinking: false`), a thought the template opens anyway (as DeepSeek-R1's does, without
+/// that switch) is closed before the answer.
 pub fn chat_prompt(
     model: &LoadedModel,
     messages: &[ChatMessage],
     kwargs: Option<&serde_json::Map<String, Value>>,
     tools: Option<&Tooling>,
+    end: PromptEnd,
 ) -> Result<(String, Vec<u32>), ApiError> {
     let tools = tools.map(|t| t.tools.as_slice());
-    let prefill = matches!(messages.split_last(),
-        Some((last, before)) if last.role == "assistant" && last.tool_calls.is_none() && !before.is_empty());
+    let continues = end.continues()?;
+    let assistant = |m: &ChatMessage| m.role == "assistant" && m.tool_calls.is_none();
+    let prefill = match messages {
+        [.., before, last] if assistant(last) && before.role == "assistant" => {
+            return Err(ApiError::field("messages", "Cannot have 2 or more assistant messages at the end of the list."))
+        }
+        [.., last] if assistant(last) => true,
+        _ if continues => {
+            return Err(ApiError::field(
+                "continue_final_message",
+                "continue_final_message needs the conversation to end with an assistant message",
+            ))
+        }
+        _ => false,
+    };
     let adapted = super::tools::history_for(model.facts.chat_template.as_deref(), messages);
     let messages = adapted.as_deref().unwrap_or(messages);
     let t = model.text.chat_template.as_ref().ok_or_else(|| {
@@ -307,7 +363,9 @@ pub fn chat_prompt(
         Some((last, before)) if prefill => {
             t.render_with(before, true, kwargs, tools).map_err(ApiError::invalid)? + &last.content
         }
-        _ => t.render_with(messages, true, kwargs, tools).map_err(ApiError::invalid)?,
+        _ => t
+            .render_with(messages, end.add_generation_prompt.unwrap_or(true), kwargs, tools)
+            .map_err(ApiError::invalid)?,
     };
     let thinking_off = kwargs.and_then(|k| k.get("enable_thinking")) == Some(&Value::Bool(false));
     let text = if thinking_off && reasoning::forced_open(&text) { text + "\n</think>\n\n" } else { text };
@@ -520,7 +578,11 @@ fn chat_prompt_of(
     let effort =
         reasoning::effort(r.reasoning_effort.as_deref(), "reasoning_effort", model.facts.chat_template.as_deref())?;
     let kwargs = state.template_kwargs_with(&effort.vars, r.chat_template_kwargs.as_ref());
-    let (text, ids) = chat_prompt(model, &messages, kwargs.as_ref(), tooling)?;
+    let end = PromptEnd {
+        add_generation_prompt: r.add_generation_prompt,
+        continue_final_message: r.continue_final_message.as_ref(),
+    };
+    let (text, ids) = chat_prompt(model, &messages, kwargs.as_ref(), tooling, end)?;
     Ok(TemplatedPrompt { text, ids, effort, kwargs })
 }
 
@@ -572,7 +634,15 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
         None => structured::forced_calls(model, tooling.as_ref())?,
     };
     let effort_budget = effort.budget_under(r.chat_template_kwargs.as_ref());
-    let budget = reasoning::tighter(reasoning::server_budget(&state, kwargs.as_ref()), effort_budget);
+    // llama-server's per-request cap applies where the server sets none.
+    let asked = match r.thinking_budget_tokens {
+        None | Some(-1) => None,
+        Some(n) => Some(usize::try_from(n).map_err(|_| {
+            ApiError::field("thinking_budget_tokens", "thinking_budget_tokens must be ≥ -1 (-1: no cap)")
+        })?),
+    };
+    let server = reasoning::server_budget(&state, kwargs.as_ref());
+    let budget = reasoning::tighter(server.or(asked), effort_budget);
     job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;
     structured::after_thought(model, &prompt_text, &mut job, reasoning != ReasoningFormat::Split, held_at)?;
     job.shown_special = super::tools::shown_tags(&model.text, tooling.as_ref());

@@ -305,7 +305,7 @@ fn prompt_of(
     let messages = conversation(r)?;
     let effort = reasoning::effort(asked_effort(r)?, "reasoning.effort", model.facts.chat_template.as_deref())?;
     let kwargs = state.template_kwargs_with(&effort.vars, None);
-    let (text, ids) = chat_prompt(model, &messages, kwargs.as_ref(), tooling)?;
+    let (text, ids) = chat_prompt(model, &messages, kwargs.as_ref(), tooling, Default::default())?;
     Ok(TemplatedPrompt { text, ids, effort, kwargs })
 }
 

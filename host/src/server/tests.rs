@@ -672,6 +672,18 @@ async fn tokenize_detokenize_and_apply_template() {
     assert_eq!(pieces, "Hello world");
     let (_, v) = s.post("/detokenize", json!({"tokens": ids})).await;
     assert_eq!(v["content"], "Hello world");
+    // Ids and text mixed, as llama-server's tokenize_mixed: ids kept, text tokenized.
+    let (status, v) = s.post("/tokenize", json!({"content": [ids[0], " world"]})).await;
+    assert_eq!(status, 200, "{v}");
+    let text = s.fake.text.as_ref().unwrap();
+    let want: Vec<u64> =
+        std::iter::once(ids[0]).chain(text.encode(" world", false).unwrap().into_iter().map(u64::from)).collect();
+    assert_eq!(v["tokens"], json!(want));
+    let (status, v) = s.post("/tokenize", json!({"content": [999_999]})).await;
+    assert_eq!(
+        (status, v["error"]["message"].as_str().map(|m| m.contains("outside the vocabulary"))),
+        (400, Some(true))
+    );
     let (_, v) = s.post("/apply-template", json!({"messages": [{"role": "user", "content": "hi"}]})).await;
     assert_eq!(v["prompt"], "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
     // A last assistant message is a prefill: the answer continues it.
@@ -684,6 +696,65 @@ async fn tokenize_detokenize_and_apply_template() {
     assert_eq!((status, s.last_request().prompt), (200, text.encode(want, false).unwrap()));
     let (status, _) = s.post("/v1/chat/completions", json!({"messages": prefill})).await;
     assert_eq!((status, s.last_request().prompt), (200, text.encode(want, false).unwrap()));
+}
+
+#[tokio::test]
+async fn how_a_prompt_ends_follows_llama_server() {
+    let s = start().await;
+    let user = json!([{"role": "user", "content": "hi"}]);
+    let (_, v) = s.post("/apply-template", json!({"messages": user, "add_generation_prompt": false})).await;
+    assert_eq!(v["prompt"], "<|im_start|>user\nhi<|im_end|>\n");
+    // An explicit continuation, which needs add_generation_prompt off (its default is on).
+    let prefill = json!([{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]);
+    let want = "<|im_start|>user\nCount<|im_end|>\n<|im_start|>assistant\n1, 2,";
+    let asked = json!({"messages": prefill, "continue_final_message": true, "add_generation_prompt": false});
+    let (status, v) = s.post("/apply-template", asked.clone()).await;
+    assert_eq!((status, v["prompt"].as_str()), (200, Some(want)));
+    let (status, _) = s.post("/v1/chat/completions", asked).await;
+    assert_eq!(status, 200);
+    let both = json!({"messages": prefill, "continue_final_message": true});
+    let (status, v) = s.post("/v1/chat/completions", both).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("add_generation_prompt")), "{v}");
+    let nothing_to_continue =
+        json!({"messages": user, "continue_final_message": "content", "add_generation_prompt": false});
+    let (status, v) = s.post("/apply-template", nothing_to_continue).await;
+    assert_eq!((status, v["error"]["message"].as_str().map(|m| m.contains("assistant"))), (400, Some(true)), "{v}");
+    // A conversation of one assistant message is a prefill too; two at the end are refused.
+    let (_, v) = s.post("/apply-template", json!({"messages": [{"role": "assistant", "content": "Once"}]})).await;
+    assert!(v["prompt"].as_str().unwrap().ends_with("<|im_start|>assistant\nOnce"), "{v}");
+    let two = json!([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "assistant", "content": "c"}]);
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": two})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("messages")), "{v}");
+    // Anthropic's API combines consecutive turns of one role instead.
+    let (status, _) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": two})).await;
+    let text = s.fake.text.as_ref().unwrap();
+    let want = "<|im_start|>user\na<|im_end|>\n<|im_start|>assistant\nb\nc";
+    assert_eq!((status, s.last_request().prompt), (200, text.encode(want, false).unwrap()));
+}
+
+#[tokio::test]
+async fn anthropic_refuses_what_its_api_refuses() {
+    let s = start().await;
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    for (body, param) in [
+        (json!({"max_tokens": 5, "messages": [{"role": "user", "content": ""}]}), "messages[0].content"),
+        (json!({"max_tokens": 5, "messages": [{"role": "user", "content": []}]}), "messages[0].content"),
+    ] {
+        let (status, v) = s.post("/v1/messages", body.clone()).await;
+        assert_eq!((status, v["error"]["type"].as_str()), (400, Some("invalid_request_error")), "{body}: {v}");
+        assert!(v["error"]["message"].as_str().unwrap().starts_with(param.split('[').next().unwrap()), "{v}");
+    }
+    // A final assistant message may be empty (it opens the answer), and thinking may be switched on
+    // or off on any model (Anthropic clients send it whatever the model; one that does not think
+    // answers without a thought).
+    let empty_last = json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]);
+    let (status, _) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": empty_last})).await;
+    assert_eq!(status, 200);
+    for kind in ["disabled", "adaptive"] {
+        let (status, _) =
+            s.post("/v1/messages", json!({"max_tokens": 5, "messages": hi, "thinking": {"type": kind}})).await;
+        assert_eq!(status, 200);
+    }
 }
 
 #[tokio::test]
@@ -2073,6 +2144,15 @@ async fn a_thought_the_prompt_opens() {
     let c = start_templated(capped, Fake::default(), true, OPEN_THOUGHT, 2048).await;
     c.post("/v1/chat/completions", json!({"messages": hi})).await;
     assert_eq!(c.last_request().thought_budget.map(|b| (b.budget, b.open_at_start)), Some((8, true)));
+    // llama-server's thinking_budget_tokens: a request's cap where the server sets none.
+    c.post("/v1/chat/completions", json!({"messages": hi, "thinking_budget_tokens": 3})).await;
+    assert_eq!(c.last_request().thought_budget.map(|b| b.budget), Some(8), "the server's wins");
+    s.post("/v1/chat/completions", json!({"messages": hi, "thinking_budget_tokens": 3})).await;
+    assert_eq!(s.last_request().thought_budget.map(|b| b.budget), Some(3));
+    s.post("/v1/chat/completions", json!({"messages": hi, "thinking_budget_tokens": -1})).await;
+    assert_eq!(s.last_request().thought_budget.map(|b| b.budget), None);
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": hi, "thinking_budget_tokens": -2})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("thinking_budget_tokens")));
     // --reasoning-budget 0 (thinking off) gives way to a request that switches thinking on; an
     // Anthropic budget or `adaptive` replaces the server's.
     let off = ServerConfig { reasoning_budget: Some(0), ..config() };
