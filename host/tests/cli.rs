@@ -169,6 +169,22 @@ fn generate_runs_a_golden_fixture() {
 }
 
 #[test]
+fn an_answer_to_a_closed_stdout_is_one_clear_line_and_minus_one_means_no_limit() {
+    let mut child = mlxcel()
+        .arg("generate")
+        .arg(fixture("qwen2-f32"))
+        .args(["-p", "Hello", "-n", "-1", "-c", "64", "--temp", "0", "--no-chat-template", "--ignore-eos"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // The reader goes away before the first token (as `| head -c 0` would).
+    drop(child.stdout.take());
+    let out = child.wait_with_output().unwrap();
+    assert_one_line_error(&out, &["stdout"]);
+}
+
+#[test]
 fn missing_folder_is_one_clear_line() {
     let out = run_prompt(Path::new("/nonexistent/model"));
     assert_one_line_error(&out, &["/nonexistent/model", "does not exist"]);

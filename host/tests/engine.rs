@@ -248,14 +248,14 @@ fn fixture_dry_tables_are_built_by_the_submitter_not_the_engine_thread() {
     let (engine, _) = start(&fixture(), 512, 1, opts(1));
     let mut p = SamplingParams::greedy();
     p.dry.multiplier = 0.8;
-    assert!(!engine.sampler_ready(&p), "no request has asked for DRY yet");
+    assert!(!engine.vocab_tables_ready(&p), "no request has asked for DRY yet");
     // Built inside `submit`, before the request reaches the engine thread.
     let stream =
         engine.submit(GenerationRequest { ignore_eos: true, ..GenerationRequest::new(vec![5, 6], p.clone(), 8) });
-    assert!(engine.sampler_ready(&p));
+    assert!(engine.vocab_tables_ready(&p));
     let other =
         SamplingParams { dry: mlxcel::engine::DryParams { sequence_breakers: vec!["x".into()], ..p.dry.clone() }, ..p };
-    assert!(!engine.sampler_ready(&other), "another breaker list is another table");
+    assert!(!engine.vocab_tables_ready(&other), "another breaker list is another table");
     let a = collect(stream.unwrap());
     assert_eq!((a.finish, a.tokens.len()), (Some(FinishReason::Length), 8));
     engine.shutdown();

@@ -196,6 +196,30 @@ fn unsupported_llama_server_flags_are_refused_by_name() {
 }
 
 #[test]
+fn on_off_environment_variables_take_llama_cpp_spellings() {
+    // The model does not load (an empty folder): the variables themselves were read.
+    let dir = tempfile::tempdir().unwrap();
+    let out = server_bin()
+        .arg("-m")
+        .arg(dir.path())
+        .args(["--port", "0"])
+        .envs([
+            ("LLAMA_ARG_ENDPOINT_METRICS", "1"),
+            ("LLAMA_ARG_NO_ENDPOINT_SLOTS", "on"),
+            ("LLAMA_ARG_JINJA", "enabled"),
+            ("LLAMA_ARG_CONT_BATCHING", "1"),
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("invalid value"), "{stderr}");
+    assert!(stderr.lines().last().unwrap().starts_with("error: "), "{stderr}");
+    let out = server_bin().args(["-m", "x"]).env("LLAMA_ARG_CONT_BATCHING", "0").output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("always on"), "{stderr}");
+}
+
+#[test]
 fn a_model_that_does_not_load_ends_the_server_with_one_error_line() {
     let dir = tempfile::tempdir().unwrap();
     let out = server_bin().arg("-m").arg(dir.path()).args(["--port", "0"]).output().unwrap();

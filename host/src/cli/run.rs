@@ -33,8 +33,9 @@ pub struct RunArgs {
     /// Send the prompt as raw text, not through the chat template.
     #[arg(long)]
     pub no_chat_template: bool,
-    /// Most tokens to generate (default: until EOS or the context is full).
-    #[arg(short = 'n', long = "max-tokens", visible_alias = "n-predict")]
+    /// Most tokens to generate (default, or -1: until EOS or the context is full).
+    #[arg(short = 'n', long = "max-tokens", visible_alias = "n-predict", allow_negative_numbers = true,
+          value_parser = token_limit)]
     pub max_tokens: Option<usize>,
     #[command(flatten)]
     pub sampling: SamplingArgs,
@@ -86,6 +87,14 @@ struct Loaded {
     engine: EngineHandle,
     tokenizer: Arc<TextTokenizer>,
     sampling: SamplingParams,
+}
+
+/// A token count, or llama.cpp's -1 for no limit.
+fn token_limit(v: &str) -> Result<usize, String> {
+    match v.trim() {
+        "-1" => Ok(usize::MAX),
+        n => n.parse().map_err(|_| format!("expected a number of tokens, or -1 for no limit; got {n}")),
+    }
 }
 
 impl Loaded {
@@ -158,8 +167,11 @@ fn stream_answer(stream: &mut RequestStream) -> Result<(String, FinishReason, Us
     while let Some(event) = stream.blocking_next() {
         match event {
             GenerationEvent::Text { text: piece, .. } => {
-                let _ = out.write_all(piece.as_bytes());
-                let _ = out.flush();
+                // A closed stdout (`| head`) ends the answer: nothing would read the rest.
+                if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
+                    stream.cancel();
+                    return Err(anyhow::Error::new(e).context("writing the answer to stdout"));
+                }
                 text.push_str(&piece);
             }
             GenerationEvent::Started { .. } | GenerationEvent::PromptProgress { .. } => {}
@@ -168,6 +180,11 @@ fn stream_answer(stream: &mut RequestStream) -> Result<(String, FinishReason, Us
         }
     }
     bail!("the engine stopped before the answer ended")
+}
+
+/// Ends the answer's line on stdout (an error where stdout is closed, where `println!` would panic).
+fn end_line() -> Result<()> {
+    writeln!(std::io::stdout()).context("writing the answer to stdout")
 }
 
 fn report(finish: FinishReason, u: &Usage) {
@@ -204,7 +221,7 @@ pub fn run_once(global: &GlobalArgs, args: &RunArgs, prompt: &str) -> Result<()>
     };
     let mut stream = l.engine.submit(l.request(args, ids)).map_err(refused)?;
     let (_, finish, usage) = stream_answer(&mut stream)?;
-    println!();
+    end_line()?;
     report(finish, &usage);
     l.engine.shutdown();
     Ok(())
@@ -272,7 +289,7 @@ pub fn repl(global: &GlobalArgs, args: &RunArgs) -> Result<()> {
             *answering.lock().unwrap_or_else(|e| e.into_inner()) = None;
             r
         });
-        println!();
+        end_line()?;
         match result {
             Ok((text, finish, usage)) => {
                 report(finish, &usage);

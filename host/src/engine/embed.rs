@@ -199,7 +199,17 @@ pub fn normalize_by(v: &mut [f32], p: i64) {
         -1 => 1.0,
         0 => v.iter().fold(0.0f64, |m, &x| m.max(x.abs() as f64)) / 32760.0,
         2 => v.iter().map(|&x| x as f64 * x as f64).sum::<f64>().sqrt(),
-        p => v.iter().map(|&x| (x.abs() as f64).powi(p as i32)).sum::<f64>().powf(1.0 / p as f64),
+        p => {
+            // Over the largest magnitude first, so that no power overflows whatever `p`.
+            let max = v.iter().fold(0.0f64, |m, &x| m.max(x.abs() as f64));
+            let p = p as f64;
+            let sum = v.iter().map(|&x| (x.abs() as f64 / max).powf(p)).sum::<f64>();
+            if max > 0.0 {
+                max * sum.powf(1.0 / p)
+            } else {
+                0.0
+            }
+        }
     };
     let scale = if sum > 0.0 { (1.0 / sum) as f32 } else { 0.0 };
     v.iter_mut().for_each(|x| *x *= scale);
@@ -411,8 +421,11 @@ mod tests {
         assert!(near(by(2), [0.6, -0.8]));
         let cubic = (27.0f64 + 64.0).powf(1.0 / 3.0);
         assert!(near(by(3), [3.0 / cubic, -4.0 / cubic]));
+        assert!(near(by(1000), [0.75, -1.0]), "a large p is the largest magnitude: {:?}", by(1000));
+        assert!(near(by(i64::MAX), [0.75, -1.0]));
         let mut zero = [0.0f32; 3];
         normalize_by(&mut zero, 2);
+        normalize_by(&mut zero, 5);
         assert_eq!(zero, [0.0; 3]);
     }
 

@@ -144,21 +144,23 @@ pub struct EngineHandle {
 
 impl EngineHandle {
     /// Queues a request. Refuses at once what could never run (`Invalid`, `PromptTooLong`), a full
-    /// queue (`QueueFull`) and a stopped engine (`ShuttingDown`). Builds any vocabulary table its
-    /// sampler reads that no request built before (see [`sampler_ready`](Self::sampler_ready)), here
-    /// rather than on the engine thread.
+    /// queue (`QueueFull`) and a stopped engine (`ShuttingDown`). Makes the request's sampler here,
+    /// building any vocabulary table it reads that no request built before (milliseconds), rather
+    /// than on the engine thread.
     pub fn submit(&self, request: GenerationRequest) -> Result<RequestStream, EngineError> {
         let s = &self.shared;
         if !s.accepting.load(Ordering::SeqCst) {
             return Err(EngineError::ShuttingDown);
         }
         s.limits.check(&request)?;
-        s.vocab.prepare(&request.sampling);
         s.counts.try_enter(s.options.parallel, s.options.max_queue)?;
+        let submitted = Instant::now();
+        let r = &request;
+        let sampler = Some(s.vocab.sampler(r.sampling.clone(), &r.end_tokens, r.ignore_eos));
         let (events, receiver) = unbounded_channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let id = s.next_id.fetch_add(1, Ordering::Relaxed);
-        let submission = Submission { id, request, events, cancel: cancel.clone(), submitted: Instant::now() };
+        let submission = Submission { id, request, events, cancel: cancel.clone(), submitted, sampler };
         let sent = s.commands.lock().unwrap_or_else(|e| e.into_inner()).send(Command::Submit(Box::new(submission)));
         if sent.is_err() {
             s.counts.leave();
@@ -167,9 +169,9 @@ impl EngineHandle {
         Ok(RequestStream { id, events: receiver, cancel })
     }
 
-    /// Whether [`submit`](Self::submit) can make a sampler for `params` without first building a
-    /// vocabulary table (milliseconds of work: an async caller says it blocks when this is false).
-    pub fn sampler_ready(&self, params: &SamplingParams) -> bool {
+    /// Whether [`submit`](Self::submit) can make a sampler for `params` without building a
+    /// vocabulary table (milliseconds of work) first.
+    pub fn vocab_tables_ready(&self, params: &SamplingParams) -> bool {
         self.shared.vocab.is_ready(params)
     }
 

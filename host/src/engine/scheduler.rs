@@ -293,6 +293,9 @@ pub struct Submission {
     /// Set by the requester to stop the request (it ends with `Cancelled`).
     pub cancel: Arc<AtomicBool>,
     pub submitted: Instant,
+    /// The request's sampler, made by the submitter (with the vocabulary tables it reads, built off
+    /// this thread: [`Scheduler::vocab_tables`]); None: the scheduler makes it.
+    pub sampler: Option<Sampler>,
 }
 
 /// One request in flight or waiting.
@@ -429,7 +432,7 @@ impl<M: StepModel> Scheduler<M> {
         RequestLimits::of(&self.model)
     }
 
-    /// The vocabulary tables samplers read, for submitters to build before they submit.
+    /// The vocabulary tables samplers read, for submitters to make samplers with.
     pub fn vocab_tables(&self) -> Arc<VocabTables> {
         self.vocab.clone()
     }
@@ -458,12 +461,8 @@ impl<M: StepModel> Scheduler<M> {
     pub fn enqueue(&mut self, sub: Submission) {
         let r = sub.request;
         self.counters.requests += 1;
-        // With ends ignored, the infill sampler has none to prefer (llama.cpp bans them then).
-        let ends = match r.ignore_eos {
-            true => Vec::new(),
-            false => self.tokenizer.eos_ids.iter().chain(&r.end_tokens).copied().collect(),
-        };
-        let sampler = self.vocab.sampler(r.sampling.clone(), ends);
+        let sampler =
+            sub.sampler.unwrap_or_else(|| self.vocab.sampler(r.sampling.clone(), &r.end_tokens, r.ignore_eos));
         self.waiting.push_back(Sequence {
             id: sub.id,
             prompt_len: r.prompt.len(),
@@ -603,11 +602,14 @@ impl<M: StepModel> Scheduler<M> {
     }
 
     /// Moves waiting requests into free slots, first come first served, while the KV pool can take
-    /// their prompts (counting pages found in the prefix cache and cached pages it could evict).
+    /// their prompts (counting pages found in the prefix cache and cached pages it could evict). A
+    /// request whose prompt pages a running sequence is still computing is passed over, keeping its
+    /// place and a slot, until they are cached.
     fn admit(&mut self) {
         let bs = self.model.kv_cache().block_size;
+        // Requests passed over keep their place and a slot each.
         let mut next = 0;
-        while self.running.len() < self.opts.parallel {
+        while self.running.len() + next < self.opts.parallel {
             let Some(seq) = self.waiting.get(next) else { break };
             // Reuse whole cached pages, but always compute the last token (its logits are needed) in a
             // page this sequence owns.
@@ -616,8 +618,8 @@ impl<M: StepModel> Scheduler<M> {
             let hit =
                 if reuse { self.cache.lookup(&seq.tokens[..reusable * bs], reusable) } else { Default::default() };
             if reuse && self.computing_shared_pages(seq, hit.pages.len()) {
-                // It keeps its place and finds those pages cached a step or so later; the requests
-                // behind it need not wait for them.
+                // It finds those pages cached a step or so later; the requests behind it need not
+                // wait for them, but leave it a slot.
                 next += 1;
                 continue;
             }

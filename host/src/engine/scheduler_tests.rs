@@ -198,7 +198,14 @@ impl Client {
 fn submit<M: StepModel>(s: &mut Scheduler<M>, id: u64, req: GenerationRequest) -> Result<Client, EngineError> {
     let (tx, rx) = unbounded_channel();
     let cancel = Arc::new(AtomicBool::new(false));
-    s.submit(Submission { id, request: req, events: tx, cancel: cancel.clone(), submitted: Instant::now() })?;
+    s.submit(Submission {
+        id,
+        request: req,
+        events: tx,
+        cancel: cancel.clone(),
+        submitted: Instant::now(),
+        sampler: None,
+    })?;
     Ok(Client { events: rx, cancel, got: Outcome::default(), done: false })
 }
 
@@ -331,10 +338,20 @@ fn a_request_waiting_for_shared_pages_lets_the_ones_behind_it_start() {
         same_answer(&c.got, &solo(r));
     }
     assert_no_leak(&s);
+
+    // With two slots, the one passed over keeps the second: the third waits.
+    let mut s = scheduler(CheckingModel::new(128, 16, 2048), EngineOptions { ubatch_size: 64, ..opts(2) });
+    let mut clients: Vec<Client> =
+        reqs.iter().enumerate().map(|(i, r)| submit(&mut s, i as u64, r.clone()).unwrap()).collect();
+    s.step();
+    assert_eq!(s.running.iter().map(|r| r.id).collect::<Vec<_>>(), [0]);
+    drain(&mut s, &mut clients);
+    assert!(clients[1].got.usage.cached_tokens >= 288, "{:?}", clients[1].got.usage);
+    assert_no_leak(&s);
 }
 
 #[test]
-fn admission_comes_before_the_step_so_stats_show_a_request_in_its_first_prefill() {
+fn admit_waiting_admits_before_any_forward_pass() {
     let mut s = scheduler(CheckingModel::new(64, 16, 1024), opts(2));
     let mut c = vec![submit(&mut s, 1, request(prompt(3, 100), 2)).unwrap()];
     assert!(s.admit_waiting(), "the request is admitted");
@@ -746,8 +763,15 @@ fn logprobs_are_the_log_softmax_of_the_logits_row() {
     let mut r = request(prompt(1, 10), 3);
     r.logprobs = Some(4);
     let (tx, mut rx) = unbounded_channel();
-    s.submit(Submission { id: 1, request: r, events: tx, cancel: Default::default(), submitted: Instant::now() })
-        .unwrap();
+    s.submit(Submission {
+        id: 1,
+        request: r,
+        events: tx,
+        cancel: Default::default(),
+        submitted: Instant::now(),
+        sampler: None,
+    })
+    .unwrap();
     while !s.is_idle() {
         s.step();
     }

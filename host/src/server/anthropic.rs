@@ -87,6 +87,8 @@ struct Turn {
     calls: Vec<Value>,
     /// Its `tool_result` blocks: (the call's id, the result's text) (a user turn).
     results: Vec<(String, String)>,
+    /// It held `redacted_thinking`, which a model here cannot read (but which is content).
+    redacted: bool,
 }
 
 /// The blocks of `system` or a message of `role`, each kind where Anthropic allows it.
@@ -106,7 +108,7 @@ fn turn(b: &Blocks, field: &str, role: &str) -> Result<Turn, ApiError> {
                 texts.push(block.text.clone().ok_or_else(|| ApiError::field(&at("text"), "a text block needs `text`"))?)
             }
             "thinking" if assistant => thoughts.push(block.thinking.clone().unwrap_or_default()),
-            "redacted_thinking" if assistant => {}
+            "redacted_thinking" if assistant => t.redacted = true,
             "tool_use" if assistant => {
                 let (Some(id), Some(name)) = (&block.id, &block.name) else {
                     return Err(ApiError::field(&at("id"), "a tool_use block needs `id` and `name`"));
@@ -158,7 +160,8 @@ fn conversation(r: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
         let at = format!("messages[{i}].content");
         let t = turn(&m.content, &at, &m.role)?;
         let last = i + 1 == r.messages.len();
-        let empty = t.text.is_empty() && t.calls.is_empty() && t.results.is_empty() && t.thinking.is_none();
+        let empty =
+            t.text.is_empty() && t.calls.is_empty() && t.results.is_empty() && t.thinking.is_none() && !t.redacted;
         if empty && !(last && m.role == "assistant") {
             return Err(ApiError::field(
                 &at,
@@ -172,11 +175,16 @@ fn conversation(r: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
         if m.role == "user" && !t.results.is_empty() && t.text.is_empty() {
             continue;
         }
-        // Consecutive turns of one role are one turn, as Anthropic's API combines them.
-        let plain = t.calls.is_empty() && t.results.is_empty() && t.thinking.is_none();
+        // Consecutive turns of one role are one turn, as Anthropic's API combines them (up to a
+        // turn's tool calls, which end it).
         match out.last_mut() {
-            Some(prev) if plain && prev.role == m.role && prev.tool_calls.is_none() => {
-                prev.content = [prev.content.as_str(), &t.text].join("\n");
+            Some(prev) if t.results.is_empty() && prev.role == m.role && prev.tool_calls.is_none() => {
+                prev.content = joined(&prev.content, &t.text);
+                if let Some(thought) = t.thinking {
+                    let before = prev.reasoning_content.take().unwrap_or_default();
+                    prev.reasoning_content = Some(joined(&before, &thought));
+                }
+                prev.tool_calls = (!t.calls.is_empty()).then_some(t.calls);
                 continue;
             }
             _ => {}
@@ -188,6 +196,15 @@ fn conversation(r: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
         });
     }
     Ok(out)
+}
+
+/// Two turns' texts as one, on separate lines (an empty one adds nothing).
+fn joined(a: &str, b: &str) -> String {
+    match (a.is_empty(), b.is_empty()) {
+        (true, _) => b.to_string(),
+        (_, true) => a.to_string(),
+        _ => format!("{a}\n{b}"),
+    }
 }
 
 /// The request's tools in the template's shape (None: none, or `tool_choice: {"type": "none"}`).

@@ -68,13 +68,13 @@ pub struct ServerArgs {
     #[arg(long = "timeout", env = "LLAMA_ARG_TIMEOUT", default_value_t = 600)]
     pub timeout: u64,
     /// Serve Prometheus metrics at /metrics.
-    #[arg(long = "metrics", env = "LLAMA_ARG_ENDPOINT_METRICS")]
+    #[arg(long = "metrics", env = "LLAMA_ARG_ENDPOINT_METRICS", value_parser = truthy)]
     pub metrics: bool,
     /// Serve /slots (the default).
     #[arg(long = "slots", overrides_with = "no_slots")]
     pub slots: bool,
     /// Answer /slots with 501.
-    #[arg(long = "no-slots", env = "LLAMA_ARG_NO_ENDPOINT_SLOTS", overrides_with = "slots")]
+    #[arg(long = "no-slots", env = "LLAMA_ARG_NO_ENDPOINT_SLOTS", overrides_with = "slots", value_parser = truthy)]
     pub no_slots: bool,
     /// Run one throwaway step after loading, before /health says ready (the default), so the first
     /// request does not pay the backend's one-time work.
@@ -87,7 +87,7 @@ pub struct ServerArgs {
     #[arg(long = "cache-prompt", overrides_with = "no_cache_prompt")]
     pub cache_prompt: bool,
     /// Never reuse prompt KV across requests.
-    #[arg(long = "no-cache-prompt", env = "LLAMA_ARG_NO_CACHE_PROMPT", overrides_with = "cache_prompt")]
+    #[arg(long = "no-cache-prompt", env = "LLAMA_ARG_NO_CACHE_PROMPT", overrides_with = "cache_prompt", value_parser = truthy)]
     pub no_cache_prompt: bool,
     /// A Jinja chat template (file) to use instead of the model's.
     #[arg(long = "chat-template-file", env = "LLAMA_ARG_CHAT_TEMPLATE_FILE", value_name = "FILE")]
@@ -108,8 +108,13 @@ pub struct ServerArgs {
     /// the model answers; -1: no limit; 0: no thinking (also the template's `enable_thinking: false`).
     #[arg(long = "reasoning-budget", env = "LLAMA_ARG_THINK_BUDGET", default_value_t = -1, allow_negative_numbers = true)]
     pub reasoning_budget: i64,
+    /// Continuous batching (always on: accepted for llama-server command lines, refused if switched
+    /// off).
+    #[arg(long = "cont-batching", env = "LLAMA_ARG_CONT_BATCHING", value_parser = truthy, num_args = 0..=1,
+          default_missing_value = "true", value_name = "BOOL")]
+    pub cont_batching: Option<bool>,
     /// Use the Jinja chat template (mlxcel always does; accepted for llama-server command lines).
-    #[arg(long = "jinja", env = "LLAMA_ARG_JINJA")]
+    #[arg(long = "jinja", env = "LLAMA_ARG_JINJA", value_parser = truthy)]
     pub jinja: bool,
     /// Backend plugin to use (default: the best-scoring one on this machine).
     #[arg(long)]
@@ -130,7 +135,7 @@ pub struct ServerArgs {
     pub sampling: SamplingArgs,
     /// Serve MODEL as an embedding model even without sentence-transformers files (a decoder such as
     /// a Qwen3 checkpoint: last-token pooling, L2-normalised). Models with the files need no flag.
-    #[arg(long = "embedding", visible_alias = "embeddings", env = "LLAMA_ARG_EMBEDDINGS")]
+    #[arg(long = "embedding", visible_alias = "embeddings", env = "LLAMA_ARG_EMBEDDINGS", value_parser = truthy)]
     pub embedding: bool,
     /// How an embedding model pools its token rows: mean, cls or last (implies --embedding; default:
     /// the model's sentence-transformers config, else last for decoders, mean for encoders).
@@ -141,10 +146,21 @@ pub struct ServerArgs {
     pub cache_types: CacheTypeArgs,
 }
 
+/// An on/off value as llama.cpp reads its flags' environment variables: `true`, `1`, `on`,
+/// `enabled` (and `yes`) or `false`, `0`, `off`, `disabled` (and `no`), in any case.
+fn truthy(v: &str) -> Result<bool, String> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "true" | "1" | "on" | "enabled" | "yes" => Ok(true),
+        "false" | "0" | "off" | "disabled" | "no" => Ok(false),
+        _ => Err("expected true/false, 1/0, on/off or enabled/disabled".into()),
+    }
+}
+
 /// llama-server's two-letter short flags that clap cannot spell (`-np`), rewritten to their long names
 /// before parsing.
 const SHORT_ALIASES: &[(&str, &str)] = &[
     ("-np", "--parallel"),
+    ("-cb", "--cont-batching"),
     ("-ub", "--ubatch-size"),
     ("-to", "--timeout"),
     ("-ctk", "--cache-type-k"),
@@ -344,6 +360,9 @@ pub struct ServerConfig {
 
 impl ServerArgs {
     pub fn config(&self, plugin_dirs: &[PathBuf]) -> Result<ServerConfig> {
+        if self.cont_batching == Some(false) {
+            bail!("continuous batching cannot be switched off (--cont-batching / LLAMA_ARG_CONT_BATCHING): it is always on");
+        }
         let model = self.model.clone().context("no model: pass -m MODEL (a folder or a hub name)")?;
         let mut api_keys: Vec<String> =
             self.api_key.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect();
@@ -492,6 +511,21 @@ mod tests {
         assert!(c.metrics && !c.slots && c.cache_prompt);
         assert_eq!(c.timeout, Some(Duration::from_secs(30)));
         assert_eq!(c.alias.as_deref(), Some("smol"));
+    }
+
+    #[test]
+    fn on_off_values_read_as_llama_cpp_reads_them() {
+        for v in ["true", "1", "on", "enabled", "ON"] {
+            assert_eq!(truthy(v), Ok(true), "{v}");
+        }
+        for v in ["false", "0", "off", "disabled"] {
+            assert_eq!(truthy(v), Ok(false), "{v}");
+        }
+        assert!(truthy("maybe").is_err());
+        assert!(parse(&["-m", "m", "-cb"]).is_ok());
+        assert!(parse(&["-m", "m", "--cont-batching"]).is_ok());
+        let e = parse(&["-m", "m", "--cont-batching", "off"]).unwrap_err().to_string();
+        assert!(e.contains("always on"), "{e}");
     }
 
     #[test]

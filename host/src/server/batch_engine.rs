@@ -46,10 +46,12 @@ impl Drop for BatchEngine {
 
 impl Generator for BatchEngine {
     fn submit(&self, req: GenerationRequest) -> Result<EventStream, EngineError> {
-        let mut stream = match self.handle.sampler_ready(&req.sampling) {
-            true => self.handle.submit(req)?,
-            // A first infill or DRY request builds a table over the vocabulary (milliseconds).
-            false => super::blocking(|| self.handle.submit(req))?,
+        // A sampler that reads tokens' texts (infill, DRY) may build a table over the vocabulary
+        // first (milliseconds).
+        let reads_texts = req.sampling.infill() || req.sampling.dry_breakers_needed().is_some();
+        let mut stream = match reads_texts {
+            true => super::blocking(|| self.handle.submit(req))?,
+            false => self.handle.submit(req)?,
         };
         let (tx, rx) = mpsc::channel(64);
         // Relay until the request ends or the HTTP side lets go of its receiver; either way `stream`

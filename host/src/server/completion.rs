@@ -9,7 +9,7 @@ use std::time::Duration;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use futures_util::stream;
-use serde_json::{json, Value};
+use serde_json::json;
 use tokio::sync::mpsc;
 
 use super::error::ApiError;
@@ -585,22 +585,6 @@ pub fn unix_time() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
-/// One token in llama-server's probability lists: its id, text, bytes and log-probability.
-pub fn token_entry(tok: &TextTokenizer, id: u32, logprob: f32) -> Value {
-    let bytes = tok.token_bytes(id);
-    json!({"id": id, "token": utf8_head(&bytes), "bytes": bytes, "logprob": logprob})
-}
-
-/// `bytes` as text, less an unfinished UTF-8 character at its end (a token that holds the first
-/// bytes of a character shows none of it; `bytes` has them).
-fn utf8_head(bytes: &[u8]) -> String {
-    match std::str::from_utf8(bytes) {
-        Ok(s) => s.to_string(),
-        Err(e) if e.error_len().is_none() => String::from_utf8_lossy(&bytes[..e.valid_up_to()]).into_owned(),
-        Err(_) => String::from_utf8_lossy(bytes).into_owned(),
-    }
-}
-
 /// A token as OpenAI's logprobs name it: its text, or for a token that is only part of a UTF-8
 /// character, `bytes:` and its bytes escaped (`bytes:\xf0\x9f`), so that two such tokens never
 /// share a name.
@@ -679,18 +663,4 @@ pub fn logit_bias(v: &serde_json::Value, model: &LoadedModel, openai: bool) -> R
         out.extend(tokens(t)?.into_iter().map(|t| (t, b)));
     }
     Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::utf8_head;
-
-    #[test]
-    fn a_token_shows_its_text_up_to_an_unfinished_character() {
-        let smile = "🙂".as_bytes();
-        assert_eq!(utf8_head(smile), "🙂");
-        assert_eq!(utf8_head(&smile[..2]), "", "the first bytes of a character alone");
-        assert_eq!(utf8_head(&[b"ab".as_slice(), &smile[..3]].concat()), "ab");
-        assert_eq!(utf8_head(&[0xff, b'a']), "\u{fffd}a", "a byte that starts no character");
-    }
 }

@@ -16,8 +16,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::completion::{
-    data, logit_bias, run_all, stream_many, submit_all, timings, token_entry, Asked, Ending, Job, Live, StreamDialect,
-    StreamExtras,
+    data, logit_bias, run_all, stream_many, submit_all, timings, Asked, Ending, Job, Live, StreamDialect, StreamExtras,
 };
 use super::error::{parse_body, parse_body_with, ApiError, Dialect, ErrorKind};
 use super::infill::{self, ExtraChunk, Fim, InfillInput};
@@ -193,6 +192,27 @@ fn stop_type(e: &Ending) -> (&'static str, String) {
     }
 }
 
+/// One token in llama-server's probability lists: its id, text, bytes and log-probability.
+fn llama_token_entry(tok: &crate::text::TextTokenizer, id: u32, logprob: f32) -> Value {
+    let bytes = tok.token_bytes(id);
+    json!({"id": id, "token": utf8_head(&bytes), "bytes": bytes, "logprob": logprob})
+}
+
+/// `bytes` as text, less an unfinished UTF-8 character at its end (a token that holds the first
+/// bytes of a character shows none of it; `bytes` has them).
+fn utf8_head(bytes: &[u8]) -> String {
+    // The last byte that starts a character, and whether the bytes after it finish it.
+    let start = bytes.iter().rposition(|b| b & 0xC0 != 0x80).unwrap_or(0);
+    let needs = match bytes.get(start) {
+        Some(b) if b & 0xE0 == 0xC0 => 2,
+        Some(b) if b & 0xF0 == 0xE0 => 3,
+        Some(b) if b & 0xF8 == 0xF0 => 4,
+        _ => 1,
+    };
+    let end = if bytes.len() - start < needs { start } else { bytes.len() };
+    String::from_utf8_lossy(&bytes[..end]).into_owned()
+}
+
 /// Whether the answer stopped because the context was full (llama-server's `truncated`).
 fn ran_out_of_context(e: &Ending, usage: &Usage, ctx_size: usize) -> bool {
     matches!(e, Ending::Length) && usage.prompt_tokens + usage.completion_tokens >= ctx_size
@@ -202,8 +222,8 @@ fn ran_out_of_context(e: &Ending, usage: &Usage, ctx_size: usize) -> bool {
 fn probabilities(tok: &crate::text::TextTokenizer, lps: &[TokenLogprob]) -> Value {
     lps.iter()
         .map(|l| {
-            let top: Vec<Value> = l.top.iter().map(|&(id, lp)| token_entry(tok, id, lp)).collect();
-            let mut entry = token_entry(tok, l.token, l.logprob);
+            let top: Vec<Value> = l.top.iter().map(|&(id, lp)| llama_token_entry(tok, id, lp)).collect();
+            let mut entry = llama_token_entry(tok, l.token, l.logprob);
             entry["top_logprobs"] = top.into();
             entry
         })
@@ -649,6 +669,7 @@ pub async fn apply_template(State(state): State<Arc<AppState>>, body: Bytes) -> 
         let end = super::openai::PromptEnd {
             add_generation_prompt: r.add_generation_prompt,
             continue_final_message: r.continue_final_message.as_ref(),
+            one_final_assistant: true,
         };
         let (prompt, _) = super::openai::chat_prompt(model, &messages, kwargs.as_ref(), tools.as_ref(), end)?;
         Ok(Json(json!({"prompt": prompt})).into_response())
@@ -853,4 +874,19 @@ fn prometheus(rows: Vec<(&str, &str, &str, f64)>) -> Response {
         let _ = writeln!(text, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
     }
     (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::utf8_head;
+
+    #[test]
+    fn a_token_shows_its_text_up_to_an_unfinished_character() {
+        let smile = "🙂".as_bytes();
+        assert_eq!(utf8_head(smile), "🙂");
+        assert_eq!(utf8_head(&smile[..2]), "", "the first bytes of a character alone");
+        assert_eq!(utf8_head(&[b"ab".as_slice(), &smile[..3]].concat()), "ab");
+        assert_eq!(utf8_head(&[0xff, b'a']), "\u{fffd}a", "a byte that starts no character");
+        assert_eq!(utf8_head(&[0xff, smile[0], smile[1]]), "\u{fffd}", "a bad byte, then an unfinished character");
+    }
 }

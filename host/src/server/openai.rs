@@ -294,6 +294,9 @@ fn template_tool_call(call: &Value) -> Value {
 pub struct PromptEnd<'a> {
     pub add_generation_prompt: Option<bool>,
     pub continue_final_message: Option<&'a Value>,
+    /// llama-server's rule on its chat routes: two assistant messages at the end are refused (where
+    /// no continuation is asked for).
+    pub one_final_assistant: bool,
 }
 
 impl PromptEnd<'_> {
@@ -339,19 +342,23 @@ pub fn chat_prompt(
     let tools = tools.map(|t| t.tools.as_slice());
     let continues = end.continues()?;
     let assistant = |m: &ChatMessage| m.role == "assistant" && m.tool_calls.is_none();
-    let prefill = match messages {
-        [.., before, last] if assistant(last) && before.role == "assistant" => {
-            return Err(ApiError::field("messages", "Cannot have 2 or more assistant messages at the end of the list."))
-        }
-        [.., last] if assistant(last) => true,
-        _ if continues => {
+    if let [.., before, last] = messages {
+        if end.one_final_assistant && !continues && last.role == "assistant" && before.role == "assistant" {
             return Err(ApiError::field(
-                "continue_final_message",
-                "continue_final_message needs the conversation to end with an assistant message",
-            ))
+                "messages",
+                "Cannot have 2 or more assistant messages at the end of the list.",
+            ));
         }
-        _ => false,
-    };
+    }
+    let prefill =
+        match messages {
+            [.., last] if assistant(last) => true,
+            _ if continues => return Err(ApiError::field(
+                "continue_final_message",
+                "continue_final_message needs the conversation to end with an assistant message (without tool calls)",
+            )),
+            _ => false,
+        };
     let adapted = super::tools::history_for(model.facts.chat_template.as_deref(), messages);
     let messages = adapted.as_deref().unwrap_or(messages);
     let t = model.text.chat_template.as_ref().ok_or_else(|| {
@@ -361,7 +368,14 @@ pub fn chat_prompt(
     })?;
     let text = match messages.split_last() {
         Some((last, before)) if prefill => {
-            t.render_with(before, true, kwargs, tools).map_err(ApiError::invalid)? + &last.content
+            let rendered = t.render_with(before, true, kwargs, tools).map_err(|e| match before.is_empty() {
+                true => ApiError::field(
+                    "messages",
+                    format!("this model's chat template cannot open an answer with nothing before it (a conversation of one assistant message is a prefill): {e}"),
+                ),
+                false => ApiError::invalid(e),
+            })?;
+            rendered + &last.content
         }
         _ => t
             .render_with(messages, end.add_generation_prompt.unwrap_or(true), kwargs, tools)
@@ -581,6 +595,7 @@ fn chat_prompt_of(
     let end = PromptEnd {
         add_generation_prompt: r.add_generation_prompt,
         continue_final_message: r.continue_final_message.as_ref(),
+        one_final_assistant: true,
     };
     let (text, ids) = chat_prompt(model, &messages, kwargs.as_ref(), tooling, end)?;
     Ok(TemplatedPrompt { text, ids, effort, kwargs })

@@ -1,9 +1,9 @@
 //! The tables over a model's vocabulary that the text-reading samplers need — every token's text (the
 //! infill sampler, DRY) and DRY's sequence breakers per breaker list — built once and shared by every
 //! request. Building one takes milliseconds (SmolLM2's 49K tokens' texts ~33 ms, a breaker list over
-//! them 6–16 ms, more on larger vocabularies): the engine's handle builds them on the submitting
-//! thread ([`VocabTables::prepare`]), so that the scheduler, where the build would stall every running
-//! sequence, finds them ready.
+//! them 6–16 ms, more on larger vocabularies): the engine's handle builds each request's sampler on
+//! the submitting thread, so that the scheduler, where the build would stall every running sequence,
+//! gets it made.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
@@ -36,23 +36,19 @@ impl VocabTables {
             && params.dry_breakers_needed().is_none_or(|list| self.lock().contains_key(list))
     }
 
-    /// Builds what a sampler for `params` will read (nothing where it reads no text).
-    pub fn prepare(&self, params: &SamplingParams) {
-        if params.infill() {
-            self.texts();
-        }
-        if let Some(list) = params.dry_breakers_needed() {
-            self.breakers(list);
-        }
-    }
-
-    /// A sampler for `params`; `ends` are the tokens that end generation, which the infill sampler
-    /// prefers once its candidates are unsure. Builds any table [`prepare`](Self::prepare) did not.
-    pub fn sampler(&self, params: SamplingParams, ends: Vec<u32>) -> Sampler {
+    /// A sampler for `params`, building any table it reads that no request built before. `ends`:
+    /// the tokens that end generation beside the model's end-of-sequence ones (none at all where
+    /// ends are ignored), which the infill sampler prefers once its candidates are unsure.
+    pub fn sampler(&self, params: SamplingParams, end_tokens: &[u32], ignore_eos: bool) -> Sampler {
         let texts = params.infill().then(|| self.texts());
         let breakers = params.dry_breakers_needed().map(|list| self.breakers(list));
         let mut sampler = Sampler::new(params);
         if let Some(texts) = texts {
+            // With ends ignored, the infill sampler has none to prefer (llama.cpp bans them then).
+            let ends = match ignore_eos {
+                true => Vec::new(),
+                false => self.tokenizer.eos_ids.iter().chain(end_tokens).copied().collect(),
+            };
             sampler = sampler.with_vocab(texts, ends);
         }
         if let Some(breakers) = breakers {
@@ -73,10 +69,11 @@ impl VocabTables {
         // requests bringing the same new list at once may both build it.
         let table = Arc::new(DryBreakers::new(&self.tokenizer, &self.texts(), list));
         let mut lists = self.lock();
-        if lists.len() >= MAX_BREAKER_LISTS {
-            lists.clear();
-        }
+        // (The tables let go are dropped after the lock.)
+        let dropped = (lists.len() >= MAX_BREAKER_LISTS).then(|| std::mem::take(&mut *lists));
         lists.insert(list.to_vec(), table.clone());
+        drop(lists);
+        drop(dropped);
         table
     }
 
@@ -111,29 +108,31 @@ mod tests {
         assert!(t.is_ready(&plain), "a sampler that reads no text needs no table");
         let p = dry(&["\n", ":"]);
         assert!(!t.is_ready(&p));
-        t.prepare(&p);
+        let first = t.sampler(p.clone(), &[], false);
         assert!(t.is_ready(&p));
         assert!(t.texts.get().is_some(), "DRY finds its breakers among the tokens' texts");
         assert!(!t.is_ready(&dry(&["\n"])), "another list is another table");
 
-        // The sampler gets the very table prepared, not a new one.
-        let prepared = t.lock().get(&p.dry.sequence_breakers).unwrap().clone();
-        let sampler = t.sampler(p.clone(), Vec::new());
-        assert!(Arc::ptr_eq(sampler.dry.as_ref().unwrap(), &prepared));
+        // The next sampler gets the very table built, not a new one.
+        let second = t.sampler(p.clone(), &[], false);
+        assert!(Arc::ptr_eq(second.dry.as_ref().unwrap(), first.dry.as_ref().unwrap()));
 
         let infill = SamplingParams { chain: vec![Step::Infill], ..Default::default() };
         assert!(t.is_ready(&infill), "the texts DRY built serve the infill sampler");
-        assert!(t.sampler(infill, vec![1]).texts.is_some());
+        let s = t.sampler(infill.clone(), &[7], false);
+        assert!(s.texts.is_some());
+        assert_eq!(s.ends, [t.tokenizer.eos_ids.clone(), vec![7]].concat());
+        assert!(t.sampler(infill, &[7], true).ends.is_empty(), "ignored ends are none to prefer");
     }
 
     #[test]
     fn breaker_lists_beyond_the_limit_start_the_cache_afresh() {
         let t = tables();
         for i in 0..MAX_BREAKER_LISTS {
-            t.prepare(&dry(&[&format!("<{i}>")]));
+            t.sampler(dry(&[&format!("<{i}>")]), &[], false);
         }
         assert_eq!(t.lock().len(), MAX_BREAKER_LISTS);
-        t.prepare(&dry(&["one more"]));
+        t.sampler(dry(&["one more"]), &[], false);
         assert_eq!(t.lock().len(), 1);
         assert!(t.is_ready(&dry(&["one more"])));
         assert!(!t.is_ready(&dry(&["<0>"])));
