@@ -22,7 +22,8 @@ pub struct LoadedModel {
 
 pub struct AppState {
     pub config: ServerConfig,
-    /// Set once loading finishes; until then generation routes and `/health` answer 503.
+    /// Set once loading finishes; until then generation routes and `/health` answer 503 (529 on
+    /// Anthropic's routes).
     pub model: OnceLock<LoadedModel>,
     /// Set instead of `model` when the served model is a speech-recognition one (`/v1/audio/*`).
     pub speech: OnceLock<super::audio::SpeechService>,
@@ -66,7 +67,7 @@ impl AppState {
         (!kwargs.is_empty()).then_some(kwargs)
     }
 
-    /// The model, or 503 while it is loading.
+    /// The model, or 503 (Anthropic's 529) while it is loading.
     pub fn ready(&self) -> Result<&LoadedModel, ApiError> {
         if let Some(speech) = self.speech.get() {
             return Err(super::audio::not_a_text_model(speech));
