@@ -20,7 +20,7 @@ use super::completion::{
 };
 use super::error::{parse_body, parse_body_with, ApiError, Dialect, ErrorKind};
 use super::infill::{self, ExtraChunk, Fim, InfillInput};
-use super::openai::{chat_messages, MessageIn, StopField};
+use super::openai::StopField;
 use super::samplers::LlamaSamplers;
 use super::state::{AppState, LoadedModel, RequestLog};
 use super::structured;
@@ -649,29 +649,12 @@ pub async fn detokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Resp
     run().unwrap_or_else(llama_err)
 }
 
-#[derive(Deserialize)]
-struct ApplyTemplateRequest {
-    messages: Vec<MessageIn>,
-    chat_template_kwargs: Option<serde_json::Map<String, Value>>,
-    add_generation_prompt: Option<bool>,
-    continue_final_message: Option<Value>,
-    tools: Option<Vec<Value>>,
-    tool_choice: Option<Value>,
-}
-
+/// `POST /apply-template`: the prompt a chat request would be answered from (any chat request body,
+/// as llama-server reads it).
 pub async fn apply_template(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let run = || -> Result<Response, ApiError> {
         let model = state.ready()?;
-        let r: ApplyTemplateRequest = parse_body(&body)?;
-        let kwargs = state.template_kwargs(r.chat_template_kwargs.as_ref());
-        let tools = super::openai::request_tools(model, &r.tools, r.tool_choice.as_ref(), None)?;
-        let messages = chat_messages(&r.messages)?;
-        let end = super::openai::PromptEnd {
-            add_generation_prompt: r.add_generation_prompt,
-            continue_final_message: r.continue_final_message.as_ref(),
-            one_final_assistant: true,
-        };
-        let (prompt, _) = super::openai::chat_prompt(model, &messages, kwargs.as_ref(), tools.as_ref(), end)?;
+        let prompt = super::openai::templated_chat_body(&state, model, &body)?.text;
         Ok(Json(json!({"prompt": prompt})).into_response())
     };
     run().unwrap_or_else(llama_err)

@@ -601,15 +601,21 @@ fn chat_prompt_of(
     Ok(TemplatedPrompt { text, ids, effort, kwargs })
 }
 
+/// The prompt a chat request's body would be answered from, for the routes that only render it
+/// (`/v1/chat/completions/input_tokens`, llama-server's `/apply-template`, which read any chat
+/// request); the generating fields it may carry are read and change nothing here.
+pub fn templated_chat_body(state: &AppState, model: &LoadedModel, body: &[u8]) -> Result<TemplatedPrompt, ApiError> {
+    let (r, _): (ChatRequest, LlamaSamplers) = parse_body_with(body)?;
+    let tooling = request_tools(model, &r.tools, r.tool_choice.as_ref(), r.parallel_tool_calls)?;
+    chat_prompt_of(state, model, &r, tooling.as_ref())
+}
+
 /// `POST /v1/chat/completions/input_tokens` (llama-server's): the tokens a chat request's prompt
 /// would take, answered as OpenAI's `/v1/responses/input_tokens` answers.
 pub async fn chat_input_tokens(State(state): State<Arc<AppState>>, body: Bytes) -> Response {
     let run = || -> Result<Response, ApiError> {
         let model = state.ready()?;
-        // (The sampler settings a generating request may carry do not change the count.)
-        let (r, _): (ChatRequest, LlamaSamplers) = parse_body_with(&body)?;
-        let tooling = request_tools(model, &r.tools, r.tool_choice.as_ref(), r.parallel_tool_calls)?;
-        let n = chat_prompt_of(&state, model, &r, tooling.as_ref())?.ids.len();
+        let n = templated_chat_body(&state, model, &body)?.ids.len();
         Ok(Json(json!({"object": "response.input_tokens", "input_tokens": n})).into_response())
     };
     run().unwrap_or_else(|e| e.in_dialect(Dialect::OpenAi).into_response())

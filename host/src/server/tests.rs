@@ -704,6 +704,12 @@ async fn how_a_prompt_ends_follows_llama_server() {
     let user = json!([{"role": "user", "content": "hi"}]);
     let (_, v) = s.post("/apply-template", json!({"messages": user, "add_generation_prompt": false})).await;
     assert_eq!(v["prompt"], "<|im_start|>user\nhi<|im_end|>\n");
+    // It reads any chat request, as llama-server's does.
+    let chat = json!({"messages": user, "max_tokens": 5, "temperature": 0.2, "stream": true, "top_k": 3});
+    let (status, v) = s.post("/apply-template", chat).await;
+    assert_eq!((status, v["prompt"].as_str()), (200, Some("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")));
+    let (status, v) = s.post("/apply-template", json!({"messages": user, "max_tokens": "five"})).await;
+    assert_eq!((status, v["error"]["code"].as_u64()), (400, Some(400)), "a wrong type is still refused: {v}");
     // An explicit continuation, which needs add_generation_prompt off (its default is on).
     let prefill = json!([{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]);
     let want = "<|im_start|>user\nCount<|im_end|>\n<|im_start|>assistant\n1, 2,";

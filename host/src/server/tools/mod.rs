@@ -155,8 +155,9 @@ impl Tooling {
                 Forced::Named(n) => f["name"] == n.as_str(),
             })
             .map(|f| {
-                let params =
-                    Some(&f["parameters"]).filter(|p| !p.is_null()).cloned().unwrap_or(json!({"type": "object"}));
+                // (OpenAI: "omitting parameters defines a function with an empty parameter list".)
+                let none = json!({"type": "object", "properties": {}, "additionalProperties": false});
+                let params = Some(&f["parameters"]).filter(|p| !p.is_null()).cloned().unwrap_or(none);
                 json!({"type": "object", "properties": {"name": {"const": f["name"]}, args_key: params},
                     "required": ["name", args_key], "additionalProperties": false})
             })
@@ -643,6 +644,20 @@ mod tests {
         let person = "{\"name\": \"Bob\", \"age\": 3}";
         assert_eq!(streamed(ToolFormat::Llama3Json, person), [text(person)]);
         assert_eq!(streamed(ToolFormat::Llama3Json, "<b>bold</b>"), [text("<b>bold</b>")]);
+    }
+
+    #[test]
+    fn a_forced_call_to_a_tool_without_parameters_has_empty_arguments() {
+        let t = Tooling {
+            format: ToolFormat::Hermes,
+            tools: vec![json!({"type": "function", "function": {"name": "ping"}})],
+            names: vec!["ping".into()],
+            parallel: true,
+            forced: Some(Forced::Any),
+        };
+        let g = t.forced_grammar(|_| None).unwrap();
+        let empty = json!({"type": "object", "properties": {}, "additionalProperties": false}).to_string();
+        assert!(g.contains(&format!("\"arguments\":{empty}")), "{g}");
     }
 
     #[test]
