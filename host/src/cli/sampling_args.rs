@@ -39,8 +39,10 @@ pub struct SamplingArgs {
     /// How many recent tokens the penalties consider (0 = off, -1 = the whole context).
     #[arg(long = "repeat-last-n", allow_negative_numbers = true)]
     pub repeat_last_n: Option<i64>,
+    /// Lowers the logit of every token already seen by this much (0 = off).
     #[arg(long = "presence-penalty", allow_negative_numbers = true)]
     pub presence_penalty: Option<f32>,
+    /// Lowers a seen token's logit by this much per time it was seen (0 = off).
     #[arg(long = "frequency-penalty", allow_negative_numbers = true)]
     pub frequency_penalty: Option<f32>,
     /// DRY: penalty for tokens that extend a repeat (0 = off).

@@ -199,7 +199,9 @@ fn is_json(r: &Response) -> bool {
 fn reshape_error(status: StatusCode, path: &str) -> Response {
     let (kind, message) = match status {
         StatusCode::PAYLOAD_TOO_LARGE => {
-            (ErrorKind::TooLarge, "the request body is larger than the server accepts (--max-body-bytes)".to_string())
+            // The audio routes have their own limit.
+            let flag = if path.starts_with("/v1/audio/") { "--max-audio-bytes" } else { "--max-body-bytes" };
+            (ErrorKind::TooLarge, format!("the request body is larger than the server accepts ({flag})"))
         }
         StatusCode::METHOD_NOT_ALLOWED => (ErrorKind::MethodNotAllowed, format!("{path} does not accept this method")),
         StatusCode::NOT_FOUND => (ErrorKind::NotFound, format!("no route {path}")),

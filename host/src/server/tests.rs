@@ -1221,6 +1221,7 @@ async fn oversized_bodies_get_413_in_the_dialect_shape() {
     let big = "x".repeat(100 * 1024);
     let (status, v) = s.post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": big}]})).await;
     assert_eq!((status, v["error"]["type"].as_str()), (413, Some("invalid_request_error")), "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("--max-body-bytes"), "{v}");
     let (status, v) =
         s.post("/v1/messages", json!({"max_tokens": 1, "messages": [{"role": "user", "content": big}]})).await;
     assert_eq!((status, v["error"]["type"].as_str()), (413, Some("request_too_large")), "{v}");
@@ -1366,6 +1367,7 @@ async fn audio_routes_on_a_text_model_are_a_400_with_their_own_body_limit() {
     assert_eq!(r.status(), 413);
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("--max-audio-bytes"), "its own flag: {v}");
 
     let loading = start_with(config(), Fake::default(), false).await;
     let r = audio_form(&loading, &[("model", "whisper-1".into())]).send().await.unwrap();
