@@ -320,6 +320,10 @@ fn inspect_json_gives_exact_weight_bytes_and_a_kv_figure() {
     assert_eq!(v["memory"]["kv_bytes"].as_u64().unwrap(), 2 * 2 * 2 * 16 * 2 * 256 * 2);
     assert_eq!(v["architecture"], "qwen2");
     assert_eq!(v["quantization"], "affine 4-bit g32");
+    // -c 0 is the model's whole context (the fixture's 512 positions), as `run` and the server read it.
+    let out = mlxcel().arg("inspect").arg(&dir).args(["--json", "-c", "0"]).output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["memory"]["kv_bytes"].as_u64().unwrap(), 2 * 2 * 2 * 16 * 2 * 512);
 
     // An f32 K cache beside a bf16 V cache: 4 + 2 bytes per value pair.
     let out = mlxcel()

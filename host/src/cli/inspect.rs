@@ -42,7 +42,11 @@ pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
     // The family is found as loading finds it (by `model_type`, else by the families' own matching).
     let (family, model) = family_model(&catalog, &ck)?;
     let info = model.info();
-    let ctx = args.ctx_size.unwrap_or(4096).min(info.max_positions.max(1)) as u64;
+    // As loading sizes it: 0 is the model's whole context, and no more than that is ever taken.
+    let ctx = match args.ctx_size.unwrap_or(4096) {
+        0 => info.max_positions,
+        n => n.min(info.max_positions.max(1)),
+    } as u64;
     // The device the model would run on says how much memory is free (0 = unknown).
     let free = catalog
         .select_backend(args.backend.as_deref())
