@@ -48,8 +48,7 @@ impl Generator for BatchEngine {
     fn submit(&self, req: GenerationRequest) -> Result<EventStream, EngineError> {
         // A sampler that reads tokens' texts (infill, DRY) may build a table over the vocabulary
         // first (milliseconds).
-        let reads_texts = req.sampling.infill() || req.sampling.dry_breakers_needed().is_some();
-        let mut stream = match reads_texts {
+        let mut stream = match req.sampling.reads_token_texts() {
             true => super::blocking(|| self.handle.submit(req))?,
             false => self.handle.submit(req)?,
         };

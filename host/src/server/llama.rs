@@ -167,20 +167,28 @@ fn prompt_ids(model: &LoadedModel, p: &Prompt, add_special: bool) -> Result<Prom
             Ok((model.text.decode(ids).unwrap_or_default(), ids.clone()))
         }
         Prompt::Mixed(pieces) => {
-            // As llama-server: specials (BOS) only before a leading string.
-            let mut ids = Vec::new();
-            for (i, p) in pieces.iter().enumerate() {
-                match p {
-                    Piece::Token(t) => ids.push(*t),
-                    Piece::Text(s) => ids.extend(
-                        model.text.encode(s, add_special && i == 0).map_err(|e| ApiError::internal(e.to_string()))?,
-                    ),
-                }
-            }
-            prompt_ids(model, &Prompt::Tokens(ids), add_special)
+            let encode = |s: &str, add: bool| model.text.encode(s, add).map_err(|e| ApiError::internal(e.to_string()));
+            prompt_ids(model, &Prompt::Tokens(mixed_ids(pieces, add_special, encode)?), add_special)
         }
         Prompt::Many(_) => Err(ApiError::field("prompt", "expected one prompt")),
     }
+}
+
+/// Ids and texts mixed, as llama-server's `tokenize_mixed` reads them: ids kept as they are, texts
+/// through `encode`, with specials (BOS) only before a leading text.
+fn mixed_ids(
+    pieces: &[Piece],
+    add_special: bool,
+    encode: impl Fn(&str, bool) -> Result<Vec<u32>, ApiError>,
+) -> Result<Vec<u32>, ApiError> {
+    let mut ids = Vec::new();
+    for (i, p) in pieces.iter().enumerate() {
+        match p {
+            Piece::Token(t) => ids.push(*t),
+            Piece::Text(s) => ids.extend(encode(s, add_special && i == 0)?),
+        }
+    }
+    Ok(ids)
 }
 
 fn stop_type(e: &Ending) -> (&'static str, String) {
@@ -596,21 +604,17 @@ pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
             TokenizeContent::Text(text) => encode(text, add_special)?,
             TokenizeContent::Pieces(pieces) => {
                 let vocab = model.facts.vocab_size as u32;
-                let mut ids = Vec::new();
-                // As llama-server: specials (BOS) only before a leading string.
-                for (i, p) in pieces.iter().enumerate() {
-                    match p {
-                        Piece::Token(t) if *t >= vocab => {
-                            return Err(ApiError::field(
-                                &format!("content[{i}]"),
-                                format!("token id {t} is outside the vocabulary (size {vocab})"),
-                            ))
-                        }
-                        Piece::Token(t) => ids.push(*t),
-                        Piece::Text(text) => ids.extend(encode(text, add_special && i == 0)?),
-                    }
+                let outside = pieces.iter().enumerate().find_map(|(i, p)| match p {
+                    Piece::Token(t) if *t >= vocab => Some((i, *t)),
+                    _ => None,
+                });
+                if let Some((i, t)) = outside {
+                    return Err(ApiError::field(
+                        &format!("content[{i}]"),
+                        format!("token id {t} is outside the vocabulary (size {vocab})"),
+                    ));
                 }
-                ids
+                mixed_ids(pieces, add_special, encode)?
             }
         };
         if !r.with_pieces.unwrap_or(false) {

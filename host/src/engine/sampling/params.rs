@@ -224,6 +224,12 @@ impl SamplingParams {
             .then_some(self.dry.sequence_breakers.as_slice())
     }
 
+    /// Whether the sampler reads tokens' texts (the infill sampler, DRY), which a table over the
+    /// vocabulary holds.
+    pub fn reads_token_texts(&self) -> bool {
+        self.infill() || self.dry_breakers_needed().is_some()
+    }
+
     /// Whether `step`, where it runs, changes anything at these settings.
     pub fn acts(&self, step: Step) -> bool {
         match step {
@@ -378,7 +384,7 @@ impl SamplingOverrides {
 
     /// Replaces each setting of `p` that these override.
     pub fn apply_to(&self, p: &mut SamplingParams) {
-        let o = self.clone();
+        let o = self;
         fn set<T>(field: &mut T, v: Option<T>) {
             if let Some(v) = v {
                 *field = v;
@@ -403,11 +409,11 @@ impl SamplingOverrides {
         set(&mut p.dry.base, o.dry_base);
         set(&mut p.dry.allowed_length, o.dry_allowed_length);
         set(&mut p.dry.last_n, o.dry_last_n);
-        set(&mut p.dry.sequence_breakers, o.dry_sequence_breakers);
+        set(&mut p.dry.sequence_breakers, o.dry_sequence_breakers.clone());
         set(&mut p.mirostat, o.mirostat);
         set(&mut p.mirostat_tau, o.mirostat_tau);
         set(&mut p.mirostat_eta, o.mirostat_eta);
-        set(&mut p.chain, o.chain);
+        set(&mut p.chain, o.chain.clone());
         p.seed = o.seed.or(p.seed);
     }
 }

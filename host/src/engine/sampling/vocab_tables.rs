@@ -31,8 +31,7 @@ impl VocabTables {
 
     /// Whether a sampler for `params` can be made without building anything.
     pub fn is_ready(&self, params: &SamplingParams) -> bool {
-        let needs_texts = params.infill() || params.dry_breakers_needed().is_some();
-        (!needs_texts || self.texts.get().is_some())
+        (!params.reads_token_texts() || self.texts.get().is_some())
             && params.dry_breakers_needed().is_none_or(|list| self.lock().contains_key(list))
     }
 
