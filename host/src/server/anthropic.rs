@@ -85,8 +85,8 @@ struct Turn {
     thinking: Option<String>,
     /// Its `tool_use` blocks as template tool calls (an assistant turn).
     calls: Vec<Value>,
-    /// Its `tool_result` blocks: (the call's id, the result's text) (a user turn).
-    results: Vec<(String, String)>,
+    /// Its `tool_result` blocks: (the block's index, the call's id, the result's text) (a user turn).
+    results: Vec<(usize, String, String)>,
     /// It held `redacted_thinking`, which a model here cannot read (but which is content).
     redacted: bool,
 }
@@ -125,7 +125,7 @@ fn turn(b: &Blocks, field: &str, role: &str) -> Result<Turn, ApiError> {
                     Some(c) => turn(c, &at("content"), "tool")?.text,
                 };
                 let text = if block.is_error == Some(true) { format!("Error: {text}") } else { text };
-                t.results.push((id, text));
+                t.results.push((j, id, text));
             }
             kind => {
                 return Err(ApiError::field(
@@ -150,6 +150,8 @@ fn conversation(r: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
     if let Some(s) = &r.system {
         out.push(ChatMessage::new("system", &block_text(s, "system")?));
     }
+    // The ids of the calls in the message before (a `tool_result` must answer one of them).
+    let mut asked: Vec<String> = Vec::new();
     for (i, m) in r.messages.iter().enumerate() {
         if m.role != "user" && m.role != "assistant" {
             return Err(ApiError::field(
@@ -168,8 +170,16 @@ fn conversation(r: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
                 format!("messages.{i}: all messages must have non-empty content except for the optional final assistant message"),
             ));
         }
+        // As Anthropic's API: a result answers a call of the message just before.
+        if let Some((j, id, _)) = t.results.iter().find(|(_, id, _)| !asked.contains(id)) {
+            return Err(ApiError::field(
+                &format!("{at}[{j}].tool_use_id"),
+                format!("messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` blocks: {id}. Each `tool_result` block must have a corresponding `tool_use` block in the previous message."),
+            ));
+        }
+        asked = t.calls.iter().filter_map(|c| c["id"].as_str().map(str::to_string)).collect();
         // A user turn's tool results are the templates' `tool` messages, before its text.
-        for (id, result) in &t.results {
+        for (_, id, result) in &t.results {
             out.push(ChatMessage { tool_call_id: Some(id.clone()), ..ChatMessage::new("tool", result) });
         }
         if m.role == "user" && !t.results.is_empty() && t.text.is_empty() {

@@ -2122,6 +2122,17 @@ async fn anthropic_tool_use() {
         "{prompt}"
     );
     assert!(prompt.contains("<tool_response>22 C</tool_response>\nuser\nThanks"), "{prompt}");
+    // A result must answer a call of the message before it, as Anthropic's API checks.
+    let mut orphan = history.clone();
+    orphan[2]["content"][0]["tool_use_id"] = json!("toolu_9");
+    let (status, v) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": orphan, "tools": tools})).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("messages.2.content.0: unexpected `tool_use_id`"), "{v}");
+    let mut late = history.clone();
+    late.as_array_mut().unwrap().insert(2, json!({"role": "assistant", "content": "More."}));
+    late.as_array_mut().unwrap().insert(2, json!({"role": "user", "content": "Hm?"}));
+    let (status, v) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": late, "tools": tools})).await;
+    assert_eq!(status, 400, "a result two turns after its call: {v}");
     for choice in [json!({"type": "any"}), json!({"type": "tool", "name": "get_weather"})] {
         let (status, v) = s
             .post("/v1/messages", json!({"max_tokens": 5, "messages": ask, "tools": tools, "tool_choice": choice}))

@@ -207,6 +207,7 @@ impl Tooling {
             .map(|t| &t["function"])
             .filter_map(|f| Some((f["name"].as_str()?.to_string(), f["parameters"].clone())))
             .collect();
+        p.forced = self.forced.is_some();
         p
     }
 
@@ -351,13 +352,16 @@ pub struct CallParser {
     strict: Vec<(String, Value)>,
     /// Every tool's parameter schema, by name (how the XML formats' values are read).
     params: Vec<(String, Value)>,
+    /// A call was forced, so the answer is only calls: one cut short (by the token limit, a stop
+    /// string or the timeout) is dropped, where it would otherwise stay text.
+    forced: bool,
 }
 
 impl CallParser {
     pub fn new(format: ToolFormat, names: Vec<String>, parallel: bool, id_prefix: &'static str) -> CallParser {
         let held = String::new();
         let (calls, scan_from, ws_before) = (0, 0, String::new());
-        let (strict, params) = (Vec::new(), Vec::new());
+        let (strict, params, forced) = (Vec::new(), Vec::new(), false);
         CallParser {
             format,
             names,
@@ -370,6 +374,7 @@ impl CallParser {
             ws_before,
             strict,
             params,
+            forced,
         }
     }
 
@@ -416,6 +421,7 @@ impl CallParser {
                     let t = body.trim().strip_prefix(ToolFormat::Llama3Json.open()).unwrap_or(body.trim());
                     match self.take(t) {
                         Some(calls) => out.extend(calls.into_iter().map(Piece::Call)),
+                        None if self.forced => {}
                         None => out.push(Piece::Text(body)),
                     }
                     self.state = State::Text;
@@ -459,6 +465,12 @@ impl CallParser {
                     };
                     match self.take(&body[..cut]) {
                         Some(calls) => out.extend(calls.into_iter().map(Piece::Call)),
+                        // A forced call cut short is no call, and not text either.
+                        None if self.forced && !closed => {
+                            self.held = rest;
+                            self.state = State::Text;
+                            continue;
+                        }
                         // Not a call after all: the text as the model wrote it.
                         None => {
                             let close = if closed { format.close().unwrap_or_default() } else { "" };
@@ -630,6 +642,29 @@ mod tests {
         // A call to a tool the request did not give is text.
         let other = "<tool_call>{\"name\": \"rm\", \"arguments\": {}}</tool_call>";
         assert_eq!(streamed(ToolFormat::Hermes, other), [text(other)]);
+    }
+
+    #[test]
+    fn a_forced_call_cut_short_is_dropped_not_text() {
+        let names = || vec!["weather".to_string(), "f".to_string()];
+        let cut = "<tool_call>\n{\"name\": \"f\"}\n</tool_call>\n<tool_call>\n{\"name\": \"weather\", \"argu";
+        for (format, answer, whole) in [
+            (ToolFormat::Hermes, cut, vec![call("f", json!({}))]),
+            (ToolFormat::Llama3Json, "{\"name\": \"weather\", \"param", vec![]),
+        ] {
+            let auto = Tooling { format, tools: vec![], names: names(), parallel: true, forced: None };
+            let forced = Tooling { forced: Some(Forced::Any), ..auto };
+            let mut pieces = forced.pieces("call_", answer);
+            for p in &mut pieces {
+                if let Piece::Call(c) = p {
+                    c.id.clear();
+                }
+            }
+            assert_eq!(pieces, whole, "{format:?}");
+            // Where the model chose to call, what it wrote stays: it may be text.
+            let auto = Tooling { forced: None, ..forced };
+            assert!(auto.split("call_", answer).0.contains("\"weather\""), "{format:?}");
+        }
     }
 
     #[test]
