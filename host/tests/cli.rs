@@ -324,6 +324,12 @@ fn inspect_json_gives_exact_weight_bytes_and_a_kv_figure() {
     let out = mlxcel().arg("inspect").arg(&dir).args(["--json", "-c", "0"]).output().unwrap();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["memory"]["kv_bytes"].as_u64().unwrap(), 2 * 2 * 2 * 16 * 2 * 512);
+    // Over the model's maximum, the context is cut to it, and the user is told.
+    let out = mlxcel().arg("inspect").arg(&dir).args(["--json", "-c", "100000"]).output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["memory"]["kv_bytes"].as_u64().unwrap(), 2 * 2 * 2 * 16 * 2 * 512);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("-c 100000 is over the model's maximum context (512 tokens); using 512"), "{err}");
 
     // An f32 K cache beside a bf16 V cache: 4 + 2 bytes per value pair.
     let out = mlxcel()
@@ -430,4 +436,27 @@ fn nested_text_config_is_read() {
         serde_json::json!({"model_type": "wrapper-vl", "text_config": inner, "quantization": cfg["quantization"]});
     std::fs::write(dir.join("config.json"), wrapped.to_string()).unwrap();
     assert_eq!(generate_text(&dir), generate_text(&fixture("qwen2-q4")));
+}
+
+/// `bench` runs on the tiny fixture, and refuses what it cannot measure: no repetition, or tests
+/// deeper than the model's context (the fixture's 512 positions), named before anything runs.
+#[test]
+fn bench_measures_and_refuses_what_it_cannot_measure() {
+    let dir = fixture("qwen2-q4");
+    let out = mlxcel().arg("bench").arg(&dir).args(["-p", "16", "-n", "4", "-r", "1", "--json"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["pp_tps"].as_f64().unwrap() > 0.0 && v["tg_tps"].as_f64().unwrap() > 0.0, "{v}");
+    for (args, says) in [
+        (&["-r", "0"][..], "at least one repetition is needed"),
+        (
+            &["-p", "600"][..],
+            "the tests need 600 tokens of context (-p, or -d + -n), more than the model's maximum (512 tokens)",
+        ),
+        (&["-p", "8", "-n", "16", "-d", "500"][..], "the tests need 516 tokens"),
+    ] {
+        let out = mlxcel().arg("bench").arg(&dir).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{args:?}: {err}");
+    }
 }

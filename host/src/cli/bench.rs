@@ -22,7 +22,7 @@ pub struct BenchArgs {
     #[arg(short = 'n', long = "n-gen", default_value_t = 128)]
     pub n_gen: usize,
     /// Repetitions; the median is reported.
-    #[arg(short = 'r', long, default_value_t = 3)]
+    #[arg(short = 'r', long, default_value_t = 3, value_parser = repetitions)]
     pub repetitions: usize,
     /// Worker threads.
     #[arg(short = 't', long, default_value_t = 0)]
@@ -41,6 +41,15 @@ pub struct BenchArgs {
     pub json: bool,
     #[command(flatten)]
     pub cache_types: CacheTypeArgs,
+}
+
+/// At least one measured repetition (none would report nothing as zeros).
+fn repetitions(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("at least one repetition is needed".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -72,6 +81,14 @@ pub fn run(global: &GlobalArgs, args: &BenchArgs) -> Result<()> {
         ..Default::default()
     };
     let mut runner = ModelRunner::load(&global.catalog(), &dir, &opts)?;
+    // The deepest test must fit in the model's context (loading cuts the context to it).
+    let deepest = args.n_prompt.max(args.depths.iter().copied().max().unwrap_or(0) + args.n_gen);
+    if deepest > runner.ctx_size {
+        anyhow::bail!(
+            "the tests need {deepest} tokens of context (-p, or -d + -n), more than the model's maximum ({} tokens)",
+            runner.ctx_size
+        );
+    }
     let vocab = runner.info.vocab_size as u32;
     // Deterministic pseudo-random tokens, as llama-bench uses random tokens.
     let mut state = 0x2545F4914F6CDD1Du64;

@@ -11,7 +11,7 @@ use super::run::resolve_model;
 use super::GlobalArgs;
 use crate::checkpoint::Checkpoint;
 use crate::engine::memory::MemoryEstimate;
-use crate::engine::runner::family_model;
+use crate::engine::runner::{family_model, fitted_context, warn_if_context_cut};
 use crate::engine::KvCacheTypes;
 
 #[derive(Args, Debug)]
@@ -43,10 +43,8 @@ pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
     let (family, model) = family_model(&catalog, &ck)?;
     let info = model.info();
     // As loading sizes it: 0 is the model's whole context, and no more than that is ever taken.
-    let ctx = match args.ctx_size.unwrap_or(4096) {
-        0 => info.max_positions,
-        n => n.min(info.max_positions.max(1)),
-    } as u64;
+    warn_if_context_cut(args.ctx_size, info.max_positions);
+    let ctx = fitted_context(args.ctx_size.unwrap_or(4096), info.max_positions) as u64;
     // The device the model would run on says how much memory is free (0 = unknown).
     let free = catalog
         .select_backend(args.backend.as_deref())

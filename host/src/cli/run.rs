@@ -13,6 +13,7 @@ use super::cache_type::CacheTypeArgs;
 use super::sampling_args::SamplingArgs;
 use super::GlobalArgs;
 use crate::engine::memory::MemoryEstimate;
+use crate::engine::runner::warn_if_context_cut;
 use crate::engine::{
     Engine, EngineError, EngineHandle, EngineOptions, FinishReason, GenerationEvent, GenerationRequest, ModelRunner,
     RequestStream, RunnerOptions, SamplingParams, Usage,
@@ -121,6 +122,7 @@ fn load(global: &GlobalArgs, args: &RunArgs) -> Result<Loaded> {
         ..Default::default()
     };
     let runner = ModelRunner::load(&catalog, &dir, &opts)?;
+    warn_if_context_cut(args.ctx_size, runner.info.max_positions);
     let est = MemoryEstimate::new(
         &runner.info,
         runner.checkpoint.weight_bytes(),

@@ -350,6 +350,24 @@ pub(crate) fn family_model<'c>(
     Ok((family, model))
 }
 
+/// The context a sequence gets for `requested` tokens (`-c`): 0 is the model's whole context
+/// (`max_positions`), and no more than that is ever taken.
+pub fn fitted_context(requested: usize, max_positions: usize) -> usize {
+    match requested {
+        0 => max_positions,
+        n => n.min(max_positions.max(1)),
+    }
+}
+
+/// Says so where an asked-for `-c` is over the model's maximum, which [`fitted_context`] cuts it to
+/// (llama.cpp keeps such a context and warns of overflow; positions past the maximum were never
+/// trained).
+pub fn warn_if_context_cut(asked: Option<usize>, max_positions: usize) {
+    if let Some(n) = asked.filter(|&n| n > max_positions) {
+        tracing::warn!("-c {n} is over the model's maximum context ({max_positions} tokens); using {max_positions}");
+    }
+}
+
 impl ModelRunner {
     /// Loads a text-generation model (anything else is refused by name).
     pub fn load(catalog: &Catalog, dir: &Path, opts: &RunnerOptions) -> Result<ModelRunner> {
@@ -397,10 +415,7 @@ impl ModelRunner {
             bail!("{}", task_refusal(&checkpoint.dir, info.task, tasks));
         }
         let described = backend_plugin.describe();
-        let ctx_size = match opts.ctx_size {
-            0 => info.max_positions,
-            n => n.min(info.max_positions.max(1)),
-        };
+        let ctx_size = fitted_context(opts.ctx_size, info.max_positions);
         let plan = KvPlan::new(&info, ctx_size, opts.block_size, opts.parallel, opts.max_step_tokens);
         let pool = KvCache::new(&plan.windows, &plan.blocks_per_group, plan.block_size, plan.state_slots);
         let device = DeviceState::bind(backend_plugin, opts.threads, &checkpoint, &info, &plan, opts.cache_types)?;

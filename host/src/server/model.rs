@@ -18,6 +18,7 @@ use super::state::AppState;
 use super::{audio, batch_engine, embeddings};
 use crate::checkpoint::Checkpoint;
 use crate::engine::memory::MemoryEstimate;
+use crate::engine::runner::warn_if_context_cut;
 use crate::engine::{ModelRunner, RunnerOptions};
 use crate::text::{ChatTemplate, TextTokenizer};
 
@@ -86,6 +87,7 @@ pub fn load(
     };
     let runner =
         ModelRunner::from_checkpoint_for(catalog, checkpoint, &opts, &[Task::Text, Task::Embed, Task::Rerank])?;
+    warn_if_context_cut(config.ctx_size, runner.info.max_positions);
     let est = MemoryEstimate::new(
         &runner.info,
         runner.checkpoint.weight_bytes(),
