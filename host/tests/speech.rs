@@ -97,6 +97,39 @@ fn subtitle_formats_time_their_segments() {
     assert!(ok && vtt.starts_with("WEBVTT\n\n00:00:00.000 --> ") && vtt.contains(STABLE), "{vtt}{err}");
 }
 
+/// Several files: each JSON object on its own line naming its file, a bad file named on stderr while
+/// the others are transcribed (exit status 1); `--timestamps` prints timed lines as whisper.cpp does
+/// and is refused with `json`, which holds no times.
+#[test]
+fn several_files_go_on_past_a_bad_one_and_timestamps_show() {
+    let Some(model) = whisper() else { return };
+    let bad = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(bad.path(), b"not audio").unwrap();
+    let out = mlxcel()
+        .arg("transcribe")
+        .arg("-m")
+        .arg(&model)
+        .args([speech_wav().as_path(), bad.path(), speech_wav().as_path()])
+        .args(["--format", "json"])
+        .output()
+        .unwrap();
+    let (stdout, stderr) = (String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(!out.status.success(), "{stderr}");
+    let lines: Vec<serde_json::Value> = stdout.lines().map(|l| serde_json::from_str(l).unwrap()).collect();
+    assert_eq!(lines.len(), 2, "{stdout}");
+    for v in &lines {
+        assert_eq!((v["text"].as_str(), v["file"].as_str()), (Some(REFERENCE), speech_wav().to_str()), "{v}");
+    }
+    assert!(stderr.contains(&format!("error: {}: not a WAV", bad.path().display())), "{stderr}");
+    assert!(stderr.contains("1 of 3 files could not be transcribed"), "{stderr}");
+
+    let (ok, out, err) = transcribe(&model, &speech_wav(), &["--timestamps"]);
+    assert!(ok && out.starts_with("[00:00:00.000 --> ") && out.contains(STABLE), "{out}{err}");
+    assert!(out.lines().all(|l| l.starts_with('[') && l.contains("]  ")), "{out}");
+    let (ok, _, err) = transcribe(&model, &speech_wav(), &["--timestamps", "--format", "json"]);
+    assert!(!ok && err.contains("the json format holds only the text"), "{err}");
+}
+
 /// The speech file's 16-bit PCM samples.
 fn speech_pcm() -> Vec<u8> {
     let wav = std::fs::read(speech_wav()).unwrap();

@@ -1,7 +1,7 @@
 //! `mlxcel transcribe -m MODEL FILE…`: speech to text with a Whisper model.
 
 use std::io::{IsTerminal, Write};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -9,7 +9,10 @@ use clap::Args;
 use super::GlobalArgs;
 use crate::checkpoint::Checkpoint;
 use crate::speech::transcribe::MAX_BEST_OF;
-use crate::speech::{load_transcriber, render, ResponseFormat, SpeechTask, TranscribeOptions};
+use crate::speech::{
+    load_transcriber, render, render_json, timed_lines, ResponseFormat, SpeechTask, TranscribeOptions, Transcriber,
+    Transcript,
+};
 
 #[derive(Args, Debug, Clone)]
 pub struct TranscribeArgs {
@@ -63,8 +66,12 @@ pub fn run(global: &GlobalArgs, args: &TranscribeArgs) -> Result<()> {
         .map_err(anyhow::Error::from)
         .and_then(|ck| load_transcriber(&catalog, ck, args.backend.clone(), args.threads.unwrap_or(0), args.best_of))
         .with_context(|| format!("loading {}", dir.display()))?;
+    if args.timestamps && format == ResponseFormat::Json {
+        bail!("--timestamps: the json format holds only the text; verbose_json, srt and vtt give the segments' times");
+    }
     let opts = TranscribeOptions {
-        language: args.language.clone(),
+        // (Codes are lower-case, as openai-whisper and the server read them.)
+        language: args.language.as_deref().map(str::to_lowercase),
         task,
         timestamps: args.timestamps || format.needs_timestamps(),
         temperature: args.temperature,
@@ -72,45 +79,78 @@ pub fn run(global: &GlobalArgs, args: &TranscribeArgs) -> Result<()> {
         prompt: args.prompt.clone(),
         seed: 0,
     };
+    // Options the model cannot honour are refused before any file is read.
+    transcriber.check_options(&opts)?;
     let task_name = if task == SpeechTask::Translate { "translate" } else { "transcribe" };
+    let several = args.files.len() > 1;
     let mut stdout = std::io::stdout().lock();
+    let mut failed = 0;
+    // Each file on its own: one that cannot be read or transcribed is named on stderr and the rest
+    // go on (as whisper.cpp's command line goes on), the exit status saying some failed.
     for file in &args.files {
-        let samples = mlxcel_audio::load_audio(file)?;
-        let audio_seconds = samples.len() as f32 / mlxcel_audio::SAMPLE_RATE as f32;
-        let bar = progress_bar(audio_seconds, file);
-        let start = std::time::Instant::now();
-        let t = transcriber
-            .transcribe(
-                &samples,
-                &opts,
-                &mut |done, _| {
-                    if let Some(b) = &bar {
-                        b.set_position((done * 10.0) as u64);
-                    }
-                },
-                &|| false,
-            )
-            .with_context(|| format!("transcribing {}", file.display()))?;
-        if let Some(b) = bar {
-            b.finish_and_clear();
-        }
-        let seconds = start.elapsed().as_secs_f32();
-        // `cargo xtask bench --speech` reads this line (-v) for the real-time factor.
-        tracing::info!(audio_seconds, seconds, real_time_factor = audio_seconds / seconds.max(1e-9), "transcribed");
-        if args.files.len() > 1 {
+        let t = match transcribe_file(&mut transcriber, file, &opts) {
+            Ok(t) => t,
+            Err(e) if !several => return Err(e),
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                failed += 1;
+                continue;
+            }
+        };
+        let json = render_json(&t, format, task_name);
+        if several && json.is_none() {
             writeln!(stdout, "==> {} <==", file.display())?;
         }
-        let out = render(&t, format, task_name);
+        let out = match json {
+            // Several files' JSON: one object per line, each naming its file.
+            Some(mut v) if several => {
+                v["file"] = file.display().to_string().into();
+                v.to_string()
+            }
+            Some(v) => v.to_string(),
+            None if args.timestamps && format == ResponseFormat::Text => timed_lines(&t),
+            None => render(&t, format, task_name),
+        };
         stdout.write_all(out.as_bytes())?;
         if !out.ends_with('\n') {
             writeln!(stdout)?;
         }
+        stdout.flush()?;
+    }
+    if failed > 0 {
+        bail!("{failed} of {} files could not be transcribed", args.files.len());
     }
     Ok(())
 }
 
+/// One file's transcript, with a progress bar for a long one.
+fn transcribe_file(transcriber: &mut Transcriber, file: &Path, opts: &TranscribeOptions) -> Result<Transcript> {
+    let samples = mlxcel_audio::load_audio(file)?;
+    let audio_seconds = samples.len() as f32 / mlxcel_audio::SAMPLE_RATE as f32;
+    let bar = progress_bar(audio_seconds, file);
+    let start = std::time::Instant::now();
+    let t = transcriber.transcribe(
+        &samples,
+        opts,
+        &mut |done, _| {
+            if let Some(b) = &bar {
+                b.set_position((done * 10.0) as u64);
+            }
+        },
+        &|| false,
+    );
+    let t = t.with_context(|| format!("transcribing {}", file.display()))?;
+    if let Some(b) = bar {
+        b.finish_and_clear();
+    }
+    let seconds = start.elapsed().as_secs_f32();
+    // `cargo xtask bench --speech` reads this line (-v) for the real-time factor.
+    tracing::info!(audio_seconds, seconds, real_time_factor = audio_seconds / seconds.max(1e-9), "transcribed");
+    Ok(t)
+}
+
 /// A bar over the audio's seconds on stderr, for recordings longer than one 30 s window.
-fn progress_bar(seconds: f32, file: &std::path::Path) -> Option<indicatif::ProgressBar> {
+fn progress_bar(seconds: f32, file: &Path) -> Option<indicatif::ProgressBar> {
     if seconds <= 30.0 || !std::io::stderr().is_terminal() {
         return None;
     }

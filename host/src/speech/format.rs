@@ -1,9 +1,9 @@
 //! A transcript in the response formats OpenAI's audio API and the CLI share.
 
 use anyhow::{bail, Result};
-use serde_json::json;
+use serde_json::{json, Value};
 
-use super::transcribe::Transcript;
+use super::transcribe::{Segment, Transcript};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ResponseFormat {
@@ -48,26 +48,10 @@ fn clock(seconds: f32, sep: char) -> String {
 
 /// The transcript as `format` renders it (`task` names the endpoint's task in verbose JSON).
 pub fn render(t: &Transcript, format: ResponseFormat, task: &str) -> String {
-    let text = t.text.trim();
+    if let Some(v) = render_json(t, format, task) {
+        return v.to_string();
+    }
     match format {
-        ResponseFormat::Text => format!("{text}\n"),
-        ResponseFormat::Json => json!({ "text": text }).to_string(),
-        ResponseFormat::VerboseJson => {
-            let segments: Vec<_> = t
-                .segments
-                .iter()
-                .map(|s| {
-                    json!({
-                        "id": s.id, "seek": s.seek, "start": s.start, "end": s.end, "text": s.text,
-                        "tokens": s.tokens, "temperature": s.temperature, "avg_logprob": s.avg_logprob,
-                        "compression_ratio": s.compression_ratio, "no_speech_prob": s.no_speech_prob,
-                    })
-                })
-                .collect();
-            json!({ "task": task, "language": language_name(&t.language), "duration": t.duration, "text": text,
-                    "segments": segments })
-            .to_string()
-        }
         ResponseFormat::Srt => {
             let mut out = String::new();
             for (i, s) in t.segments.iter().enumerate() {
@@ -82,7 +66,39 @@ pub fn render(t: &Transcript, format: ResponseFormat, task: &str) -> String {
             }
             out
         }
+        _ => format!("{}\n", t.text.trim()),
     }
+}
+
+/// The JSON formats' object (None for the others).
+pub fn render_json(t: &Transcript, format: ResponseFormat, task: &str) -> Option<Value> {
+    let text = t.text.trim();
+    match format {
+        ResponseFormat::Json => Some(json!({ "text": text })),
+        ResponseFormat::VerboseJson => {
+            let segments: Vec<_> = t
+                .segments
+                .iter()
+                .map(|s| {
+                    json!({
+                        "id": s.id, "seek": s.seek, "start": s.start, "end": s.end, "text": s.text,
+                        "tokens": s.tokens, "temperature": s.temperature, "avg_logprob": s.avg_logprob,
+                        "compression_ratio": s.compression_ratio, "no_speech_prob": s.no_speech_prob,
+                    })
+                })
+                .collect();
+            Some(json!({ "task": task, "language": language_name(&t.language), "duration": t.duration, "text": text,
+                    "segments": segments }))
+        }
+        _ => None,
+    }
+}
+
+/// Each segment on its own line after its times, as whisper.cpp's command line prints them
+/// (`[00:00:01.500 --> 00:00:03.000]  text`).
+pub fn timed_lines(t: &Transcript) -> String {
+    let line = |s: &Segment| format!("[{} --> {}]  {}\n", clock(s.start, '.'), clock(s.end, '.'), s.text.trim());
+    t.segments.iter().map(line).collect()
 }
 
 /// OpenAI's verbose JSON names the language in English words (`english`), not by code.

@@ -10,7 +10,7 @@ use anyhow::Result;
 use mlxcel_plugin_api::Task;
 use mlxcel_plugins::Catalog;
 
-pub use format::{render, ResponseFormat};
+pub use format::{render, render_json, timed_lines, ResponseFormat};
 pub use transcribe::{Segment, SpeechTask, TranscribeOptions, Transcriber, Transcript};
 
 use crate::checkpoint::Checkpoint;
