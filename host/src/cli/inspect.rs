@@ -46,11 +46,12 @@ pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
     warn_if_context_cut(args.ctx_size, info.max_positions);
     let ctx = fitted_context(args.ctx_size.unwrap_or(4096), info.max_positions) as u64;
     // The device the model would run on says how much memory is free (0 = unknown).
-    let free = catalog
-        .select_backend(args.backend.as_deref())
-        .ok()
-        .and_then(|b| b.describe().devices.first().map(|d| d.free_memory_bytes))
-        .unwrap_or(0);
+    // A backend asked for by name must be there (as `run` and the server check it).
+    let backend = match &args.backend {
+        Some(name) => Some(catalog.select_backend(Some(name))?),
+        None => catalog.select_backend(None).ok(),
+    };
+    let free = backend.and_then(|b| b.describe().devices.first().map(|d| d.free_memory_bytes)).unwrap_or(0);
     let cache_types = args.cache_types.types().unwrap_or(KvCacheTypes::DEFAULT);
     let est = MemoryEstimate::new(info, ck.weight_bytes(), ctx, args.parallel as u64, free, cache_types);
     let params: u64 = ck.tensors.iter().map(|t| t.shape.iter().product::<u64>()).sum();
@@ -82,8 +83,12 @@ pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
     );
     println!("  quantization   {}", if info.quantization.is_empty() { "none" } else { &info.quantization });
     println!("  weights        {} in {} tensors, {} file(s)", mb(est.weight_bytes), ck.tensors.len(), ck.files.len());
+    // Sliding-window layers keep only their window, and cross-attention its fixed source: the
+    // total is then less than every layer holding every token.
+    let full = est.kv_bytes_per_token as u64 * ctx * est.parallel;
+    let held = if est.kv_bytes < full { ", windowed or cross-attention layers holding fewer" } else { "" };
     println!(
-        "  KV cache       {} ({:.1} KB per token × {} tokens × {} sequence(s); K {}, V {})",
+        "  KV cache       {} ({:.1} KB per token × {} tokens × {} sequence(s){held}; K {}, V {})",
         mb(est.kv_bytes),
         est.kv_bytes_per_token as f64 / 1e3,
         ctx,
@@ -92,11 +97,15 @@ pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
         est.cache_type_v
     );
     println!("  activations    {} (estimate)", mb(est.activation_bytes));
-    println!(
-        "  total          {} of {} available: {}",
-        mb(est.total_bytes),
-        mb(est.available_bytes),
-        if est.fits { "fits" } else { "does NOT fit" }
-    );
+    if est.available_bytes == 0 {
+        println!("  total          {} (the backend reports no free memory figure)", mb(est.total_bytes));
+    } else {
+        println!(
+            "  total          {} of {} available: {}",
+            mb(est.total_bytes),
+            mb(est.available_bytes),
+            if est.fits { "fits" } else { "does NOT fit" }
+        );
+    }
     Ok(())
 }

@@ -32,6 +32,13 @@ pub fn start(state: &AppState) -> Result<String> {
     let checkpoint = Checkpoint::open(&dir)?;
     // The family that claims the model says what it is for, before its weights are bound.
     if ModelRunner::task_of(&catalog, &checkpoint)? == Task::Asr {
+        if config.embedding.is_some() {
+            bail!(
+                "{}: --embedding / --pooling: this is a speech-recognition (Whisper) model, served on \
+                 /v1/audio/transcriptions without them",
+                dir.display()
+            );
+        }
         let speech = audio::start(config, &catalog, checkpoint)?;
         let ready = format!("speech model {} ready (/v1/audio/transcriptions)", speech.id);
         let _ = state.speech.set(speech);
