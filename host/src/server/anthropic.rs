@@ -12,9 +12,9 @@ use axum::{Extension, Json};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::completion::{collect, new_id, stream_response, submit, Ending, Job, Live, StreamDialect};
+use super::completion::{collect, logit_bias, new_id, stream_response, submit, Ending, Job, Live, StreamDialect};
 use super::error::{parse_body_with, ApiError, Dialect};
-use super::openai::{chat_prompt, StopField};
+use super::openai::{chat_prompt, SamplingFields, StopField};
 use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
 use super::samplers::LlamaSamplers;
 use super::state::{AppState, LoadedModel, RequestLog};
@@ -70,6 +70,16 @@ pub struct MessagesRequest {
     pub thinking: Option<Value>,
     /// llama-server's: how thinking is returned (the server's `--reasoning-format` by default).
     pub reasoning_format: Option<String>,
+    /// llama-server's sampling fields beyond Anthropic's, read as on its other routes.
+    pub seed: Option<i64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<i64>,
+    pub logit_bias: Option<Value>,
+    pub cache_prompt: Option<bool>,
+    pub ignore_eos: Option<bool>,
 }
 
 fn block_text(b: &Blocks, field: &str) -> Result<String, ApiError> {
@@ -379,16 +389,35 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
     if let Some(t) = r.temperature.filter(|t| !(0.0..=1.0).contains(t)) {
         return Err(ApiError::field("temperature", format!("temperature: must be between 0 and 1, got {t}")));
     }
-    let mut sampling = model.facts.default_sampling.clone();
-    sampling.temperature = r.temperature.unwrap_or(sampling.temperature);
-    sampling.top_p = r.top_p.unwrap_or(sampling.top_p);
-    sampling.top_k = r.top_k.unwrap_or(sampling.top_k);
+    let fields = SamplingFields {
+        temperature: r.temperature,
+        top_p: r.top_p,
+        top_k: r.top_k.map(|k| k.min(i64::MAX as usize) as i64),
+        seed: r.seed,
+        presence_penalty: r.presence_penalty,
+        frequency_penalty: r.frequency_penalty,
+        min_p: r.min_p,
+        repeat_penalty: r.repeat_penalty,
+        repeat_last_n: r.repeat_last_n,
+    };
+    let mut sampling = fields.apply(&model.facts.default_sampling, model.facts.ctx_size)?;
     llama_samplers.apply(&mut sampling)?;
     let prompt_tokens = prompt.len();
     let mut job = Job::new(prompt, sampling);
+    if let Some(b) = &r.logit_bias {
+        job.sampling.logit_bias = logit_bias(b, model, true)?;
+    }
+    job.cache_prompt = r.cache_prompt;
+    job.ignore_eos = r.ignore_eos.unwrap_or(false);
     job.max_tokens = Some(max_tokens as usize);
     job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;
     job.shown_special = shown_tags(&model.text, tools.as_ref());
+    if let Some(j) = r.stop_sequences.iter().flatten().position(|s| s.trim().is_empty()) {
+        return Err(ApiError::field(
+            &format!("stop_sequences[{j}]"),
+            "stop_sequences: each stop sequence must contain non-whitespace",
+        ));
+    }
     job.stop = r.stop_sequences.clone().map(|v| StopField::Many(v).into_vec()).unwrap_or_default();
     job.constraint = structured::forced_calls(model, tools.as_ref())?;
     structured::after_thought(model, &prompt_text, &mut job, format != ReasoningFormat::Split, "tool_choice")?;

@@ -35,11 +35,14 @@ pub enum StopField {
 }
 
 impl StopField {
+    /// The stop strings; an empty one is dropped (it would match anywhere), as llama-server drops it.
     pub fn into_vec(self) -> Vec<String> {
-        match self {
+        let mut v = match self {
             StopField::One(s) => vec![s],
             StopField::Many(v) => v,
-        }
+        };
+        v.retain(|s| !s.is_empty());
+        v
     }
 }
 

@@ -15,7 +15,9 @@ use axum::{Extension, Json};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use super::completion::{collect, new_id, stream_response, submit, unix_time, Ending, Job, Live, StreamDialect};
+use super::completion::{
+    collect, logit_bias, new_id, stream_response, submit, unix_time, Ending, Job, Live, StreamDialect,
+};
 use super::error::{parse_body_with, ApiError, Dialect};
 use super::openai::{chat_prompt, request_tools, SamplingFields, TemplatedPrompt};
 use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
@@ -57,6 +59,17 @@ pub struct ResponsesRequest {
     pub reasoning: Option<Value>,
     pub truncation: Option<String>,
     pub include: Option<Vec<String>>,
+    /// llama-server's sampling fields beyond the Responses API's, read as on its other routes.
+    pub top_k: Option<i64>,
+    pub seed: Option<i64>,
+    pub presence_penalty: Option<f32>,
+    pub frequency_penalty: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repeat_penalty: Option<f32>,
+    pub repeat_last_n: Option<i64>,
+    pub logit_bias: Option<Value>,
+    pub cache_prompt: Option<bool>,
+    pub ignore_eos: Option<bool>,
 }
 
 /// The conversation `input` (and `instructions`) say, in chat-template messages.
@@ -340,10 +353,25 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
     let TemplatedPrompt { text: prompt_text, ids: prompt, effort, kwargs } =
         prompt_of(&state, model, &r, tooling.as_ref())?;
     let (temperature, top_p) = (r.temperature.map(|t| t as f32), r.top_p.map(|p| p as f32));
-    let sampling = SamplingFields { temperature, top_p, ..Default::default() };
+    let sampling = SamplingFields {
+        temperature,
+        top_p,
+        top_k: r.top_k,
+        seed: r.seed,
+        presence_penalty: r.presence_penalty,
+        frequency_penalty: r.frequency_penalty,
+        min_p: r.min_p,
+        repeat_penalty: r.repeat_penalty,
+        repeat_last_n: r.repeat_last_n,
+    };
     let mut sampling = sampling.apply(&model.facts.default_sampling, model.facts.ctx_size)?;
     llama_samplers.apply(&mut sampling)?;
     let mut job = Job::new(prompt, sampling);
+    if let Some(b) = &r.logit_bias {
+        job.sampling.logit_bias = logit_bias(b, model, true)?;
+    }
+    job.cache_prompt = r.cache_prompt;
+    job.ignore_eos = r.ignore_eos.unwrap_or(false);
     job.max_tokens = match r.max_output_tokens {
         None => None,
         Some(n) if n >= 1 => Some(n as usize),

@@ -903,6 +903,37 @@ async fn logit_bias_in_each_dialect_reaches_the_sampler() {
     let mut want = vec![(3, f32::NEG_INFINITY)];
     want.extend(paris.iter().map(|&t| (t, -1.5)));
     assert_eq!(s.last_request().sampling.logit_bias, want);
+    // llama-server's sampling fields on its Anthropic and Responses routes too, as it reads them there.
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    let extra = json!({"logit_bias": {"9": 1}, "seed": 7, "min_p": 0.2, "repeat_penalty": 1.3,
+        "presence_penalty": 0.5, "frequency_penalty": 0.25, "repeat_last_n": 8, "ignore_eos": true, "cache_prompt": false});
+    for (path, mut body) in [
+        ("/v1/messages", json!({"max_tokens": 5, "messages": hi})),
+        ("/v1/responses", json!({"input": "hi", "top_k": 3})),
+    ] {
+        body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        let (status, v) = s.post(path, body).await;
+        assert_eq!(status, 200, "{path}: {v}");
+        let r = s.last_request();
+        let p = &r.sampling;
+        assert_eq!(
+            (p.seed, p.min_p, p.repeat_penalty, p.presence_penalty, p.frequency_penalty, p.penalty_last_n),
+            (Some(7), 0.2, 1.3, 0.5, 0.25, 8),
+            "{path}"
+        );
+        assert!(p.logit_bias.contains(&(9, 1.0)) && r.ignore_eos && !r.cache_prompt, "{path}: {r:?}");
+    }
+    assert_eq!(s.last_request().sampling.top_k, 3);
+    // An empty stop string would match anywhere: dropped (llama-server), refused (Anthropic's API).
+    let (status, _) = s.post("/completion", json!({"prompt": "x", "stop": ["", "zz"]})).await;
+    assert_eq!((status, s.last_request().stop), (200, vec!["zz".to_string()]));
+    let (status, v) =
+        s.post("/v1/messages", json!({"max_tokens": 5, "messages": hi, "stop_sequences": ["a", " "]})).await;
+    assert_eq!(
+        (status, v["error"]["message"].as_str()),
+        (400, Some("stop_sequences: each stop sequence must contain non-whitespace")),
+        "{v}"
+    );
     for (path, body) in [
         ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": -101}})),
         ("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"Paris": 1}})),
