@@ -41,6 +41,22 @@ fn ids_of(v: Option<&Value>) -> Vec<u32> {
     }
 }
 
+/// The texts of tokens that end a turn in the chat formats llama.cpp knows (its vocabulary's
+/// end-of-generation list, less the formats' non-final markers).
+const END_OF_TURN: &[&str] = &[
+    "<|eot_id|>",
+    "<|eom_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<|return|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "<end_of_utterance>",
+    "<｜end▁of▁sentence｜>",
+];
+
 impl TextTokenizer {
     /// Loads from `dir`; `config` and `generation_config` contribute EOS ids.
     pub fn load(dir: &Path, config: &Value, generation_config: Option<&Value>) -> Result<TextTokenizer> {
@@ -77,6 +93,16 @@ impl TextTokenizer {
         if let Some(id) = eos_token.as_deref().and_then(|t| inner.token_to_id(t)) {
             eos_ids.push(id);
         }
+        // Ends of turn found by their text, as llama.cpp finds its end-of-generation tokens: a
+        // folder without generation_config.json (Gemma's `<end_of_turn>` is only there) still
+        // stops at the end of its turn. Only special tokens count: as text they are plain words.
+        let added = inner.get_added_vocabulary().get_added_tokens_decoder();
+        eos_ids.extend(
+            END_OF_TURN
+                .iter()
+                .filter_map(|t| inner.token_to_id(t))
+                .filter(|id| added.get(id).is_some_and(|a| a.special)),
+        );
         eos_ids.sort_unstable();
         eos_ids.dedup();
 
@@ -204,5 +230,20 @@ impl TextTokenizer {
 
     pub fn decode(&self, ids: &[u32]) -> Result<String> {
         self.inner.decode(ids, true).map_err(|e| anyhow::anyhow!("decoding failed: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A folder whose configs name only `<|endoftext|>` still ends at ChatML's `<|im_end|>`, a special
+    /// token of its vocabulary, as llama.cpp ends there.
+    #[test]
+    fn special_ends_of_turn_end_generation_by_their_text() {
+        let dir = crate::testing::workspace_root().join("families/llama/tests/fixtures/qwen3-q4");
+        let tok = TextTokenizer::load(&dir, &serde_json::json!({}), None).unwrap();
+        let id = |t: &str| tok.inner.token_to_id(t).unwrap();
+        assert_eq!(tok.eos_ids, vec![id("<|endoftext|>"), id("<|im_end|>")]);
     }
 }
