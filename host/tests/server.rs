@@ -90,8 +90,37 @@ async fn chat_answers_paris_plain_and_streamed_and_sigterm_exits_cleanly() {
     assert!(m.contains("llamacpp:tokens_predicted_total"), "{m}");
     assert!(!m.contains("mlxcel_prompt_cached_tokens_total 0\n"), "{m}");
 
+    // A stream still running at shutdown: a second signal ends the grace period at once, and the
+    // stream is cut short in its dialect's shape (a last chunk with `length`, usage, `[DONE]`).
+    let mut long = body.clone();
+    long["stream"] = json!(true);
+    long["max_tokens"] = json!(-1);
+    long["ignore_eos"] = json!(true);
+    long["stream_options"] = json!({"include_usage": true});
+    let mut r = http.post(&url).bearer_auth(KEY).json(&long).send().await.unwrap();
+    let mut text = String::new();
+    while !text.contains("\"content\"") {
+        text += &String::from_utf8_lossy(&r.chunk().await.unwrap().expect("the stream ended early"));
+    }
     let pid = server.child.id().to_string();
     assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
+    while let Some(chunk) = r.chunk().await.unwrap() {
+        text += &String::from_utf8_lossy(&chunk);
+    }
+    assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
+    let chunks: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let ended = chunks.iter().find(|c| c["choices"][0]["finish_reason"].is_string()).expect("a last chunk");
+    assert_eq!(ended["choices"][0]["finish_reason"], "length", "{ended}");
+    let usage = &chunks.last().unwrap()["usage"];
+    // Cut long before the context (2048 tokens) would have ended it.
+    assert!(usage["completion_tokens"].as_u64().unwrap() < 1000, "{usage}");
     let status = tokio::task::spawn_blocking(move || server.child.wait().unwrap()).await.unwrap();
     assert_eq!(status.code(), Some(0), "SIGTERM should exit 0");
 }

@@ -45,6 +45,11 @@ impl Drop for BatchEngine {
 }
 
 impl Generator for BatchEngine {
+    fn cut_all(&self) {
+        // Each request's stream gets its end (cancelled), which the routes report as cut short.
+        self.handle.shutdown();
+    }
+
     fn submit(&self, req: GenerationRequest) -> Result<EventStream, EngineError> {
         // A sampler that reads tokens' texts (infill, DRY) may build a table over the vocabulary
         // first (milliseconds).

@@ -20,6 +20,10 @@ pub trait Generator: Send + Sync + 'static {
 
     /// A snapshot of the engine's state now.
     fn stats(&self) -> EngineStats;
+
+    /// Ends every request in flight or waiting as cut short and takes no more (a shutdown past its
+    /// grace period); blocks until the engine has stopped.
+    fn cut_all(&self) {}
 }
 
 /// One sequence slot as `/slots` shows it.

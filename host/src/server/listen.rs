@@ -1,6 +1,6 @@
 //! Accepting connections: plain HTTP/1.1 or HTTPS (rustls), each connection served by hyper, and a
-//! graceful shutdown: stop accepting, let in-flight requests finish for a grace period, then drop
-//! them (which cancels their generation).
+//! graceful shutdown: stop accepting, let in-flight requests finish for a grace period, then end
+//! them as cut short.
 
 use std::future::Future;
 use std::path::Path;
@@ -43,8 +43,20 @@ pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor> {
     Ok(TlsAcceptor::from(Arc::new(config)))
 }
 
-/// Serves `app` on `listener` until `shutdown` resolves, then shuts down gracefully.
-pub async fn serve(listener: TcpListener, tls: Option<TlsAcceptor>, app: Router, shutdown: impl Future<Output = ()>) {
+/// How long requests cut short at the end of the grace period have to send their last words.
+const CUT_FLUSH: Duration = Duration::from_secs(3);
+
+/// Serves `app` on `listener` until `shutdown` resolves, then shuts down gracefully: requests in
+/// flight may finish for [`SHUTDOWN_GRACE`] (a second signal ends that at once); then `cut` ends
+/// those left as cut short, so each answer still ends in its dialect's shape (a final chunk,
+/// `[DONE]`, `message_stop`), and what has not ended [`CUT_FLUSH`] later is dropped.
+pub async fn serve(
+    listener: TcpListener,
+    tls: Option<TlsAcceptor>,
+    app: Router,
+    shutdown: impl Future<Output = ()>,
+    cut: impl FnOnce() + Send + 'static,
+) {
     let graceful = GracefulShutdown::new();
     tokio::pin!(shutdown);
     loop {
@@ -88,8 +100,18 @@ pub async fn serve(listener: TcpListener, tls: Option<TlsAcceptor>, app: Router,
     }
     drop(listener);
     tracing::info!("shutting down: waiting up to {}s for {} connection(s)", SHUTDOWN_GRACE.as_secs(), graceful.count());
-    if tokio::time::timeout(SHUTDOWN_GRACE, graceful.shutdown()).await.is_err() {
-        tracing::warn!("in-flight requests did not finish within {}s; cancelling them", SHUTDOWN_GRACE.as_secs());
+    let mut finished = std::pin::pin!(graceful.shutdown());
+    tokio::select! {
+        _ = &mut finished => return,
+        _ = tokio::time::sleep(SHUTDOWN_GRACE) => tracing::warn!(
+            "in-flight requests did not finish within {}s; cutting them short",
+            SHUTDOWN_GRACE.as_secs()
+        ),
+        _ = shutdown_signal() => tracing::warn!("a second signal: cutting in-flight requests short"),
+    }
+    let _ = tokio::task::spawn_blocking(cut).await;
+    if tokio::time::timeout(CUT_FLUSH, finished).await.is_err() {
+        tracing::warn!("connections still open {}s after the cut; dropping them", CUT_FLUSH.as_secs());
     }
 }
 

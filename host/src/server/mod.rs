@@ -307,7 +307,12 @@ async fn serve(config: ServerConfig) -> Result<()> {
             _ = load_failed => {},
         }
     };
-    listen::serve(listener, tls, app, stop).await;
+    let cut = move || {
+        if let Some(model) = state.model.get() {
+            model.generator.cut_all();
+        }
+    };
+    listen::serve(listener, tls, app, stop, cut).await;
     let failure = failure.lock().unwrap().take();
     match failure {
         Some(e) => Err(anyhow::anyhow!(e)),

@@ -246,9 +246,15 @@ async fn start_tokenized(
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let app = router(state);
     let done = tokio::spawn(async move {
-        listen::serve(listener, None, app, async {
-            let _ = stopped.await;
-        })
+        listen::serve(
+            listener,
+            None,
+            app,
+            async {
+                let _ = stopped.await;
+            },
+            || {},
+        )
         .await
     });
     Server { base, fake, client: reqwest::Client::new(), stop: Some(stop), done }
@@ -1364,7 +1370,7 @@ async fn https_with_a_pem_certificate() {
     let state = AppState::new(config());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
-    tokio::spawn(listen::serve(listener, Some(acceptor), router(state), std::future::pending()));
+    tokio::spawn(listen::serve(listener, Some(acceptor), router(state), std::future::pending(), || {}));
     let ca = reqwest::Certificate::from_pem(&std::fs::read(&cert).unwrap()).unwrap();
     let client = reqwest::Client::builder().add_root_certificate(ca).build().unwrap();
     let r = client.get(format!("https://localhost:{port}/health")).send().await.unwrap();
