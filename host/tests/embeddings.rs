@@ -466,3 +466,36 @@ fn openai_sdk_embeddings_create_gets_the_reference_vectors() {
     println!("{stdout}");
     assert!(out.status.success(), "SDK checks failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
 }
+
+/// A request past `--timeout` is a 504 naming it, and one whose client leaves runs no more passes;
+/// the server goes on serving (two hundred 256-token inputs in passes of 256 tokens: seconds of
+/// work on any machine these tests run on).
+#[test]
+fn an_embedding_request_stops_at_its_timeout_or_when_its_client_leaves() {
+    let Some(model) = minilm() else { return };
+    let server = start_with(&model, &["--timeout", "1", "-b", "256", "--metrics"]);
+    let big = json!({"input": vec!["word ".repeat(300); 200]});
+    let (s, v) = server.post("/v1/embeddings", big.clone());
+    assert_eq!(s, 504, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("--timeout (1s)"), "{v}");
+    let passes = || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let m = rt
+            .block_on(async { reqwest::get(format!("{}/metrics", server.base)).await.unwrap().text().await.unwrap() });
+        let line = m.lines().find(|l| l.starts_with("llamacpp:n_decode_total ")).unwrap().to_string();
+        line.split_whitespace().nth(1).unwrap().parse::<f64>().unwrap()
+    };
+    // A client that gives up after 300 ms.
+    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let url = format!("{}/v1/embeddings", server.base);
+    let client = reqwest::Client::builder().timeout(std::time::Duration::from_millis(300)).build().unwrap();
+    assert!(rt.block_on(async { client.post(&url).json(&big).send().await }).is_err());
+    // (The connection's task lives in this runtime: dropping it closes the socket.)
+    drop((client, rt));
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    let after_leaving = passes();
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    assert_eq!(passes(), after_leaving, "passes ran on for a client that left");
+    let (s, v) = server.post("/v1/embeddings", json!({"input": "hello"}));
+    assert_eq!(s, 200, "{v}");
+}

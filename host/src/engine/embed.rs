@@ -263,7 +263,8 @@ impl Encoder {
         Ok(Encoder { tx, info, counters })
     }
 
-    /// Runs `inputs` and returns one row per input, in order.
+    /// Runs `inputs` and returns one row per input, in order. Dropping the future (the client left,
+    /// the request timed out) stops the request's remaining passes.
     pub async fn run(&self, inputs: Vec<EncodedInput>) -> Result<Vec<Vec<f32>>, EngineError> {
         let rx = self.submit(inputs)?;
         rx.await.unwrap_or_else(|_| Err(EngineError::Internal("the encoder stopped".into())))
@@ -308,7 +309,19 @@ fn serve(mut runner: ModelRunner, rx: mpsc::Receiver<Job>, opts: EncoderOptions,
             jobs.iter().enumerate().flat_map(|(j, job)| job.inputs.iter().map(move |i| (j, i))).collect();
         let mut rows: Vec<Vec<Vec<f32>>> = jobs.iter().map(|j| Vec::with_capacity(j.inputs.len())).collect();
         let mut failed: Vec<Option<EngineError>> = jobs.iter().map(|_| None).collect();
+        let mut stopped: Vec<bool> = vec![false; jobs.len()];
         for batch in batches(&all, opts.max_batch_tokens) {
+            // A request whose caller stopped waiting (it left, or timed out) runs no more passes.
+            for (j, job) in jobs.iter().enumerate() {
+                if !stopped[j] && job.reply.is_closed() {
+                    stopped[j] = true;
+                    tracing::info!("stopped an encoder request: its caller stopped waiting");
+                }
+            }
+            let batch: Vec<&(usize, &EncodedInput)> = batch.iter().filter(|(j, _)| !stopped[*j]).collect();
+            if batch.is_empty() {
+                continue;
+            }
             let inputs: Vec<&EncodedInput> = batch.iter().map(|(_, i)| *i).collect();
             let start = Instant::now();
             let result = forward(&mut runner, &inputs);

@@ -124,6 +124,9 @@ pub enum EngineError {
     /// The engine is shutting down (HTTP 503).
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// The request ran past `--timeout` with nothing to show for it (HTTP 504).
+    #[error("the request did not finish within the server's --timeout ({}s)", .0.as_secs_f64())]
+    TimedOut(std::time::Duration),
     /// Anything else (HTTP 500); the message says what failed.
     #[error("{0}")]
     Internal(String),

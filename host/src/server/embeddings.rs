@@ -28,7 +28,7 @@ use super::args::ServerConfig;
 use super::error::{parse_body, ApiError, Dialect};
 use super::generator::{EngineStats, EventStream, Generator, ModelFacts, SlotStats};
 use super::openai::PromptField;
-use super::state::{AppState, LoadedModel, RequestLog};
+use super::state::{within, AppState, LoadedModel, RequestLog};
 use crate::engine::embed::{check_dimensions, normalize_by, relevance_score, shorten, EncoderInfo};
 use crate::engine::{
     EncodedInput, Encoder, EncoderOptions, EncoderTokenizer, EngineError, GenerationRequest, ModelRunner, Usage,
@@ -247,7 +247,7 @@ async fn openai_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Res
     let norm = normalization(r.embd_normalize, enc.info())?;
     let inputs = encode_inputs(&enc.tokenizer, r.input, "input")?;
     let n_tokens = tokens(&inputs);
-    let mut vectors = enc.encoder.run(inputs).await?;
+    let mut vectors = within(state.config.timeout, enc.encoder.run(inputs)).await?;
     if let Some(dims) = dims {
         vectors.iter_mut().for_each(|v| shorten(v, dims, enc.info().normalized));
     }
@@ -337,7 +337,7 @@ async fn llama_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resu
     let norm = normalization(r.embd_normalize, enc.info())?;
     let inputs = encode_inputs(&enc.tokenizer, input, field)?;
     let n_tokens = tokens(&inputs);
-    let mut vectors = enc.encoder.run(inputs).await?;
+    let mut vectors = within(state.config.timeout, enc.encoder.run(inputs)).await?;
     if let Some(p) = norm {
         vectors.iter_mut().for_each(|v| normalize_by(v, p));
     }
@@ -407,7 +407,7 @@ async fn rerank_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Res
         })
         .collect::<Result<_, _>>()?;
     let n_tokens = tokens(&inputs);
-    let logits = enc.encoder.run(inputs).await?;
+    let logits = within(state.config.timeout, enc.encoder.run(inputs)).await?;
     record(&state, &log, n_tokens, started);
     let mut order: Vec<(usize, f32)> = logits.iter().map(|row| relevance_score(row[0])).enumerate().collect();
     // Best first; equal scores keep the documents' order.

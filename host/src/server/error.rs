@@ -218,6 +218,7 @@ impl From<EngineError> for ApiError {
             }
             EngineError::Invalid(_) => ApiError::invalid(message),
             EngineError::Internal(_) => ApiError::internal(message),
+            EngineError::TimedOut(_) => ApiError::new(ErrorKind::Timeout, message),
         }
     }
 }

@@ -154,3 +154,18 @@ impl RequestLog {
         self.0.lock().map(|g| g.clone()).unwrap_or_default()
     }
 }
+
+/// `work` cut off after `timeout` (the server's `--timeout`) with a 504 naming it; dropping `work`
+/// stops it (the encoder and transcription threads look before each step).
+pub async fn within<T, E: Into<ApiError>>(
+    timeout: Option<Duration>,
+    work: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, ApiError> {
+    match timeout {
+        None => work.await.map_err(Into::into),
+        Some(t) => match tokio::time::timeout(t, work).await {
+            Ok(done) => done.map_err(Into::into),
+            Err(_) => Err(crate::engine::EngineError::TimedOut(t).into()),
+        },
+    }
+}
