@@ -47,6 +47,7 @@ use tower_http::trace::TraceLayer;
 pub use args::{ServerArgs, ServerConfig};
 use error::{ApiError, Dialect, ErrorKind};
 pub use generator::{EngineStats, EventStream, Generator, ModelFacts, SlotStats};
+use state::LineHead;
 pub use state::{AppState, LoadedModel, RequestLog};
 
 /// Routes answered without an API key: llama-server's (health, and the model list that clients
@@ -170,23 +171,27 @@ async fn log_request(mut req: Request, next: Next) -> Response {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let log = RequestLog::default();
+    // Until the answer is known, the line says 499 (nginx's "client closed request"): a client that
+    // leaves before it drops the handler, and the line is written then.
+    let closed = StatusCode::from_u16(499).expect("499 is a valid status");
+    log.update(|f| f.head = Some(LineHead { start, method, path: path.clone(), status: closed }));
     req.extensions_mut().insert(log.clone());
     let mut resp = next.run(req).await;
     let status = resp.status();
     if (status.is_client_error() || status.is_server_error()) && !is_json(&resp) {
         resp = reshape_error(status, &path);
     }
-    let line = LogLine { log, start, method, path, status: resp.status() };
+    let status = resp.status();
+    log.update(|f| f.head.as_mut().expect("set above").status = status);
     let is_stream =
         resp.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
     if !is_stream {
-        drop(line);
         return resp;
     }
-    // The line is written when the body ends or the client goes away (the stream is dropped).
+    // A stream's line waits for its body to end (or the client to go away).
     let (parts, body) = resp.into_parts();
     let body = Body::from_stream(body.into_data_stream().map(move |chunk| {
-        let _ = &line;
+        let _ = &log;
         chunk
     }));
     Response::from_parts(parts, body)
@@ -214,41 +219,6 @@ fn reshape_error(status: StatusCode, path: &str) -> Response {
     let mut r = e.into_response();
     *r.status_mut() = status;
     r
-}
-
-struct LogLine {
-    log: RequestLog,
-    start: Instant,
-    method: Method,
-    path: String,
-    status: StatusCode,
-}
-
-impl Drop for LogLine {
-    fn drop(&mut self) {
-        let f = self.log.fields();
-        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-        let (method, route, status) = (self.method.as_str(), self.path.as_str(), self.status.as_u16());
-        let total_ms = ms(self.start.elapsed());
-        if route == "/health" || route == "/metrics" {
-            tracing::debug!(method, route, status, total_ms, "request");
-            return;
-        }
-        tracing::info!(
-            method,
-            route,
-            status,
-            prompt_tokens = f.prompt_tokens,
-            cached_tokens = f.cached_tokens,
-            completion_tokens = f.completion_tokens,
-            prompt_ms = ms(f.prompt_time),
-            generation_ms = ms(f.generation_time),
-            total_ms,
-            finish = f.finish.unwrap_or("-"),
-            stream = f.stream,
-            "request"
-        );
-    }
 }
 
 /// Runs the server until Ctrl-C or SIGTERM: listens at once (so `/health` answers 503 while the model

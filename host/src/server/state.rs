@@ -116,13 +116,62 @@ impl Metrics {
     }
 }
 
-/// What a route learned about its request, for the one log line written when the response ends
-/// (for a stream: when the last event is sent or the client goes away).
+/// What a route learned about its request, for the one log line written when the last holder
+/// lets go: the route, the response body (a stream's ends when its last event is sent or the client
+/// goes away) and any task still relaying the request's events, which records what was done first.
 #[derive(Clone, Default)]
-pub struct RequestLog(Arc<Mutex<LogFields>>);
+pub struct RequestLog(Arc<LogCell>);
+
+#[derive(Default)]
+pub struct LogCell(Mutex<LogFields>);
+
+impl Drop for LogCell {
+    fn drop(&mut self) {
+        let f = self.0.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Some(head) = f.head.take() {
+            head.write(f);
+        }
+    }
+}
+
+/// The request a log line is about (set by the logging layer; without it nothing is written).
+#[derive(Clone)]
+pub struct LineHead {
+    pub start: Instant,
+    pub method: axum::http::Method,
+    pub path: String,
+    pub status: axum::http::StatusCode,
+}
+
+impl LineHead {
+    fn write(&self, f: &LogFields) {
+        let ms = |d: Duration| d.as_secs_f64() * 1e3;
+        let (method, route, status) = (self.method.as_str(), self.path.as_str(), self.status.as_u16());
+        let total_ms = ms(self.start.elapsed());
+        if route == "/health" || route == "/metrics" {
+            tracing::debug!(method, route, status, total_ms, "request");
+            return;
+        }
+        tracing::info!(
+            method,
+            route,
+            status,
+            prompt_tokens = f.prompt_tokens,
+            cached_tokens = f.cached_tokens,
+            completion_tokens = f.completion_tokens,
+            prompt_ms = ms(f.prompt_time),
+            generation_ms = ms(f.generation_time),
+            total_ms,
+            finish = f.finish.unwrap_or("-"),
+            stream = f.stream,
+            "request"
+        );
+    }
+}
 
 #[derive(Default, Clone)]
 pub struct LogFields {
+    pub head: Option<LineHead>,
     pub prompt_tokens: usize,
     pub cached_tokens: usize,
     pub completion_tokens: usize,
@@ -134,7 +183,7 @@ pub struct LogFields {
 
 impl RequestLog {
     pub fn update(&self, f: impl FnOnce(&mut LogFields)) {
-        if let Ok(mut g) = self.0.lock() {
+        if let Ok(mut g) = self.0 .0.lock() {
             f(&mut g);
         }
     }
@@ -151,7 +200,7 @@ impl RequestLog {
         });
     }
     pub fn fields(&self) -> LogFields {
-        self.0.lock().map(|g| g.clone()).unwrap_or_default()
+        self.0 .0.lock().map(|g| g.clone()).unwrap_or_default()
     }
 }
 
