@@ -42,7 +42,7 @@ use axum::Router;
 use futures_util::StreamExt;
 use tower_http::cors::{AllowHeaders, AllowMethods, Any, CorsLayer};
 use tower_http::limit::RequestBodyLimitLayer;
-use tower_http::trace::TraceLayer;
+use tower_http::trace::{DefaultOnFailure, TraceLayer};
 
 pub use args::{ServerArgs, ServerConfig};
 use error::{ApiError, Dialect, ErrorKind};
@@ -111,7 +111,9 @@ pub fn router(state: Arc<AppState>) -> Router {
         .merge(audio::routes(state.config.max_audio_bytes))
         .layer(middleware::from_fn_with_state(state.clone(), require_api_key))
         .layer(middleware::from_fn(log_request))
-        .layer(TraceLayer::new_for_http())
+        // Each request's own line says its status (a 500's cause is logged where it happens), and
+        // `/health` answers 503 while loading: tower-http's failure events stay at debug.
+        .layer(TraceLayer::new_for_http().on_failure(DefaultOnFailure::new().level(tracing::Level::DEBUG)))
         .layer(
             CorsLayer::new()
                 .allow_origin(Any)
