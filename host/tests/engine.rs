@@ -364,3 +364,17 @@ fn fixture_warm_up_frees_its_pages_and_changes_no_answer() {
     };
     assert_eq!(answer(true), answer(false));
 }
+
+/// The stats a client reads once it has its answer (`/slots`, `/metrics`) no longer show the request:
+/// the engine publishes them before it sends the request's end. Each of many requests is checked
+/// at once on its end, without waiting.
+#[test]
+fn a_finished_request_has_left_the_stats_when_its_client_hears_the_end() {
+    let (engine, _) = start(&fixture(), 256, 2, EngineOptions { parallel: 2, ..Default::default() });
+    for i in 0..200 {
+        let mut s = engine.submit(greedy(random_prompt(i, 8 + i as usize % 32), 1 + i as usize % 4)).unwrap();
+        while !matches!(s.blocking_next(), Some(GenerationEvent::Done { .. }) | None) {}
+        let st = engine.stats();
+        assert_eq!((st.busy_slots(), st.queued), (0, 0), "request {i}: {st:?}");
+    }
+}

@@ -76,12 +76,15 @@ impl Engine {
 
 /// The engine loop: wait for work when idle, otherwise take new commands and step.
 fn serve<M: StepModel>(mut scheduler: Scheduler<M>, commands: Receiver<Command>, shared: &std::sync::Weak<Shared>) {
+    scheduler.hold_ends();
     let mut open = true;
     loop {
         if scheduler.is_idle() {
             if !open {
                 break;
             }
+            // (Nothing held may wait on the next command.)
+            publish(&mut scheduler, shared);
             match commands.recv() {
                 Ok(c) => {
                     if !apply(&mut scheduler, c) {
@@ -96,7 +99,7 @@ fn serve<M: StepModel>(mut scheduler: Scheduler<M>, commands: Receiver<Command>,
                 Ok(c) => {
                     if !apply(&mut scheduler, c) {
                         scheduler.cancel_all();
-                        publish(&scheduler, shared);
+                        publish(&mut scheduler, shared);
                         return;
                     }
                 }
@@ -109,12 +112,12 @@ fn serve<M: StepModel>(mut scheduler: Scheduler<M>, commands: Receiver<Command>,
             }
         }
         if scheduler.admit_waiting() {
-            publish(&scheduler, shared);
+            publish(&mut scheduler, shared);
         }
         scheduler.step();
-        publish(&scheduler, shared);
+        publish(&mut scheduler, shared);
     }
-    publish(&scheduler, shared);
+    publish(&mut scheduler, shared);
 }
 
 /// Applies one command; false means shut down.
@@ -130,10 +133,13 @@ fn apply<M: StepModel>(scheduler: &mut Scheduler<M>, command: Command) -> bool {
     true
 }
 
-fn publish<M: StepModel>(scheduler: &Scheduler<M>, shared: &std::sync::Weak<Shared>) {
+/// Publishes the scheduler's stats, then sends the ends of the requests that finished: a client
+/// that has its answer finds its slot free.
+fn publish<M: StepModel>(scheduler: &mut Scheduler<M>, shared: &std::sync::Weak<Shared>) {
     if let Some(shared) = shared.upgrade() {
         *shared.stats.lock().unwrap_or_else(|e| e.into_inner()) = scheduler.stats();
     }
+    scheduler.send_ends();
 }
 
 /// A cloneable, thread-safe handle to a running engine.

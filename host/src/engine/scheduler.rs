@@ -394,6 +394,9 @@ pub struct Scheduler<M: StepModel> {
     /// What the infill sampler and DRY read over the vocabulary, shared with the engine's handle,
     /// which builds it before a request arrives here.
     vocab: Arc<VocabTables>,
+    /// Held ends (`Done`, `Error`) of the requests finished since the last [`Self::send_ends`],
+    /// where the engine thread holds them until its stats are published (None: sent at once).
+    held_ends: Option<Vec<(UnboundedSender<GenerationEvent>, GenerationEvent)>>,
 }
 
 impl<M: StepModel> Scheduler<M> {
@@ -417,6 +420,28 @@ impl<M: StepModel> Scheduler<M> {
             counts: Arc::default(),
             counters: EngineCounters::default(),
             epoch: 0,
+            held_ends: None,
+        }
+    }
+
+    /// Holds each finished request's last event until [`Self::send_ends`], so that the engine thread
+    /// publishes stats (`/slots`, `/metrics`) without the request before its client hears it ended.
+    pub fn hold_ends(&mut self) {
+        self.held_ends.get_or_insert_with(Vec::new);
+    }
+
+    /// Sends the held last events.
+    pub fn send_ends(&mut self) {
+        for (events, end) in self.held_ends.iter_mut().flat_map(std::mem::take) {
+            let _ = events.send(end);
+        }
+    }
+
+    /// A finished request's last event, held or sent.
+    fn end(&mut self, seq: &Sequence, end: GenerationEvent) {
+        match &mut self.held_ends {
+            Some(held) => held.push((seq.events.clone(), end)),
+            None => seq.send(end),
         }
     }
 
@@ -902,11 +927,11 @@ impl<M: StepModel> Scheduler<M> {
                 if !rest.is_empty() {
                     seq.send(GenerationEvent::Text { text: rest, tokens: vec![], logprobs: vec![] });
                 }
-                seq.send(GenerationEvent::Done { finish, usage });
+                self.end(&seq, GenerationEvent::Done { finish, usage });
             }
             Outcome::Failed(e) => {
                 self.counters.requests_failed += 1;
-                seq.send(GenerationEvent::Error(e));
+                self.end(&seq, GenerationEvent::Error(e));
             }
         }
     }
