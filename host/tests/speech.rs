@@ -331,6 +331,21 @@ fn openai_sdk_transcribes_through_the_server() {
         assert!(words(&text).contains("recognition test"), "{text}");
         let r = post(vec![("response_format", "xml".into())]).await.unwrap();
         assert_eq!(r.status(), 400);
+        // A field given twice would have one value dropped: refused by name.
+        let r = with_file(&[("response_format", "srt"), ("response_format", "text")]).await.unwrap();
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["param"], "response_format", "{v}");
+        // A JSON body is no upload: the error says what is expected.
+        let r = client
+            .post(format!("{}/v1/audio/transcriptions", server.base))
+            .bearer_auth(KEY)
+            .json(&serde_json::json!({"file": "speech.wav"}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400);
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert!(v["error"]["message"].as_str().unwrap().contains("multipart/form-data"), "{v}");
         // The llama-server dialect's chat route answers in its own shape.
         let r = client
             .post(format!("{}/completion", server.base))

@@ -196,10 +196,17 @@ async fn read_upload(mut form: Multipart, task: SpeechTask) -> Result<Upload, Ap
         let kind = if status.as_u16() == 413 { ErrorKind::TooLarge } else { ErrorKind::InvalidRequest };
         ApiError::new(kind, format!("the multipart form could not be read: {}", e.body_text()))
     };
+    let mut seen: Vec<String> = Vec::new();
     while let Some(field) = form.next_field().await.map_err(bad_form)? {
         let name = field.name().unwrap_or_default().to_string();
+        // One value per field (a second file or format would be silently dropped); granularities
+        // are a list.
+        if seen.contains(&name) && name != "timestamp_granularities[]" {
+            return Err(ApiError::field(&name, format!("`{name}` is given more than once")));
+        }
+        seen.push(name.clone());
         if name == "file" {
-            let filename = field.file_name().unwrap_or("audio").to_string();
+            let filename = field.file_name().unwrap_or("the uploaded file").to_string();
             let bytes = field.bytes().await.map_err(bad_form)?;
             up.file = Some((filename, bytes.to_vec()));
             continue;

@@ -212,6 +212,11 @@ fn reshape_error(status: StatusCode, path: &str) -> Response {
         }
         StatusCode::METHOD_NOT_ALLOWED => (ErrorKind::MethodNotAllowed, format!("{path} does not accept this method")),
         StatusCode::NOT_FOUND => (ErrorKind::NotFound, format!("no route {path}")),
+        // (The audio routes' multipart extractor refuses any other body.)
+        StatusCode::UNSUPPORTED_MEDIA_TYPE | StatusCode::BAD_REQUEST if path.starts_with("/v1/audio/") => (
+            ErrorKind::InvalidRequest,
+            "the request must be a multipart/form-data upload with the audio in its `file` field".to_string(),
+        ),
         StatusCode::UNSUPPORTED_MEDIA_TYPE | StatusCode::BAD_REQUEST | StatusCode::UNPROCESSABLE_ENTITY => {
             (ErrorKind::InvalidRequest, "the request could not be read".to_string())
         }

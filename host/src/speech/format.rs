@@ -55,14 +55,16 @@ pub fn render(t: &Transcript, format: ResponseFormat, task: &str) -> String {
         ResponseFormat::Srt => {
             let mut out = String::new();
             for (i, s) in t.segments.iter().enumerate() {
-                out += &format!("{}\n{} --> {}\n{}\n\n", i + 1, clock(s.start, ','), clock(s.end, ','), s.text.trim());
+                let (start, end) = span(s, t);
+                out += &format!("{}\n{} --> {}\n{}\n\n", i + 1, clock(start, ','), clock(end, ','), s.text.trim());
             }
             out
         }
         ResponseFormat::Vtt => {
             let mut out = String::from("WEBVTT\n\n");
             for s in &t.segments {
-                out += &format!("{} --> {}\n{}\n\n", clock(s.start, '.'), clock(s.end, '.'), s.text.trim());
+                let (start, end) = span(s, t);
+                out += &format!("{} --> {}\n{}\n\n", clock(start, '.'), clock(end, '.'), s.text.trim());
             }
             out
         }
@@ -80,15 +82,18 @@ pub fn render_json(t: &Transcript, format: ResponseFormat, task: &str) -> Option
                 .segments
                 .iter()
                 .map(|s| {
+                    let (start, end) = span(s, t);
                     json!({
-                        "id": s.id, "seek": s.seek, "start": s.start, "end": s.end, "text": s.text,
-                        "tokens": s.tokens, "temperature": s.temperature, "avg_logprob": s.avg_logprob,
-                        "compression_ratio": s.compression_ratio, "no_speech_prob": s.no_speech_prob,
+                        "id": s.id, "seek": s.seek, "start": tidy(start), "end": tidy(end), "text": s.text,
+                        "tokens": s.tokens, "temperature": tidy(s.temperature), "avg_logprob": tidy(s.avg_logprob),
+                        "compression_ratio": tidy(s.compression_ratio), "no_speech_prob": tidy(s.no_speech_prob),
                     })
                 })
                 .collect();
-            Some(json!({ "task": task, "language": language_name(&t.language), "duration": t.duration, "text": text,
-                    "segments": segments }))
+            Some(
+                json!({ "task": task, "language": language_name(&t.language), "duration": tidy(t.duration), "text": text,
+                    "segments": segments }),
+            )
         }
         _ => None,
     }
@@ -97,8 +102,21 @@ pub fn render_json(t: &Transcript, format: ResponseFormat, task: &str) -> Option
 /// Each segment on its own line after its times, as whisper.cpp's command line prints them
 /// (`[00:00:01.500 --> 00:00:03.000]  text`).
 pub fn timed_lines(t: &Transcript) -> String {
-    let line = |s: &Segment| format!("[{} --> {}]  {}\n", clock(s.start, '.'), clock(s.end, '.'), s.text.trim());
+    let line = |s: &Segment| {
+        let (start, end) = span(s, t);
+        format!("[{} --> {}]  {}\n", clock(start, '.'), clock(end, '.'), s.text.trim())
+    };
     t.segments.iter().map(line).collect()
+}
+
+/// A segment's times, its end no later than the audio's (the model may time a last segment past it).
+fn span(s: &Segment, t: &Transcript) -> (f32, f32) {
+    (s.start.min(t.duration), s.end.min(t.duration).max(s.start.min(t.duration)))
+}
+
+/// An f32 as the shortest decimal that reads back as it (`3.2`, not `3.200000047683716`).
+fn tidy(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
 }
 
 /// OpenAI's verbose JSON names the language in English words (`english`), not by code.
@@ -144,7 +162,7 @@ mod tests {
         Transcript {
             text: " Hello world. This is a test.".into(),
             language: "en".into(),
-            duration: 3.5,
+            duration: 3661.3,
             segments: vec![seg(0, 0.0, 1.5, " Hello world."), seg(1, 1.5, 3661.25, " This is a test.")],
         }
     }
@@ -168,6 +186,13 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(&render(&t, ResponseFormat::VerboseJson, "translate")).unwrap();
         assert_eq!((v["task"].as_str(), v["language"].as_str()), (Some("translate"), Some("english")));
         assert_eq!(v["segments"][1]["end"], 3661.25);
+        // f32 values as their shortest decimals, not their f64 widening (1.100000023841858).
+        assert_eq!((v["duration"].as_f64(), v["segments"][0]["compression_ratio"].as_f64()), (Some(3661.3), Some(1.1)));
         assert!(ResponseFormat::parse("xml").is_err());
+        // A segment timed past the end of the audio ends with it.
+        let mut short = sample();
+        short.duration = 2.0;
+        let v: serde_json::Value = serde_json::from_str(&render(&short, ResponseFormat::VerboseJson, "x")).unwrap();
+        assert_eq!((v["segments"][1]["start"].as_f64(), v["segments"][1]["end"].as_f64()), (Some(1.5), Some(2.0)));
     }
 }
