@@ -44,7 +44,7 @@ pub struct BenchArgs {
 }
 
 /// At least one measured repetition (none would report nothing as zeros).
-fn repetitions(s: &str) -> Result<usize, String> {
+pub fn repetitions(s: &str) -> Result<usize, String> {
     match s.parse::<usize>() {
         Ok(0) => Err("at least one repetition is needed".into()),
         Ok(n) => Ok(n),

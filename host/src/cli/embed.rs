@@ -160,7 +160,7 @@ pub struct BenchEmbedArgs {
     #[arg(long)]
     pub texts: std::path::PathBuf,
     /// Repetitions per set; the median is reported.
-    #[arg(short = 'r', long, default_value_t = 3)]
+    #[arg(short = 'r', long, default_value_t = 3, value_parser = super::bench::repetitions)]
     pub repetitions: usize,
     /// One JSON object on stdout.
     #[arg(long)]
@@ -184,7 +184,7 @@ pub fn bench(global: &GlobalArgs, a: &BenchEmbedArgs) -> Result<()> {
             .collect::<Result<_>>()?;
         let mut seconds = Vec::new();
         let mut tokens = 0;
-        for rep in 0..=a.repetitions.max(1) {
+        for rep in 0..=a.repetitions {
             let t0 = std::time::Instant::now();
             // Tokenizing is part of the work, as it is for a peer given the same texts.
             let inputs: Vec<EncodedInput> = texts.iter().map(|t| tok.encode(t)).collect::<Result<_, _>>()?;

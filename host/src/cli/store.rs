@@ -140,7 +140,10 @@ pub fn rm(args: &RmArgs) -> Result<()> {
         eprint!("remove {} ({:.0} MB) at {}? [y/N] ", repo.full(), folder_size(&dir) as f64 / 1e6, dir.display());
         std::io::stderr().flush().ok();
         let mut answer = String::new();
-        std::io::stdin().read_line(&mut answer)?;
+        if std::io::stdin().read_line(&mut answer)? == 0 {
+            eprintln!();
+            anyhow::bail!("no answer (stdin is closed); pass --yes to remove without asking");
+        }
         if !matches!(answer.trim(), "y" | "Y" | "yes") {
             eprintln!("kept");
             return Ok(());

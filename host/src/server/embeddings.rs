@@ -266,7 +266,8 @@ async fn openai_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Res
     Ok(Json(json!({
         "object": "list",
         "data": data,
-        "model": model.facts.id,
+        // The request's name echoed back, as on the chat routes (any name is the served model).
+        "model": r.model.as_deref().filter(|m| !m.is_empty()).unwrap_or(&model.facts.id),
         "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
     }))
     .into_response())
@@ -426,7 +427,8 @@ async fn rerank_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Res
         .collect();
     Ok(Json(json!({
         "object": "list",
-        "model": model.facts.id,
+        // The request's name echoed back, as on the chat routes (any name is the served model).
+        "model": r.model.as_deref().filter(|m| !m.is_empty()).unwrap_or(&model.facts.id),
         "results": results,
         "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
     }))
