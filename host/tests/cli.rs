@@ -447,6 +447,9 @@ fn bench_measures_and_refuses_what_it_cannot_measure() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(v["pp_tps"].as_f64().unwrap() > 0.0 && v["tg_tps"].as_f64().unwrap() > 0.0, "{v}");
+    // The prompt test and the generation test each fit on their own (-p 500 and -n 16 in 512).
+    let out = mlxcel().arg("bench").arg(&dir).args(["-p", "500", "-n", "16", "-r", "1"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     for (args, says) in [
         (&["-r", "0"][..], "at least one repetition is needed"),
         (

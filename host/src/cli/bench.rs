@@ -107,7 +107,7 @@ pub fn run(global: &GlobalArgs, args: &BenchArgs) -> Result<()> {
     // One warm-up round (page in the weights), then the measured repetitions.
     for rep in 0..=args.repetitions {
         let mut seq = SeqBlocks::default();
-        runner.pool.reserve(&mut seq, args.n_prompt + args.n_gen)?;
+        runner.pool.reserve(&mut seq, args.n_prompt)?;
         let t0 = Instant::now();
         let mut pos = 0;
         while pos < prompt.len() {

@@ -57,6 +57,9 @@ pub struct TranscribeArgs {
 pub fn run(global: &GlobalArgs, args: &TranscribeArgs) -> Result<()> {
     let format = ResponseFormat::parse(&args.format)?;
     let task = SpeechTask::parse(&args.task)?;
+    if args.timestamps && format == ResponseFormat::Json {
+        bail!("--timestamps: the json format holds only the text; verbose_json, srt and vtt give the segments' times");
+    }
     let dir = super::run::resolve_model(&args.model, args.revision.as_deref())?;
     let catalog = global.catalog();
     if !(1..=MAX_BEST_OF).contains(&args.best_of) {
@@ -66,9 +69,6 @@ pub fn run(global: &GlobalArgs, args: &TranscribeArgs) -> Result<()> {
         .map_err(anyhow::Error::from)
         .and_then(|ck| load_transcriber(&catalog, ck, args.backend.clone(), args.threads.unwrap_or(0), args.best_of))
         .with_context(|| format!("loading {}", dir.display()))?;
-    if args.timestamps && format == ResponseFormat::Json {
-        bail!("--timestamps: the json format holds only the text; verbose_json, srt and vtt give the segments' times");
-    }
     let opts = TranscribeOptions {
         // (Codes are lower-case, as openai-whisper and the server read them.)
         language: args.language.as_deref().map(str::to_lowercase),
@@ -139,10 +139,10 @@ fn transcribe_file(transcriber: &mut Transcriber, file: &Path, opts: &Transcribe
         },
         &|| false,
     );
-    let t = t.with_context(|| format!("transcribing {}", file.display()))?;
     if let Some(b) = bar {
         b.finish_and_clear();
     }
+    let t = t.with_context(|| format!("transcribing {}", file.display()))?;
     let seconds = start.elapsed().as_secs_f32();
     // `cargo xtask bench --speech` reads this line (-v) for the real-time factor.
     tracing::info!(audio_seconds, seconds, real_time_factor = audio_seconds / seconds.max(1e-9), "transcribed");

@@ -437,7 +437,7 @@ impl<M: StepModel> Scheduler<M> {
         }
     }
 
-    /// A finished request's last event, held or sent.
+    /// A finished request's last event, held or sent (see the `Drop` impl for a panic between).
     fn end(&mut self, seq: &Sequence, end: GenerationEvent) {
         match &mut self.held_ends {
             Some(held) => held.push((seq.events.clone(), end)),
@@ -934,6 +934,13 @@ impl<M: StepModel> Scheduler<M> {
                 self.end(&seq, GenerationEvent::Error(e));
             }
         }
+    }
+}
+
+impl<M: StepModel> Drop for Scheduler<M> {
+    /// Ends held back are sent even when the engine thread unwinds from a panic.
+    fn drop(&mut self) {
+        self.send_ends();
     }
 }
 

@@ -160,7 +160,7 @@ fn conversation(r: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
     if let Some(s) = &r.system {
         out.push(ChatMessage::new("system", &block_text(s, "system")?));
     }
-    // The ids of the calls in the message before (a `tool_result` must answer one of them).
+    // The ids of the calls of the last assistant turn (a `tool_result` must answer one of them).
     let mut asked: Vec<String> = Vec::new();
     for (i, m) in r.messages.iter().enumerate() {
         if m.role != "user" && m.role != "assistant" {
@@ -180,14 +180,20 @@ fn conversation(r: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
                 format!("messages.{i}: all messages must have non-empty content except for the optional final assistant message"),
             ));
         }
-        // As Anthropic's API: a result answers a call of the message just before.
+        // As Anthropic's API: a result answers a call of the turn just before (consecutive messages
+        // of one role being one turn).
+        if m.role == "assistant" {
+            if i == 0 || r.messages[i - 1].role != "assistant" {
+                asked.clear();
+            }
+            asked.extend(t.calls.iter().filter_map(|c| c["id"].as_str().map(str::to_string)));
+        }
         if let Some((j, id, _)) = t.results.iter().find(|(_, id, _)| !asked.contains(id)) {
             return Err(ApiError::field(
                 &format!("{at}[{j}].tool_use_id"),
                 format!("messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` blocks: {id}. Each `tool_result` block must have a corresponding `tool_use` block in the previous message."),
             ));
         }
-        asked = t.calls.iter().filter_map(|c| c["id"].as_str().map(str::to_string)).collect();
         // A user turn's tool results are the templates' `tool` messages, before its text.
         for (_, id, result) in &t.results {
             out.push(ChatMessage { tool_call_id: Some(id.clone()), ..ChatMessage::new("tool", result) });

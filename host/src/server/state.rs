@@ -205,7 +205,7 @@ impl RequestLog {
 }
 
 /// `work` cut off after `timeout` (the server's `--timeout`) with a 504 naming it; dropping `work`
-/// stops it (the encoder and transcription threads look before each step).
+/// stops it (the encoder thread looks before each pass).
 pub async fn within<T, E: Into<ApiError>>(
     timeout: Option<Duration>,
     work: impl std::future::Future<Output = Result<T, E>>,

@@ -2170,6 +2170,16 @@ async fn anthropic_tool_use() {
     late.as_array_mut().unwrap().insert(2, json!({"role": "user", "content": "Hm?"}));
     let (status, v) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": late, "tools": tools})).await;
     assert_eq!(status, 400, "a result two turns after its call: {v}");
+    // Consecutive messages of one role are one turn: calls over two messages, results over two.
+    let split = json!([
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_2", "name": "get_weather", "input": {"city": "Rome"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "25 C"}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "22 C"}]}
+    ]);
+    let (status, v) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": split, "tools": tools})).await;
+    assert_eq!(status, 200, "{v}");
     for choice in [json!({"type": "any"}), json!({"type": "tool", "name": "get_weather"})] {
         let (status, v) = s
             .post("/v1/messages", json!({"max_tokens": 5, "messages": ask, "tools": tools, "tool_choice": choice}))

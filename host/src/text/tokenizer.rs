@@ -41,14 +41,14 @@ fn ids_of(v: Option<&Value>) -> Vec<u32> {
     }
 }
 
-/// The texts of tokens that end a turn in the chat formats llama.cpp knows (its vocabulary's
-/// end-of-generation list, less the formats' non-final markers).
+/// The texts of tokens that end a turn, from llama.cpp's end-of-generation list: those of the chat
+/// formats of the families served here (gpt-oss's harmony markers, where `<|end|>` ends only a
+/// message, are left out with that format).
 const END_OF_TURN: &[&str] = &[
     "<|eot_id|>",
     "<|eom_id|>",
     "<|im_end|>",
     "<|end|>",
-    "<|return|>",
     "<end_of_turn>",
     "<|endoftext|>",
     "<|end_of_text|>",
