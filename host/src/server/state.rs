@@ -169,7 +169,7 @@ impl LineHead {
     }
 }
 
-#[derive(Default, Clone)]
+#[derive(Default)]
 pub struct LogFields {
     pub head: Option<LineHead>,
     pub prompt_tokens: usize,
@@ -198,9 +198,6 @@ impl RequestLog {
             l.generation_time = l.generation_time.max(u.generation_time);
             l.finish = Some(finish);
         });
-    }
-    pub fn fields(&self) -> LogFields {
-        self.0 .0.lock().map(|g| g.clone()).unwrap_or_default()
     }
 }
 
