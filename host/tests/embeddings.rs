@@ -478,13 +478,14 @@ fn an_embedding_request_stops_at_its_timeout_or_when_its_client_leaves() {
     let (s, v) = server.post("/v1/embeddings", big.clone());
     assert_eq!(s, 504, "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("--timeout (1s)"), "{v}");
-    let passes = || {
+    let metric = |name: &str| {
         let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
         let m = rt
             .block_on(async { reqwest::get(format!("{}/metrics", server.base)).await.unwrap().text().await.unwrap() });
-        let line = m.lines().find(|l| l.starts_with("llamacpp:n_decode_total ")).unwrap().to_string();
+        let line = m.lines().find(|l| l.starts_with(&format!("{name} "))).unwrap().to_string();
         line.split_whitespace().nth(1).unwrap().parse::<f64>().unwrap()
     };
+    let passes = || metric("llamacpp:n_decode_total");
     // A client that gives up after 300 ms: fewer passes than its 200 inputs run.
     let before = passes();
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
@@ -505,6 +506,7 @@ fn an_embedding_request_stops_at_its_timeout_or_when_its_client_leaves() {
         last = now;
     }
     assert!(last - before < 200.0, "{before} → {last}: the whole request ran for a client that left");
+    assert_eq!(metric("mlxcel_requests_cancelled_total"), 2.0, "the timed-out request and the one left");
     let (s, v) = server.post("/v1/embeddings", json!({"input": "hello"}));
     assert_eq!(s, 200, "{v}");
 }

@@ -31,7 +31,8 @@ fn smollm2() -> Option<PathBuf> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chat_answers_paris_plain_and_streamed_and_sigterm_exits_cleanly() {
     let Some(model) = smollm2() else { return };
-    let mut server = tokio::task::spawn_blocking(move || start(&model, &[])).await.unwrap();
+    // One slot, so that a request sent during the long stream at the end waits for it.
+    let mut server = tokio::task::spawn_blocking(move || start(&model, &["-np", "1"])).await.unwrap();
     let http = reqwest::Client::new();
     let url = format!("{}/v1/chat/completions", server.base);
     let body = json!({"messages": [{"role": "user", "content": QUESTION}], "temperature": 0, "max_tokens": 32});
@@ -102,6 +103,17 @@ async fn chat_answers_paris_plain_and_streamed_and_sigterm_exits_cleanly() {
     while !text.contains("\"content\"") {
         text += &String::from_utf8_lossy(&r.chunk().await.unwrap().expect("the stream ended early"));
     }
+    // A request queued behind it never starts: at the cut it gets a 503, not an empty answer.
+    let queued = tokio::spawn(http.post(&url).bearer_auth(KEY).json(&body).send());
+    let waiting = || async {
+        let m = http.get(format!("{}/metrics", server.base)).bearer_auth(KEY).send().await.unwrap();
+        m.text().await.unwrap().contains("llamacpp:requests_deferred 1")
+    };
+    let t0 = Instant::now();
+    while !waiting().await {
+        assert!(t0.elapsed() < Duration::from_secs(10), "the second request never queued");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let pid = server.child.id().to_string();
     assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
@@ -121,6 +133,10 @@ async fn chat_answers_paris_plain_and_streamed_and_sigterm_exits_cleanly() {
     let usage = &chunks.last().unwrap()["usage"];
     // Cut long before the context (2048 tokens) would have ended it.
     assert!(usage["completion_tokens"].as_u64().unwrap() < 1000, "{usage}");
+    let r = queued.await.unwrap().unwrap();
+    assert_eq!(r.status(), 503);
+    let v: Value = r.json().await.unwrap();
+    assert!(v["error"]["message"].as_str().unwrap_or_default().contains("shutting down"), "{v}");
     let status = tokio::task::spawn_blocking(move || server.child.wait().unwrap()).await.unwrap();
     assert_eq!(status.code(), Some(0), "SIGTERM should exit 0");
 }
@@ -173,6 +189,8 @@ async fn a_client_leaving_mid_stream_frees_the_slot_timeouts_cut_answers_and_the
         assert!(Instant::now() < deadline, "slot still busy after the client left: {slots}");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    let m = http.get(format!("{}/metrics", server.base)).bearer_auth(KEY).send().await.unwrap().text().await.unwrap();
+    assert!(m.contains("mlxcel_requests_cancelled_total 3\n"), "three clients left: {m}");
     // `-to 1`: a request that would run for long is cut after about a second.
     let t = Instant::now();
     let mut plain = story.clone();

@@ -224,6 +224,8 @@ pub struct EncoderCounters {
     pub inputs: AtomicU64,
     pub tokens: AtomicU64,
     pub compute_micros: AtomicU64,
+    /// Requests stopped because their caller stopped waiting.
+    pub cancelled: AtomicU64,
 }
 
 /// One output row per input, or why the request failed.
@@ -315,6 +317,7 @@ fn serve(mut runner: ModelRunner, rx: mpsc::Receiver<Job>, opts: EncoderOptions,
             for (j, job) in jobs.iter().enumerate() {
                 if !stopped[j] && job.reply.is_closed() {
                     stopped[j] = true;
+                    counters.cancelled.fetch_add(1, Ordering::Relaxed);
                     tracing::info!("stopped an encoder request: its caller stopped waiting");
                 }
             }

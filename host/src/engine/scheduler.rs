@@ -547,11 +547,17 @@ impl<M: StepModel> Scheduler<M> {
         (self.running.len(), self.waiting.len()) != before
     }
 
-    /// Ends every request (shutdown).
+    /// Ends every request (shutdown): one that has sampled tokens ends `Cancelled` (its client has
+    /// part of an answer); one that has not fails with `ShuttingDown` (a 503, not an empty answer).
     pub fn cancel_all(&mut self) {
         let all: Vec<Sequence> = self.running.drain(..).chain(self.waiting.drain(..)).collect();
         for seq in all {
-            self.finish(seq, Outcome::Finished(FinishReason::Cancelled));
+            let outcome = if seq.first_token.is_some() {
+                Outcome::Finished(FinishReason::Cancelled)
+            } else {
+                Outcome::Failed(EngineError::ShuttingDown)
+            };
+            self.finish(seq, outcome);
         }
         self.counts.running.store(0, Ordering::SeqCst);
     }

@@ -645,6 +645,29 @@ fn cancel_flag_ends_the_request_with_cancelled() {
 }
 
 #[test]
+fn shutdown_cancels_a_started_answer_and_fails_one_that_never_started() {
+    let mut s = scheduler(CheckingModel::new(64, 16, 1024), opts(1));
+    let mut c = vec![
+        submit(&mut s, 1, request(prompt(8, 10), 1000)).unwrap(),
+        submit(&mut s, 2, request(prompt(9, 10), 1000)).unwrap(),
+    ];
+    s.step();
+    s.step();
+    s.cancel_all();
+    s.send_ends();
+    for client in &mut c {
+        client.poll();
+    }
+    assert!(!c[0].got.tokens.is_empty());
+    assert_eq!(c[0].got.finish, Some(FinishReason::Cancelled));
+    assert!(c[1].got.tokens.is_empty(), "one slot: the second request was still waiting");
+    assert!(matches!(c[1].got.error, Some(EngineError::ShuttingDown)), "{:?}", c[1].got);
+    let st = s.stats();
+    assert_eq!((st.counters.requests_cancelled, st.counters.requests_failed), (1, 1));
+    assert_no_leak(&s);
+}
+
+#[test]
 fn a_timeout_cancels_the_request() {
     let mut s = scheduler(CheckingModel::new(64, 16, 1024), opts(1));
     let mut r = request(prompt(9, 10), 1_000_000);

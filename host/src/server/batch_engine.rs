@@ -104,6 +104,7 @@ impl Generator for BatchEngine {
             requests_deferred: s.queued,
             n_decode_total: s.counters.steps,
             n_busy_slots_total: s.counters.sequence_steps,
+            requests_cancelled: s.counters.requests_cancelled,
             kv_blocks_used: s.kv_pages_used,
             kv_blocks_total: s.kv_pages_total,
             kv_block_size: s.kv_page_tokens,

@@ -89,6 +89,7 @@ impl Generator for NoGeneration {
             requests_deferred: c.queued.load(Ordering::Relaxed),
             n_decode_total: c.passes.load(Ordering::Relaxed),
             n_busy_slots_total: c.inputs.load(Ordering::Relaxed),
+            requests_cancelled: c.cancelled.load(Ordering::Relaxed),
             slots: vec![SlotStats { id: 0, is_processing: running > 0, ..Default::default() }],
             ..Default::default()
         }

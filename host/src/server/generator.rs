@@ -54,6 +54,8 @@ pub struct EngineStats {
     pub n_decode_total: u64,
     /// Sum over forward passes of the sequences in each (busy slots per decode = this / n_decode_total).
     pub n_busy_slots_total: u64,
+    /// Requests stopped before their end: the client left, the timeout, shutdown.
+    pub requests_cancelled: u64,
     pub kv_blocks_used: usize,
     pub kv_blocks_total: usize,
     /// Tokens per KV block.

@@ -836,6 +836,12 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         ("mlxcel_requests_total", "counter", "Requests that finished with an answer.", m.requests_total.load(r) as f64),
         ("mlxcel_requests_failed_total", "counter", "Requests the engine failed.", m.requests_failed.load(r) as f64),
         (
+            "mlxcel_requests_cancelled_total",
+            "counter",
+            "Requests stopped before their end: the client left, the timeout, or shutdown.",
+            s.requests_cancelled as f64,
+        ),
+        (
             "mlxcel_prompt_cached_tokens_total",
             "counter",
             "Prompt tokens served from the prefix cache.",
