@@ -320,6 +320,10 @@ fn inspect_json_gives_exact_weight_bytes_and_a_kv_figure() {
     assert_eq!(v["memory"]["kv_bytes"].as_u64().unwrap(), 2 * 2 * 2 * 16 * 2 * 256 * 2);
     assert_eq!(v["architecture"], "qwen2");
     assert_eq!(v["quantization"], "affine 4-bit g32");
+    // No sequences at all is no plan to check.
+    let out = mlxcel().arg("inspect").arg(&dir).args(["--parallel", "0"]).output().unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("must be at least 1"));
     // -c 0 is the model's whole context (the fixture's 512 positions), as `run` and the server read it.
     let out = mlxcel().arg("inspect").arg(&dir).args(["--json", "-c", "0"]).output().unwrap();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

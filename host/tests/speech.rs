@@ -331,6 +331,23 @@ fn openai_sdk_transcribes_through_the_server() {
         assert!(words(&text).contains("recognition test"), "{text}");
         let r = post(vec![("response_format", "xml".into())]).await.unwrap();
         assert_eq!(r.status(), 400);
+        // What this English-only model cannot do names the field that asked for it.
+        let r = with_file(&[("language", "de")]).await.unwrap();
+        assert_eq!(r.status(), 400);
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["param"], "language", "{v}");
+        let r = client
+            .post(format!("{}/v1/audio/translations", server.base))
+            .bearer_auth(KEY)
+            .header("content-type", "multipart/form-data; boundary=XyZ")
+            .body(multipart(&[], &audio))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 400);
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert_eq!(v["error"]["param"], "model", "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("English-only"), "{v}");
         // A field given twice would have one value dropped: refused by name.
         let r = with_file(&[("response_format", "srt"), ("response_format", "text")]).await.unwrap();
         let v: serde_json::Value = r.json().await.unwrap();

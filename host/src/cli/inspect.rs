@@ -21,8 +21,8 @@ pub struct InspectArgs {
     #[arg(short = 'c', long = "ctx-size")]
     pub ctx_size: Option<usize>,
     /// Sequences served at once (each gets ctx-size tokens of KV cache in full-attention layers).
-    #[arg(long, default_value_t = 1)]
-    pub parallel: usize,
+    #[arg(long, default_value_t = 1, value_parser = super::at_least_one)]
+    pub parallel: u64,
     /// Backend whose device memory the fit check counts against (default: the best-scoring one).
     #[arg(long)]
     pub backend: Option<String>,
@@ -53,7 +53,7 @@ pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
     };
     let free = backend.and_then(|b| b.describe().devices.first().map(|d| d.free_memory_bytes)).unwrap_or(0);
     let cache_types = args.cache_types.types().unwrap_or(KvCacheTypes::DEFAULT);
-    let est = MemoryEstimate::new(info, ck.weight_bytes(), ctx, args.parallel as u64, free, cache_types);
+    let est = MemoryEstimate::new(info, ck.weight_bytes(), ctx, args.parallel, free, cache_types);
     let params: u64 = ck.tensors.iter().map(|t| t.shape.iter().product::<u64>()).sum();
     if args.json {
         let v = json!({

@@ -27,7 +27,7 @@ pub struct Cli {
 #[derive(Args, Debug, Clone)]
 pub struct GlobalArgs {
     /// Extra folder to load plugins from (repeatable; searched before MLXCEL_PLUGIN_PATH and the defaults).
-    #[arg(long = "plugin-dir", global = true, value_name = "DIR")]
+    #[arg(long = "plugin-dir", global = true, value_name = "DIR", value_parser = existing_dir)]
     pub plugin_dirs: Vec<PathBuf>,
     /// More log output (-v info, -vv debug); RUST_LOG overrides.
     #[arg(short, long, global = true, action = clap::ArgAction::Count)]
@@ -68,4 +68,24 @@ pub enum Command {
     Serve(Box<crate::server::ServerArgs>),
     /// Speech to text with a Whisper model: print the transcript of each audio file.
     Transcribe(transcribe::TranscribeArgs),
+}
+
+/// A count flag that must be at least 1 (clap value parser).
+pub fn at_least_one(s: &str) -> Result<u64, String> {
+    match s.parse::<u64>() {
+        Ok(0) => Err("must be at least 1".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A folder that exists (clap value parser): a mistyped `--plugin-dir` is an error, not a folder
+/// silently searched in vain.
+fn existing_dir(s: &str) -> Result<PathBuf, String> {
+    let path = PathBuf::from(s);
+    match std::fs::metadata(&path) {
+        Ok(m) if m.is_dir() => Ok(path),
+        Ok(_) => Err("not a folder".into()),
+        Err(e) => Err(e.to_string()),
+    }
 }

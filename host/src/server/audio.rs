@@ -107,7 +107,9 @@ pub fn start(config: &ServerConfig, catalog: &Catalog, checkpoint: Checkpoint) -
             }
             if let Err(e) = transcriber.check_options(&job.opts) {
                 count(&st.failed);
-                let _ = job.reply.send(Err(ApiError::invalid(format!("{e:#}"))));
+                // Timestamps are asked for by the response format.
+                let field = if e.field == "timestamps" { "response_format" } else { e.field };
+                let _ = job.reply.send(Err(ApiError::field(field, e.message)));
                 continue;
             }
             st.processing.store(1, Ordering::Relaxed);

@@ -230,12 +230,18 @@ pub fn json_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError 
     if inner.is_syntax() || inner.is_eof() {
         return ApiError::invalid(format!("the request body is not valid JSON: {inner}"));
     }
-    if path.is_empty() || path == "." {
-        return ApiError::invalid(format!("invalid request body: {inner}"));
-    }
     // serde's message ends with the position in the body, which says less than the field name.
     let msg = inner.to_string();
     let mut msg = msg.split(" at line ").next().unwrap_or(&msg).to_string();
+    // A required field left out is named as the parameter (serde's path is the object around it).
+    if let Some(name) = msg.strip_prefix("missing field `").and_then(|m| m.strip_suffix('`')) {
+        let param = if path.is_empty() || path == "." { name.to_string() } else { format!("{path}.{name}") };
+        let message = format!("missing required parameter `{param}`");
+        return ApiError { code: Some("missing_required_parameter"), ..ApiError::field(&param, message) };
+    }
+    if path.is_empty() || path == "." {
+        return ApiError::invalid(format!("invalid request body: {inner}"));
+    }
     if let Some(name) = msg.strip_prefix("data did not match any variant of untagged enum ") {
         msg = format!("expected {}", expected_shape(name));
     }

@@ -889,6 +889,12 @@ async fn bad_bodies_get_400_in_each_dialect() {
         )
         .await;
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("tools[0].function.name")));
+    // A required field left out is the parameter at fault, named with OpenAI's code for it.
+    let (status, v) = s.post("/v1/chat/completions", json!({"model": "m"})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("messages")), "{v}");
+    assert_eq!(v["error"]["code"], "missing_required_parameter", "{v}");
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": [{"content": "hi"}]})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("messages[0].role")), "{v}");
 }
 
 /// `logit_bias` reaches the sampler from each dialect's shape, and bad ones are 400s naming it.

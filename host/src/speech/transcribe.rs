@@ -48,6 +48,15 @@ impl std::fmt::Display for Cancelled {
 
 impl std::error::Error for Cancelled {}
 
+/// An option the model cannot honour: which one (`language`, `model` for a task the model lacks,
+/// `timestamps`, `temperature`, `best_of`) and why, so that the server can name the request field.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{message}")]
+pub struct BadOption {
+    pub field: &'static str,
+    pub message: String,
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum SpeechTask {
@@ -203,28 +212,35 @@ impl Transcriber {
 
     /// Refuses options this model cannot honour (translation on an English-only model, an unknown
     /// language, timestamps without timestamp tokens, a temperature outside 0..1).
-    pub fn check_options(&self, opts: &TranscribeOptions) -> Result<()> {
+    pub fn check_options(&self, opts: &TranscribeOptions) -> Result<(), BadOption> {
         let v = &self.vocab;
+        let bad = |field, message: String| Err(BadOption { field, message });
         if opts.timestamps && v.timestamp_begin.is_none() {
-            bail!("this model's vocabulary has no timestamp tokens; transcribe without timestamps");
+            return bad(
+                "timestamps",
+                "this model's vocabulary has no timestamp tokens; transcribe without timestamps".into(),
+            );
         }
         if !v.multilingual {
             if opts.task == SpeechTask::Translate {
-                bail!("this is an English-only Whisper model: it cannot translate (use a multilingual model)");
+                return bad(
+                    "model",
+                    "this is an English-only Whisper model: it cannot translate (use a multilingual model)".into(),
+                );
             }
             if opts.language.as_deref().is_some_and(|l| l != "en") {
-                bail!("this is an English-only Whisper model: language must be `en`");
+                return bad("language", "this is an English-only Whisper model: language must be `en`".into());
             }
         } else if let Some(l) = opts.language.as_deref() {
             if v.language_token(l).is_none() {
-                bail!("language `{l}` is not one of this model's languages");
+                return bad("language", format!("language `{l}` is not one of this model's languages"));
             }
         }
         if !(0.0..=1.0).contains(&opts.temperature) {
-            bail!("temperature {} is outside 0..1", opts.temperature);
+            return bad("temperature", format!("temperature {} is outside 0..1", opts.temperature));
         }
         if !(1..=MAX_BEST_OF).contains(&opts.best_of) {
-            bail!("best_of {} is outside 1..{MAX_BEST_OF}", opts.best_of);
+            return bad("best_of", format!("best_of {} is outside 1..{MAX_BEST_OF}", opts.best_of));
         }
         Ok(())
     }
