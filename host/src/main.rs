@@ -6,7 +6,7 @@ use mlxcel::cli::{self, Cli, Command};
 fn main() {
     // `serve` takes llama-server's command line: its two-letter short flags are rewritten and the flags
     // mlxcel does not implement are refused by name before clap sees them.
-    let argv: Vec<String> = std::env::args().collect();
+    let argv = cli::args_or_exit();
     let argv = match argv.iter().position(|a| a == "serve") {
         Some(i) => match mlxcel::server::args::preprocess_argv(argv[i + 1..].iter().cloned()) {
             Ok(tail) => argv[..=i].iter().cloned().chain(tail).collect(),
@@ -18,6 +18,9 @@ fn main() {
         None => argv,
     };
     let args = Cli::parse_from(argv);
+    if !matches!(args.command, Command::Serve(_)) {
+        cli::die_on_closed_pipe();
+    }
     match &args.command {
         Command::Serve(_) => mlxcel::logging::init_server(args.global.verbose),
         _ => mlxcel::logging::init(args.global.verbose),

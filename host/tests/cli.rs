@@ -168,8 +168,10 @@ fn generate_runs_a_golden_fixture() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("generation: 3 tokens"));
 }
 
+#[cfg(unix)]
 #[test]
-fn an_answer_to_a_closed_stdout_is_one_clear_line_and_minus_one_means_no_limit() {
+fn an_answer_to_a_closed_stdout_ends_quietly_and_minus_one_means_no_limit() {
+    use std::os::unix::process::ExitStatusExt;
     let mut child = mlxcel()
         .arg("generate")
         .arg(fixture("qwen2-f32"))
@@ -178,10 +180,13 @@ fn an_answer_to_a_closed_stdout_is_one_clear_line_and_minus_one_means_no_limit()
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    // The reader goes away before the first token (as `| head -c 0` would).
+    // The reader goes away before the first token (as `| head -c 0` would): the command ends as `cat`
+    // would, by SIGPIPE, rather than generating until the context is full.
     drop(child.stdout.take());
     let out = child.wait_with_output().unwrap();
-    assert_one_line_error(&out, &["stdout"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{:?}: {stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
 }
 
 #[test]
@@ -466,4 +471,30 @@ fn bench_measures_and_refuses_what_it_cannot_measure() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(says), "{args:?}: {err}");
     }
+}
+
+/// `mlxcel arch | head` and the like: a reader that went away ends the command as it ends `ls`
+/// (SIGPIPE), without a panic's message; an argument that is not UTF-8 is an error, not a panic.
+#[cfg(unix)]
+#[test]
+fn a_closed_output_pipe_ends_a_command_quietly_and_non_utf8_arguments_are_refused() {
+    use std::os::fd::FromRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    use std::os::unix::process::ExitStatusExt;
+    let mut fds = [0; 2];
+    // SAFETY: a fresh pipe; its read end is closed at once, its write end given to the child.
+    let write_end = unsafe {
+        assert_eq!(libc::pipe(fds.as_mut_ptr()), 0);
+        libc::close(fds[0]);
+        std::process::Stdio::from_raw_fd(fds[1])
+    };
+    let out = mlxcel().args(["arch", "--json"]).stdout(write_end).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.signal(), Some(libc::SIGPIPE), "{:?}: {stderr}", out.status);
+    assert!(!stderr.contains("panicked"), "{stderr}");
+    let out =
+        mlxcel().args(["generate", "m", "-p"]).arg(std::ffi::OsStr::from_bytes(b"\xff\xfe bad")).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("not valid UTF-8") && !stderr.contains("panicked"), "{stderr}");
 }

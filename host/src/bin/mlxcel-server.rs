@@ -19,7 +19,7 @@ struct Cli {
 }
 
 fn main() {
-    let result = mlxcel::server::args::preprocess_argv(std::env::args()).and_then(|argv| {
+    let result = mlxcel::server::args::preprocess_argv(mlxcel::cli::args_or_exit()).and_then(|argv| {
         let cli = Cli::try_parse_from(argv).unwrap_or_else(|e| e.exit());
         mlxcel::logging::init_server(cli.global.verbose);
         mlxcel::logging::quiet_panics();

@@ -89,3 +89,28 @@ fn existing_dir(s: &str) -> Result<PathBuf, String> {
         Err(e) => Err(e.to_string()),
     }
 }
+
+/// The command line as text. An argument that is not UTF-8 ends the program with an error naming
+/// it (`std::env::args` would panic).
+pub fn args_or_exit() -> Vec<String> {
+    std::env::args_os()
+        .enumerate()
+        .map(|(i, a)| {
+            a.into_string().unwrap_or_else(|a| {
+                eprintln!("error: argument {i} is not valid UTF-8: {}", a.to_string_lossy());
+                std::process::exit(2)
+            })
+        })
+        .collect()
+}
+
+/// Lets a closed stdout or stderr end the command quietly, as it ends `cat` or `ls` (`mlxcel arch |
+/// head`): Rust ignores SIGPIPE, and every later print would panic. Not for the server, which must
+/// outlive a client's closed socket.
+pub fn die_on_closed_pipe() {
+    #[cfg(unix)]
+    // SAFETY: restores the default disposition of one signal before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}

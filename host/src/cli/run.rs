@@ -25,13 +25,15 @@ pub struct RunArgs {
     /// Model folder (config.json + *.safetensors + tokenizer.json).
     #[arg(value_name = "MODEL")]
     pub model: String,
-    /// Answer this prompt and exit (without it, `run` opens a chat).
-    #[arg(short = 'p', long = "prompt")]
+    /// Answer this prompt and exit (`run` without it opens a chat; `generate` needs it). A prompt may
+    /// start with `-`.
+    #[arg(short = 'p', long = "prompt", allow_hyphen_values = true)]
     pub prompt: Option<String>,
     /// System prompt for the chat template.
-    #[arg(long)]
+    #[arg(long, allow_hyphen_values = true)]
     pub system: Option<String>,
-    /// Send the prompt as raw text, not through the chat template.
+    /// Send the -p prompt as raw text, not through the chat template (not for the chat, whose turns
+    /// the template frames).
     #[arg(long)]
     pub no_chat_template: bool,
     /// Most tokens to generate (default, or -1: until EOS or the context is full).
@@ -298,7 +300,7 @@ pub fn repl(global: &GlobalArgs, args: &RunArgs) -> Result<()> {
                 history.push(ChatMessage::new("user", input));
                 history.push(ChatMessage::new("assistant", text.trim()));
             }
-            Err(e) => eprintln!("error: {e:#}"),
+            Err(e) => eprintln!("error: {e:#} (/clear forgets the conversation)"),
         }
     }
     l.engine.shutdown();
@@ -306,6 +308,12 @@ pub fn repl(global: &GlobalArgs, args: &RunArgs) -> Result<()> {
 }
 
 pub fn run(global: &GlobalArgs, args: &RunArgs, one_shot: bool) -> Result<()> {
+    if args.no_chat_template && args.system.is_some() {
+        bail!("--system goes through the chat template, which --no-chat-template leaves out");
+    }
+    if args.no_chat_template && args.prompt.is_none() && !one_shot {
+        bail!("--no-chat-template needs -p: the chat frames its turns with the template");
+    }
     match (&args.prompt, one_shot) {
         (Some(p), _) => run_once(global, args, p),
         (None, true) => bail!("`generate` needs a prompt: -p TEXT"),
@@ -336,6 +344,18 @@ mod tests {
         assert_eq!((p.temperature, p.top_k, p.top_p, p.repeat_penalty), (0.6, 20, 0.9, 1.1));
         let p = sampling_params(&args(&["--temp", "0", "--top-k", "5"]), Some(&g)).unwrap();
         assert_eq!((p.temperature, p.top_k, p.top_p), (0.0, 5, 0.9));
+    }
+
+    #[test]
+    fn prompts_may_start_with_a_hyphen_and_raw_mode_refuses_what_it_would_ignore() {
+        let a = args(&["-p", "-5 plus 3 equals?", "--system", "- be terse"]);
+        assert_eq!((a.prompt.as_deref(), a.system.as_deref()), (Some("-5 plus 3 equals?"), Some("- be terse")));
+        // Refused before the model (here a folder that does not exist) is read.
+        let global = GlobalArgs { plugin_dirs: vec![], verbose: 0 };
+        let e = run(&global, &args(&["--no-chat-template"]), false).unwrap_err().to_string();
+        assert!(e.contains("--no-chat-template needs -p"), "{e}");
+        let e = run(&global, &args(&["-p", "x", "--no-chat-template", "--system", "s"]), true).unwrap_err().to_string();
+        assert!(e.contains("--system"), "{e}");
     }
 
     #[test]

@@ -76,8 +76,8 @@ pub struct SamplingArgs {
     /// Mirostat's target entropy (tau).
     #[arg(long = "mirostat-ent")]
     pub mirostat_ent: Option<f32>,
-    /// The samplers that run, in order, separated by ';' (penalties;dry;top_n_sigma;top_k;typ_p;
-    /// top_p;min_p;xtc;temperature by default; infill where asked for).
+    /// The samplers that run, in order, separated by ';'
+    /// (penalties;dry;top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature by default; infill where asked for).
     #[arg(long = "samplers", value_name = "SAMPLERS", conflicts_with = "sampling_seq")]
     pub samplers: Option<String>,
     /// The samplers that run, one letter each (edskypmxt by default).
@@ -118,10 +118,18 @@ impl SamplingArgs {
             })
         });
         let chain = match (&self.samplers, &self.sampling_seq) {
-            (Some(names), _) => Some(chain_of(names.split(';').map(Step::from_name))?),
-            (None, Some(letters)) => Some(chain_of(letters.chars().map(Step::from_letter))?),
+            (Some(names), _) => {
+                Some(chain_of("--samplers", names.split(';').map(|n| (n.to_string(), Step::from_name(n))))?)
+            }
+            (None, Some(letters)) => {
+                Some(chain_of("--sampling-seq", letters.chars().map(|c| (c.to_string(), Step::from_letter(c))))?)
+            }
             (None, None) => None,
         };
+        // (`max(0.0)` below would make NaN greedy.)
+        if self.temp.is_some_and(f32::is_nan) {
+            bail!("--temp must be a number");
+        }
         Ok(SamplingOverrides {
             temperature: self.temp.map(|t| t.max(0.0)),
             dynatemp_range: self.dynatemp_range,
@@ -152,10 +160,19 @@ impl SamplingArgs {
     }
 }
 
-/// The samplers named (unknown names skipped, as llama.cpp skips them), or why one cannot run here.
-fn chain_of(steps: impl Iterator<Item = Result<Option<Step>, String>>) -> Result<Vec<Step>> {
-    let steps: Result<Vec<Option<Step>>, String> = steps.collect();
-    Ok(steps.map_err(|e| anyhow::anyhow!("--samplers: {e}"))?.into_iter().flatten().collect())
+/// The samplers named, or why one cannot run here. An unknown name is refused (llama.cpp skips it,
+/// which leaves the flags of the sampler meant silently unused).
+fn chain_of(flag: &str, steps: impl Iterator<Item = (String, Result<Option<Step>, String>)>) -> Result<Vec<Step>> {
+    steps
+        .map(|(name, step)| match step {
+            Ok(Some(step)) => Ok(step),
+            Ok(None) => Err(anyhow::anyhow!(
+                "{flag}: unknown sampler `{name}` (penalties, dry, top_n_sigma, top_k, typ_p, top_p, min_p, xtc, \
+                 temperature, infill; or their letters e, d, s, k, y, p, m, x, t, i)"
+            )),
+            Err(e) => Err(anyhow::anyhow!("{flag}: {e}")),
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -189,7 +206,7 @@ mod tests {
             "--mirostat-ent",
             "4",
             "--samplers",
-            "top_k;typical;top-p;temp;frobnicate",
+            "top_k;typical;top-p;temp",
             "--top-k",
             "-1",
             "-s",
@@ -215,6 +232,10 @@ mod tests {
             (&["--dry-base", "0.5"][..], "--dry-base"),
             (&["--repeat-last-n", "-2"][..], "--repeat-last-n"),
             (&["--samplers", "top_k;adaptive_p"][..], "adaptive-p"),
+            (&["--samplers", "top_k;frobnicate"][..], "unknown sampler `frobnicate`"),
+            (&["--samplers", ""][..], "unknown sampler ``"),
+            (&["--sampling-seq", "kq"][..], "--sampling-seq: unknown sampler `q`"),
+            (&["--temp", "nan"][..], "--temp"),
             (&["-s", "-5"][..], "--seed"),
         ] {
             let e = parse(args).unwrap_err().to_string();
