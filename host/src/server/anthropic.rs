@@ -19,7 +19,7 @@ use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
 use super::samplers::LlamaSamplers;
 use super::state::{AppState, LoadedModel, RequestLog};
 use super::structured;
-use super::tools::{pieces_through, shown_tags, CallParser, Forced, Piece, ToolCall, Tooling};
+use super::tools::{parameters_problem, pieces_through, shown_tags, CallParser, Forced, Piece, ToolCall, Tooling};
 use crate::engine::{TokenLogprob, Usage};
 use crate::text::ChatMessage;
 
@@ -279,10 +279,18 @@ fn request_tools(model: &LoadedModel, r: &MessagesRequest) -> Result<Option<Tool
         let Some(name) = name else {
             return Err(ApiError::field(&format!("tools[{i}].name"), "a tool needs a name"));
         };
+        // (Anthropic's error shape has no `param`: its messages start with the field's path.)
+        let at = format!("tools.{i}.input_schema");
+        let Some(schema) = t.get("input_schema").filter(|s| !s.is_null()) else {
+            return Err(ApiError::field(&at, format!("{at}: Field required")));
+        };
+        if let Some(problem) = parameters_problem(Some(schema)) {
+            return Err(ApiError::field(&at, format!("{at}: {problem}")));
+        }
         let mut function = json!({
             "name": name,
             "description": t.get("description").cloned().unwrap_or(json!("")),
-            "parameters": t.get("input_schema").cloned().unwrap_or(json!({"type": "object"})),
+            "parameters": schema,
         });
         if let Some(strict) = t.get("strict") {
             function["strict"] = strict.clone();

@@ -22,7 +22,7 @@ use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
 use super::samplers::LlamaSamplers;
 use super::state::{AppState, LoadedModel, RequestLog};
 use super::structured;
-use super::tools::{pieces_through, text_and_calls, CallParser, Forced, ToolCall, Tooling};
+use super::tools::{parameters_problem, pieces_through, text_and_calls, CallParser, Forced, ToolCall, Tooling};
 use crate::engine::{SamplingParams, TokenLogprob, Usage};
 use crate::text::{ChatMessage, TextTokenizer};
 
@@ -562,6 +562,9 @@ pub fn request_tools(
         }
         if t.pointer("/function/name").and_then(Value::as_str).is_none_or(str::is_empty) {
             return Err(ApiError::field(&format!("tools[{i}].function.name"), "a function tool needs a name"));
+        }
+        if let Some(problem) = parameters_problem(t.pointer("/function/parameters")) {
+            return Err(ApiError::field(&format!("tools[{i}].function.parameters"), problem));
         }
     }
     let tooling = Tooling::new(tools, parallel.unwrap_or(true), model.facts.chat_template.as_deref())

@@ -1868,6 +1868,8 @@ async fn structured_outputs_hold_answers_to_json_schemas() {
             "response_format.json_schema.schema",
         ),
         ("/completion", json!({"prompt": "a", "json_schema": bad}), "json_schema"),
+        // A schema that only refers to itself compiles, but no text can match it.
+        ("/completion", json!({"prompt": "a", "json_schema": {"$ref": "#"}}), "json_schema"),
         ("/completion", json!({"prompt": "a", "grammar": "root ::= \"a\""}), "grammar"),
         (
             "/v1/responses",
@@ -2122,6 +2124,28 @@ async fn anthropic_tool_use() {
     assert_eq!(content[1]["input"], json!({"city": "Paris"}));
     assert_eq!(content.len(), 3);
     assert!(s.last_prompt().contains("\"description\": \"Weather now\""), "{}", s.last_prompt());
+    // A tool's input schema is required and describes an object, in every dialect.
+    for (route, tool, param) in [
+        ("/v1/messages", json!({"name": "f"}), "tools.0.input_schema: Field required"),
+        ("/v1/messages", json!({"name": "f", "input_schema": {"type": "string"}}), "tools.0.input_schema"),
+        (
+            "/v1/chat/completions",
+            json!({"type": "function", "function": {"name": "f", "parameters": "object"}}),
+            "tools[0].function.parameters",
+        ),
+        ("/v1/responses", json!({"type": "function", "name": "f", "parameters": {"type": "array"}}), "parameters"),
+    ] {
+        let body = match route {
+            "/v1/messages" => json!({"max_tokens": 50, "messages": ask, "tools": [tool]}),
+            "/v1/responses" => json!({"input": "hi", "tools": [tool]}),
+            _ => json!({"messages": ask, "tools": [tool]}),
+        };
+        let (status, v) = s.post(route, body).await;
+        assert_eq!(status, 400, "{route}: {v}");
+        // (Anthropic's error shape has no `param`: the message names the field.)
+        let named = v["error"]["param"].as_str().or(v["error"]["message"].as_str()).unwrap_or_default();
+        assert!(named.contains(param), "{route}: {v}");
+    }
 
     let one = json!({"max_tokens": 50, "messages": ask, "tools": tools, "stream": true,
                      "tool_choice": {"type": "auto", "disable_parallel_tool_use": true}});

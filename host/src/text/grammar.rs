@@ -67,8 +67,18 @@ impl Grammars {
         if let Some(e) = matcher.get_error() {
             return Err(e);
         }
+        // A grammar no text can match (a schema that only refers to itself) compiles, and fails at
+        // its first mask: asked here, so that it is refused with the request, not mid-answer.
+        if let Err(e) = matcher.clone().compute_mask_or_eos() {
+            return Err(format!("no text can match it ({})", first_line(&format!("{e:#}"))));
+        }
         Ok(Constraint { matcher, eos_ids: self.eos_ids.clone(), vocab: self.vocab })
     }
+}
+
+/// llguidance's errors follow their first line with a dump of the parser's state.
+fn first_line(e: &str) -> &str {
+    e.lines().next().unwrap_or(e)
 }
 
 /// One answer's grammar state.
@@ -90,7 +100,7 @@ impl Constraint {
     /// Sets the logit of every token the grammar does not allow next to -inf; the ends of sequence
     /// are allowed where the answer may end (and are all that is allowed once it must).
     pub fn mask(&mut self, row: &mut [f32]) -> Result<(), String> {
-        let mask = self.matcher.compute_mask_or_eos().map_err(|e| format!("{e:#}"))?;
+        let mask = self.matcher.compute_mask_or_eos().map_err(|e| first_line(&format!("{e:#}")).to_string())?;
         let may_end = self.eos_ids.iter().any(|&t| t < self.vocab && mask.is_allowed(t));
         // Every end of sequence may end the answer where one may (the grammar knows one of them).
         let ends: Vec<(usize, f32)> =
@@ -133,6 +143,6 @@ impl Constraint {
         if self.eos_ids.contains(&token) {
             return Ok(());
         }
-        self.matcher.consume_token(token).map_err(|e| format!("{e:#}"))
+        self.matcher.consume_token(token).map_err(|e| first_line(&format!("{e:#}")).to_string())
     }
 }

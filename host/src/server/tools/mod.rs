@@ -115,6 +115,20 @@ pub fn fits(v: &Value, schema: &Value) -> bool {
     true
 }
 
+/// Why a tool's parameter schema cannot be one: OpenAI and Anthropic take a JSON schema of an
+/// object (the call's arguments); none at all (or null) is a function without parameters.
+pub fn parameters_problem(schema: Option<&Value>) -> Option<String> {
+    match schema {
+        None | Some(Value::Null) => None,
+        Some(Value::Object(o)) => match o.get("type") {
+            None => None,
+            Some(Value::String(t)) if t == "object" => None,
+            Some(t) => Some(format!("a tool's parameters must be a JSON schema of type `object`, not of type {t}")),
+        },
+        Some(other) => Some(format!("a tool's parameters must be a JSON schema (an object), not {other}")),
+    }
+}
+
 impl Tooling {
     /// `tools` in the template's shape (each with a `function.name`) for a model whose template is
     /// `template`.
