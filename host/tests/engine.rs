@@ -214,9 +214,29 @@ fn fixture_full_queue_and_shutdown() {
     let streams: Vec<RequestStream> = (0..3).map(|_| engine.submit(long()).unwrap()).collect();
     assert!(matches!(engine.submit(long()), Err(EngineError::QueueFull { .. })));
     engine.shutdown();
-    for s in streams {
-        assert_eq!(collect(s).finish, Some(FinishReason::Cancelled));
+    // A request cut with part of its answer ends `Cancelled`; one that never produced a token (the
+    // two queued, at least) fails with `ShuttingDown`.
+    let mut refused = 0;
+    for mut s in streams {
+        let (mut tokens, mut end) = (0, None);
+        while let Some(e) = s.blocking_next() {
+            match e {
+                GenerationEvent::Text { tokens: t, .. } => tokens += t.len(),
+                GenerationEvent::Done { finish, .. } => end = Some(Ok(finish)),
+                GenerationEvent::Error(e) => end = Some(Err(e)),
+                _ => {}
+            }
+        }
+        match end {
+            Some(Ok(FinishReason::Cancelled)) => assert!(tokens > 0),
+            Some(Err(EngineError::ShuttingDown)) => {
+                assert_eq!(tokens, 0);
+                refused += 1;
+            }
+            other => panic!("{other:?}"),
+        }
     }
+    assert!(refused >= 2);
     assert_eq!(engine.submit(long()).err(), Some(EngineError::ShuttingDown));
 }
 

@@ -123,7 +123,13 @@ fn turn(b: &Blocks, field: &str, role: &str) -> Result<Turn, ApiError> {
                 let (Some(id), Some(name)) = (&block.id, &block.name) else {
                     return Err(ApiError::field(&at("id"), "a tool_use block needs `id` and `name`"));
                 };
-                t.calls.push(super::tools::template_call(id, name, block.input.clone().unwrap_or(json!({}))));
+                let Some(input) = block.input.as_ref().filter(|i| i.is_object()) else {
+                    return Err(ApiError::field(
+                        &at("input"),
+                        format!("{}: Input should be a valid dictionary", at("input")),
+                    ));
+                };
+                t.calls.push(super::tools::template_call(id, name, input.clone()));
             }
             "tool_result" if user => {
                 let id = block
@@ -162,6 +168,8 @@ fn conversation(r: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
     }
     // The ids of the calls of the last assistant turn (a `tool_result` must answer one of them).
     let mut asked: Vec<String> = Vec::new();
+    // The calls still unanswered in the user turn after them, and that turn's first message.
+    let (mut answering, mut open): (usize, Vec<String>) = (0, Vec::new());
     for (i, m) in r.messages.iter().enumerate() {
         if m.role != "user" && m.role != "assistant" {
             return Err(ApiError::field(
@@ -193,6 +201,25 @@ fn conversation(r: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
                 &format!("{at}[{j}].tool_use_id"),
                 format!("messages.{i}.content.{j}: unexpected `tool_use_id` found in `tool_result` blocks: {id}. Each `tool_result` block must have a corresponding `tool_use` block in the previous message."),
             ));
+        }
+        // Every call of an assistant turn is answered in the user turn right after it.
+        if m.role == "user" {
+            if i > 0 && r.messages[i - 1].role == "assistant" {
+                (answering, open) = (i, asked.clone());
+            }
+            open.retain(|a| !t.results.iter().any(|(_, id, _)| id == a));
+            let turn_ends = r.messages.get(i + 1).is_none_or(|next| next.role != "user");
+            if turn_ends && !open.is_empty() {
+                return Err(ApiError::field(
+                    &format!("messages[{answering}].content"),
+                    format!(
+                        "messages.{answering}: `tool_use` ids were found without `tool_result` blocks immediately \
+                         after: {}. Each `tool_use` block must have a corresponding `tool_result` block in the next \
+                         message.",
+                        open.join(", ")
+                    ),
+                ));
+            }
         }
         // A user turn's tool results are the templates' `tool` messages, before its text.
         for (_, id, result) in &t.results {

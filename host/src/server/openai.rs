@@ -216,6 +216,7 @@ pub fn chat_messages(messages: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiErro
     if messages.is_empty() {
         return Err(ApiError::field("messages", "messages must hold at least one message"));
     }
+    check_tool_history(messages)?;
     let mut out = Vec::with_capacity(messages.len());
     for (i, m) in messages.iter().enumerate() {
         let role = match m.role.as_str() {
@@ -277,6 +278,62 @@ pub fn chat_messages(messages: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiErro
         });
     }
     Ok(out)
+}
+
+/// OpenAI's rules for the tool calls of a history, which a template relies on: each call has an `id`
+/// and a function name; a tool message answers, by `tool_call_id`, a call of the assistant message
+/// before it; and what follows an assistant's calls comes after an answer to each.
+fn check_tool_history(messages: &[MessageIn]) -> Result<(), ApiError> {
+    // The calls of the last assistant message, and those of them still unanswered.
+    let (mut asked, mut open): (Vec<&str>, Vec<&str>) = (Vec::new(), Vec::new());
+    for (i, m) in messages.iter().enumerate() {
+        if m.role == "tool" {
+            let Some(id) = m.tool_call_id.as_deref() else {
+                return Err(ApiError::field(
+                    &format!("messages[{i}].tool_call_id"),
+                    "a message with role `tool` needs the `tool_call_id` of the call it answers",
+                ));
+            };
+            if !asked.contains(&id) {
+                return Err(ApiError::field(
+                    &format!("messages[{i}].tool_call_id"),
+                    format!("`{id}` is not the id of a call in the assistant message before this tool message"),
+                ));
+            }
+            open.retain(|o| *o != id);
+            continue;
+        }
+        if !open.is_empty() {
+            return Err(ApiError::field(
+                &format!("messages[{i}]"),
+                format!(
+                    "an assistant message with `tool_calls` must be followed by tool messages answering each call; \
+                     none answers {}",
+                    open.join(", ")
+                ),
+            ));
+        }
+        asked.clear();
+        if m.role == "assistant" {
+            for (j, call) in m.tool_calls.iter().flatten().enumerate() {
+                let Some(id) = call.get("id").and_then(Value::as_str).filter(|id| !id.is_empty()) else {
+                    return Err(ApiError::field(
+                        &format!("messages[{i}].tool_calls[{j}].id"),
+                        "a tool call needs an `id`",
+                    ));
+                };
+                if call.pointer("/function/name").and_then(Value::as_str).is_none_or(str::is_empty) {
+                    return Err(ApiError::field(
+                        &format!("messages[{i}].tool_calls[{j}].function.name"),
+                        "a tool call needs the name of its function",
+                    ));
+                }
+                asked.push(id);
+            }
+            open = asked.clone();
+        }
+    }
+    Ok(())
 }
 
 /// An OpenAI tool call as chat templates read it: `function.arguments`, a JSON string on the wire, as

@@ -895,6 +895,28 @@ async fn bad_bodies_get_400_in_each_dialect() {
     assert_eq!(v["error"]["code"], "missing_required_parameter", "{v}");
     let (status, v) = s.post("/v1/chat/completions", json!({"messages": [{"content": "hi"}]})).await;
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("messages[0].role")), "{v}");
+    // A history's tool calls, as OpenAI checks them: ids, names, and an answer to each call.
+    let user = json!({"role": "user", "content": "hi"});
+    let call = |id: &str| json!({"id": id, "type": "function", "function": {"name": "f", "arguments": "{}"}});
+    let asked = |calls: Value| json!({"role": "assistant", "content": null, "tool_calls": calls});
+    let answer = |id: &str| json!({"role": "tool", "tool_call_id": id, "content": "r"});
+    for (messages, param) in [
+        (json!([user, {"role": "tool", "content": "r"}]), "messages[1].tool_call_id"),
+        (json!([user, answer("c1")]), "messages[1].tool_call_id"),
+        (json!([user, asked(json!([call("c1")])), answer("zzz")]), "messages[2].tool_call_id"),
+        (json!([user, asked(json!([call("c1"), call("c2")])), answer("c1"), user]), "messages[3]"),
+        (
+            json!([user, asked(json!([{"type": "function", "function": {"name": "f"}}]))]),
+            "messages[1].tool_calls[0].id",
+        ),
+        (json!([user, asked(json!([{"id": "c1", "type": "function"}]))]), "messages[1].tool_calls[0].function.name"),
+    ] {
+        let (status, v) = s.post("/v1/chat/completions", json!({"messages": messages})).await;
+        assert_eq!((status, v["error"]["param"].as_str()), (400, Some(param)), "{messages}: {v}");
+    }
+    let fine = json!([user, asked(json!([call("c1"), call("c2")])), answer("c2"), answer("c1"), user]);
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": fine})).await;
+    assert_eq!(status, 200, "{v}");
 }
 
 /// `logit_bias` reaches the sampler from each dialect's shape, and bad ones are 400s naming it.
@@ -2200,6 +2222,20 @@ async fn anthropic_tool_use() {
     late.as_array_mut().unwrap().insert(2, json!({"role": "user", "content": "Hm?"}));
     let (status, v) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": late, "tools": tools})).await;
     assert_eq!(status, 400, "a result two turns after its call: {v}");
+    // Every call is answered in the turn right after it, and a call's input is an object.
+    let mut unanswered = history.clone();
+    unanswered[2]["content"] = json!("Thanks");
+    let (status, v) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": unanswered, "tools": tools})).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("without `tool_result` blocks immediately after: toolu_1"));
+    let mut listed = history.clone();
+    listed[1]["content"][1]["input"] = json!([1, 2]);
+    let (status, v) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": listed, "tools": tools})).await;
+    assert_eq!(status, 400, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("valid dictionary"), "{v}");
     // Consecutive messages of one role are one turn: calls over two messages, results over two.
     let split = json!([
         {"role": "user", "content": "Weather?"},
