@@ -31,9 +31,15 @@ pub enum ToolFormat {
 /// The tool-call format of a chat template, or why tools cannot be given to it. The formats that
 /// share `<tool_call>` are told apart by the tags inside it, so they are looked for first.
 pub fn format_of(template: Option<&str>) -> Result<ToolFormat, String> {
-    let t = template.unwrap_or_default();
+    let Some(t) = template else {
+        return Err(
+            "this model has no chat template, so no tools can be given to it (--chat-template-file sets one)".into()
+        );
+    };
     if !t.contains("tools") {
-        return Err("this model's chat template does not take tools".into());
+        return Err(
+            "this model's chat template does not take tools (--chat-template-file can give one that does)".into()
+        );
     }
     if t.contains("<function=") {
         if t.contains("<parameter=") {
@@ -350,6 +356,7 @@ mod tests {
             assert_eq!(format_of(Some(template)), Ok(format), "{template}");
         }
         assert!(format_of(Some("{{ messages }}")).unwrap_err().contains("does not take tools"));
+        assert!(format_of(None).unwrap_err().contains("no chat template"));
         assert!(format_of(Some("{% if tools %}<|tool|>{% endif %}")).unwrap_err().contains("not supported"));
         assert!(format_of(None).is_err());
         let functionary = "{% if tools %}<|python_tag|> <function=name>{args}</function>{% endif %}";
