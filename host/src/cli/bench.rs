@@ -24,7 +24,7 @@ pub struct BenchArgs {
     /// Repetitions; the median is reported.
     #[arg(short = 'r', long, default_value_t = 3, value_parser = repetitions)]
     pub repetitions: usize,
-    /// Worker threads.
+    /// Worker threads (0: one per core).
     #[arg(short = 't', long, default_value_t = 0)]
     pub threads: u32,
     /// Prefill chunk (tokens per step).
@@ -34,6 +34,7 @@ pub struct BenchArgs {
     /// `-d`): the context is prefilled untimed, then n-gen tokens are decoded on top of it.
     #[arg(short = 'd', long = "n-depth", value_delimiter = ',')]
     pub depths: Vec<usize>,
+    /// Backend to run on (default: the best-scoring one; `mlxcel arch` lists them).
     #[arg(long)]
     pub backend: Option<String>,
     /// One JSON object on stdout.

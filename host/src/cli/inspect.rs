@@ -16,6 +16,7 @@ use crate::engine::KvCacheTypes;
 
 #[derive(Args, Debug)]
 pub struct InspectArgs {
+    /// Model folder, or a hub name already in the model store.
     pub model: String,
     /// Context size in tokens (default: min(model maximum, 4096), as `run` uses).
     #[arg(short = 'c', long = "ctx-size")]
@@ -29,6 +30,7 @@ pub struct InspectArgs {
     /// Hub revision (branch, tag or commit) when MODEL is a hub name.
     #[arg(long)]
     pub revision: Option<String>,
+    /// One JSON object on stdout.
     #[arg(long)]
     pub json: bool,
     #[command(flatten)]

@@ -12,6 +12,7 @@ use crate::store::{resolve_model, store_root, RepoId, ResolveOptions, Resolved};
 
 #[derive(Args, Debug)]
 pub struct ListArgs {
+    /// One JSON array on stdout.
     #[arg(long)]
     pub json: bool,
 }
@@ -27,7 +28,9 @@ pub struct DownloadArgs {
 
 #[derive(Args, Debug)]
 pub struct RmArgs {
+    /// A model in the store, by its hub name (as `mlxcel list` shows it).
     pub name: String,
+    /// The revision to remove (branch, tag or commit; default: main).
     #[arg(long)]
     pub revision: Option<String>,
     /// Do not ask.

@@ -113,10 +113,18 @@ pub fn offline_env() -> bool {
 pub fn resolve_model(model: &str, opts: &ResolveOptions) -> Result<Resolved> {
     let p = PathBuf::from(model);
     if p.is_dir() {
+        if let Some(rev) = &opts.revision {
+            bail!("--revision {rev} applies to hub names, and {model} is a local folder");
+        }
         return Ok(Resolved::Folder(p));
     }
     if p.exists() {
-        bail!("{model} is a file; MODEL must be a folder with config.json, *.safetensors and tokenizer.json, or a hub name");
+        let gguf = if p.extension().is_some_and(|e| e.eq_ignore_ascii_case("gguf")) {
+            " (GGUF files are not read: mlxcel runs SafeTensors checkpoints)"
+        } else {
+            ""
+        };
+        bail!("{model} is a file{gguf}; MODEL must be a folder with config.json, *.safetensors and tokenizer.json, or a hub name");
     }
     let looks_like_path =
         model.starts_with('.') || model.starts_with('/') || model.starts_with('~') || model.matches('/').count() > 1;
@@ -155,5 +163,19 @@ mod tests {
         }
         assert_eq!(RepoId::parse("owner/x").unwrap().full(), "owner/x");
         assert!(RepoId::parse("a/b c").is_err());
+    }
+
+    #[test]
+    fn a_local_folder_takes_no_revision_and_a_gguf_file_is_named() {
+        let dir = tempfile::tempdir().unwrap();
+        let folder = dir.path().to_str().unwrap();
+        let offline = |revision: Option<&str>| ResolveOptions { revision: revision.map(String::from), offline: true };
+        assert!(matches!(resolve_model(folder, &offline(None)), Ok(Resolved::Folder(_))));
+        let e = resolve_model(folder, &offline(Some("v2"))).unwrap_err().to_string();
+        assert!(e.contains("--revision v2") && e.contains("local folder"), "{e}");
+        let gguf = dir.path().join("m.Q4_1.gguf");
+        std::fs::write(&gguf, b"GGUF").unwrap();
+        let e = resolve_model(gguf.to_str().unwrap(), &offline(None)).unwrap_err().to_string();
+        assert!(e.contains("GGUF files are not read"), "{e}");
     }
 }
