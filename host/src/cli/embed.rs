@@ -141,7 +141,8 @@ pub fn rerank(global: &GlobalArgs, a: &RerankArgs) -> Result<()> {
     print_json(&out)
 }
 
-/// One line of JSON on stdout; a reader that went away (`| head`) is not an error.
+/// One line of JSON on stdout; a reader that went away (`| head`) is not an error (on Unix SIGPIPE
+/// ends the command before this sees it).
 fn print_json(v: &serde_json::Value) -> Result<()> {
     use std::io::Write;
     let mut out = std::io::stdout().lock();

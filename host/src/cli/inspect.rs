@@ -16,7 +16,7 @@ use crate::engine::KvCacheTypes;
 
 #[derive(Args, Debug)]
 pub struct InspectArgs {
-    /// Model folder, or a hub name already in the model store.
+    /// Model folder, or a hub name (from the model store or the Hugging Face cache, else downloaded).
     pub model: String,
     /// Context size in tokens (default: min(model maximum, 4096), as `run` uses).
     #[arg(short = 'c', long = "ctx-size")]

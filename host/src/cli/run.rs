@@ -171,7 +171,8 @@ fn stream_answer(stream: &mut RequestStream) -> Result<(String, FinishReason, Us
     while let Some(event) = stream.blocking_next() {
         match event {
             GenerationEvent::Text { text: piece, .. } => {
-                // A closed stdout (`| head`) ends the answer: nothing would read the rest.
+                // A failed write (a full disk; a closed pipe where SIGPIPE does not end the command
+                // first, as it does on Unix) ends the answer: nothing would read the rest.
                 if let Err(e) = out.write_all(piece.as_bytes()).and_then(|_| out.flush()) {
                     stream.cancel();
                     return Err(anyhow::Error::new(e).context("writing the answer to stdout"));
@@ -186,7 +187,7 @@ fn stream_answer(stream: &mut RequestStream) -> Result<(String, FinishReason, Us
     bail!("the engine stopped before the answer ended")
 }
 
-/// Ends the answer's line on stdout (an error where stdout is closed, where `println!` would panic).
+/// Ends the answer's line on stdout (an error where the write fails, where `println!` would panic).
 fn end_line() -> Result<()> {
     writeln!(std::io::stdout()).context("writing the answer to stdout")
 }

@@ -118,9 +118,11 @@ impl SamplingArgs {
             })
         });
         let chain = match (&self.samplers, &self.sampling_seq) {
-            (Some(names), _) => {
-                Some(chain_of("--samplers", names.split(';').map(|n| (n.to_string(), Step::from_name(n))))?)
-            }
+            // (Empty entries, as in a trailing `;`, are skipped, as llama.cpp skips them.)
+            (Some(names), _) => Some(chain_of(
+                "--samplers",
+                names.split(';').filter(|n| !n.trim().is_empty()).map(|n| (n.to_string(), Step::from_name(n))),
+            )?),
             (None, Some(letters)) => {
                 Some(chain_of("--sampling-seq", letters.chars().map(|c| (c.to_string(), Step::from_letter(c))))?)
             }
@@ -163,7 +165,7 @@ impl SamplingArgs {
 /// The samplers named, or why one cannot run here. An unknown name is refused (llama.cpp skips it,
 /// which leaves the flags of the sampler meant silently unused).
 fn chain_of(flag: &str, steps: impl Iterator<Item = (String, Result<Option<Step>, String>)>) -> Result<Vec<Step>> {
-    steps
+    let chain: Vec<Step> = steps
         .map(|(name, step)| match step {
             Ok(Some(step)) => Ok(step),
             Ok(None) => Err(anyhow::anyhow!(
@@ -172,7 +174,11 @@ fn chain_of(flag: &str, steps: impl Iterator<Item = (String, Result<Option<Step>
             )),
             Err(e) => Err(anyhow::anyhow!("{flag}: {e}")),
         })
-        .collect()
+        .collect::<Result<_>>()?;
+    if chain.is_empty() {
+        bail!("{flag} names no sampler");
+    }
+    Ok(chain)
 }
 
 #[cfg(test)]
@@ -206,7 +212,7 @@ mod tests {
             "--mirostat-ent",
             "4",
             "--samplers",
-            "top_k;typical;top-p;temp",
+            "top_k;typical;top-p;temp;",
             "--top-k",
             "-1",
             "-s",
@@ -233,7 +239,7 @@ mod tests {
             (&["--repeat-last-n", "-2"][..], "--repeat-last-n"),
             (&["--samplers", "top_k;adaptive_p"][..], "adaptive-p"),
             (&["--samplers", "top_k;frobnicate"][..], "unknown sampler `frobnicate`"),
-            (&["--samplers", ""][..], "unknown sampler ``"),
+            (&["--samplers", ""][..], "--samplers names no sampler"),
             (&["--sampling-seq", "kq"][..], "--sampling-seq: unknown sampler `q`"),
             (&["--temp", "nan"][..], "--temp"),
             (&["-s", "-5"][..], "--seed"),

@@ -224,8 +224,9 @@ impl EngineHandle {
         }
     }
 
-    /// Stops accepting, cancels every request in flight or waiting (each stream gets `Done` with
-    /// `Cancelled`) and waits for the engine thread to end. Later calls return at once.
+    /// Stops accepting, ends every request in flight or waiting (a stream with sampled tokens gets
+    /// `Done` with `Cancelled`, one without fails with `ShuttingDown`) and waits for the engine thread
+    /// to end. Later calls return at once.
     pub fn shutdown(&self) {
         let s = &self.shared;
         s.accepting.store(false, Ordering::SeqCst);

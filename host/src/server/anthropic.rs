@@ -124,10 +124,9 @@ fn turn(b: &Blocks, field: &str, role: &str) -> Result<Turn, ApiError> {
                     return Err(ApiError::field(&at("id"), "a tool_use block needs `id` and `name`"));
                 };
                 let Some(input) = block.input.as_ref().filter(|i| i.is_object()) else {
-                    return Err(ApiError::field(
-                        &at("input"),
-                        format!("{}: Input should be a valid dictionary", at("input")),
-                    ));
+                    // In Anthropic's words, with its dotted path.
+                    let dotted = at("input").replace('[', ".").replace(']', "");
+                    return Err(ApiError::field(&at("input"), format!("{dotted}: Input should be a valid dictionary")));
                 };
                 t.calls.push(super::tools::template_call(id, name, input.clone()));
             }
@@ -307,12 +306,12 @@ fn request_tools(model: &LoadedModel, r: &MessagesRequest) -> Result<Option<Tool
             return Err(ApiError::field(&format!("tools[{i}].name"), "a tool needs a name"));
         };
         // (Anthropic's error shape has no `param`: its messages start with the field's path.)
-        let at = format!("tools.{i}.input_schema");
+        let (param, at) = (format!("tools[{i}].input_schema"), format!("tools.{i}.input_schema"));
         let Some(schema) = t.get("input_schema").filter(|s| !s.is_null()) else {
-            return Err(ApiError::field(&at, format!("{at}: Field required")));
+            return Err(ApiError::field(&param, format!("{at}: Field required")));
         };
-        if let Some(problem) = parameters_problem(Some(schema)) {
-            return Err(ApiError::field(&at, format!("{at}: {problem}")));
+        if let Some(problem) = parameters_problem(Some(schema), "input_schema") {
+            return Err(ApiError::field(&param, format!("{at}: {problem}")));
         }
         let mut function = json!({
             "name": name,

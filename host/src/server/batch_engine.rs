@@ -46,7 +46,7 @@ impl Drop for BatchEngine {
 
 impl Generator for BatchEngine {
     fn cut_all(&self) {
-        // Each request's stream gets its end (cancelled), which the routes report as cut short.
+        // Each request's stream gets its end: cut short where it had tokens, a 503 where it had none.
         self.handle.shutdown();
     }
 

@@ -12,7 +12,7 @@ use futures_util::stream;
 use serde_json::json;
 use tokio::sync::mpsc;
 
-use super::error::ApiError;
+use super::error::{ApiError, ErrorKind};
 use super::generator::EventStream;
 use super::state::{AppState, LoadedModel, RequestLog};
 use crate::engine::{
@@ -168,10 +168,32 @@ pub async fn run_all(
     log: &RequestLog,
 ) -> Result<Vec<Completion>, ApiError> {
     let mut out = Vec::with_capacity(jobs.len());
+    let mut refused = None;
     for (events, stops) in submit_all(jobs, state, model, asked)? {
-        out.push(collect(events, &stops, &model.text, state, log).await?);
+        match collect(events, &stops, &model.text, state, log).await {
+            Ok(c) => out.push(c),
+            // Shutdown fails the answers that had not started (the only failure that comes as
+            // unavailable once submitted): beside an answer that had, each is an empty cut-short
+            // one, so that the client keeps what it was given; with none started, the 503 stands.
+            Err(e) if e.kind == ErrorKind::Unavailable => {
+                refused.get_or_insert(e);
+                let (text, tokens, logprobs) = (String::new(), Vec::new(), Vec::new());
+                out.push(Completion {
+                    text,
+                    tokens,
+                    logprobs,
+                    ending: Ending::Cancelled,
+                    usage: Usage::default(),
+                    slot: 0,
+                });
+            }
+            Err(e) => return Err(e),
+        }
     }
-    Ok(out)
+    match refused {
+        Some(e) if out.iter().all(|c| c.tokens.is_empty()) => Err(e),
+        _ => Ok(out),
+    }
 }
 
 /// How a request ended, in the detail the dialects report.

@@ -21,8 +21,9 @@ pub trait Generator: Send + Sync + 'static {
     /// A snapshot of the engine's state now.
     fn stats(&self) -> EngineStats;
 
-    /// Ends every request in flight or waiting as cut short and takes no more (a shutdown past its
-    /// grace period); blocks until the engine has stopped.
+    /// Ends every request in flight or waiting and takes no more (a shutdown past its grace period):
+    /// cut short where it has an answer under way, failed as shutting down where it has none; blocks
+    /// until the engine has stopped.
     fn cut_all(&self) {}
 }
 

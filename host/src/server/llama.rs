@@ -353,7 +353,10 @@ async fn completion_inner(
                 format!("{field} belongs to /infill (fill-in-the-middle), not /completion"),
             ));
         }
-        let prompt = r.prompt.as_ref().ok_or_else(|| ApiError::field("prompt", "missing field `prompt`"))?;
+        let prompt = r.prompt.as_ref().ok_or_else(|| ApiError {
+            code: Some("missing_required_parameter"),
+            ..ApiError::field("prompt", "missing required parameter `prompt`")
+        })?;
         (prompt_list(model, prompt, r.add_special.unwrap_or(true))?, Vec::new())
     };
     let stream = r.stream.unwrap_or(false);
@@ -838,7 +841,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         (
             "mlxcel_requests_cancelled_total",
             "counter",
-            "Requests stopped before their end: the client left, the timeout, or shutdown.",
+            "Requests stopped before their end: the client left, the timeout, or shutdown cut them short.",
             s.requests_cancelled as f64,
         ),
         (

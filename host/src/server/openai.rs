@@ -284,6 +284,13 @@ pub fn chat_messages(messages: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiErro
 /// and a function name; a tool message answers, by `tool_call_id`, a call of the assistant message
 /// before it; and what follows an assistant's calls comes after an answer to each.
 fn check_tool_history(messages: &[MessageIn]) -> Result<(), ApiError> {
+    let unanswered = |at: &str, open: &[&str]| {
+        let ids = open.join(", ");
+        ApiError::field(
+            at,
+            format!("an assistant message with `tool_calls` must be followed by tool messages answering each call; none answers {ids}"),
+        )
+    };
     // The calls of the last assistant message, and those of them still unanswered.
     let (mut asked, mut open): (Vec<&str>, Vec<&str>) = (Vec::new(), Vec::new());
     for (i, m) in messages.iter().enumerate() {
@@ -304,14 +311,7 @@ fn check_tool_history(messages: &[MessageIn]) -> Result<(), ApiError> {
             continue;
         }
         if !open.is_empty() {
-            return Err(ApiError::field(
-                &format!("messages[{i}]"),
-                format!(
-                    "an assistant message with `tool_calls` must be followed by tool messages answering each call; \
-                     none answers {}",
-                    open.join(", ")
-                ),
-            ));
+            return Err(unanswered(&format!("messages[{i}]"), &open));
         }
         asked.clear();
         if m.role == "assistant" {
@@ -332,6 +332,11 @@ fn check_tool_history(messages: &[MessageIn]) -> Result<(), ApiError> {
             }
             open = asked.clone();
         }
+    }
+    // Answers to only some calls at the end leave the model to go on with the rest unanswered. (A
+    // last assistant message with calls and no answers stays: a prefill to continue.)
+    if messages.last().is_some_and(|m| m.role == "tool") && !open.is_empty() {
+        return Err(unanswered("messages", &open));
     }
     Ok(())
 }
@@ -620,7 +625,7 @@ pub fn request_tools(
         if t.pointer("/function/name").and_then(Value::as_str).is_none_or(str::is_empty) {
             return Err(ApiError::field(&format!("tools[{i}].function.name"), "a function tool needs a name"));
         }
-        if let Some(problem) = parameters_problem(t.pointer("/function/parameters")) {
+        if let Some(problem) = parameters_problem(t.pointer("/function/parameters"), "function.parameters") {
             return Err(ApiError::field(&format!("tools[{i}].function.parameters"), problem));
         }
     }

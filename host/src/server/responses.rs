@@ -24,7 +24,7 @@ use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
 use super::samplers::LlamaSamplers;
 use super::state::{AppState, LoadedModel, RequestLog};
 use super::structured;
-use super::tools::{pieces_through, CallParser, Piece, ToolCall, Tooling};
+use super::tools::{parameters_problem, pieces_through, CallParser, Piece, ToolCall, Tooling};
 use crate::engine::{TokenLogprob, Usage};
 use crate::text::{ChatMessage, TextTokenizer};
 
@@ -279,6 +279,14 @@ fn chat_tools(tools: &Option<Vec<Value>>) -> Result<Option<Vec<Value>>, ApiError
     for (i, t) in tools.iter().enumerate() {
         if t.get("type").and_then(Value::as_str) != Some("function") {
             return Err(ApiError::field(&format!("tools[{i}].type"), "only `function` tools are supported"));
+        }
+        // Checked here, where the fields have the paths the client gave them (the chat checks would
+        // name `tools[i].function.…`).
+        if t.get("name").and_then(Value::as_str).is_none_or(str::is_empty) {
+            return Err(ApiError::field(&format!("tools[{i}].name"), "a function tool needs a name"));
+        }
+        if let Some(problem) = parameters_problem(t.get("parameters"), "parameters") {
+            return Err(ApiError::field(&format!("tools[{i}].parameters"), problem));
         }
         // The function's own fields, in the client's order.
         let function: serde_json::Map<String, Value> = t

@@ -32,6 +32,8 @@ struct Fake {
     text: Option<Arc<TextTokenizer>>,
     /// Pieces to answer with instead of [`ANSWER`].
     script: Option<Vec<&'static str>>,
+    /// The requests from this one on (counted from 0) fail with the error once admitted.
+    fail_from: Option<(usize, EngineError)>,
 }
 
 impl Generator for Fake {
@@ -39,7 +41,12 @@ impl Generator for Fake {
         if let Some(e) = self.refuse.lock().unwrap().clone() {
             return Err(e);
         }
-        self.requests.lock().unwrap().push(req.clone());
+        let index = {
+            let mut requests = self.requests.lock().unwrap();
+            requests.push(req.clone());
+            requests.len() - 1
+        };
+        let fail = self.fail_from.clone().filter(|(from, _)| index >= *from).map(|(_, e)| e);
         let (tx, rx) = mpsc::channel(16);
         let (slow, cancelled, active, tok) =
             (self.slow_ms, self.cancelled.clone(), self.active.clone(), self.text.clone().unwrap());
@@ -48,6 +55,10 @@ impl Generator for Fake {
         tokio::spawn(async move {
             let _guard = Decrement(active);
             let _ = tx.send(GenerationEvent::Started { cached_tokens: 2, slot: 1 }).await;
+            if let Some(e) = fail {
+                let _ = tx.send(GenerationEvent::Error(e)).await;
+                return;
+            }
             // The prompt past the cached tokens in two chunks.
             let total = req.prompt.len();
             for processed in [(total + 2) / 2, total] {
@@ -905,6 +916,7 @@ async fn bad_bodies_get_400_in_each_dialect() {
         (json!([user, answer("c1")]), "messages[1].tool_call_id"),
         (json!([user, asked(json!([call("c1")])), answer("zzz")]), "messages[2].tool_call_id"),
         (json!([user, asked(json!([call("c1"), call("c2")])), answer("c1"), user]), "messages[3]"),
+        (json!([user, asked(json!([call("c1"), call("c2")])), answer("c2")]), "messages"),
         (
             json!([user, asked(json!([{"type": "function", "function": {"name": "f"}}]))]),
             "messages[1].tool_calls[0].id",
@@ -1320,6 +1332,28 @@ async fn unknown_routes_wrong_methods_and_cors_preflight() {
     assert!(allowed.contains("authorization") && allowed.contains("content-type"), "{allowed}");
     let r = s.client.get(s.url("/health")).header("Origin", "http://example.test").send().await.unwrap();
     assert_eq!(r.headers()["access-control-allow-origin"], "*");
+}
+
+/// At shutdown the engine fails the answers that never started: beside one that had, the client
+/// keeps it (the others are empty and cut short); with none started it is a 503.
+#[tokio::test]
+async fn shutdown_keeps_the_answers_that_started() {
+    let ask = json!({"messages": [{"role": "user", "content": "hi"}], "n": 2});
+    let fake = Fake { fail_from: Some((1, EngineError::ShuttingDown)), ..Default::default() };
+    let s = start_with(config(), fake, true).await;
+    let (status, v) = s.post("/v1/chat/completions", ask.clone()).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["choices"][0]["message"]["content"], ANSWER.concat(), "{v}");
+    assert_eq!(
+        (v["choices"][1]["message"]["content"].as_str(), v["choices"][1]["finish_reason"].as_str()),
+        (Some(""), Some("length")),
+        "{v}"
+    );
+    let fake = Fake { fail_from: Some((0, EngineError::ShuttingDown)), ..Default::default() };
+    let s = start_with(config(), fake, true).await;
+    let (status, v) = s.post("/v1/chat/completions", ask).await;
+    assert_eq!(status, 503, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("shutting down"), "{v}");
 }
 
 #[tokio::test]
@@ -2155,7 +2189,11 @@ async fn anthropic_tool_use() {
             json!({"type": "function", "function": {"name": "f", "parameters": "object"}}),
             "tools[0].function.parameters",
         ),
-        ("/v1/responses", json!({"type": "function", "name": "f", "parameters": {"type": "array"}}), "parameters"),
+        (
+            "/v1/responses",
+            json!({"type": "function", "name": "f", "parameters": {"type": "array"}}),
+            "tools[0].parameters",
+        ),
     ] {
         let body = match route {
             "/v1/messages" => json!({"max_tokens": 50, "messages": ask, "tools": [tool]}),
@@ -2217,20 +2255,22 @@ async fn anthropic_tool_use() {
     let (status, v) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": orphan, "tools": tools})).await;
     assert_eq!(status, 400, "{v}");
     assert!(v["error"]["message"].as_str().unwrap().contains("messages.2.content.0: unexpected `tool_use_id`"), "{v}");
+    // The call answered in its turn, and the same result again two turns after it.
     let mut late = history.clone();
     late.as_array_mut().unwrap().insert(2, json!({"role": "assistant", "content": "More."}));
-    late.as_array_mut().unwrap().insert(2, json!({"role": "user", "content": "Hm?"}));
+    late.as_array_mut().unwrap().insert(2, history[2].clone());
     let (status, v) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": late, "tools": tools})).await;
     assert_eq!(status, 400, "a result two turns after its call: {v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("messages.4.content.0: unexpected `tool_use_id`"), "{v}");
     // Every call is answered in the turn right after it, and a call's input is an object.
     let mut unanswered = history.clone();
     unanswered[2]["content"] = json!("Thanks");
     let (status, v) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": unanswered, "tools": tools})).await;
     assert_eq!(status, 400, "{v}");
-    assert!(v["error"]["message"]
-        .as_str()
-        .unwrap()
-        .contains("without `tool_result` blocks immediately after: toolu_1"));
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("without `tool_result` blocks immediately after: toolu_1"),
+        "{v}"
+    );
     let mut listed = history.clone();
     listed[1]["content"][1]["input"] = json!([1, 2]);
     let (status, v) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": listed, "tools": tools})).await;

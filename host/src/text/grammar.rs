@@ -70,7 +70,9 @@ impl Grammars {
         // A grammar no text can match (a schema that only refers to itself) compiles, and fails at
         // its first mask: asked here, so that it is refused with the request, not mid-answer.
         if let Err(e) = matcher.clone().compute_mask_or_eos() {
-            return Err(format!("no text can match it ({})", first_line(&format!("{e:#}"))));
+            let e = format!("{e:#}");
+            tracing::debug!("a grammar failed at its first token: {e}");
+            return Err(format!("it fails at its first token ({})", first_line(&e)));
         }
         Ok(Constraint { matcher, eos_ids: self.eos_ids.clone(), vocab: self.vocab })
     }
@@ -79,6 +81,14 @@ impl Grammars {
 /// llguidance's errors follow their first line with a dump of the parser's state.
 fn first_line(e: &str) -> &str {
     e.lines().next().unwrap_or(e)
+}
+
+/// An error mid-answer: its first line for the client, the whole (with the parser's state) in the
+/// debug log.
+fn short(e: &impl fmt::Display) -> String {
+    let e = format!("{e:#}");
+    tracing::debug!("grammar error: {e}");
+    first_line(&e).to_string()
 }
 
 /// One answer's grammar state.
@@ -100,7 +110,7 @@ impl Constraint {
     /// Sets the logit of every token the grammar does not allow next to -inf; the ends of sequence
     /// are allowed where the answer may end (and are all that is allowed once it must).
     pub fn mask(&mut self, row: &mut [f32]) -> Result<(), String> {
-        let mask = self.matcher.compute_mask_or_eos().map_err(|e| first_line(&format!("{e:#}")).to_string())?;
+        let mask = self.matcher.compute_mask_or_eos().map_err(|e| short(&e))?;
         let may_end = self.eos_ids.iter().any(|&t| t < self.vocab && mask.is_allowed(t));
         // Every end of sequence may end the answer where one may (the grammar knows one of them).
         let ends: Vec<(usize, f32)> =
@@ -143,6 +153,6 @@ impl Constraint {
         if self.eos_ids.contains(&token) {
             return Ok(());
         }
-        self.matcher.consume_token(token).map_err(|e| first_line(&format!("{e:#}")).to_string())
+        self.matcher.consume_token(token).map_err(|e| short(&e))
     }
 }

@@ -115,17 +115,18 @@ pub fn fits(v: &Value, schema: &Value) -> bool {
     true
 }
 
-/// Why a tool's parameter schema cannot be one: OpenAI and Anthropic take a JSON schema of an
-/// object (the call's arguments); none at all (or null) is a function without parameters.
-pub fn parameters_problem(schema: Option<&Value>) -> Option<String> {
+/// Why a tool's parameter schema (`field`, as the dialect names it) cannot be one: OpenAI and
+/// Anthropic take a JSON schema of an object (the call's arguments); none at all (or null) is a
+/// function without parameters.
+pub fn parameters_problem(schema: Option<&Value>, field: &str) -> Option<String> {
     match schema {
         None | Some(Value::Null) => None,
         Some(Value::Object(o)) => match o.get("type") {
             None => None,
             Some(Value::String(t)) if t == "object" => None,
-            Some(t) => Some(format!("a tool's parameters must be a JSON schema of type `object`, not of type {t}")),
+            Some(t) => Some(format!("`{field}` must be a JSON schema of type `object`, not of type {t}")),
         },
-        Some(other) => Some(format!("a tool's parameters must be a JSON schema (an object), not {other}")),
+        Some(other) => Some(format!("`{field}` must be a JSON schema (an object), not {other}")),
     }
 }
 
