@@ -173,8 +173,11 @@ impl ApiError {
                 "code": self.code,
             }}),
             Dialect::Anthropic => {
-                let message = match (&self.param, self.unknown_field) {
-                    (Some(p), true) => format!("{p}: Extra inputs are not permitted"),
+                // Anthropic words a field's path with dots (`messages.0.role`).
+                let dotted = |p: &str| p.replace('[', ".").replace(']', "");
+                let message = match (&self.param, self.unknown_field, self.code) {
+                    (Some(p), true, _) => format!("{p}: Extra inputs are not permitted"),
+                    (Some(p), _, Some("missing_required_parameter")) => format!("{}: Field required", dotted(p)),
                     _ => self.message.clone(),
                 };
                 json!({"type": "error", "error": {"type": self.type_name(), "message": message}})

@@ -906,6 +906,9 @@ async fn bad_bodies_get_400_in_each_dialect() {
     assert_eq!(v["error"]["code"], "missing_required_parameter", "{v}");
     let (status, v) = s.post("/v1/chat/completions", json!({"messages": [{"content": "hi"}]})).await;
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("messages[0].role")), "{v}");
+    // Anthropic's words for it.
+    let (status, v) = s.post("/v1/messages", json!({"max_tokens": 3, "messages": [{"content": "hi"}]})).await;
+    assert_eq!((status, v["error"]["message"].as_str()), (400, Some("messages.0.role: Field required")), "{v}");
     // A history's tool calls, as OpenAI checks them: ids, names, and an answer to each call.
     let user = json!({"role": "user", "content": "hi"});
     let call = |id: &str| json!({"id": id, "type": "function", "function": {"name": "f", "arguments": "{}"}});
