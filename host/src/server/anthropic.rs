@@ -13,7 +13,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::completion::{collect, logit_bias, new_id, stream_response, submit, Ending, Job, Live, StreamDialect};
-use super::error::{parse_body_with, ApiError, Dialect};
+use super::error::{dotted, parse_body_with, ApiError, Dialect};
 use super::openai::{chat_prompt, SamplingFields, StopField};
 use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
 use super::samplers::LlamaSamplers;
@@ -125,8 +125,8 @@ fn turn(b: &Blocks, field: &str, role: &str) -> Result<Turn, ApiError> {
                 };
                 let Some(input) = block.input.as_ref().filter(|i| i.is_object()) else {
                     // In Anthropic's words, with its dotted path.
-                    let dotted = at("input").replace('[', ".").replace(']', "");
-                    return Err(ApiError::field(&at("input"), format!("{dotted}: Input should be a valid dictionary")));
+                    let message = format!("{}: Input should be a valid dictionary", dotted(&at("input")));
+                    return Err(ApiError::field(&at("input"), message));
                 };
                 t.calls.push(super::tools::template_call(id, name, input.clone()));
             }
@@ -306,7 +306,8 @@ fn request_tools(model: &LoadedModel, r: &MessagesRequest) -> Result<Option<Tool
             return Err(ApiError::field(&format!("tools[{i}].name"), "a tool needs a name"));
         };
         // (Anthropic's error shape has no `param`: its messages start with the field's path.)
-        let (param, at) = (format!("tools[{i}].input_schema"), format!("tools.{i}.input_schema"));
+        let param = format!("tools[{i}].input_schema");
+        let at = dotted(&param);
         let Some(schema) = t.get("input_schema").filter(|s| !s.is_null()) else {
             return Err(ApiError::field(&param, format!("{at}: Field required")));
         };

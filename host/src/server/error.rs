@@ -173,8 +173,6 @@ impl ApiError {
                 "code": self.code,
             }}),
             Dialect::Anthropic => {
-                // Anthropic words a field's path with dots (`messages.0.role`).
-                let dotted = |p: &str| p.replace('[', ".").replace(']', "");
                 let message = match (&self.param, self.unknown_field, self.code) {
                     (Some(p), true, _) => format!("{p}: Extra inputs are not permitted"),
                     (Some(p), _, Some("missing_required_parameter")) => format!("{}: Field required", dotted(p)),
@@ -224,6 +222,11 @@ impl From<EngineError> for ApiError {
             EngineError::TimedOut(_) => ApiError::new(ErrorKind::Timeout, message),
         }
     }
+}
+
+/// A field's path as Anthropic words it, with dots (`messages[0].role` → `messages.0.role`).
+pub fn dotted(path: &str) -> String {
+    path.replace('[', ".").replace(']', "")
 }
 
 /// A request body that did not parse: not JSON at all, or a field of the wrong type (named).

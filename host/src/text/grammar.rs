@@ -70,9 +70,7 @@ impl Grammars {
         // A grammar no text can match (a schema that only refers to itself) compiles, and fails at
         // its first mask: asked here, so that it is refused with the request, not mid-answer.
         if let Err(e) = matcher.clone().compute_mask_or_eos() {
-            let e = format!("{e:#}");
-            tracing::debug!("a grammar failed at its first token: {e}");
-            return Err(format!("it fails at its first token ({})", first_line(&e)));
+            return Err(format!("it fails at its first token ({})", short(&e)));
         }
         Ok(Constraint { matcher, eos_ids: self.eos_ids.clone(), vocab: self.vocab })
     }
@@ -83,7 +81,7 @@ fn first_line(e: &str) -> &str {
     e.lines().next().unwrap_or(e)
 }
 
-/// An error mid-answer: its first line for the client, the whole (with the parser's state) in the
+/// A grammar's error: its first line for the client, the whole (with the parser's state) in the
 /// debug log.
 fn short(e: &impl fmt::Display) -> String {
     let e = format!("{e:#}");
