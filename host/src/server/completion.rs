@@ -16,7 +16,8 @@ use super::error::{ApiError, ErrorKind};
 use super::generator::EventStream;
 use super::state::{AppState, LoadedModel, RequestLog};
 use crate::engine::{
-    CodeLimits, FinishReason, GenerationEvent, GenerationRequest, SamplingParams, ThoughtBudget, TokenLogprob, Usage,
+    CodeLimits, EngineError, FinishReason, GenerationEvent, GenerationRequest, SamplingParams, ThoughtBudget,
+    TokenLogprob, Usage,
 };
 use crate::text::grammar::Constraint;
 use crate::text::TextTokenizer;
@@ -470,14 +471,24 @@ pub fn stream_many<D: StreamDialect>(
                 log.usage(&r.live.usage(), "cancelled");
             }
         };
+        // Answers that shutdown failed before they started, held back: beside one that had started
+        // each becomes an empty cut-short answer (as `run_all` keeps them); with none started, the
+        // stream ends in the error.
+        let mut shut = Vec::new();
         while open > 0 {
             let next = tokio::select! {
                 next = merged.next() => next,
                 _ = tx.closed() => return hung_up(&relays),
             };
             let Some((i, ev)) = next else { return };
+            let several = relays.len() > 1;
             let relay = &mut relays[i];
             if relay.over {
+                continue;
+            }
+            if several && matches!(ev, Some(GenerationEvent::Error(EngineError::ShuttingDown))) {
+                (relay.over, open) = (true, open - 1);
+                shut.push(i);
                 continue;
             }
             let out = relay.on(ev, &stops, &tok, &state, &log);
@@ -493,6 +504,24 @@ pub fn stream_many<D: StreamDialect>(
             // One request's failure ends the stream (as llama-server's does); dropping the others'
             // receivers cancels them.
             if failed {
+                return;
+            }
+        }
+        let any_started = relays.iter().any(|r| r.live.generated > 0);
+        for i in shut {
+            let relay = &mut relays[i];
+            relay.over = false;
+            let ev = match any_started {
+                true => GenerationEvent::Done { finish: FinishReason::Cancelled, usage: Usage::default() },
+                false => GenerationEvent::Error(EngineError::ShuttingDown),
+            };
+            let out = relay.on(Some(ev), &stops, &tok, &state, &log);
+            for e in out {
+                if tx.send(e).await.is_err() {
+                    return;
+                }
+            }
+            if !any_started {
                 return;
             }
         }

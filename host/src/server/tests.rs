@@ -1359,6 +1359,43 @@ async fn shutdown_keeps_the_answers_that_started() {
     assert!(v["error"]["message"].as_str().unwrap().contains("shutting down"), "{v}");
 }
 
+/// The same in a stream of several answers: the ones that never started end empty and cut short
+/// beside the one that had; with none started, the stream ends in the error.
+#[tokio::test]
+async fn a_stream_at_shutdown_keeps_the_answers_that_started() {
+    let ask = json!({"messages": [{"role": "user", "content": "hi"}], "n": 2, "stream": true});
+    let fake = Fake { fail_from: Some((1, EngineError::ShuttingDown)), ..Default::default() };
+    let s = start_with(config(), fake, true).await;
+    let (status, body, _) = s.post_text("/v1/chat/completions", ask.clone()).await;
+    assert_eq!(status, 200, "{body}");
+    let events = sse(&body);
+    assert_eq!(events.last().map(|e| e.1.as_str()), Some("[DONE]"), "{body}");
+    let chunks: Vec<Value> = events.iter().filter_map(|e| serde_json::from_str(&e.1).ok()).collect();
+    assert!(chunks.iter().all(|c| c.get("error").is_none()), "{body}");
+    let of = |index: u64| {
+        chunks
+            .iter()
+            .flat_map(|c| c["choices"].as_array().cloned().unwrap_or_default())
+            .filter(move |c| c["index"] == index)
+    };
+    let text: String = of(0).filter_map(|c| c["delta"]["content"].as_str().map(str::to_string)).collect();
+    assert_eq!(text, ANSWER.concat(), "{body}");
+    assert!(of(1).all(|c| c["delta"]["content"].as_str().is_none_or(str::is_empty)), "{body}");
+    let finish: Vec<Value> = of(1).map(|c| c["finish_reason"].clone()).filter(|f| !f.is_null()).collect();
+    assert_eq!(finish, vec![json!("length")], "{body}");
+
+    let fake = Fake { fail_from: Some((0, EngineError::ShuttingDown)), ..Default::default() };
+    let s = start_with(config(), fake, true).await;
+    let (_, body, _) = s.post_text("/v1/chat/completions", ask).await;
+    let errors: Vec<Value> = sse(&body)
+        .iter()
+        .filter_map(|e| serde_json::from_str::<Value>(&e.1).ok())
+        .filter(|c| c.get("error").is_some())
+        .collect();
+    assert_eq!(errors.len(), 1, "{body}");
+    assert!(errors[0]["error"]["message"].as_str().unwrap().contains("shutting down"), "{body}");
+}
+
 #[tokio::test]
 async fn a_full_queue_is_503_with_retry_after_and_529_for_anthropic() {
     let fake = Fake { refuse: Mutex::new(Some(EngineError::QueueFull { queued: 3 })), ..Default::default() };
