@@ -325,6 +325,20 @@ fn inspect_json_gives_exact_weight_bytes_and_a_kv_figure() {
     assert_eq!(v["memory"]["kv_bytes"].as_u64().unwrap(), 2 * 2 * 2 * 16 * 2 * 256 * 2);
     assert_eq!(v["architecture"], "qwen2");
     assert_eq!(v["quantization"], "affine 4-bit g32");
+    assert_eq!(v["tokenizer"], true);
+    // Without its tokenizer a model does not run, however well it fits: inspect says so.
+    let bare = tempfile::tempdir().unwrap();
+    for f in ["config.json", "model.safetensors"] {
+        std::fs::copy(dir.join(f), bare.path().join(f)).unwrap();
+    }
+    let out = mlxcel().arg("inspect").arg(bare.path()).args(["--json"]).output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["tokenizer"], false);
+    let out = mlxcel().arg("inspect").arg(bare.path()).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("tokenizer      MISSING: no tokenizer.json"), "{text}");
+    let out = mlxcel().arg("inspect").arg(&dir).output().unwrap();
+    assert!(!String::from_utf8_lossy(&out.stdout).contains("MISSING"));
     // No sequences at all is no plan to check.
     let out = mlxcel().arg("inspect").arg(&dir).args(["--parallel", "0"]).output().unwrap();
     assert!(!out.status.success());

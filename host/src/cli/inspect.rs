@@ -57,6 +57,9 @@ pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
     let cache_types = args.cache_types.types().unwrap_or(KvCacheTypes::DEFAULT);
     let est = MemoryEstimate::new(info, ck.weight_bytes(), ctx, args.parallel, free, cache_types);
     let params: u64 = ck.tensors.iter().map(|t| t.shape.iter().product::<u64>()).sum();
+    // Every task reads the Hugging Face tokenizer file; without it the model does not run, however
+    // well it fits.
+    let has_tokenizer = dir.join("tokenizer.json").is_file();
     if args.json {
         let v = json!({
             "path": dir.display().to_string(),
@@ -72,6 +75,7 @@ pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
             "stored_elements": params,
             "files": ck.files.len(),
             "memory": est,
+            "tokenizer": has_tokenizer,
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -99,6 +103,9 @@ pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
         est.cache_type_v
     );
     println!("  activations    {} (estimate)", mb(est.activation_bytes));
+    if !has_tokenizer {
+        println!("  tokenizer      MISSING: no tokenizer.json beside the weights, which every run needs");
+    }
     if est.available_bytes == 0 {
         println!("  total          {} (the backend reports no free memory figure)", mb(est.total_bytes));
     } else {
