@@ -473,7 +473,16 @@ fn bench_measures_and_refuses_what_it_cannot_measure() {
     // The prompt test and the generation test each fit on their own (-p 500 and -n 16 in 512).
     let out = mlxcel().arg("bench").arg(&dir).args(["-p", "500", "-n", "16", "-r", "1"]).output().unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    // A test of 0 tokens is not run (as llama-bench skips it): no `pp0 0.0 tok/s`.
+    let out = mlxcel().arg("bench").arg(&dir).args(["-p", "0", "-n", "4", "-r", "1"]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("tg4 ") && !text.contains("pp0"), "{text}");
+    let out = mlxcel().arg("bench").arg(&dir).args(["-p", "8", "-n", "0", "-r", "1", "--json"]).output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(v["pp_tps"].as_f64().unwrap() > 0.0 && v["tg_tps"].is_null(), "{v}");
     for (args, says) in [
+        (&["-p", "0", "-n", "0"][..], "nothing to measure"),
+        (&["-n", "0", "-d", "16"][..], "-d measures generation at a depth, so it needs -n above 0"),
         (&["-r", "0"][..], "at least one repetition is needed"),
         (
             &["-p", "600"][..],

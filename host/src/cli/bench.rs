@@ -73,6 +73,13 @@ pub fn peak_rss() -> u64 {
 }
 
 pub fn run(global: &GlobalArgs, args: &BenchArgs) -> Result<()> {
+    // As llama-bench, a test of 0 tokens is not run; with neither there is nothing to measure.
+    if args.n_prompt == 0 && args.n_gen == 0 {
+        anyhow::bail!("nothing to measure: -p (prompt tokens) and -n (generated tokens) are both 0");
+    }
+    if args.n_gen == 0 && !args.depths.is_empty() {
+        anyhow::bail!("-d measures generation at a depth, so it needs -n above 0");
+    }
     let dir = resolve_model(&args.model, None)?;
     let opts = RunnerOptions {
         backend: args.backend.clone(),
@@ -134,8 +141,12 @@ pub fn run(global: &GlobalArgs, args: &BenchArgs) -> Result<()> {
         let tg_s = t1.elapsed().as_secs_f64();
         runner.pool.release(&mut seq);
         if rep > 0 {
-            pp.push(args.n_prompt as f64 / pp_s);
-            tg.push(args.n_gen as f64 / tg_s);
+            if args.n_prompt > 0 {
+                pp.push(args.n_prompt as f64 / pp_s);
+            }
+            if args.n_gen > 0 {
+                tg.push(args.n_gen as f64 / tg_s);
+            }
         }
     }
     // Generation on top of a context of each depth (prefilled untimed, in chunks of --batch-size).
@@ -173,7 +184,8 @@ pub fn run(global: &GlobalArgs, args: &BenchArgs) -> Result<()> {
         }
         at_depth.push((depth, median(runs)));
     }
-    let (pp_m, tg_m) = (median(pp.clone()), median(tg.clone()));
+    // None for a test that was not run (0 tokens).
+    let (pp_m, tg_m) = ((args.n_prompt > 0).then(|| median(pp.clone())), (args.n_gen > 0).then(|| median(tg.clone())));
     let rss = peak_rss();
     if args.json {
         let v = serde_json::json!({
@@ -196,13 +208,14 @@ pub fn run(global: &GlobalArgs, args: &BenchArgs) -> Result<()> {
         });
         println!("{v}");
     } else {
+        let tests = [
+            pp_m.map(|t| format!("pp{} {t:.1} tok/s", args.n_prompt)),
+            tg_m.map(|t| format!("tg{} {t:.1} tok/s", args.n_gen)),
+        ];
         println!(
-            "{}: pp{} {:.1} tok/s | tg{} {:.1} tok/s | backend {} [{}] | peak RSS {:.0} MB",
+            "{}: {} | backend {} [{}] | peak RSS {:.0} MB",
             dir.display(),
-            args.n_prompt,
-            pp_m,
-            args.n_gen,
-            tg_m,
+            tests.into_iter().flatten().collect::<Vec<_>>().join(" | "),
             runner.backend_name,
             runner.backend_features,
             rss as f64 / 1e6
