@@ -28,3 +28,35 @@ fn repl_second_turn_sees_the_first() {
     assert!(turns[2].contains("interrupted"), "third turn: {}", turns[2]);
     assert!(turns[3].contains("conversation cleared"), "{}", turns[3]);
 }
+
+/// A conversation that outgrows the context (`-c 128`) leaves out its oldest exchanges and goes on,
+/// where it used to end every later turn with a prompt-too-long error.
+#[test]
+fn repl_leaves_out_the_oldest_exchanges_when_the_context_fills() {
+    let Some(models) = mlxcel::testing::test_models() else { return };
+    mlxcel::testing::staged_plugin_dir();
+    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/repl_pty.py");
+    let questions = [
+        "What is the capital of France?",
+        "What is the capital of Germany?",
+        "What is the capital of Italy?",
+        "What is the capital of Spain?",
+        "What is the capital of Japan?",
+    ];
+    let out = Command::new("python3")
+        .arg(script)
+        .arg(env!("CARGO_BIN_EXE_mlxcel"))
+        .arg(models.join("smollm2-135m-instruct-mlx-4bit"))
+        .args(questions)
+        .env("REPL_ARGS", "-c 128 -n 24")
+        .env_remove("MLXCEL_PLUGIN_PATH")
+        .output()
+        .expect("python3 is needed to drive the pseudo-terminal");
+    assert!(out.status.success(), "driver failed: {}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["exit"], 0);
+    let turns: Vec<&str> = v["turns"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
+    assert!(turns.iter().all(|t| !t.contains("error")), "{turns:#?}");
+    assert!(turns.iter().any(|t| t.contains("full: the oldest")), "{turns:#?}");
+    assert!(turns[4].contains("Tokyo"), "{turns:#?}");
+}

@@ -3,7 +3,8 @@
 
     repl_pty.py MLXCEL MODEL LINE [LINE ...]
 
-Sends each LINE after the `>>> ` prompt appears, then `/exit`. A LINE starting with `!ctrlc:` sends
+Sends each LINE after the `>>> ` prompt appears, then `/exit`. `REPL_ARGS` holds the flags after
+MODEL (default `-n 200`). A LINE starting with `!ctrlc:` sends
 the rest, waits half a second and presses Ctrl-C. Prints a JSON list with the terminal output that
 followed each line. Exits 2 on timeout.
 """
@@ -19,7 +20,8 @@ def main():
     exe, model, lines = sys.argv[1], sys.argv[2], sys.argv[3:]
     pid, fd = pty.fork()
     if pid == 0:
-        os.execv(exe, [exe, "run", model, "--temp", "0", "-n", "200"])
+        extra = os.environ.get("REPL_ARGS", "-n 200").split()
+        os.execv(exe, [exe, "run", model, "--temp", "0"] + extra)
     buf = b""
 
     def read_until(marker, timeout=120):

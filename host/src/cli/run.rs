@@ -90,6 +90,8 @@ struct Loaded {
     engine: EngineHandle,
     tokenizer: Arc<TextTokenizer>,
     sampling: SamplingParams,
+    /// The context in tokens (prompt and answer together).
+    ctx_size: usize,
 }
 
 /// A token count, or llama.cpp's -1 for no limit.
@@ -150,10 +152,11 @@ fn load(global: &GlobalArgs, args: &RunArgs) -> Result<Loaded> {
         runner.cache_types()
     );
     let tokenizer = Arc::new(tokenizer);
+    let ctx_size = runner.ctx_size;
     let engine =
         Engine::start(runner, tokenizer.clone(), EngineOptions { parallel: 1, max_queue: 1, ..Default::default() })
             .context("cannot start the engine thread")?;
-    Ok(Loaded { engine, tokenizer, sampling })
+    Ok(Loaded { engine, tokenizer, sampling, ctx_size })
 }
 
 /// A refused request as one line a person can act on.
@@ -233,7 +236,8 @@ pub fn run_once(global: &GlobalArgs, args: &RunArgs, prompt: &str) -> Result<()>
 }
 
 /// The chat REPL: multi-turn through the template, `/clear`, `/exit`, Ctrl-C stops the answer. Earlier
-/// turns are not recomputed: their KV pages come back from the engine's prefix cache.
+/// turns are not recomputed: their KV pages come back from the engine's prefix cache. A conversation
+/// over the context leaves its oldest exchanges out.
 pub fn repl(global: &GlobalArgs, args: &RunArgs) -> Result<()> {
     let l = load(global, args)?;
     if l.tokenizer.chat_template.is_none() && !args.no_chat_template {
@@ -286,8 +290,20 @@ pub fn repl(global: &GlobalArgs, args: &RunArgs) -> Result<()> {
             }
             _ => {}
         }
-        let messages = messages_for(args, &history, input);
-        let ids = l.tokenizer.chat_prompt(&messages)?;
+        // A conversation that outgrows the context loses its oldest exchanges (the system prompt and
+        // this message stay), as Ollama truncates a chat to its context: the prompt leaves a quarter
+        // of the context, or -n tokens if fewer, for the answer.
+        let room = args.max_tokens.unwrap_or(usize::MAX).min(l.ctx_size / 4).max(1);
+        let mut ids = l.tokenizer.chat_prompt(&messages_for(args, &history, input))?;
+        let mut dropped = 0;
+        while ids.len() + room > l.ctx_size && history.len() >= 2 {
+            history.drain(..2);
+            dropped += 1;
+            ids = l.tokenizer.chat_prompt(&messages_for(args, &history, input))?;
+        }
+        if dropped > 0 {
+            eprintln!("(context of {} tokens full: the oldest {dropped} exchange(s) left out)", l.ctx_size);
+        }
         let result = l.engine.submit(l.request(args, ids)).map_err(refused).and_then(|mut stream| {
             *answering.lock().unwrap_or_else(|e| e.into_inner()) = Some(stream.cancel_flag());
             let r = stream_answer(&mut stream);
