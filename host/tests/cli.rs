@@ -165,7 +165,17 @@ fn generate_runs_a_golden_fixture() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("generation: 3 tokens"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("generation: 3 tokens") && !err.contains("full"), "{err}");
+    // An answer that fills the context says so (-n -1: no limit of its own).
+    let out = mlxcel()
+        .arg("generate")
+        .arg(fixture("qwen2-f32"))
+        .args(["-p", "Hello", "-n", "-1", "-c", "16", "--temp", "0", "--no-chat-template", "--ignore-eos"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success() && err.contains("context of 16 tokens full"), "{err}");
 }
 
 #[cfg(unix)]

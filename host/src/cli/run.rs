@@ -195,7 +195,8 @@ fn end_line() -> Result<()> {
     writeln!(std::io::stdout()).context("writing the answer to stdout")
 }
 
-fn report(finish: FinishReason, u: &Usage) {
+/// The timing line on stderr; an answer the context cut short says so (not only `-n` ends one).
+fn report(finish: FinishReason, u: &Usage, ctx_size: usize) {
     let computed = u.prompt_tokens - u.cached_tokens;
     let reused = if u.cached_tokens > 0 { format!(" (+{} cached)", u.cached_tokens) } else { String::new() };
     let per_s = |n: usize, t: std::time::Duration| n as f64 / t.as_secs_f64().max(1e-9);
@@ -205,7 +206,13 @@ fn report(finish: FinishReason, u: &Usage) {
         u.completion_tokens,
         // The first generated token comes from the prefill; the rest each cost a decode step.
         per_s(u.completion_tokens.saturating_sub(1), u.generation_time),
-        if finish == FinishReason::Cancelled { " | interrupted" } else { "" }
+        match finish {
+            FinishReason::Cancelled => " | interrupted".to_string(),
+            FinishReason::Length if u.prompt_tokens + u.completion_tokens >= ctx_size => {
+                format!(" | context of {ctx_size} tokens full (--ctx-size)")
+            }
+            _ => String::new(),
+        }
     );
 }
 
@@ -230,7 +237,7 @@ pub fn run_once(global: &GlobalArgs, args: &RunArgs, prompt: &str) -> Result<()>
     let mut stream = l.engine.submit(l.request(args, ids)).map_err(refused)?;
     let (_, finish, usage) = stream_answer(&mut stream)?;
     end_line()?;
-    report(finish, &usage);
+    report(finish, &usage, l.ctx_size);
     l.engine.shutdown();
     Ok(())
 }
@@ -313,7 +320,7 @@ pub fn repl(global: &GlobalArgs, args: &RunArgs) -> Result<()> {
         end_line()?;
         match result {
             Ok((text, finish, usage)) => {
-                report(finish, &usage);
+                report(finish, &usage, l.ctx_size);
                 history.push(ChatMessage::new("user", input));
                 history.push(ChatMessage::new("assistant", text.trim()));
             }
