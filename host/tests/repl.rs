@@ -43,11 +43,14 @@ fn repl_leaves_out_the_oldest_exchanges_when_the_context_fills() {
         "What is the capital of Spain?",
         "What is the capital of Japan?",
     ];
+    // A message longer than the whole context is refused, and nothing is left out for it.
+    let long = "Tell me about rivers and lakes. ".repeat(40);
+    let lines: Vec<&str> = questions.iter().copied().chain([long.as_str()]).collect();
     let out = Command::new("python3")
         .arg(script)
         .arg(env!("CARGO_BIN_EXE_mlxcel"))
         .arg(models.join("smollm2-135m-instruct-mlx-4bit"))
-        .args(questions)
+        .args(&lines)
         .env("REPL_ARGS", "-c 128 -n 24")
         .env_remove("MLXCEL_PLUGIN_PATH")
         .output()
@@ -56,7 +59,8 @@ fn repl_leaves_out_the_oldest_exchanges_when_the_context_fills() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["exit"], 0);
     let turns: Vec<&str> = v["turns"].as_array().unwrap().iter().map(|t| t.as_str().unwrap()).collect();
-    assert!(turns.iter().all(|t| !t.contains("error")), "{turns:#?}");
-    assert!(turns.iter().any(|t| t.contains("full: the oldest")), "{turns:#?}");
+    assert!(turns[..5].iter().all(|t| !t.contains("error")), "{turns:#?}");
+    assert!(turns[..5].iter().any(|t| t.contains("full: the oldest")), "{turns:#?}");
     assert!(turns[4].contains("Tokyo"), "{turns:#?}");
+    assert!(turns[5].contains("the context size is 128") && !turns[5].contains("left out"), "{turns:#?}");
 }

@@ -4,15 +4,18 @@
     repl_pty.py MLXCEL MODEL LINE [LINE ...]
 
 Sends each LINE after the `>>> ` prompt appears, then `/exit`. `REPL_ARGS` holds the flags after
-MODEL (default `-n 200`). A LINE starting with `!ctrlc:` sends
+`run MODEL --temp 0` (default `-n 200`). A LINE starting with `!ctrlc:` sends
 the rest, waits half a second and presses Ctrl-C. Prints a JSON list with the terminal output that
 followed each line. Exits 2 on timeout.
 """
+import fcntl
 import json
 import os
 import pty
 import select
+import struct
 import sys
+import termios
 import time
 
 
@@ -22,6 +25,9 @@ def main():
     if pid == 0:
         extra = os.environ.get("REPL_ARGS", "-n 200").split()
         os.execv(exe, [exe, "run", model, "--temp", "0"] + extra)
+    # A wide terminal: a long line does not wrap, so the line editor echoes it without redrawing
+    # the prompt (whose text marks the end of an answer here).
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 4000, 0, 0))
     buf = b""
 
     def read_until(marker, timeout=120):
@@ -44,15 +50,32 @@ def main():
         out, buf = buf[:i], buf[i:]
         return out.decode("utf-8", "replace")
 
+    def send(data):
+        # In pieces, reading the echo between them: a long line's echo would otherwise fill the
+        # terminal's buffer while this side only writes, and both sides would wait.
+        nonlocal buf
+        for i in range(0, len(data), 64):
+            os.write(fd, data[i : i + 64])
+            if i + 64 >= len(data):
+                return  # the answer that follows is read_until's
+            while select.select([fd], [], [], 0.05)[0]:
+                try:
+                    chunk = os.read(fd, 4096)
+                except OSError:
+                    return
+                if not chunk:
+                    return
+                buf += chunk
+
     read_until(b">>> ")
     transcripts = []
     for line in lines:
         if line.startswith("!ctrlc:"):
-            os.write(fd, line[len("!ctrlc:"):].encode() + b"\r")
+            send(line[len("!ctrlc:"):].encode() + b"\r")
             time.sleep(0.5)
             os.write(fd, b"\x03")
         else:
-            os.write(fd, line.encode() + b"\r")
+            send(line.encode() + b"\r")
         transcripts.append(read_until(b">>> "))
     os.write(fd, b"/exit\r")
     _, status = os.waitpid(pid, 0)

@@ -242,9 +242,42 @@ pub fn run_once(global: &GlobalArgs, args: &RunArgs, prompt: &str) -> Result<()>
     Ok(())
 }
 
+/// The prompt for `input` after `history`, and how many of the oldest exchanges (user and assistant
+/// message) it left out. A conversation whose prompt leaves less than a quarter of the context (or -n
+/// tokens, if fewer) for the answer loses its oldest exchanges, as Ollama truncates a chat to its
+/// context; the system prompt and `input` stay. It is cut to half the context where it can be, as
+/// llama.cpp's context shift discards half, so that the next turns find their start in the prefix
+/// cache instead of each recomputing almost the whole prompt; else to what leaves the answer its
+/// room, else to what fits at all. Where not even that fits, nothing is left out: the engine refuses
+/// the prompt and the conversation stays as it was.
+fn fit_conversation(
+    l: &Loaded,
+    args: &RunArgs,
+    history: &mut Vec<ChatMessage>,
+    input: &str,
+) -> Result<(Vec<u32>, usize)> {
+    let prompt = |h: &[ChatMessage]| l.tokenizer.chat_prompt(&messages_for(args, h, input));
+    let ids = prompt(history)?;
+    let room = args.max_tokens.unwrap_or(usize::MAX).min(l.ctx_size / 4).max(1);
+    if ids.len() + room <= l.ctx_size {
+        return Ok((ids, 0));
+    }
+    let exchanges = history.len() / 2;
+    for most in [l.ctx_size / 2, l.ctx_size - room, l.ctx_size - 1] {
+        for dropped in 1..=exchanges {
+            let ids = prompt(&history[2 * dropped..])?;
+            if ids.len() <= most {
+                history.drain(..2 * dropped);
+                return Ok((ids, dropped));
+            }
+        }
+    }
+    Ok((ids, 0))
+}
+
 /// The chat REPL: multi-turn through the template, `/clear`, `/exit`, Ctrl-C stops the answer. Earlier
 /// turns are not recomputed: their KV pages come back from the engine's prefix cache. A conversation
-/// over the context leaves its oldest exchanges out.
+/// over the context leaves its oldest exchanges out ([`fit_conversation`]).
 pub fn repl(global: &GlobalArgs, args: &RunArgs) -> Result<()> {
     let l = load(global, args)?;
     if l.tokenizer.chat_template.is_none() && !args.no_chat_template {
@@ -297,17 +330,7 @@ pub fn repl(global: &GlobalArgs, args: &RunArgs) -> Result<()> {
             }
             _ => {}
         }
-        // A conversation that outgrows the context loses its oldest exchanges (the system prompt and
-        // this message stay), as Ollama truncates a chat to its context: the prompt leaves a quarter
-        // of the context, or -n tokens if fewer, for the answer.
-        let room = args.max_tokens.unwrap_or(usize::MAX).min(l.ctx_size / 4).max(1);
-        let mut ids = l.tokenizer.chat_prompt(&messages_for(args, &history, input))?;
-        let mut dropped = 0;
-        while ids.len() + room > l.ctx_size && history.len() >= 2 {
-            history.drain(..2);
-            dropped += 1;
-            ids = l.tokenizer.chat_prompt(&messages_for(args, &history, input))?;
-        }
+        let (ids, dropped) = fit_conversation(&l, args, &mut history, input)?;
         if dropped > 0 {
             eprintln!("(context of {} tokens full: the oldest {dropped} exchange(s) left out)", l.ctx_size);
         }
