@@ -70,9 +70,11 @@ enum Cmd {
         /// Thread counts to measure.
         #[arg(long, value_delimiter = ',', default_value = "1,2")]
         threads: Vec<usize>,
-        #[arg(long, default_value_t = 512)]
+        /// Prompt tokens of the pp test (at least 1: every run compares both tests).
+        #[arg(long, default_value_t = 512, value_parser = at_least_one)]
         n_prompt: usize,
-        #[arg(long, default_value_t = 128)]
+        /// Generated tokens of the tg tests (at least 1).
+        #[arg(long, default_value_t = 128, value_parser = at_least_one)]
         n_gen: usize,
         /// Contexts (tokens already in the KV cache) at which generation is also timed, as llama-bench's
         /// `-d` (empty: only from an empty context).
@@ -510,5 +512,14 @@ fn main() -> Result<()> {
             }
             Ok(())
         }
+    }
+}
+
+/// A token count of at least 1.
+fn at_least_one(s: &str) -> Result<usize, String> {
+    match s.parse::<usize>() {
+        Ok(0) => Err("must be at least 1".to_string()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
     }
 }

@@ -113,7 +113,11 @@ pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
             "  total          {} of {} available: {}",
             mb(est.total_bytes),
             mb(est.available_bytes),
-            if est.fits { "fits" } else { "does NOT fit" }
+            match (est.fits, has_tokenizer) {
+                (true, true) => "fits",
+                (true, false) => "fits (but see the tokenizer line)",
+                (false, _) => "does NOT fit",
+            }
         );
     }
     Ok(())

@@ -475,18 +475,20 @@ pub fn stream_many<D: StreamDialect>(
         // each becomes an empty cut-short answer (as `run_all` keeps them); with none started, the
         // stream ends in the error.
         let mut shut = Vec::new();
+        let several = relays.len() > 1;
         while open > 0 {
             let next = tokio::select! {
                 next = merged.next() => next,
                 _ = tx.closed() => return hung_up(&relays),
             };
             let Some((i, ev)) = next else { return };
-            let several = relays.len() > 1;
             let relay = &mut relays[i];
             if relay.over {
                 continue;
             }
             if several && matches!(ev, Some(GenerationEvent::Error(EngineError::ShuttingDown))) {
+                // Failed either way (as `run_all` counts it); what the client sees waits for the others.
+                state.metrics.failed();
                 (relay.over, open) = (true, open - 1);
                 shut.push(i);
                 continue;
@@ -510,12 +512,12 @@ pub fn stream_many<D: StreamDialect>(
         let any_started = relays.iter().any(|r| r.live.generated > 0);
         for i in shut {
             let relay = &mut relays[i];
-            relay.over = false;
-            let ev = match any_started {
-                true => GenerationEvent::Done { finish: FinishReason::Cancelled, usage: Usage::default() },
-                false => GenerationEvent::Error(EngineError::ShuttingDown),
-            };
-            let out = relay.on(Some(ev), &stops, &tok, &state, &log);
+            let mut out = relay.open(None);
+            if any_started {
+                out.extend(relay.dialect.done(&Ending::Cancelled, &Usage::default(), &relay.live));
+            } else {
+                out.extend(relay.dialect.error(&EngineError::ShuttingDown.into()));
+            }
             for e in out {
                 if tx.send(e).await.is_err() {
                     return;
@@ -561,6 +563,25 @@ struct Relay<D> {
 }
 
 impl<D: StreamDialect> Relay<D> {
+    /// The dialect's opening events, the first time. The stream opens when the engine admits the
+    /// request (so the opening event can say what the prefix cache served), or with whatever comes
+    /// first from an engine that does not say.
+    fn open(&mut self, ev: Option<&GenerationEvent>) -> Vec<Event> {
+        let mut out = Vec::new();
+        if !self.started {
+            self.started = true;
+            self.live.admitted = std::time::Instant::now();
+            if let Some(&GenerationEvent::Started { cached_tokens, slot }) = ev {
+                (self.live.cached_tokens, self.live.slot) = (cached_tokens, slot);
+            }
+            out.extend(self.dialect.start(&self.live));
+            // Prompt processing starts from what the prefix cache served.
+            let (cached, total) = (self.live.cached_tokens, self.live.prompt_tokens);
+            out.extend(self.dialect.progress(&self.live, prompt_progress(cached, total, cached, Duration::ZERO)));
+        }
+        out
+    }
+
     /// The SSE events for one engine event (`None`: the engine's stream closed).
     fn on(
         &mut self,
@@ -570,20 +591,7 @@ impl<D: StreamDialect> Relay<D> {
         state: &AppState,
         log: &RequestLog,
     ) -> Vec<Event> {
-        let mut out = Vec::new();
-        // The stream opens when the engine admits the request (so the opening event can say what the
-        // prefix cache served), or with whatever comes first from an engine that does not say.
-        if !self.started {
-            self.started = true;
-            self.live.admitted = std::time::Instant::now();
-            if let Some(GenerationEvent::Started { cached_tokens, slot }) = ev {
-                (self.live.cached_tokens, self.live.slot) = (cached_tokens, slot);
-            }
-            out.extend(self.dialect.start(&self.live));
-            // Prompt processing starts from what the prefix cache served.
-            let (cached, total) = (self.live.cached_tokens, self.live.prompt_tokens);
-            out.extend(self.dialect.progress(&self.live, prompt_progress(cached, total, cached, Duration::ZERO)));
-        }
+        let mut out = self.open(ev.as_ref());
         let live = &mut self.live;
         match ev {
             Some(GenerationEvent::Started { .. }) => {}

@@ -1383,6 +1383,9 @@ async fn a_stream_at_shutdown_keeps_the_answers_that_started() {
     assert!(of(1).all(|c| c["delta"]["content"].as_str().is_none_or(str::is_empty)), "{body}");
     let finish: Vec<Value> = of(1).map(|c| c["finish_reason"].clone()).filter(|f| !f.is_null()).collect();
     assert_eq!(finish, vec![json!("length")], "{body}");
+    // The answer that never started counts as failed, as it does unstreamed.
+    let (_, metrics) = s.get("/metrics").await;
+    assert!(metrics.contains("mlxcel_requests_failed_total 1\n"), "{metrics}");
 
     let fake = Fake { fail_from: Some((0, EngineError::ShuttingDown)), ..Default::default() };
     let s = start_with(config(), fake, true).await;
