@@ -465,6 +465,44 @@ fn a_client_that_leaves_cancels_its_transcription() {
     });
 }
 
+/// `--timeout` holds for transcriptions as for every route: a recording that takes longer is a 504
+/// in OpenAI's shape, its transcription stops (counted as cancelled), and the server goes on.
+#[test]
+fn a_transcription_past_the_timeout_is_a_504_and_stops() {
+    let Some(model) = whisper() else { return };
+    let server = TestServer::start(
+        env!("CARGO_BIN_EXE_mlxcel-server"),
+        &model,
+        &["--api-key", KEY, "--metrics", "--timeout", "1"],
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    rt.block_on(async {
+        let (client, base) = (reqwest::Client::new(), server.base.clone());
+        let post = |wav: Vec<u8>| {
+            client
+                .post(format!("{base}/v1/audio/transcriptions"))
+                .bearer_auth(KEY)
+                .header("content-type", "multipart/form-data; boundary=XyZ")
+                .body(multipart(&[("response_format", "json")], &wav))
+                .send()
+        };
+        // Twenty windows of speech take far longer than a second on any CPU.
+        let r = post(repeated_windows_wav(20)).await.unwrap();
+        assert_eq!(r.status(), 504);
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert!(v["error"]["message"].as_str().unwrap().contains("timeout"), "{v}");
+        for _ in 0..3000 {
+            if metric(&client, &base, "mlxcel_requests_cancelled_total").await >= 1.0 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        assert_eq!(metric(&client, &base, "mlxcel_requests_cancelled_total").await, 1.0);
+        let r = post(std::fs::read(speech_wav()).unwrap()).await.unwrap();
+        assert_eq!(r.status(), 200);
+    });
+}
+
 #[test]
 fn arch_lists_the_whisper_family() {
     let out = mlxcel().args(["arch", "--json"]).output().unwrap();

@@ -64,7 +64,8 @@ pub struct ServerArgs {
     /// PEM certificate chain for HTTPS (with --ssl-key-file).
     #[arg(long = "ssl-cert-file", env = "LLAMA_ARG_SSL_CERT_FILE", value_name = "FILE")]
     pub ssl_cert_file: Option<PathBuf>,
-    /// Seconds a request may run before it is cut short (also `-to`; 0: no limit).
+    /// Seconds a request may run before it is cut short (also `-to`; 0: no limit), transcriptions
+    /// included: raise it for long recordings on slow hardware.
     #[arg(long = "timeout", env = "LLAMA_ARG_TIMEOUT", default_value_t = 600)]
     pub timeout: u64,
     /// Serve Prometheus metrics at /metrics.

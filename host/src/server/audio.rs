@@ -4,9 +4,9 @@
 //! 16 kHz samples, queued to one thread that owns the [`Transcriber`], answered in the requested format.
 //!
 //! Upload problems (no file, an empty or undecodable one, a field this server does not know or a value
-//! it cannot honour) are 400s naming the field; a full queue is a 503. A client that goes away cancels
-//! its transcription: a queued one is dropped, a running one stops before its next model step and
-//! frees its sequences. `/metrics` (with `--metrics`) counts transcriptions, windows and steps.
+//! it cannot honour) are 400s naming the field; a full queue is a 503; one past `--timeout` is a 504.
+//! A client that goes away, or the timeout, cancels its transcription: a queued one is dropped, a
+//! running one stops before its next model step and frees its sequences. `/metrics` (with `--metrics`) counts transcriptions, windows and steps.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
@@ -23,7 +23,7 @@ use tower_http::limit::RequestBodyLimitLayer;
 
 use super::args::ServerConfig;
 use super::error::{ApiError, Dialect, ErrorKind};
-use super::state::AppState;
+use super::state::{within, AppState};
 use crate::checkpoint::Checkpoint;
 use crate::speech::transcribe::{Cancelled, DEFAULT_BEST_OF, MAX_BEST_OF};
 use crate::speech::{load_transcriber, render, ResponseFormat, SpeechTask, TranscribeOptions, Transcript};
@@ -302,9 +302,10 @@ async fn handle(state: Arc<AppState>, form: Multipart, task: SpeechTask) -> Resu
         }
         Err(TrySendError::Disconnected(_)) => return Err(ApiError::internal("the transcription thread has stopped")),
     }
-    // (No `--timeout` here: an hour of audio may take longer than its default on a CPU, and a
-    // transcription stops when its client leaves.)
-    let transcript = answer.await.map_err(|_| ApiError::internal("the transcription thread has stopped"))??;
+    // `--timeout` holds here as on every route (a long recording on slow hardware needs it raised,
+    // or 0); dropping the answer's receiver stops the transcription at its next window.
+    let answer = async { answer.await.map_err(|_| ApiError::internal("the transcription thread has stopped"))? };
+    let transcript = within(state.config.timeout, answer).await?;
     let task_name = if task == SpeechTask::Translate { "translate" } else { "transcribe" };
     let body = render(&transcript, up.format, task_name);
     Ok(([(header::CONTENT_TYPE, up.format.content_type())], body).into_response())
