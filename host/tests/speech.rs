@@ -466,7 +466,8 @@ fn a_client_that_leaves_cancels_its_transcription() {
 }
 
 /// `--timeout` holds for transcriptions as for every route: a recording that takes longer is a 504
-/// in OpenAI's shape, its transcription stops (counted as cancelled), and the server goes on.
+/// in OpenAI's shape, its transcription stops (counted as cancelled), and the server goes on;
+/// `/props` and `/slots` answer in llama-server's shape.
 #[test]
 fn a_transcription_past_the_timeout_is_a_504_and_stops() {
     let Some(model) = whisper() else { return };
@@ -500,6 +501,12 @@ fn a_transcription_past_the_timeout_is_a_504_and_stops() {
         assert_eq!(metric(&client, &base, "mlxcel_requests_cancelled_total").await, 1.0);
         let r = post(std::fs::read(speech_wav()).unwrap()).await.unwrap();
         assert_eq!(r.status(), 200);
+        // llama-server's probes answer on a speech server too.
+        let get = |path: &str| client.get(format!("{base}{path}")).bearer_auth(KEY).send();
+        let props: serde_json::Value = get("/props").await.unwrap().json().await.unwrap();
+        assert_eq!((props["total_slots"].as_u64(), props["modalities"]["audio"].as_bool()), (Some(1), Some(true)));
+        let slots: serde_json::Value = get("/slots").await.unwrap().json().await.unwrap();
+        assert_eq!(slots[0]["is_processing"], false, "{slots}");
     });
 }
 

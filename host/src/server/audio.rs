@@ -57,6 +57,31 @@ struct SpeechStats {
 }
 
 impl SpeechService {
+    /// `GET /props` of a speech server: llama-server's shape where it applies (one slot, no chat
+    /// template, audio in), so that clients probing the server at start-up get an answer.
+    pub fn props(&self, config: &ServerConfig) -> serde_json::Value {
+        serde_json::json!({
+            "default_generation_settings": {"params": {}},
+            "total_slots": 1,
+            "model_alias": self.id,
+            "model_path": self.path,
+            "chat_template": "",
+            "modalities": {"vision": false, "audio": true},
+            "build_info": format!("mlxcel {}", env!("CARGO_PKG_VERSION")),
+            "mlxcel": {
+                "task": "speech-recognition",
+                "routes": ["/v1/audio/transcriptions", "/v1/audio/translations"],
+                "timeout_s": config.timeout.map(|t| t.as_secs()),
+            },
+        })
+    }
+
+    /// `GET /slots` of a speech server: its one transcription thread.
+    pub fn slots(&self) -> serde_json::Value {
+        let busy = self.stats.processing.load(Ordering::Relaxed) > 0;
+        serde_json::json!([{"id": 0, "id_task": -1, "is_processing": busy}])
+    }
+
     /// `/metrics` rows of a speech server: `(name, type, help, value)`.
     pub fn metrics_rows(&self, uptime_seconds: f64) -> Vec<(&'static str, &'static str, &'static str, f64)> {
         let s = &self.stats;

@@ -711,6 +711,9 @@ pub async fn health(State(state): State<Arc<AppState>>) -> Response {
 }
 
 pub async fn props(State(state): State<Arc<AppState>>) -> Response {
+    if let Some(speech) = state.speech.get() {
+        return Json(speech.props(&state.config)).into_response();
+    }
     let model = match state.ready() {
         Ok(m) => m,
         Err(e) => return llama_err(e),
@@ -757,6 +760,9 @@ pub async fn props(State(state): State<Arc<AppState>>) -> Response {
 pub async fn slots(State(state): State<Arc<AppState>>) -> Response {
     if !state.config.slots {
         return llama_err(ApiError::new(ErrorKind::NotSupported, "This server does not support slots endpoint."));
+    }
+    if let Some(speech) = state.speech.get() {
+        return Json(speech.slots()).into_response();
     }
     let model = match state.ready() {
         Ok(m) => m,
