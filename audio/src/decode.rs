@@ -1,7 +1,7 @@
 //! Audio files to 16 kHz mono `f32`: what `whisper.audio.load_audio` gets from its ffmpeg pipe.
 
 use std::fs::File;
-use std::io::{Cursor, ErrorKind};
+use std::io::{Cursor, ErrorKind, Read};
 use std::path::Path;
 
 use symphonia::core::codecs::audio::AudioDecoderOptions;
@@ -55,11 +55,28 @@ pub enum AudioError {
 /// header declares (WAV, FLAC, MP3 with a Xing/LAME header) is [`AudioError::Truncated`]; where the
 /// container declares no length (a streamed WAV, Ogg), what decodes is returned. Input never panics: a panic
 /// inside a decoder becomes [`AudioError::Malformed`].
+///
+/// `-` is standard input; it, and any other file that is not a regular one (a pipe, `/dev/stdin`), is
+/// read whole first, its length being unknown ahead.
 pub fn load_audio(path: &Path) -> Result<Vec<f32>, AudioError> {
     let name = path.display().to_string();
     let io_error = |source| AudioError::Io { name: name.clone(), source };
-    let file = File::open(path).map_err(io_error)?;
-    if file.metadata().map_err(io_error)?.len() == 0 {
+    if path == Path::new("-") {
+        let mut bytes = Vec::new();
+        std::io::stdin().lock().read_to_end(&mut bytes).map_err(io_error)?;
+        return decode_audio_bytes(&bytes, "<stdin>");
+    }
+    let mut file = File::open(path).map_err(io_error)?;
+    let meta = file.metadata().map_err(io_error)?;
+    if meta.is_dir() {
+        return Err(io_error(std::io::Error::new(ErrorKind::IsADirectory, "a directory, not an audio file")));
+    }
+    if !meta.is_file() {
+        let mut bytes = Vec::new();
+        file.read_to_end(&mut bytes).map_err(io_error)?;
+        return decode_audio_bytes(&bytes, &name);
+    }
+    if meta.len() == 0 {
         return Err(AudioError::Empty { name });
     }
     let extension = path.extension().and_then(|e| e.to_str());

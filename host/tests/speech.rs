@@ -76,6 +76,31 @@ fn transcribe_prints_the_reference_transcript() {
     assert!(ok, "{err}");
     assert!(out.contains(STABLE), "{out}");
     assert_eq!(out.trim(), REFERENCE);
+    // From a pipe: `-` is standard input, and /dev/stdin (a size of 0) is read whole too.
+    for file in ["-", "/dev/stdin"] {
+        let out = mlxcel()
+            .arg("transcribe")
+            .arg("-m")
+            .arg(&model)
+            .arg(file)
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .and_then(|mut child| {
+                use std::io::Write;
+                let wav = std::fs::read(speech_wav()).unwrap();
+                child.stdin.take().unwrap().write_all(&wav)?;
+                child.wait_with_output()
+            })
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{file}: {}", String::from_utf8_lossy(&out.stderr));
+        assert_eq!(text.trim(), REFERENCE, "{file}");
+    }
+    // A directory is said to be one.
+    let (ok, _, err) = transcribe(&model, &std::env::temp_dir(), &[]);
+    assert!(!ok && err.contains("a directory"), "{err}");
 }
 
 #[test]
