@@ -1,7 +1,7 @@
 //! Audio files to 16 kHz mono `f32`: what `whisper.audio.load_audio` gets from its ffmpeg pipe.
 
 use std::fs::File;
-use std::io::{Cursor, ErrorKind, Read};
+use std::io::{Cursor, ErrorKind, Read, Seek, SeekFrom};
 use std::path::Path;
 
 use symphonia::core::codecs::audio::AudioDecoderOptions;
@@ -79,6 +79,15 @@ pub fn load_audio(path: &Path) -> Result<Vec<f32>, AudioError> {
     if meta.len() == 0 {
         return Err(AudioError::Empty { name });
     }
+    // A WAV with a recorder's placeholder sizes is read whole, to be given its real ones.
+    let mut head = [0u8; 4096];
+    let n = read_up_to(&mut file, &mut head).map_err(io_error)?;
+    if with_streamed_wav_sizes(&head[..n]).is_some() {
+        let mut bytes = head[..n].to_vec();
+        file.read_to_end(&mut bytes).map_err(io_error)?;
+        return decode_audio_bytes(&bytes, &name);
+    }
+    file.seek(SeekFrom::Start(0)).map_err(io_error)?;
     let extension = path.extension().and_then(|e| e.to_str());
     guarded(&name, || decode_source(Box::new(file), extension, &name))
 }
@@ -97,7 +106,54 @@ pub fn decode_audio_bytes(bytes: &[u8], name_hint: &str) -> Result<Vec<f32>, Aud
         None if !name_hint.is_empty() => Some(name_hint),
         None => None,
     };
+    if let Some(fixed) = with_streamed_wav_sizes(bytes) {
+        return guarded(&name, || decode_source(Box::new(Cursor::new(&fixed[..])), extension, &name));
+    }
     guarded(&name, || decode_source(Box::new(Cursor::new(bytes)), extension, &name))
+}
+
+/// A copy of a WAV whose RIFF or `data` size is a recorder's placeholder (0 or `0xFFFFFFFF`: written
+/// before the length was known, as streaming recorders and `ffmpeg` to a pipe leave it), with the
+/// sizes the bytes give; None for anything else. A size that is merely larger than the file stays (a
+/// truncated file is reported as one).
+fn with_streamed_wav_sizes(bytes: &[u8]) -> Option<Vec<u8>> {
+    const PLACEHOLDERS: [u32; 2] = [0, u32::MAX];
+    if bytes.len() < 12 || &bytes[..4] != b"RIFF" || &bytes[8..12] != b"WAVE" {
+        return None;
+    }
+    let size_at = |at: usize| u32::from_le_bytes(bytes[at..at + 4].try_into().unwrap());
+    let mut fixed: Option<Vec<u8>> = None;
+    let set = |fixed: &mut Option<Vec<u8>>, at: usize, v: u32| {
+        fixed.get_or_insert_with(|| bytes.to_vec())[at..at + 4].copy_from_slice(&v.to_le_bytes())
+    };
+    if PLACEHOLDERS.contains(&size_at(4)) {
+        set(&mut fixed, 4, u32::try_from(bytes.len() - 8).unwrap_or(u32::MAX));
+    }
+    // The chunks up to `data`, whose size is the rest of the file where it is a placeholder.
+    let mut at = 12;
+    while at + 8 <= bytes.len() {
+        let size = size_at(at + 4);
+        if &bytes[at..at + 4] == b"data" {
+            if PLACEHOLDERS.contains(&size) {
+                set(&mut fixed, at + 4, u32::try_from(bytes.len() - at - 8).unwrap_or(u32::MAX));
+            }
+            break;
+        }
+        at += 8 + size as usize + size as usize % 2;
+    }
+    fixed
+}
+
+/// Reads until `buf` is full or the file ends; how much was read.
+fn read_up_to(file: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match file.read(&mut buf[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    Ok(n)
 }
 
 /// Runs a decode, turning a panic inside a third-party decoder (on hostile input) into an error: a server

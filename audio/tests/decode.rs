@@ -298,3 +298,25 @@ fn streamed_wav_with_unknown_length_decodes_fully() {
     bytes[40..44].copy_from_slice(&u32::MAX.to_le_bytes());
     assert_eq!(decode_audio_bytes(&bytes, "live.wav").unwrap(), source_clip());
 }
+
+/// A recorder that writes its WAV before it knows the length leaves 0 or 0xFFFFFFFF as the RIFF and
+/// `data` sizes (ffmpeg to a pipe, streaming recorders): the samples are those of the finished file,
+/// from bytes and from a file alike.
+#[test]
+fn streamed_wav_placeholder_sizes_decode_like_the_finished_file() {
+    let wav = std::fs::read(fixture("speech_16k_mono.wav")).unwrap();
+    let want = decode_audio_bytes(&wav, "speech.wav").unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    for (riff, data) in [(None, 0u32), (None, u32::MAX), (Some(0u32), u32::MAX), (Some(u32::MAX), 0)] {
+        let mut v = wav.clone();
+        if let Some(r) = riff {
+            v[4..8].copy_from_slice(&r.to_le_bytes());
+        }
+        v[40..44].copy_from_slice(&data.to_le_bytes());
+        let what = format!("RIFF size {riff:?}, data size {data:#x}");
+        assert_eq!(decode_audio_bytes(&v, "streamed.wav").unwrap(), want, "{what}");
+        let path = dir.path().join("streamed.wav");
+        std::fs::write(&path, &v).unwrap();
+        assert_eq!(load_audio(&path).unwrap(), want, "{what}, from a file");
+    }
+}
