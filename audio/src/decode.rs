@@ -80,10 +80,9 @@ pub fn load_audio(path: &Path) -> Result<Vec<f32>, AudioError> {
         return Err(AudioError::Empty { name });
     }
     // A WAV with a recorder's placeholder sizes is read whole, to be given its real ones.
-    let mut head = [0u8; 4096];
-    let n = read_up_to(&mut file, &mut head).map_err(io_error)?;
-    if with_streamed_wav_sizes(&head[..n]).is_some() {
-        let mut bytes = head[..n].to_vec();
+    let mut bytes = Vec::new();
+    (&mut file).take(4096).read_to_end(&mut bytes).map_err(io_error)?;
+    if with_streamed_wav_sizes(&bytes).is_some() {
         file.read_to_end(&mut bytes).map_err(io_error)?;
         return decode_audio_bytes(&bytes, &name);
     }
@@ -129,31 +128,25 @@ fn with_streamed_wav_sizes(bytes: &[u8]) -> Option<Vec<u8>> {
     if PLACEHOLDERS.contains(&size_at(4)) {
         set(&mut fixed, 4, u32::try_from(bytes.len() - 8).unwrap_or(u32::MAX));
     }
-    // The chunks up to `data`, whose size is the rest of the file where it is a placeholder.
-    let mut at = 12;
+    // The chunks up to `data`, whose size is the rest of the file where it is a placeholder. A size
+    // of 0 with another chunk after it is a data chunk that is really empty.
+    let mut at = 12usize;
     while at + 8 <= bytes.len() {
         let size = size_at(at + 4);
         if &bytes[at..at + 4] == b"data" {
-            if PLACEHOLDERS.contains(&size) {
+            let chunk_follows =
+                bytes.get(at + 8..at + 12).is_some_and(|id| id.iter().all(|b| b.is_ascii_alphanumeric() || *b == b' '));
+            if size == u32::MAX || (size == 0 && !chunk_follows) {
                 set(&mut fixed, at + 4, u32::try_from(bytes.len() - at - 8).unwrap_or(u32::MAX));
             }
             break;
         }
-        at += 8 + size as usize + size as usize % 2;
+        let Some(next) = at.checked_add(8 + size as usize % 2).and_then(|a| a.checked_add(size as usize)) else {
+            break;
+        };
+        at = next;
     }
     fixed
-}
-
-/// Reads until `buf` is full or the file ends; how much was read.
-fn read_up_to(file: &mut File, buf: &mut [u8]) -> std::io::Result<usize> {
-    let mut n = 0;
-    while n < buf.len() {
-        match file.read(&mut buf[n..])? {
-            0 => break,
-            k => n += k,
-        }
-    }
-    Ok(n)
 }
 
 /// Runs a decode, turning a panic inside a third-party decoder (on hostile input) into an error: a server

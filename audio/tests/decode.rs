@@ -320,3 +320,17 @@ fn streamed_wav_placeholder_sizes_decode_like_the_finished_file() {
         assert_eq!(load_audio(&path).unwrap(), want, "{what}, from a file");
     }
 }
+
+/// A data chunk that is really empty, with another chunk after it, stays empty (its 0 is no
+/// placeholder): no audio, not the next chunk's bytes as samples.
+#[test]
+fn an_empty_data_chunk_before_another_chunk_is_no_audio() {
+    let mut v = wav_with_format(1, 16, &[]);
+    v.extend_from_slice(b"LIST");
+    v.extend_from_slice(&200u32.to_le_bytes());
+    v.extend_from_slice(&[7u8; 200]);
+    let riff = (v.len() - 8) as u32;
+    v[4..8].copy_from_slice(&riff.to_le_bytes());
+    let error = show(decode_audio_bytes(&v, "empty-data.wav"));
+    assert!(matches!(error, AudioError::NoAudio { .. }), "{error:?}");
+}

@@ -23,11 +23,11 @@ def main():
     exe, model, lines = sys.argv[1], sys.argv[2], sys.argv[3:]
     pid, fd = pty.fork()
     if pid == 0:
+        # A wide terminal: a long line does not wrap, so the line editor echoes it without redrawing
+        # the prompt (whose text marks the end of an answer here).
+        fcntl.ioctl(0, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 4000, 0, 0))
         extra = os.environ.get("REPL_ARGS", "-n 200").split()
         os.execv(exe, [exe, "run", model, "--temp", "0"] + extra)
-    # A wide terminal: a long line does not wrap, so the line editor echoes it without redrawing
-    # the prompt (whose text marks the end of an answer here).
-    fcntl.ioctl(fd, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 4000, 0, 0))
     buf = b""
 
     def read_until(marker, timeout=120):

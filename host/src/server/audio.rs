@@ -92,7 +92,7 @@ impl SpeechService {
             (
                 "mlxcel_requests_cancelled_total",
                 "counter",
-                "Transcriptions stopped because their client went away.",
+                "Transcriptions stopped because their client went away or --timeout passed.",
                 get(&s.cancelled),
             ),
             ("llamacpp:requests_processing", "gauge", "Number of requests processing.", get(&s.processing)),
@@ -127,7 +127,7 @@ pub fn start(config: &ServerConfig, catalog: &Catalog, checkpoint: Checkpoint) -
         for job in rx {
             if job.reply.is_closed() {
                 count(&st.cancelled);
-                tracing::info!("dropped a queued transcription: its client went away");
+                tracing::info!("dropped a queued transcription: its client went away or --timeout passed");
                 continue;
             }
             if let Err(e) = transcriber.check_options(&job.opts) {
@@ -158,7 +158,7 @@ pub fn start(config: &ServerConfig, catalog: &Catalog, checkpoint: Checkpoint) -
             let result = match result {
                 Err(e) if e.is::<Cancelled>() => {
                     count(&st.cancelled);
-                    tracing::info!("stopped a transcription: its client went away");
+                    tracing::info!("stopped a transcription: its client went away or --timeout passed");
                     continue;
                 }
                 Err(e) => {
