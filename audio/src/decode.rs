@@ -17,12 +17,9 @@ use crate::resample::resample_to_16k;
 #[derive(Debug, thiserror::Error)]
 pub enum AudioError {
     /// The file could not be opened or read.
-    #[error("{name}: cannot read the file: {source}")]
-    Io {
-        name: String,
-        #[source]
-        source: std::io::Error,
-    },
+    /// (The reason is in the message, not also a `source`, which a chained report would print twice.)
+    #[error("{name}: cannot read the file: {error}")]
+    Io { name: String, error: std::io::Error },
     /// Zero bytes.
     #[error("{name}: the file is empty")]
     Empty { name: String },
@@ -60,7 +57,7 @@ pub enum AudioError {
 /// read whole first, its length being unknown ahead.
 pub fn load_audio(path: &Path) -> Result<Vec<f32>, AudioError> {
     let name = path.display().to_string();
-    let io_error = |source| AudioError::Io { name: name.clone(), source };
+    let io_error = |error| AudioError::Io { name: name.clone(), error };
     if path == Path::new("-") {
         let mut bytes = Vec::new();
         std::io::stdin().lock().read_to_end(&mut bytes).map_err(io_error)?;
@@ -291,7 +288,7 @@ fn classify(name: &str, error: SymphoniaError) -> AudioError {
         SymphoniaError::IoError(e) if e.kind() == ErrorKind::UnexpectedEof => {
             AudioError::Truncated { name, reason: "the file ends inside its header or data".to_string() }
         }
-        SymphoniaError::IoError(source) => AudioError::Io { name, source },
+        SymphoniaError::IoError(error) => AudioError::Io { name, error },
         SymphoniaError::Unsupported(reason) => AudioError::Unsupported { name, reason: reason.to_string() },
         SymphoniaError::DecodeError(reason) => AudioError::Malformed { name, reason: reason.to_string() },
         SymphoniaError::LimitError(reason) => {

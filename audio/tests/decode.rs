@@ -334,3 +334,12 @@ fn an_empty_data_chunk_before_another_chunk_is_no_audio() {
     let error = show(decode_audio_bytes(&v, "empty-data.wav"));
     assert!(matches!(error, AudioError::NoAudio { .. }), "{error:?}");
 }
+
+/// The reason is in the message and not also the source, so that a chained report (`{:#}`, as the
+/// CLI prints errors) gives it once.
+#[test]
+fn an_io_error_reads_its_reason_once() {
+    let error = show(load_audio(Path::new("/nonexistent/clip.wav")));
+    assert!(std::error::Error::source(&error).is_none(), "{error:?}");
+    assert_eq!(error.to_string().matches("No such file").count(), 1, "{error}");
+}

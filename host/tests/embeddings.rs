@@ -295,11 +295,11 @@ fn a_text_model_answers_embedding_and_rerank_routes_with_a_clear_400() {
     let model = mlxcel::testing::workspace_root().join("families/llama/tests/fixtures/llama-f32");
     let server = start(&model);
     let m = server.refused("/v1/embeddings", json!({"input": "hello"}), 400);
-    assert!(m.contains("text-generation model") && m.contains("embedding model"), "{m}");
+    assert!(m.contains("text-generation model") && m.contains("embedding model") && m.contains("--embedding"), "{m}");
     let (s, v) = server.post("/embedding", json!({"content": "hello"}));
     assert_eq!((s, v["error"]["code"].as_u64()), (400, Some(400)), "llama-server's shape: {v}");
     let m = server.refused("/rerank", json!({"query": "a", "documents": ["b"]}), 400);
-    assert!(m.contains("reranking"), "{m}");
+    assert!(m.contains("reranking needs a cross-encoder model"), "{m}");
 }
 
 fn mlxcel(args: &[&str]) -> (bool, Value, String) {

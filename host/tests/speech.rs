@@ -361,6 +361,11 @@ fn openai_sdk_transcribes_through_the_server() {
         assert_eq!(r.status(), 400);
         let v: serde_json::Value = r.json().await.unwrap();
         assert_eq!(v["error"]["param"], "language", "{v}");
+        assert!(v["error"]["message"].as_str().unwrap().contains("English-only"), "{v}");
+        // A code no Whisper model knows is named as such.
+        let r = with_file(&[("language", "xx")]).await.unwrap();
+        let v: serde_json::Value = r.json().await.unwrap();
+        assert!(v["error"]["message"].as_str().unwrap().contains("not a Whisper language code"), "{v}");
         let r = client
             .post(format!("{}/v1/audio/translations", server.base))
             .bearer_auth(KEY)

@@ -156,9 +156,9 @@ fn print_json(v: &serde_json::Value) -> Result<()> {
 pub struct BenchEmbedArgs {
     #[command(flatten)]
     pub model: EncoderModelArgs,
-    /// JSON object of named text sets, `{"short": ["…", …], "passages": ["…", …]}`: each set is
-    /// embedded as one request (truncated as the model says), `--repetitions` times.
-    #[arg(long)]
+    /// A JSON file holding an object of named text sets, `{"short": ["…", …], "passages": ["…", …]}`:
+    /// each set is embedded as one request (truncated as the model says), `--repetitions` times.
+    #[arg(long, value_name = "FILE")]
     pub texts: std::path::PathBuf,
     /// Repetitions per set; the median is reported.
     #[arg(short = 'r', long, default_value_t = 3, value_parser = super::bench::repetitions)]

@@ -152,11 +152,13 @@ fn encoder_for(model: &LoadedModel, task: Task) -> Result<&EncoderModel, ApiErro
             "model `{id}` is an embedding model; reranking needs a cross-encoder model (e.g. \
              cross-encoder/ms-marco-MiniLM-L6-v2)"
         ))),
+        None if task == Task::Embed => Err(ApiError::invalid(format!(
+            "model `{id}` is a text-generation model; embeddings need an embedding model (e.g. \
+             sentence-transformers/all-MiniLM-L6-v2), or this one served with --embedding"
+        ))),
         None => Err(ApiError::invalid(format!(
-            "model `{id}` is a text-generation model; {} need an {} model (start the server with one, e.g. \
-             sentence-transformers/all-MiniLM-L6-v2)",
-            if task == Task::Embed { "embeddings" } else { "reranking" },
-            if task == Task::Embed { "embedding" } else { "reranking" }
+            "model `{id}` is a text-generation model; reranking needs a cross-encoder model (e.g. \
+             cross-encoder/ms-marco-MiniLM-L6-v2)"
         ))),
     }
     .map_err(|e| e.with_code("model_not_supported"))

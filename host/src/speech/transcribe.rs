@@ -228,7 +228,11 @@ impl Transcriber {
                     "this is an English-only Whisper model: it cannot translate (use a multilingual model)".into(),
                 );
             }
-            if opts.language.as_deref().is_some_and(|l| l != "en") {
+            if let Some(l) = opts.language.as_deref().filter(|l| *l != "en") {
+                // A code no Whisper vocabulary has is named as such, not as one this model lacks.
+                if !v.languages.is_empty() && v.language_token(l).is_none() {
+                    return bad("language", format!("`{l}` is not a Whisper language code (such as `en`, `fr`)"));
+                }
                 return bad("language", "this is an English-only Whisper model: language must be `en`".into());
             }
         } else if let Some(l) = opts.language.as_deref() {
