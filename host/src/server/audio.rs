@@ -6,7 +6,8 @@
 //! Upload problems (no file, an empty or undecodable one, a field this server does not know or a value
 //! it cannot honour) are 400s naming the field; a full queue is a 503; one past `--timeout` is a 504.
 //! A client that goes away, or the timeout, cancels its transcription: a queued one is dropped, a
-//! running one stops before its next model step and frees its sequences. `/metrics` (with `--metrics`) counts transcriptions, windows and steps.
+//! running one stops before its next model step and frees its sequences. `/metrics` (with
+//! `--metrics`) counts transcriptions, windows and steps.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
