@@ -186,8 +186,7 @@ unsafe fn pass<S: ScaleKind, Src: Source, const M: usize>(
     stride: usize,
 ) {
     let (gpr, gb) = (src.groups(), src.blocks_per_group());
-    let toks = Tokens::<M>::new(x);
-    let planes: [*const u8; M] = std::array::from_fn(|t| x[t].planes.as_ptr());
+    let toks = Tokens::new(x);
     let mut p0 = rows.start;
     while p0 < rows.end {
         let mut acc = [_mm512_setzero_ps(); M];
@@ -206,22 +205,34 @@ unsafe fn pass<S: ScaleKind, Src: Source, const M: usize>(
             }
             toks.bias_term(b, g, &mut acc);
             for blk in g * gb..(g + 1) * gb {
-                src.prefetch(&panel, blk);
-                let ops = split_nibbles(src.dwords(&panel, blk));
+                src.prefetch(&panel, blk, (blk == g * gb).then_some(g));
+                let dwords = src.dwords(&panel, blk);
                 // Per token one chain per plane, the tokens' chains side by side.
                 let mut sh = [_mm512_setzero_si512(); M];
                 let mut sl = [_mm512_setzero_si512(); M];
-                for (kq, op) in ops.iter().enumerate() {
+                // Each operand built just before its products, the quads written out: as a loop
+                // over eight operands built up front, the compiler kept the operands on the stack.
+                let planes = toks.planes.add(blk * 64);
+                let mut products = |kq: usize, op: __m512i| {
                     for t in 0..M {
-                        let quad =
-                            |plane: usize| (planes[t].add(blk * 64 + plane + 4 * kq) as *const i32).read_unaligned();
+                        let quad = |plane: usize| {
+                            (planes.add(t * toks.plane_step + plane + 4 * kq) as *const i32).read_unaligned()
+                        };
                         // High bytes are signed (the second operand); low bytes and weights unsigned.
-                        sh[t] = _mm512_dpbusd_epi32(sh[t], *op, _mm512_set1_epi32(quad(32)));
-                        sl[t] = _mm512_dpbusd_epi32(sl[t], _mm512_set1_epi32(quad(0)), *op);
+                        sh[t] = _mm512_dpbusd_epi32(sh[t], op, _mm512_set1_epi32(quad(32)));
+                        sl[t] = _mm512_dpbusd_epi32(sl[t], _mm512_set1_epi32(quad(0)), op);
                     }
-                }
+                };
+                products(0, low_nibbles(dwords[0]));
+                products(1, low_nibbles(dwords[1]));
+                products(2, low_nibbles(dwords[2]));
+                products(3, low_nibbles(dwords[3]));
+                products(4, high_nibbles(dwords[0]));
+                products(5, high_nibbles(dwords[1]));
+                products(6, high_nibbles(dwords[2]));
+                products(7, high_nibbles(dwords[3]));
                 for t in 0..M {
-                    acc[t] = block_term(sh[t], sl[t], s, toks.d[t].add(blk), acc[t]);
+                    acc[t] = block_term(sh[t], sl[t], s, toks.d.add(t * toks.d_step + blk), acc[t]);
                 }
             }
         }
@@ -269,22 +280,65 @@ unsafe fn column_rows() -> __m512i {
     _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15)
 }
 
-/// The tokens' per-block scales and per-group sums.
-struct Tokens<'a, const M: usize> {
-    d: [*const f32; M],
-    group_sums: [&'a [f32]; M],
+/// The tokens of a pass: their byte planes, per-block scales and per-group sums, each at one base
+/// address and one distance between tokens, so that the block loop holds three addresses for them,
+/// not three per token (with eight tokens, per-token addresses left the compiler short of
+/// registers: they were kept on the stack and reloaded at every block). Rows of one quantized
+/// input are evenly spaced; tokens that are not are copied so that they are.
+struct Tokens {
+    planes: *const u8,
+    plane_step: usize,
+    d: *const f32,
+    d_step: usize,
+    sums: *const f32,
+    sum_step: usize,
+    /// The copy, where one was needed (the addresses above point into it).
+    _copy: Option<(Vec<u8>, Vec<f32>, Vec<f32>)>,
 }
 
-impl<'a, const M: usize> Tokens<'a, M> {
-    fn new(x: &[ActRow<'a>]) -> Self {
-        Tokens { d: std::array::from_fn(|t| x[t].d.as_ptr()), group_sums: std::array::from_fn(|t| x[t].group_sums) }
+impl Tokens {
+    fn new(x: &[ActRow]) -> Tokens {
+        fn step<T>(x: &[ActRow], at: impl Fn(&ActRow) -> *const T) -> Option<usize> {
+            let size = std::mem::size_of::<T>();
+            let first = at(&x[0]) as usize;
+            let step = x.get(1).map_or(Some(0), |r| (at(r) as usize).checked_sub(first))?;
+            (step % size == 0 && x.iter().enumerate().all(|(t, r)| at(r) as usize == first + t * step))
+                .then_some(step / size)
+        }
+        let steps = (step(x, |r| r.planes.as_ptr()), step(x, |r| r.d.as_ptr()), step(x, |r| r.group_sums.as_ptr()));
+        if let (Some(plane_step), Some(d_step), Some(sum_step)) = steps {
+            return Tokens {
+                planes: x[0].planes.as_ptr(),
+                plane_step,
+                d: x[0].d.as_ptr(),
+                d_step,
+                sums: x[0].group_sums.as_ptr(),
+                sum_step,
+                _copy: None,
+            };
+        }
+        let (plane_step, d_step, sum_step) = (x[0].planes.len(), x[0].d.len(), x[0].group_sums.len());
+        let copy: (Vec<u8>, Vec<f32>, Vec<f32>) = (
+            x.iter().flat_map(|r| &r.planes[..plane_step]).copied().collect(),
+            x.iter().flat_map(|r| &r.d[..d_step]).copied().collect(),
+            x.iter().flat_map(|r| &r.group_sums[..sum_step]).copied().collect(),
+        );
+        Tokens {
+            planes: copy.0.as_ptr(),
+            plane_step,
+            d: copy.1.as_ptr(),
+            d_step,
+            sums: copy.2.as_ptr(),
+            sum_step,
+            _copy: Some(copy),
+        }
     }
 
     /// Group `g`'s bias term, `acc + b · Σx`, for every token.
     #[inline(always)]
-    unsafe fn bias_term(&self, b: __m512, g: usize, acc: &mut [__m512; M]) {
-        for (a, sums) in acc.iter_mut().zip(&self.group_sums) {
-            *a = _mm512_fmadd_ps(b, _mm512_set1_ps(*sums.get_unchecked(g)), *a);
+    unsafe fn bias_term<const M: usize>(&self, b: __m512, g: usize, acc: &mut [__m512; M]) {
+        for (t, a) in acc.iter_mut().enumerate() {
+            *a = _mm512_fmadd_ps(b, _mm512_set1_ps(*self.sums.add(t * self.sum_step + g)), *a);
         }
     }
 }
@@ -304,22 +358,22 @@ trait Source {
     /// Groups `g` and `g + 1`'s scales and biases of a panel's rows, at their columns (past a row's
     /// last group, the second pair is never used).
     unsafe fn factor_pair<S: ScaleKind>(&self, panel: &Self::Panel, g: usize) -> [(__m512, __m512); 2];
-    /// Asks for the weights a later block will need, where the hardware would not.
-    unsafe fn prefetch(&self, panel: &Self::Panel, blk: usize);
+    /// Asks for the weights a later block will need, where the hardware would not (`group`: the
+    /// group that `blk` starts, if it starts one).
+    unsafe fn prefetch(&self, panel: &Self::Panel, blk: usize, group: Option<usize>);
 }
 
-/// A block's dword vectors as the weight operand: row `kq` < 4 holds, per column, the low nibbles of
-/// bytes `4·kq..4·kq + 4` of that column's row (block positions `4·kq..`, the even elements); row
-/// `4 + kq` their high nibbles (positions `16 + 4·kq..`).
+/// A block's dword vector `kq` as the weight operand for block positions `4·kq..` (the even
+/// elements): per column, the low nibbles of bytes `4·kq..4·kq + 4` of that column's row.
 #[inline(always)]
-unsafe fn split_nibbles(dword: [__m512i; 4]) -> [__m512i; 8] {
-    let low = _mm512_set1_epi8(0x0F);
-    let mut ops = [_mm512_setzero_si512(); 8];
-    for kq in 0..4 {
-        ops[kq] = _mm512_and_si512(dword[kq], low);
-        ops[4 + kq] = _mm512_and_si512(_mm512_srli_epi16::<4>(dword[kq]), low);
-    }
-    ops
+unsafe fn low_nibbles(dword: __m512i) -> __m512i {
+    _mm512_and_si512(dword, _mm512_set1_epi8(0x0F))
+}
+
+/// The operand for positions `16 + 4·kq..`: the same bytes' high nibbles.
+#[inline(always)]
+unsafe fn high_nibbles(dword: __m512i) -> __m512i {
+    _mm512_and_si512(_mm512_srli_epi16::<4>(dword), _mm512_set1_epi8(0x0F))
 }
 
 /// A matrix in MLX's row layout, as the panel kernel walks it.
@@ -396,7 +450,7 @@ impl Source for MatrixSource<'_> {
     /// at a time, lose the hardware prefetchers. Addresses past the matrix are only hinted, never
     /// read.
     #[inline(always)]
-    unsafe fn prefetch(&self, panel: &MatrixPanel, blk: usize) {
+    unsafe fn prefetch(&self, panel: &MatrixPanel, blk: usize, _group: Option<usize>) {
         let share = (16 * self.row_bytes).div_ceil(self.gpr * self.gb);
         let next = panel.p0 + 16;
         let start = (self.w.packed.as_ptr() as *const u8).wrapping_add(next * self.row_bytes + blk * share);
@@ -415,9 +469,22 @@ struct PackSource<'a> {
     gb: usize,
 }
 
+/// A panel of a [`PackSource`]: the addresses of its first block and group, and of the next
+/// panel's (for prefetches; never read past the last panel), computed once so that the block loop
+/// only adds offsets.
+struct PackPanel {
+    weights: *const __m512i,
+    scales: *const u16,
+    biases: *const u16,
+    next_weights: *const i8,
+    next_scales: *const i8,
+    next_biases: *const i8,
+    /// Bytes of a group's sixteen factors (32 for 16-bit types, 64 for f32).
+    group_bytes: usize,
+}
+
 impl Source for PackSource<'_> {
-    /// The panel's first row in the copies.
-    type Panel = usize;
+    type Panel = PackPanel;
 
     fn groups(&self) -> usize {
         self.panels.scales.groups()
@@ -427,17 +494,27 @@ impl Source for PackSource<'_> {
         self.gb
     }
 
-    /// The panel's first row in the copies.
     #[inline(always)]
-    unsafe fn panel(&self, p0: usize) -> usize {
-        self.panels.first + p0
+    unsafe fn panel(&self, p0: usize) -> PackPanel {
+        let (p0, weights) = (self.panels.first + p0, self.panels.weights);
+        let (scales, biases) = (self.panels.scales, self.panels.biases);
+        debug_assert!(p0 < weights.rows());
+        PackPanel {
+            weights: weights.block_unchecked(p0, 0) as *const __m512i,
+            scales: scales.group_unchecked(p0, 0),
+            biases: biases.group_unchecked(p0, 0),
+            next_weights: weights.block_unchecked(p0 + 16, 0) as *const i8,
+            next_scales: scales.group_unchecked(p0 + 16, 0) as *const i8,
+            next_biases: biases.group_unchecked(p0 + 16, 0) as *const i8,
+            group_bytes: 16 * scales.value_bytes(),
+        }
     }
 
     #[inline(always)]
-    unsafe fn dwords(&self, &p0: &usize, blk: usize) -> [__m512i; 4] {
+    unsafe fn dwords(&self, panel: &PackPanel, blk: usize) -> [__m512i; 4] {
         // Unaligned loads, as fast on the copy's 64-byte aligned blocks, and sound whatever the
         // allocator gave.
-        let at = self.panels.weights.block(p0, blk) as *const __m512i;
+        let at = panel.weights.add(4 * blk);
         [
             _mm512_loadu_si512(at),
             _mm512_loadu_si512(at.add(1)),
@@ -447,29 +524,24 @@ impl Source for PackSource<'_> {
     }
 
     #[inline(always)]
-    unsafe fn factor_pair<S: ScaleKind>(&self, &p0: &usize, g: usize) -> [(__m512, __m512); 2] {
-        let (scales, biases) = (self.panels.scales, self.panels.biases);
-        let first = (S::load16(scales.group(p0, g)), S::load16(biases.group(p0, g)));
-        let second = if g + 1 < scales.groups() {
-            (S::load16(scales.group(p0, g + 1)), S::load16(biases.group(p0, g + 1)))
-        } else {
-            (_mm512_setzero_ps(), _mm512_setzero_ps())
-        };
-        [first, second]
+    unsafe fn factor_pair<S: ScaleKind>(&self, panel: &PackPanel, g: usize) -> [(__m512, __m512); 2] {
+        let load =
+            |g: usize| (S::load16(S::advance(panel.scales, 16 * g)), S::load16(S::advance(panel.biases, 16 * g)));
+        let second = if g + 1 < self.groups() { load(g + 1) } else { (_mm512_setzero_ps(), _mm512_setzero_ps()) };
+        [load(g), second]
     }
 
     /// The same block of the next panel, and at a group's first block that group's factors there:
     /// one panel ahead, as the hardware prefetchers alone do not keep up with a pass.
     #[inline(always)]
-    unsafe fn prefetch(&self, &p0: &usize, blk: usize) {
-        let next = self.panels.weights.block_unchecked(p0 + 16, blk) as *const i8;
+    unsafe fn prefetch(&self, panel: &PackPanel, blk: usize, group: Option<usize>) {
+        let next = panel.next_weights.wrapping_add(256 * blk);
         for line in 0..4 {
             _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64 * line));
         }
-        if blk.is_multiple_of(self.gb) {
-            let g = blk / self.gb;
-            _mm_prefetch::<_MM_HINT_T0>(self.panels.scales.group_unchecked(p0 + 16, g) as *const i8);
-            _mm_prefetch::<_MM_HINT_T0>(self.panels.biases.group_unchecked(p0 + 16, g) as *const i8);
+        if let Some(g) = group {
+            _mm_prefetch::<_MM_HINT_T0>(panel.next_scales.wrapping_add(g * panel.group_bytes));
+            _mm_prefetch::<_MM_HINT_T0>(panel.next_biases.wrapping_add(g * panel.group_bytes));
         }
     }
 }
@@ -597,6 +669,19 @@ mod tests {
                             let (got, want) = (out[j * n + r], alone[j * n + r]);
                             assert_eq!(got.to_bits(), want.to_bits(), "rows 16..{n} from the copy: row {r} token {j}");
                         }
+                    }
+                }
+            }
+            // Tokens not evenly spaced in memory (here in reverse order) are read from a copy: the
+            // same bits.
+            let reversed: Vec<ActRow> = rows.iter().rev().cloned().collect();
+            for m in [w, packed_w] {
+                let mut out = vec![f32::NAN; t * n];
+                assert!(unsafe { rows_tile(m, 0..n, &reversed, out.as_mut_ptr(), n) });
+                for j in 0..t {
+                    for r in 0..n {
+                        let (got, want) = (out[j * n + r], alone[(t - 1 - j) * n + r]);
+                        assert_eq!(got.to_bits(), want.to_bits(), "reversed tokens: n {n} row {r} token {j}");
                     }
                 }
             }

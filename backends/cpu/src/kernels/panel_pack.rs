@@ -51,6 +51,11 @@ impl PanelWeights {
         self.block_unchecked(p0, blk)
     }
 
+    /// Rows, the last panel's zero padding not counted.
+    pub fn rows(&self) -> usize {
+        self.n
+    }
+
     /// Word `j` of row `r` (as in the row layout: values `8·j..8·j + 8`).
     #[inline]
     pub fn word(&self, r: usize, j: usize) -> u32 {
@@ -60,7 +65,7 @@ impl PanelWeights {
     /// [`PanelWeights::block`]'s address for any panel, past the last one too (for prefetches).
     #[inline(always)]
     pub fn block_unchecked(&self, p0: usize, blk: usize) -> *const u32 {
-        self.words.as_slice().as_ptr().wrapping_add((p0 / 16 * (self.k / 32) + blk) * 64)
+        self.words.as_ptr().wrapping_add((p0 / 16 * (self.k / 32) + blk) * 64)
     }
 }
 
@@ -107,6 +112,14 @@ impl PanelFactors {
         self.groups
     }
 
+    /// Bytes of one stored value.
+    pub fn value_bytes(&self) -> usize {
+        match self.values {
+            PanelFloats::F32(_) => 4,
+            PanelFloats::F16(_) | PanelFloats::BF16(_) => 2,
+        }
+    }
+
     /// Group `g`'s sixteen values of the panel holding row `p0` (a multiple of 16), as 16-bit
     /// elements ([`ScaleKind`](super::int_dot::ScaleKind) addressing: an f32 is two).
     #[inline(always)]
@@ -131,8 +144,8 @@ impl PanelFactors {
     pub fn group_unchecked(&self, p0: usize, g: usize) -> *const u16 {
         let at = (p0 / 16 * self.groups + g) * 16;
         match &self.values {
-            PanelFloats::F32(v) => v.as_slice().as_ptr().wrapping_add(at) as *const u16,
-            PanelFloats::F16(v) | PanelFloats::BF16(v) => v.as_slice().as_ptr().wrapping_add(at),
+            PanelFloats::F32(v) => v.as_ptr().wrapping_add(at) as *const u16,
+            PanelFloats::F16(v) | PanelFloats::BF16(v) => v.as_ptr().wrapping_add(at),
         }
     }
 }
@@ -198,6 +211,13 @@ impl<T: Copy + Default> Aligned<T> {
 
     pub fn as_slice(&self) -> &[T] {
         &self.buf[self.start..self.start + self.len]
+    }
+
+    /// The first value's address, without [`Aligned::as_slice`]'s range check (kernels' hot loops
+    /// compute their addresses from it).
+    #[inline(always)]
+    pub fn as_ptr(&self) -> *const T {
+        self.buf.as_ptr().wrapping_add(self.start)
     }
 
     fn as_mut_slice(&mut self) -> &mut [T] {
