@@ -185,55 +185,19 @@ unsafe fn pass<S: ScaleKind, Src: Source, const M: usize>(
     out: *mut f32,
     stride: usize,
 ) {
-    let (gpr, gb) = (src.groups(), src.blocks_per_group());
+    let gpr = src.groups();
     let toks = Tokens::new(x);
     let mut p0 = rows.start;
     while p0 < rows.end {
         let mut acc = [_mm512_setzero_ps(); M];
         let panel = src.panel(p0);
-        // Scales and biases come two groups at a time, asked for a pair of groups ahead so that
-        // their latency hides behind the blocks.
-        let mut pair = src.factor_pair::<S>(&panel, 0);
-        let mut next = pair;
-        for g in 0..gpr {
-            if g % 2 == 0 && g + 2 < gpr {
-                next = src.factor_pair::<S>(&panel, g + 2);
-            }
-            let (s, b) = pair[g % 2];
-            if g % 2 == 1 {
-                pair = next;
-            }
-            toks.bias_term(b, g, &mut acc);
-            for blk in g * gb..(g + 1) * gb {
-                src.prefetch(&panel, blk, (blk == g * gb).then_some(g));
-                let dwords = src.dwords(&panel, blk);
-                // Per token one chain per plane, the tokens' chains side by side.
-                let mut sh = [_mm512_setzero_si512(); M];
-                let mut sl = [_mm512_setzero_si512(); M];
-                // Each operand built just before its products, the quads written out: as a loop
-                // over eight operands built up front, the compiler kept the operands on the stack.
-                let planes = toks.planes.add(blk * 64);
-                let mut products = |kq: usize, op: __m512i| {
-                    for t in 0..M {
-                        let quad = |plane: usize| {
-                            (planes.add(t * toks.plane_step + plane + 4 * kq) as *const i32).read_unaligned()
-                        };
-                        // High bytes are signed (the second operand); low bytes and weights unsigned.
-                        sh[t] = _mm512_dpbusd_epi32(sh[t], op, _mm512_set1_epi32(quad(32)));
-                        sl[t] = _mm512_dpbusd_epi32(sl[t], _mm512_set1_epi32(quad(0)), op);
-                    }
-                };
-                products(0, low_nibbles(dwords[0]));
-                products(1, low_nibbles(dwords[1]));
-                products(2, low_nibbles(dwords[2]));
-                products(3, low_nibbles(dwords[3]));
-                products(4, high_nibbles(dwords[0]));
-                products(5, high_nibbles(dwords[1]));
-                products(6, high_nibbles(dwords[2]));
-                products(7, high_nibbles(dwords[3]));
-                for t in 0..M {
-                    acc[t] = block_term(sh[t], sl[t], s, toks.d.add(t * toks.d_step + blk), acc[t]);
-                }
+        // Scales and biases come two groups at a time, each pair's groups written out (an index into
+        // the pair kept it on the stack).
+        for g in (0..gpr).step_by(2) {
+            let [(s0, b0), (s1, b1)] = src.factor_pair::<S>(&panel, g);
+            group::<S, Src, M>(src, &panel, &toks, g, (s0, b0), &mut acc);
+            if g + 1 < gpr {
+                group::<S, Src, M>(src, &panel, &toks, g + 1, (s1, b1), &mut acc);
             }
         }
         let lanes = kept_lanes(p0, &keep);
@@ -241,6 +205,50 @@ unsafe fn pass<S: ScaleKind, Src: Source, const M: usize>(
             store_results(*a, out.wrapping_add(t * stride + p0), lanes);
         }
         p0 += 16;
+    }
+}
+
+/// Group `g` of a panel, with its scales `s` and biases `b`, added to each token's `acc`.
+#[inline(always)]
+unsafe fn group<S: ScaleKind, Src: Source, const M: usize>(
+    src: &Src,
+    panel: &Src::Panel,
+    toks: &Tokens,
+    g: usize,
+    (s, b): (__m512, __m512),
+    acc: &mut [__m512; M],
+) {
+    toks.bias_term(b, g, acc);
+    let gb = src.blocks_per_group();
+    for blk in g * gb..(g + 1) * gb {
+        src.prefetch(panel, blk, (blk == g * gb).then_some(g));
+        let dwords = src.dwords(panel, blk);
+        // Per token one chain per plane, the tokens' chains side by side.
+        let mut sh = [_mm512_setzero_si512(); M];
+        let mut sl = [_mm512_setzero_si512(); M];
+        // Each operand built just before its products, the quads written out: as a loop over eight
+        // operands built up front, the compiler kept the operands on the stack.
+        let planes = toks.planes.add(blk * 64);
+        let mut products = |kq: usize, op: __m512i| {
+            for t in 0..M {
+                let quad =
+                    |plane: usize| (planes.add(t * toks.plane_step + plane + 4 * kq) as *const i32).read_unaligned();
+                // High bytes are signed (the second operand); low bytes and weights unsigned.
+                sh[t] = _mm512_dpbusd_epi32(sh[t], op, _mm512_set1_epi32(quad(32)));
+                sl[t] = _mm512_dpbusd_epi32(sl[t], _mm512_set1_epi32(quad(0)), op);
+            }
+        };
+        products(0, low_nibbles(dwords[0]));
+        products(1, low_nibbles(dwords[1]));
+        products(2, low_nibbles(dwords[2]));
+        products(3, low_nibbles(dwords[3]));
+        products(4, high_nibbles(dwords[0]));
+        products(5, high_nibbles(dwords[1]));
+        products(6, high_nibbles(dwords[2]));
+        products(7, high_nibbles(dwords[3]));
+        for t in 0..M {
+            acc[t] = block_term(sh[t], sl[t], s, toks.d.add(t * toks.d_step + blk), acc[t]);
+        }
     }
 }
 
