@@ -316,19 +316,20 @@ pub fn qmatmul_shared_input<'a, 'o>(
     let whole = [t];
     let segments = if passes_match_tile(isa, w0.bits, w0.group, order) { &[][..] } else { segments };
     // A task is a tile of rows of one part; its weights stay in L1/L2 while all tokens stream past.
-    // Few tokens: tiles as large as keep every thread busy (about four per thread of the largest
-    // part) — each task claimed is a cache line passed between cores, which with 32-row tiles of a
-    // vocabulary-sized matrix cost more than the second thread gained. A row's result does not
-    // depend on its tile.
+    // Few tokens: one tile per thread of the largest part, of at most 1024 rows (a vocabulary-sized
+    // matrix still makes dozens). Each task claimed is a cache line passed between cores and a new
+    // stretch of weights to stream: with 32-row tiles of a vocabulary-sized matrix that cost more
+    // than the second thread gained, and four tiles per thread ran SmolLM2's eight-token steps ~10%
+    // slower on two Zen 5 cores than one. A row's result does not depend on its tile.
     let rows_per_task = if t <= ROW_DOT_MAX_TOKENS {
         let n_max = dims.iter().flatten().map(|d| d.1).max().unwrap_or(0);
         let threads = pool::threads();
-        let base = (n_max / (threads * 4)).clamp(32, 256) / 32 * 32;
+        let base = (n_max / threads).clamp(32, 1024) / 32 * 32;
         // The tasks are alike, so a count that the threads share evenly ends the fan-out together:
-        // the smallest larger tile that makes one (576 rows on two threads: 96-row tiles, 3 + 3,
-        // not 64-row ones, 5 + 4).
+        // the smallest larger tile that makes one (q, k and v of 576, 192 and 192 rows on two
+        // threads: 288-row tiles, 2 + 1 + 1 tasks).
         let tasks = |rows: usize| dims.iter().flatten().map(|d| d.1.div_ceil(rows)).sum::<usize>();
-        (base..=256.max(base)).step_by(32).find(|&rows| tasks(rows) % threads == 0).unwrap_or(base)
+        (base..=1024.max(base)).step_by(32).find(|&rows| tasks(rows) % threads == 0).unwrap_or(base)
     } else {
         16
     };
