@@ -69,8 +69,8 @@ fn main() {
     let indices: Vec<f32> =
         (0..t).flat_map(|ti| (0..k).map(move |j| ((ti * 3 + j * 5) % ne) as f32)).collect::<Vec<_>>();
     let int = std::env::var("MLXCEL_CPU_INT16").map_or(true, |v| v != "0");
-    let path = QuantPath::for_sequence(isa, 4, t, int);
-    let path_for = |n| QuantPath::for_sequence(isa, 4, n, int);
+    let path = QuantPath::for_sequence(isa, 4, 32, t, int);
+    let path_for = |n| QuantPath::for_sequence(isa, 4, 32, n, int);
     let mut acts = IntActs::default();
     let reps = 21;
     let (moe, dense) = pool.install(|| {

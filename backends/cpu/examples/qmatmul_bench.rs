@@ -129,7 +129,7 @@ fn main() {
                     w,
                     m.n,
                     &mut out[..t * m.n],
-                    QuantPath::for_sequence(isa, bits(), t, int),
+                    QuantPath::for_sequence(isa, bits(), 32, t, int),
                     int.then_some((&mut acts, source)),
                     &segments,
                 );

@@ -565,7 +565,8 @@ fn fusable_after<'a>(
     }
     let x = node.sources()[0] as usize;
     let t = nodes[x].rows();
-    if !quantized::int_path_applies(ctx.isa, node.iparams[0] as usize, t, ctx.int_activations) {
+    let (bits, group) = (node.iparams[0] as usize, node.iparams[1] as usize);
+    if !quantized::int_path_applies(ctx.isa, bits, group, t, ctx.int_activations) {
         return Ok(0);
     }
     // A later matmul's weights must already exist or be source nodes that can be bound now.
@@ -741,7 +742,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
         // Matmuls after this one that share its input run with it (results stored below).
         let mut fused_ids = [0usize; MAX_FUSED - 1];
         // Kernel paths for a matmul's rows, chosen per sequence (batch invariance).
-        let bits = node.iparams[0] as usize;
+        let (bits, group) = (node.iparams[0] as usize, node.iparams[1] as usize);
         let int_enabled = ctx.int_activations;
         let path = move |n: usize| {
             if matches!(op, OpCode::MatMul | OpCode::GatherMatMul) {
@@ -751,7 +752,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                     QuantPath::Tiles
                 }
             } else {
-                QuantPath::for_sequence(isa, bits, n, int_enabled)
+                QuantPath::for_sequence(isa, bits, group, n, int_enabled)
             }
         };
         // And where each sequence's rows end (kernels that group rows never group across them).

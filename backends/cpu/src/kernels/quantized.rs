@@ -143,7 +143,8 @@ pub const ROW_DOT_MAX_TOKENS: usize = 8;
 /// From this many tokens a step dequantizes tiles of weight rows to f32 and multiplies them with
 /// `gemm`, even where the int16 path is available: the conversion is paid once per row for all
 /// tokens, and f32 FMAs then outrun the int16 kernel (break-even at 64 tokens, 1.3× at 128 on Zen 3
-/// in `examples/qmatmul_bench.rs`); the result is the exact f32 one.
+/// in `examples/qmatmul_bench.rs`); the result is the exact f32 one. Not where the panel kernel
+/// serves the weights (see [`int_path_applies`]).
 pub const FLOAT_TILES_MIN_TOKENS: usize = 64;
 
 /// `out[T, N] = x[T, K] · dequant(w)ᵀ`. With `int` (scratch for quantized activations, and the
@@ -224,15 +225,34 @@ pub struct QuantPart<'a, 'o> {
     pub out: &'o mut [f32],
 }
 
-/// Whether [`qmatmul`] takes the int16 path for `bits`-bit weights and a `t`-token step (so matmuls
-/// sharing an input can go through [`qmatmul_shared_input`] together). The integer kernels are
-/// hand-written for x86 (256-bit for AVX2, 512-bit for AVX-512, each with a VNNI build) and for 4-bit
-/// weights on AArch64 (NEON, with a `sdot`/`udot` build); `scalar` runs the portable version of the
-/// same arithmetic (so CI checks it). Other widths on NEON would run that portable code, so they take
-/// the float paths (auto-vectorised for NEON) instead.
-pub fn int_path_applies(isa: Isa, bits: usize, t: usize, int_enabled: bool) -> bool {
+/// Whether [`qmatmul`] takes the int16 path for `bits`-bit weights in groups of `group` and a
+/// `t`-token step (so matmuls sharing an input can go through [`qmatmul_shared_input`] together). The
+/// integer kernels are hand-written for x86 (256-bit for AVX2, 512-bit for AVX-512, each with a VNNI
+/// build) and for 4-bit weights on AArch64 (NEON, with a `sdot`/`udot` build); `scalar` runs the
+/// portable version of the same arithmetic (so CI checks it). Other widths on NEON would run that
+/// portable code, so they take the float paths (auto-vectorised for NEON) instead.
+///
+/// Where the panel kernel serves the weights (AVX-512 VNNI, 4-bit in groups of 32, 64 or 128), every
+/// step takes the int16 path: its eight-token passes outran the float tiles at every size measured
+/// (SmolLM2's matmuls on two Zen 5 cores: 64 tokens 3.9×, 128 tokens 3.1×, 512 tokens 2.4×), and each
+/// token's result is then the same however the prompt was cut into steps.
+pub fn int_path_applies(isa: Isa, bits: usize, group: usize, t: usize, int_enabled: bool) -> bool {
     let kernel = if isa.is_neon() { bits == 4 } else { matches!(bits, 2 | 3 | 4 | 5 | 6 | 8) };
-    int_enabled && kernel && t < FLOAT_TILES_MIN_TOKENS
+    let panels = panels_serve(isa, bits, group);
+    int_enabled && kernel && (panels || t < FLOAT_TILES_MIN_TOKENS)
+}
+
+/// Whether the panel kernel serves `bits`-bit weights in groups of `group` on `isa`.
+fn panels_serve(isa: Isa, bits: usize, group: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        super::panel::applies(isa, bits, group, ActOrder::for_weights(isa, bits, group))
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (isa, bits, group);
+        false
+    }
 }
 
 /// The kernel a quantized matmul takes for rows of a sequence with `seq_tokens` tokens in the step.
@@ -249,8 +269,8 @@ pub enum QuantPath {
 }
 
 impl QuantPath {
-    pub fn for_sequence(isa: Isa, bits: usize, seq_tokens: usize, int_enabled: bool) -> QuantPath {
-        if int_path_applies(isa, bits, seq_tokens, int_enabled) {
+    pub fn for_sequence(isa: Isa, bits: usize, group: usize, seq_tokens: usize, int_enabled: bool) -> QuantPath {
+        if int_path_applies(isa, bits, group, seq_tokens, int_enabled) {
             QuantPath::Int
         } else if seq_tokens <= ROW_DOT_MAX_TOKENS {
             QuantPath::RowDot
