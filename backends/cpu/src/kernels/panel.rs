@@ -111,6 +111,16 @@ unsafe fn passes<S: ScaleKind, Src: Source>(
     }
 }
 
+/// Asks for the panel of `w`'s panel copy that holds row `row` (its weights, scales and biases), so
+/// that a task that has other work first (quantizing its input) finds its first panel in cache;
+/// nothing without a copy.
+pub fn prefetch_panel(w: &QuantMatrix, row: usize) {
+    let Some(panels) = w.panels else { return };
+    let src = PackSource { panels, gb: w.group / 32 };
+    // SAFETY: prefetches only hint addresses; `panel` computes them without reading.
+    unsafe { src.prefetch_panel(row / 16 * 16) }
+}
+
 /// The rows of a panel cut short by the end of a tile, padded with zero rows (weights, scales and
 /// biases) to sixteen.
 struct TailPanel {
@@ -475,6 +485,22 @@ impl Source for MatrixSource<'_> {
 struct PackSource<'a> {
     panels: Panels<'a>,
     gb: usize,
+}
+
+impl PackSource<'_> {
+    /// Asks for all of the panel of row `p0` (a multiple of 16).
+    #[inline(always)]
+    unsafe fn prefetch_panel(&self, p0: usize) {
+        let panel = self.panel(p0);
+        let lines = |p: *const i8, bytes: usize| {
+            for o in (0..bytes).step_by(64) {
+                _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o));
+            }
+        };
+        lines(panel.weights as *const i8, 256 * self.groups() * self.gb);
+        lines(panel.scales as *const i8, self.groups() * panel.group_bytes);
+        lines(panel.biases as *const i8, self.groups() * panel.group_bytes);
+    }
 }
 
 /// A panel of a [`PackSource`]: the addresses of its first block and group, and of the next

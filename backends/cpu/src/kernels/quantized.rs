@@ -386,6 +386,18 @@ pub fn qmatmul_shared_input<'a, 'o>(
             start = end;
         }
     };
+    // A task's first panel, asked for before the task quantizes its own copy of the input.
+    let warm = |task: usize| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let p = (0..n_parts).find(|&p| task < first_task[p + 1]).unwrap_or(0);
+            if let Some((w, _, _)) = dims[p] {
+                super::panel::prefetch_panel(&w, (task - first_task[p]) * rows_per_task);
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = task;
+    };
     pool::for_each(first_task[n_parts], |task| {
         if !own_copies {
             // SAFETY: quantized above; every thread only reads it during the fan-out.
@@ -396,6 +408,7 @@ pub fn qmatmul_shared_input<'a, 'o>(
             // the fan-out, one task at a time.
             let acts = unsafe { &mut *shared.ptr() };
             if acts.key != Some(key) {
+                warm(task);
                 quantize_acts(isa, x, t, k, w0.group, order, acts);
                 acts.key = Some(key);
             }
@@ -406,6 +419,7 @@ pub fn qmatmul_shared_input<'a, 'o>(
         OWN_ACTS.with(|own| match own.try_borrow_mut() {
             Ok(mut own) => {
                 if own.key != Some(own_key) {
+                    warm(task);
                     quantize_acts(isa, x, t, k, w0.group, order, &mut own);
                     own.key = Some(own_key);
                 }
