@@ -356,6 +356,18 @@ fn openai_sdk_transcribes_through_the_server() {
         assert!(words(&text).contains("recognition test"), "{text}");
         let r = post(vec![("response_format", "xml".into())]).await.unwrap();
         assert_eq!(r.status(), 400);
+        // A granularity asks for timestamps only `verbose_json` carries (in either field order).
+        for form in [
+            vec![("timestamp_granularities[]", "segment".into()), ("response_format", "json".into())],
+            vec![("response_format", "text".into()), ("timestamp_granularities[]", "segment".into())],
+            vec![("timestamp_granularities[]", "segment".into())],
+        ] {
+            let r = post(form).await.unwrap();
+            assert_eq!(r.status(), 400);
+            let v: serde_json::Value = r.json().await.unwrap();
+            assert_eq!(v["error"]["param"], "timestamp_granularities", "{v}");
+            assert!(v["error"]["message"].as_str().unwrap().contains("verbose_json"), "{v}");
+        }
         // What this English-only model cannot do names the field that asked for it.
         let r = with_file(&[("language", "de")]).await.unwrap();
         assert_eq!(r.status(), 400);
@@ -546,8 +558,10 @@ fn a_transcription_past_the_timeout_is_a_504_and_stops() {
         let get = |path: &str| client.get(format!("{base}{path}")).bearer_auth(KEY).send();
         let props: serde_json::Value = get("/props").await.unwrap().json().await.unwrap();
         assert_eq!((props["total_slots"].as_u64(), props["modalities"]["audio"].as_bool()), (Some(1), Some(true)));
+        // The decoder's context (whisper-tiny.en's max_target_positions).
+        assert_eq!(props["default_generation_settings"]["n_ctx"], 448, "{props}");
         let slots: serde_json::Value = get("/slots").await.unwrap().json().await.unwrap();
-        assert_eq!(slots[0]["is_processing"], false, "{slots}");
+        assert_eq!((&slots[0]["is_processing"], &slots[0]["n_ctx"]), (&false.into(), &448.into()), "{slots}");
     });
 }
 

@@ -42,6 +42,8 @@ struct Job {
 pub struct SpeechService {
     pub id: String,
     pub path: String,
+    /// The decoder's context (prompt and generated tokens of one window).
+    n_ctx: usize,
     jobs: SyncSender<Job>,
     stats: Arc<SpeechStats>,
 }
@@ -62,7 +64,7 @@ impl SpeechService {
     /// template, audio in), so that clients probing the server at start-up get an answer.
     pub fn props(&self, config: &ServerConfig) -> serde_json::Value {
         serde_json::json!({
-            "default_generation_settings": {"params": {}},
+            "default_generation_settings": {"n_ctx": self.n_ctx, "params": {"n_ctx": self.n_ctx}},
             "total_slots": 1,
             "model_alias": self.id,
             "model_path": self.path,
@@ -80,7 +82,7 @@ impl SpeechService {
     /// `GET /slots` of a speech server: its one transcription thread.
     pub fn slots(&self) -> serde_json::Value {
         let busy = self.stats.processing.load(Ordering::Relaxed) > 0;
-        serde_json::json!([{"id": 0, "id_task": -1, "is_processing": busy}])
+        serde_json::json!([{"id": 0, "id_task": -1, "n_ctx": self.n_ctx, "is_processing": busy}])
     }
 
     /// `/metrics` rows of a speech server: `(name, type, help, value)`.
@@ -120,6 +122,7 @@ pub fn start(config: &ServerConfig, catalog: &Catalog, checkpoint: Checkpoint) -
     // Sequence rows for the default best_of's candidates to decode together; more run in groups.
     let mut transcriber =
         load_transcriber(catalog, checkpoint, config.backend.clone(), config.threads, DEFAULT_BEST_OF)?;
+    let n_ctx = transcriber.text_context();
     let (tx, rx) = sync_channel::<Job>(QUEUE);
     let stats = Arc::new(SpeechStats::default());
     let st = stats.clone();
@@ -178,6 +181,7 @@ pub fn start(config: &ServerConfig, catalog: &Catalog, checkpoint: Checkpoint) -
     Ok(SpeechService {
         id: config.alias.clone().unwrap_or_else(|| config.model.clone()),
         path: dir.display().to_string(),
+        n_ctx,
         jobs: tx,
         stats,
     })
@@ -225,6 +229,7 @@ async fn read_upload(mut form: Multipart, task: SpeechTask) -> Result<Upload, Ap
         ApiError::new(kind, format!("the multipart form could not be read: {}", e.body_text()))
     };
     let mut seen: Vec<String> = Vec::new();
+    let mut granularities = false;
     while let Some(field) = form.next_field().await.map_err(bad_form)? {
         let name = field.name().unwrap_or_default().to_string();
         // One value per field (a second file or format would be silently dropped); granularities
@@ -276,11 +281,19 @@ async fn read_upload(mut form: Multipart, task: SpeechTask) -> Result<Upload, Ap
                         format!("timestamp granularity `{value}` is not supported (segment)"),
                     ));
                 }
+                granularities = true;
             }
             "stream" if matches!(value.trim(), "false" | "") => {}
             "stream" => return Err(ApiError::field("stream", "streaming transcriptions are not supported")),
             other => return Err(ApiError::field(other, format!("unknown field `{other}`"))),
         }
+    }
+    // As OpenAI's API: only `verbose_json` carries timestamps to honour a granularity with.
+    if granularities && up.format != ResponseFormat::VerboseJson {
+        return Err(ApiError::field(
+            "timestamp_granularities",
+            "`timestamp_granularities` needs `response_format` `verbose_json`",
+        ));
     }
     Ok(up)
 }

@@ -53,7 +53,7 @@ pub fn start_encoder(
     config: &ServerConfig,
     runner: ModelRunner,
     text: TextTokenizer,
-    facts: ModelFacts,
+    mut facts: ModelFacts,
 ) -> Result<LoadedModel> {
     let tokenizer = EncoderTokenizer::load(
         &runner.checkpoint.dir,
@@ -61,6 +61,9 @@ pub fn start_encoder(
         runner.info.max_positions.min(runner.ctx_size),
         runner.info.vocab_size,
     )?;
+    // The context `/props` and `/slots` report is the longest input the model takes (all-MiniLM-L6-v2
+    // truncates to 256 of its 512 positions), not the positions.
+    facts.ctx_size = tokenizer.max_tokens;
     let max_batch_tokens = config.batch_size.max(tokenizer.max_tokens);
     let options = EncoderOptions { max_batch_tokens, max_queue: config.queue_limit.max(1) };
     let encoder = Encoder::start(runner, tokenizer.max_tokens, options)?;

@@ -210,6 +210,11 @@ impl Transcriber {
         Ok(Transcriber { mel: MelSpectrogram::new(n_mels), runner, tokenizer, vocab, n_mels, n_text_ctx, n_frames })
     }
 
+    /// Longest decoder sequence (prompt plus generated tokens) of a window.
+    pub fn text_context(&self) -> usize {
+        self.n_text_ctx
+    }
+
     /// Refuses options this model cannot honour (translation on an English-only model, an unknown
     /// language, timestamps without timestamp tokens, a temperature outside 0..1).
     pub fn check_options(&self, opts: &TranscribeOptions) -> Result<(), BadOption> {
