@@ -23,7 +23,7 @@ pub struct TranscribeArgs {
     #[arg(value_name = "FILE", required = true)]
     pub files: Vec<PathBuf>,
     /// Output format: text, json, verbose_json, srt, vtt (the last three carry segment timestamps).
-    #[arg(long, default_value = "text")]
+    #[arg(long, default_value = "text", value_parser = ["text", "json", "verbose_json", "srt", "vtt"])]
     pub format: String,
     /// Spoken language code (e.g. `en`, `de`); default: detected (multilingual models) or English.
     #[arg(long)]

@@ -44,6 +44,8 @@ pub struct SpeechService {
     pub path: String,
     /// The decoder's context (prompt and generated tokens of one window).
     n_ctx: usize,
+    /// The routes this model answers: translations only where it is multilingual.
+    routes: &'static [&'static str],
     jobs: SyncSender<Job>,
     stats: Arc<SpeechStats>,
 }
@@ -73,7 +75,7 @@ impl SpeechService {
             "build_info": format!("mlxcel {}", env!("CARGO_PKG_VERSION")),
             "mlxcel": {
                 "task": "speech-recognition",
-                "routes": ["/v1/audio/transcriptions", "/v1/audio/translations"],
+                "routes": self.routes,
                 "timeout_s": config.timeout.map(|t| t.as_secs()),
             },
         })
@@ -123,6 +125,11 @@ pub fn start(config: &ServerConfig, catalog: &Catalog, checkpoint: Checkpoint) -
     let mut transcriber =
         load_transcriber(catalog, checkpoint, config.backend.clone(), config.threads, DEFAULT_BEST_OF)?;
     let n_ctx = transcriber.text_context();
+    let routes: &'static [&'static str] = if transcriber.vocab.multilingual {
+        &["/v1/audio/transcriptions", "/v1/audio/translations"]
+    } else {
+        &["/v1/audio/transcriptions"]
+    };
     let (tx, rx) = sync_channel::<Job>(QUEUE);
     let stats = Arc::new(SpeechStats::default());
     let st = stats.clone();
@@ -177,11 +184,12 @@ pub fn start(config: &ServerConfig, catalog: &Catalog, checkpoint: Checkpoint) -
             let _ = job.reply.send(result);
         }
     })?;
-    tracing::info!("loaded speech model {} for /v1/audio/transcriptions and /v1/audio/translations", dir.display());
+    tracing::info!("loaded speech model {} for {}", dir.display(), routes.join(" and "));
     Ok(SpeechService {
         id: config.alias.clone().unwrap_or_else(|| config.model.clone()),
         path: dir.display().to_string(),
         n_ctx,
+        routes,
         jobs: tx,
         stats,
     })
@@ -353,8 +361,8 @@ async fn handle(state: Arc<AppState>, form: Multipart, task: SpeechTask) -> Resu
 /// What the chat, completion and token routes answer on a speech model.
 pub fn not_a_text_model(service: &SpeechService) -> ApiError {
     ApiError::invalid(format!(
-        "the served model `{}` is a speech-recognition model: it answers POST /v1/audio/transcriptions and \
-         /v1/audio/translations, not this route",
-        service.id
+        "the served model `{}` is a speech-recognition model: it answers POST {}, not this route",
+        service.id,
+        service.routes.join(" and POST ")
     ))
 }

@@ -84,6 +84,8 @@ def chat_on_a_speech_model_is_a_400():
         oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}])
     except openai.BadRequestError as e:
         assert "speech-recognition model" in str(e), e
+        # tiny.en cannot translate: the routes it names are the ones it answers.
+        assert "/v1/audio/transcriptions" in str(e) and "translations" not in str(e), e
         return
     raise AssertionError("chat on a speech model was accepted")
 
