@@ -281,8 +281,8 @@ struct PanelRequest<'a> {
 /// for `q` and its weights, scales and biases are whole weight tensors or row views of them that
 /// start at a panel boundary (a fused `qkv_proj`'s parts). Built from the whole tensors by the first
 /// step that asks (when the request may build), it then serves every reader of those tensors — the
-/// panel kernel, prefill tiles dequantized from it, embedding rows — so the row layout's pages are
-/// read once and released ([`Buffer::derived_in_place_of_bytes`]).
+/// panel kernel (every step size: see `int_path_applies`), embedding rows — so the row layout's
+/// pages are read once and released ([`Buffer::derived_in_place_of_bytes`]).
 #[cfg(target_arch = "x86_64")]
 fn panels_of<'a>(
     PanelRequest { isa, weights, build }: PanelRequest<'a>,
@@ -861,9 +861,9 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
                             }
                         } else {
                             // With integer activations on, every path reads the panel-ordered copy where
-                            // the ISA has one (decode by the panel kernel, prefill tiles dequantized
-                            // from it), so the row layout's pages are read once, to build it; the
-                            // exact f32 paths (`MLXCEL_CPU_INT16=0`) read the row layout.
+                            // the ISA has one (the panel kernel, which then takes steps of every
+                            // size), so the row layout's pages are read once, to build it; the exact
+                            // f32 paths (`MLXCEL_CPU_INT16=0`) read the row layout.
                             let panels = int_enabled.then_some(PanelRequest { isa, weights, build: true });
                             let (q, rows) = quant_matrix(&vals, nodes, node, k, panels).map_err(e)?;
                             if rows != n {

@@ -44,6 +44,10 @@ pub fn applies(isa: Isa, bits: usize, group: usize, order: ActOrder) -> bool {
 /// tokens per pass, from `w`'s [`Panels`] where it has them. False (nothing written) for scales and
 /// biases stored in different types.
 ///
+/// Tokens whose rows are evenly spaced in memory are read at one base address and a fixed distance,
+/// so such rows must be views of one buffer (as [`IntActs::row`](super::int_dot::IntActs::row)
+/// gives); others are copied first.
+///
 /// # Safety
 /// `isa.has_avx512vnni()` must hold, and `out` must be valid for writes at every `j * stride + r`
 /// (`out` itself may point outside its buffer, as where only `rows`' results are stored).
@@ -111,8 +115,8 @@ unsafe fn passes<S: ScaleKind, Src: Source>(
     }
 }
 
-/// Asks for the panel of `w`'s panel copy that holds row `row` (its weights, scales and biases), so
-/// that a task that has other work first (quantizing its input) finds its first panel in cache;
+/// Asks for the start of the panel of `w`'s panel copy that holds row `row` (its weights, scales and
+/// biases), so that a task that has other work first (quantizing its input) finds it in cache;
 /// nothing without a copy.
 pub fn prefetch_panel(w: &QuantMatrix, row: usize) {
     let Some(panels) = w.panels else { return };
@@ -205,9 +209,9 @@ unsafe fn pass<S: ScaleKind, Src: Source, const M: usize>(
         // the pair kept it on the stack).
         for g in (0..gpr).step_by(2) {
             let [(s0, b0), (s1, b1)] = src.factor_pair::<S>(&panel, g);
-            group::<S, Src, M>(src, &panel, &toks, g, (s0, b0), &mut acc);
+            add_group::<S, Src, M>(src, &panel, &toks, g, (s0, b0), &mut acc);
             if g + 1 < gpr {
-                group::<S, Src, M>(src, &panel, &toks, g + 1, (s1, b1), &mut acc);
+                add_group::<S, Src, M>(src, &panel, &toks, g + 1, (s1, b1), &mut acc);
             }
         }
         let lanes = kept_lanes(p0, &keep);
@@ -220,10 +224,10 @@ unsafe fn pass<S: ScaleKind, Src: Source, const M: usize>(
 
 /// Group `g` of a panel, with its scales `s` and biases `b`, added to each token's `acc`.
 #[inline(always)]
-unsafe fn group<S: ScaleKind, Src: Source, const M: usize>(
+unsafe fn add_group<S: ScaleKind, Src: Source, const M: usize>(
     src: &Src,
     panel: &Src::Panel,
-    toks: &Tokens,
+    toks: &Tokens<'_>,
     g: usize,
     (s, b): (__m512, __m512),
     acc: &mut [__m512; M],
@@ -302,8 +306,9 @@ unsafe fn column_rows() -> __m512i {
 /// address and one distance between tokens, so that the block loop holds three addresses for them,
 /// not three per token (with eight tokens, per-token addresses left the compiler short of
 /// registers: they were kept on the stack and reloaded at every block). Rows of one quantized
-/// input are evenly spaced; tokens that are not are copied so that they are.
-struct Tokens {
+/// input are evenly spaced (views of one buffer, as [`rows_tile`]'s callers pass); tokens that are
+/// not are copied so that they are.
+struct Tokens<'a> {
     planes: *const u8,
     plane_step: usize,
     d: *const f32,
@@ -312,10 +317,12 @@ struct Tokens {
     sum_step: usize,
     /// The copy, where one was needed (the addresses above point into it).
     _copy: Option<(Vec<u8>, Vec<f32>, Vec<f32>)>,
+    /// The rows the addresses point into, where no copy was made.
+    _rows: std::marker::PhantomData<&'a [u8]>,
 }
 
-impl Tokens {
-    fn new(x: &[ActRow]) -> Tokens {
+impl<'a> Tokens<'a> {
+    fn new(x: &[ActRow<'a>]) -> Tokens<'a> {
         fn step<T>(x: &[ActRow], at: impl Fn(&ActRow) -> *const T) -> Option<usize> {
             let size = std::mem::size_of::<T>();
             let first = at(&x[0]) as usize;
@@ -333,6 +340,7 @@ impl Tokens {
                 sums: x[0].group_sums.as_ptr(),
                 sum_step,
                 _copy: None,
+                _rows: std::marker::PhantomData,
             };
         }
         let (plane_step, d_step, sum_step) = (x[0].planes.len(), x[0].d.len(), x[0].group_sums.len());
@@ -349,6 +357,7 @@ impl Tokens {
             sums: copy.2.as_ptr(),
             sum_step,
             _copy: Some(copy),
+            _rows: std::marker::PhantomData,
         }
     }
 
@@ -376,9 +385,9 @@ trait Source {
     /// Groups `g` and `g + 1`'s scales and biases of a panel's rows, at their columns (past a row's
     /// last group, the second pair is never used).
     unsafe fn factor_pair<S: ScaleKind>(&self, panel: &Self::Panel, g: usize) -> [(__m512, __m512); 2];
-    /// Asks for the weights a later block will need, where the hardware would not (`group`: the
-    /// group that `blk` starts, if it starts one).
-    unsafe fn prefetch(&self, panel: &Self::Panel, blk: usize, group: Option<usize>);
+    /// Asks for the weights a later block will need, where the hardware would not (`starts`: the
+    /// group whose first block `blk` is, if it is one).
+    unsafe fn prefetch(&self, panel: &Self::Panel, blk: usize, starts: Option<usize>);
 }
 
 /// A block's dword vector `kq` as the weight operand for block positions `4·kq..` (the even
@@ -468,7 +477,7 @@ impl Source for MatrixSource<'_> {
     /// at a time, lose the hardware prefetchers. Addresses past the matrix are only hinted, never
     /// read.
     #[inline(always)]
-    unsafe fn prefetch(&self, panel: &MatrixPanel, blk: usize, _group: Option<usize>) {
+    unsafe fn prefetch(&self, panel: &MatrixPanel, blk: usize, _starts: Option<usize>) {
         let share = (16 * self.row_bytes).div_ceil(self.gpr * self.gb);
         let next = panel.p0 + 16;
         let start = (self.w.packed.as_ptr() as *const u8).wrapping_add(next * self.row_bytes + blk * share);
@@ -488,7 +497,9 @@ struct PackSource<'a> {
 }
 
 impl PackSource<'_> {
-    /// Asks for all of the panel of row `p0` (a multiple of 16).
+    /// Asks for the start of the panel of row `p0` (a multiple of 16): its first 32 blocks (8 KiB, a
+    /// whole panel up to k = 1024) and their groups' factors; the pass's own prefetches take over
+    /// from there.
     #[inline(always)]
     unsafe fn prefetch_panel(&self, p0: usize) {
         let panel = self.panel(p0);
@@ -497,9 +508,10 @@ impl PackSource<'_> {
                 _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(o));
             }
         };
-        lines(panel.weights as *const i8, 256 * self.groups() * self.gb);
-        lines(panel.scales as *const i8, self.groups() * panel.group_bytes);
-        lines(panel.biases as *const i8, self.groups() * panel.group_bytes);
+        let blocks = (self.groups() * self.gb).min(32);
+        lines(panel.weights as *const i8, 256 * blocks);
+        lines(panel.scales as *const i8, blocks.div_ceil(self.gb) * panel.group_bytes);
+        lines(panel.biases as *const i8, blocks.div_ceil(self.gb) * panel.group_bytes);
     }
 }
 
@@ -546,6 +558,7 @@ impl Source for PackSource<'_> {
 
     #[inline(always)]
     unsafe fn dwords(&self, panel: &PackPanel, blk: usize) -> [__m512i; 4] {
+        debug_assert!(blk < self.groups() * self.gb);
         // Unaligned loads, as fast on the copy's 64-byte aligned blocks, and sound whatever the
         // allocator gave.
         let at = panel.weights.add(4 * blk);
@@ -559,6 +572,7 @@ impl Source for PackSource<'_> {
 
     #[inline(always)]
     unsafe fn factor_pair<S: ScaleKind>(&self, panel: &PackPanel, g: usize) -> [(__m512, __m512); 2] {
+        debug_assert!(g < self.groups());
         let load =
             |g: usize| (S::load16(S::advance(panel.scales, 16 * g)), S::load16(S::advance(panel.biases, 16 * g)));
         let second = if g + 1 < self.groups() { load(g + 1) } else { (_mm512_setzero_ps(), _mm512_setzero_ps()) };
@@ -568,12 +582,12 @@ impl Source for PackSource<'_> {
     /// The same block of the next panel, and at a group's first block that group's factors there:
     /// one panel ahead, as the hardware prefetchers alone do not keep up with a pass.
     #[inline(always)]
-    unsafe fn prefetch(&self, panel: &PackPanel, blk: usize, group: Option<usize>) {
+    unsafe fn prefetch(&self, panel: &PackPanel, blk: usize, starts: Option<usize>) {
         let next = panel.next_weights.wrapping_add(256 * blk);
         for line in 0..4 {
             _mm_prefetch::<_MM_HINT_T0>(next.wrapping_add(64 * line));
         }
-        if let Some(g) = group {
+        if let Some(g) = starts {
             _mm_prefetch::<_MM_HINT_T0>(panel.next_scales.wrapping_add(g * panel.group_bytes));
             _mm_prefetch::<_MM_HINT_T0>(panel.next_biases.wrapping_add(g * panel.group_bytes));
         }
@@ -706,16 +720,19 @@ mod tests {
                     }
                 }
             }
-            // Tokens not evenly spaced in memory (here in reverse order) are read from a copy: the
-            // same bits.
-            let reversed: Vec<ActRow> = rows.iter().rev().cloned().collect();
-            for m in [w, packed_w] {
-                let mut out = vec![f32::NAN; t * n];
-                assert!(unsafe { rows_tile(m, 0..n, &reversed, out.as_mut_ptr(), n) });
-                for j in 0..t {
-                    for r in 0..n {
-                        let (got, want) = (out[j * n + r], alone[(t - 1 - j) * n + r]);
-                        assert_eq!(got.to_bits(), want.to_bits(), "reversed tokens: n {n} row {r} token {j}");
+            // Tokens not evenly spaced in memory are read from a copy: the same bits. Reversed (a
+            // negative distance), out of order though ascending at first, and seven of them (passes
+            // of four, two and one).
+            for order in [vec![7, 6, 5, 4, 3, 2, 1, 0], vec![0, 1, 3, 4, 5, 6, 7, 2], vec![6, 5, 4, 3, 2, 1, 0]] {
+                let picked: Vec<ActRow> = order.iter().map(|&j| rows[j]).collect();
+                for m in [w, packed_w] {
+                    let mut out = vec![f32::NAN; picked.len() * n];
+                    assert!(unsafe { rows_tile(m, 0..n, &picked, out.as_mut_ptr(), n) });
+                    for (j, &from) in order.iter().enumerate() {
+                        for r in 0..n {
+                            let (got, want) = (out[j * n + r], alone[from * n + r]);
+                            assert_eq!(got.to_bits(), want.to_bits(), "tokens {order:?}: n {n} row {r} token {j}");
+                        }
                     }
                 }
             }

@@ -44,13 +44,6 @@ impl PanelWeights {
         self.k == k && first.is_multiple_of(16) && first + n <= self.n
     }
 
-    /// Block `blk` of the panel holding row `p0` (a multiple of 16): 64 words.
-    #[inline(always)]
-    pub fn block(&self, p0: usize, blk: usize) -> *const u32 {
-        debug_assert!(p0.is_multiple_of(16) && p0 < self.n && blk < self.k / 32);
-        self.block_unchecked(p0, blk)
-    }
-
     /// Rows, the last panel's zero padding not counted.
     pub fn rows(&self) -> usize {
         self.n
@@ -62,7 +55,8 @@ impl PanelWeights {
         self.words.as_slice()[(r / 16 * (self.k / 8) + j) * 16 + column(r % 16)]
     }
 
-    /// [`PanelWeights::block`]'s address for any panel, past the last one too (for prefetches).
+    /// Block `blk` of the panel holding row `p0` (a multiple of 16), 64 words, for any panel: past
+    /// the last one too (for prefetches).
     #[inline(always)]
     pub fn block_unchecked(&self, p0: usize, blk: usize) -> *const u32 {
         self.words.as_ptr().wrapping_add((p0 / 16 * (self.k / 32) + blk) * 64)
@@ -120,14 +114,6 @@ impl PanelFactors {
         }
     }
 
-    /// Group `g`'s sixteen values of the panel holding row `p0` (a multiple of 16), as 16-bit
-    /// elements ([`ScaleKind`](super::int_dot::ScaleKind) addressing: an f32 is two).
-    #[inline(always)]
-    pub fn group(&self, p0: usize, g: usize) -> *const u16 {
-        debug_assert!(p0.is_multiple_of(16) && p0 < self.n && g < self.groups);
-        self.group_unchecked(p0, g)
-    }
-
     /// Row `r`'s factor of group `g`.
     #[inline]
     pub fn get(&self, r: usize, g: usize) -> f32 {
@@ -139,7 +125,9 @@ impl PanelFactors {
         }
     }
 
-    /// [`PanelFactors::group`]'s address for any panel, past the last one too (for prefetches).
+    /// Group `g`'s sixteen values of the panel holding row `p0` (a multiple of 16), as 16-bit
+    /// elements ([`ScaleKind`](super::int_dot::ScaleKind) addressing: an f32 is two), for any panel:
+    /// past the last one too (for prefetches).
     #[inline(always)]
     pub fn group_unchecked(&self, p0: usize, g: usize) -> *const u16 {
         let at = (p0 / 16 * self.groups + g) * 16;

@@ -1,7 +1,8 @@
 //! MLX affine-quantized weights: `w = scales[g] * q + biases[g]` per group of `group` elements, `q`
 //! packed little-endian as a bit stream of `bits`-bit values inside `u32` words (a group always starts
 //! on a word boundary since `group * bits` is a multiple of 32). Matrices are never dequantized whole:
-//! decode dots packed rows directly, prefill dequantizes one tile of rows at a time into gemm.
+//! decode (and, under the panel kernel, prefill) dots packed rows directly; elsewhere prefill
+//! dequantizes one tile of rows at a time into gemm.
 
 use crate::pool;
 
@@ -36,7 +37,7 @@ impl QuantMatrix<'_> {
     }
 
     /// Dequantizes row `r` into `out[..k]` (from the panel-ordered copy where there is one, so that
-    /// a prefill reads the same copy as decode).
+    /// an embedding row or a float tile reads the same copy as the panel kernel).
     pub fn dequantize_row(&self, isa: Isa, r: usize, out: &mut [f32]) {
         if let Some(p) = self.panels {
             let (mut words, wpg, at) = ([0u32; 16], self.group / 8, p.first + r);
@@ -336,20 +337,13 @@ pub fn qmatmul_shared_input<'a, 'o>(
     let whole = [t];
     let segments = if passes_match_tile(isa, w0.bits, w0.group, order) { &[][..] } else { segments };
     // A task is a tile of rows of one part; its weights stay in L1/L2 while all tokens stream past.
-    // Few tokens: one tile per thread of the largest part, of at most 1024 rows (a vocabulary-sized
-    // matrix still makes dozens). Each task claimed is a cache line passed between cores and a new
-    // stretch of weights to stream: with 32-row tiles of a vocabulary-sized matrix that cost more
-    // than the second thread gained, and four tiles per thread ran SmolLM2's eight-token steps ~10%
-    // slower on two Zen 5 cores than one. A row's result does not depend on its tile.
+    // A row's result does not depend on its tile.
     let rows_per_task = if t <= ROW_DOT_MAX_TOKENS {
-        let n_max = dims.iter().flatten().map(|d| d.1).max().unwrap_or(0);
-        let threads = pool::threads();
-        let base = (n_max / threads).clamp(32, 1024) / 32 * 32;
-        // The tasks are alike, so a count that the threads share evenly ends the fan-out together:
-        // the smallest larger tile that makes one (q, k and v of 576, 192 and 192 rows on two
-        // threads: 288-row tiles, 2 + 1 + 1 tasks).
-        let tasks = |rows: usize| dims.iter().flatten().map(|d| d.1.div_ceil(rows)).sum::<usize>();
-        (base..=1024.max(base)).step_by(32).find(|&rows| tasks(rows) % threads == 0).unwrap_or(base)
+        let mut rows = [0usize; MAX_PARTS];
+        for (r, d) in rows.iter_mut().zip(&dims) {
+            *r = d.map_or(0, |d| d.1);
+        }
+        few_token_tile(&rows[..n_parts], pool::threads())
     } else {
         16
     };
@@ -357,13 +351,17 @@ pub fn qmatmul_shared_input<'a, 'o>(
     for p in 0..n_parts {
         first_task[p + 1] = first_task[p] + dims[p].map_or(0, |(_, n, _)| n.div_ceil(rows_per_task));
     }
+    // A task's part and the rows of that part it covers.
+    let task_rows = |task: usize| {
+        let p = (0..n_parts).find(|&p| task < first_task[p + 1]).unwrap_or(0);
+        let chunk = task - first_task[p];
+        (p, chunk * rows_per_task..((chunk + 1) * rows_per_task).min(dims[p].map_or(0, |d| d.1)))
+    };
     // One task: a tile of rows of one part, against every token of `acts`.
     let run_task = |task: usize, acts: &IntActs| {
         let act = |ti: usize| acts.row(ti, k, gpr, order);
-        let p = (0..n_parts).find(|&p| task < first_task[p + 1]).unwrap_or(0);
+        let (p, tile) = task_rows(task);
         let Some((w, n, out_ptr)) = dims[p] else { return };
-        let chunk = task - first_task[p];
-        let tile = chunk * rows_per_task..((chunk + 1) * rows_per_task).min(n);
         // Widths with a multi-token kernel: eight tokens per pass while they last, then four (each
         // block unpacked once for all of them); then, and for other widths, one token at a time
         // over the cached tile.
@@ -390,9 +388,9 @@ pub fn qmatmul_shared_input<'a, 'o>(
     let warm = |task: usize| {
         #[cfg(target_arch = "x86_64")]
         {
-            let p = (0..n_parts).find(|&p| task < first_task[p + 1]).unwrap_or(0);
+            let (p, tile) = task_rows(task);
             if let Some((w, _, _)) = dims[p] {
-                super::panel::prefetch_panel(&w, (task - first_task[p]) * rows_per_task);
+                super::panel::prefetch_panel(&w, tile.start);
             }
         }
         #[cfg(not(target_arch = "x86_64"))]
@@ -433,6 +431,53 @@ pub fn qmatmul_shared_input<'a, 'o>(
             }
         })
     });
+}
+
+/// What a task costs beyond its rows, in rows (of the same matrices): each task claimed is a cache
+/// line passed between cores and a new stretch of weights to start streaming. With tiles about a
+/// quarter of a matrix's rows per thread, SmolLM2's eight-token steps ran ~10% slower on two Zen 5
+/// cores than with about one; with 32-row tiles of a vocabulary-sized matrix, the second thread cost
+/// more than it gained.
+const TASK_COST_ROWS: usize = 64;
+
+/// The rows per task of a few-token fan-out over `parts` (the rows of each matrix sharing the
+/// input, whose tasks are claimed in order) on `threads` threads: the tile of 32 to 1024 rows whose
+/// estimated finish — each thread's rows when each task goes to the thread free first, plus
+/// [`TASK_COST_ROWS`] per task it ran — comes first; on a tie the one whose busiest thread has
+/// fewer rows, then the smaller (tasks closer to one size). (q, k and v of 576, 192 and 192 rows on
+/// two threads: 288-row tiles, 2 + 1 + 1 tasks.) Remembered per shape, as every step asks again.
+fn few_token_tile(parts: &[usize], threads: usize) -> usize {
+    thread_local! {
+        static TILES: std::cell::RefCell<Vec<(Vec<usize>, usize, usize)>> = const { std::cell::RefCell::new(Vec::new()) };
+    }
+    if let Some(rows) =
+        TILES.with_borrow(|c| c.iter().find(|(p, t, _)| p.as_slice() == parts && *t == threads).map(|e| e.2))
+    {
+        return rows;
+    }
+    let finish = |rows: usize| {
+        // Each thread's (rows, tasks), the next task to the one whose rows end first.
+        let mut load = vec![(0usize, 0usize); threads.max(1)];
+        for &n in parts {
+            let mut left = n;
+            while left > 0 {
+                let take = left.min(rows);
+                let first = load.iter_mut().min_by_key(|l| l.0).expect("at least one thread");
+                *first = (first.0 + take, first.1 + 1);
+                left -= take;
+            }
+        }
+        let finish = load.iter().map(|&(r, k)| r + TASK_COST_ROWS * k).max().unwrap_or(0);
+        (finish, load.iter().map(|l| l.0).max().unwrap_or(0), rows)
+    };
+    let rows = (1..=32).map(|i| 32 * i).min_by_key(|&rows| finish(rows)).unwrap_or(32);
+    TILES.with_borrow_mut(|c| {
+        if c.len() >= 32 {
+            c.remove(0);
+        }
+        c.push((parts.to_vec(), threads, rows));
+    });
+    rows
 }
 
 /// Inputs of at most this many values (`t · k`) are quantized by every thread of a
@@ -490,6 +535,88 @@ pub fn qembedding(isa: Isa, ids: &[i32], w: QuantMatrix, out: &mut [f32]) {
 mod tests {
     use super::*;
     use crate::pool::ThreadPool;
+
+    /// Few-token tiles: SmolLM2's shapes on two threads take one tile per thread where that splits
+    /// the rows evenly, and other thread counts are not left with one thread running a whole
+    /// matrix while the others wait (the busiest thread within a task of an even share).
+    #[test]
+    fn few_token_tiles_share_the_rows_evenly() {
+        assert_eq!(few_token_tile(&[576, 192, 192], 2), 288);
+        assert_eq!(few_token_tile(&[576], 2), 288);
+        assert_eq!(few_token_tile(&[1536, 1536], 2), 768);
+        assert_eq!(few_token_tile(&[49152], 2), 1024);
+        for (parts, threads) in [
+            (vec![576, 192, 192], 3),
+            (vec![2048, 512, 512], 4),
+            (vec![2048, 512, 512], 8),
+            (vec![896, 128, 128], 4),
+            (vec![4864, 4864], 16),
+            (vec![100], 4),
+        ] {
+            let rows = few_token_tile(&parts, threads);
+            assert!(rows.is_multiple_of(32) && (32..=1024).contains(&rows), "{parts:?} on {threads}: {rows}");
+            // Tasks claimed in order by whichever thread is free first.
+            let mut load = vec![0usize; threads];
+            for &n in &parts {
+                for start in (0..n).step_by(rows) {
+                    *load.iter_mut().min().unwrap() += (n - start).min(rows);
+                }
+            }
+            let share = parts.iter().sum::<usize>().div_ceil(threads);
+            let busiest = *load.iter().max().unwrap();
+            assert!(busiest <= share + rows.min(share), "{parts:?} on {threads}: {rows}-row tiles, busiest {busiest}");
+            assert!(
+                busiest <= share * 3 / 2 || rows <= 64,
+                "{parts:?} on {threads}: {rows}-row tiles, busiest {busiest}"
+            );
+        }
+    }
+
+    /// Where the panel kernel serves the weights, a step of many tokens (a 100-token prompt) takes the
+    /// int16 path too and gives each token the bits it gets alone, so a prompt's results do not
+    /// depend on how it is cut into steps (a cached prefix and a recomputed one agree). Skipped
+    /// without the panel kernel (printed).
+    #[test]
+    fn a_long_step_under_the_panel_kernel_gives_each_token_its_own_bits() {
+        let isa = Isa::best();
+        if !panels_serve(isa, 4, 32) {
+            eprintln!("long int16 steps: SKIPPED (no panel kernel on {})", isa.name());
+            return;
+        }
+        assert!(int_path_applies(isa, 4, 32, 100, true) && int_path_applies(isa, 4, 32, 4096, true));
+        assert!(!int_path_applies(isa, 4, 32, 100, false));
+        let mut rng = crate::kernels::TestRng(0x51_7CC1_B727_220Au64);
+        let mut next = move || rng.next();
+        let (n, k, group, t) = (80, 576, 32, 100);
+        let packed: Vec<u32> = (0..n * k / 8).map(|_| next() as u32).collect();
+        let factor = |v: u64, base: f32| half::f16::from_f32(base + (v % 1000) as f32 * 1e-5).to_bits();
+        let scales: Vec<u16> = (0..n * k / group).map(|_| factor(next(), 0.01)).collect();
+        let biases: Vec<u16> = (0..n * k / group).map(|_| factor(next(), -0.005)).collect();
+        let w = QuantMatrix {
+            packed: &packed,
+            scales: Floats::F16(&scales),
+            biases: Floats::F16(&biases),
+            bits: 4,
+            group,
+            k,
+            panels: None,
+        };
+        let x: Vec<f32> = (0..t * k).map(|_| (next() % 2001) as f32 / 1000.0 - 1.0).collect();
+        let pool = ThreadPool::new(2).unwrap();
+        let mut whole = vec![f32::NAN; t * n];
+        pool.install(|| {
+            let part = QuantPart { w, n, out: &mut whole };
+            qmatmul_shared_input(isa, &x, 1, t, &[], [part], &mut IntActs::default());
+        });
+        for ti in 0..t {
+            let mut alone = vec![f32::NAN; n];
+            let part = QuantPart { w, n, out: &mut alone };
+            qmatmul_shared_input(isa, &x[ti * k..(ti + 1) * k], 2 + ti, 1, &[], [part], &mut IntActs::default());
+            for r in 0..n {
+                assert_eq!(whole[ti * n + r].to_bits(), alone[r].to_bits(), "token {ti} row {r}");
+            }
+        }
+    }
 
     /// With two threads, a decode-sized input is quantized by each thread for itself and a larger
     /// one once for both; either way every (row, token) gets the bits of a one-thread run, which
