@@ -221,6 +221,19 @@ pub fn supports(node: &Node) -> bool {
     }
 }
 
+/// A quantized matmul's group size as the int16 path's choice sees it: 0 where its scales and biases
+/// are stored in different types, which the panel kernel does not read (so that its long steps keep
+/// the float tiles rather than the portable per-row loop).
+fn panel_group(node: &Node, nodes: &[Node]) -> usize {
+    let first = if node.opcode() == Some(OpCode::GatherQuantMatMul) { 3 } else { 2 };
+    let dtype = |i: usize| node.sources().get(i).and_then(|&s| nodes.get(s as usize)).map(|n| n.dtype());
+    if dtype(first).is_some() && dtype(first) == dtype(first + 1) {
+        node.iparams[1] as usize
+    } else {
+        0
+    }
+}
+
 /// Builds the quantized view from `src[1..4]` (packed, scales, biases; `src[2..5]` for the gathered
 /// matmul) for an op whose logical inner size is `k`, with its panel-ordered copy where `panels`
 /// (the step's ISA and weights) asks for one and the panel kernel will read it.
@@ -565,7 +578,7 @@ fn fusable_after<'a>(
     }
     let x = node.sources()[0] as usize;
     let t = nodes[x].rows();
-    let (bits, group) = (node.iparams[0] as usize, node.iparams[1] as usize);
+    let (bits, group) = (node.iparams[0] as usize, panel_group(node, nodes));
     if !quantized::int_path_applies(ctx.isa, bits, group, t, ctx.int_activations) {
         return Ok(0);
     }
@@ -742,7 +755,7 @@ fn compute_in_pool(ctx: &mut ExecState, args: &ComputeArgs) -> Result<(), Plugin
         // Matmuls after this one that share its input run with it (results stored below).
         let mut fused_ids = [0usize; MAX_FUSED - 1];
         // Kernel paths for a matmul's rows, chosen per sequence (batch invariance).
-        let (bits, group) = (node.iparams[0] as usize, node.iparams[1] as usize);
+        let (bits, group) = (node.iparams[0] as usize, panel_group(node, nodes));
         let int_enabled = ctx.int_activations;
         let path = move |n: usize| {
             if matches!(op, OpCode::MatMul | OpCode::GatherMatMul) {
