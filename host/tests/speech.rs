@@ -263,12 +263,14 @@ fn bad_audio_files_are_one_clear_error_line() {
     // Options the model cannot honour are refused by name.
     let (ok, _, err) = transcribe(&model, &speech_wav(), &["--task", "translate"]);
     assert!(!ok && err.contains("English-only"), "{err}");
-    // An unknown format is a usage error (exit 2, as other bad values), listing the formats.
-    let out = mlxcel().arg("transcribe").arg("-m").arg(&model).arg(speech_wav()).args(["--format", "xml"]).output();
-    let out = out.unwrap();
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert_eq!(out.status.code(), Some(2), "{err}");
-    assert!(err.contains("xml") && err.contains("verbose_json"), "{err}");
+    // Values outside a flag's choices are usage errors (exit 2), which list the choices.
+    for (flag, value, choices) in [("--format", "xml", "verbose_json"), ("--task", "bogus", "translate")] {
+        let out = mlxcel().arg("transcribe").arg("-m").arg(&model).arg(speech_wav()).args([flag, value]).output();
+        let out = out.expect("mlxcel runs");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{flag} {value}: {err}");
+        assert!(err.contains(value) && err.contains(choices), "{flag} {value}: {err}");
+    }
 }
 
 /// A WAV header announcing 8-bit mu-law (format 7) with a little data.
@@ -314,9 +316,7 @@ fn openai_sdk_transcribes_through_the_server() {
     // Raw HTTP: a form without a file, an unknown field, and a body over --max-audio-bytes are 400 / 413.
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
     rt.block_on(async {
-        // A connection per request: a form refused before its file part is read may see its
-        // connection closed once the answer is sent, and a pooled one would fail the next request.
-        let client = reqwest::Client::builder().pool_max_idle_per_host(0).build().unwrap();
+        let client = reqwest::Client::new();
         let post = |form: Vec<(&'static str, String)>| {
             let mut body = String::new();
             for (k, v) in &form {
@@ -362,17 +362,23 @@ fn openai_sdk_transcribes_through_the_server() {
         assert!(words(&text).contains("recognition test"), "{text}");
         let r = post(vec![("response_format", "xml".into())]).await.unwrap();
         assert_eq!(r.status(), 400);
-        // A granularity asks for timestamps only `verbose_json` carries (in either field order).
-        for form in [
-            vec![("timestamp_granularities[]", "segment".into()), ("response_format", "json".into())],
-            vec![("response_format", "text".into()), ("timestamp_granularities[]", "segment".into())],
-            vec![("timestamp_granularities[]", "segment".into())],
-        ] {
-            let r = post(form).await.unwrap();
+        // Segment granularity goes with any format (as OpenAI's API: these forms fail only for
+        // their missing file); word timestamps are refused by name.
+        for format in ["json", "text", "srt", "verbose_json"] {
+            let form = vec![("timestamp_granularities[]", "segment".into()), ("response_format", format.into())];
+            let v: serde_json::Value = post(form).await.unwrap().json().await.unwrap();
+            assert_eq!(v["error"]["param"], "file", "{format}: {v}");
+        }
+        let v: serde_json::Value =
+            post(vec![("timestamp_granularities[]", "word".into())]).await.unwrap().json().await.unwrap();
+        assert_eq!(v["error"]["param"], "timestamp_granularities", "{v}");
+        // A field refused before the file is answered once the whole upload is read: the client gets
+        // the 400 on a connection it can use again (this client pools its connections).
+        for _ in 0..3 {
+            let r = with_file(&[("stream", "true"), ("response_format", "text")]).await.unwrap();
             assert_eq!(r.status(), 400);
             let v: serde_json::Value = r.json().await.unwrap();
-            assert_eq!(v["error"]["param"], "timestamp_granularities", "{v}");
-            assert!(v["error"]["message"].as_str().unwrap().contains("verbose_json"), "{v}");
+            assert_eq!(v["error"]["param"], "stream", "{v}");
         }
         // What this English-only model cannot do names the field that asked for it.
         let r = with_file(&[("language", "de")]).await.unwrap();

@@ -23,14 +23,14 @@ pub struct TranscribeArgs {
     #[arg(value_name = "FILE", required = true)]
     pub files: Vec<PathBuf>,
     /// Output format: text, json, verbose_json, srt, vtt (the last three carry segment timestamps).
-    #[arg(long, default_value = "text", value_parser = ["text", "json", "verbose_json", "srt", "vtt"])]
-    pub format: String,
+    #[arg(long, default_value = "text", value_parser = ResponseFormat::parse)]
+    pub format: ResponseFormat,
     /// Spoken language code (e.g. `en`, `de`); default: detected (multilingual models) or English.
     #[arg(long)]
     pub language: Option<String>,
     /// `transcribe`, or `translate` into English (multilingual models).
-    #[arg(long, default_value = "transcribe")]
-    pub task: String,
+    #[arg(long, default_value = "transcribe", value_parser = SpeechTask::parse)]
+    pub task: SpeechTask,
     /// Predict segment timestamps (always on for verbose_json, srt and vtt).
     #[arg(long)]
     pub timestamps: bool,
@@ -38,7 +38,8 @@ pub struct TranscribeArgs {
     #[arg(long, default_value_t = 0.0)]
     pub temperature: f32,
     /// Candidates sampled per window at temperatures above 0 (fallback included); the likeliest is kept.
-    #[arg(long = "best-of", default_value_t = crate::speech::transcribe::DEFAULT_BEST_OF)]
+    #[arg(long = "best-of", default_value_t = crate::speech::transcribe::DEFAULT_BEST_OF,
+          value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=MAX_BEST_OF as u64))]
     pub best_of: usize,
     /// Text to condition the first window on (names, spelling, style).
     #[arg(long)]
@@ -55,16 +56,12 @@ pub struct TranscribeArgs {
 }
 
 pub fn run(global: &GlobalArgs, args: &TranscribeArgs) -> Result<()> {
-    let format = ResponseFormat::parse(&args.format)?;
-    let task = SpeechTask::parse(&args.task)?;
+    let (format, task) = (args.format, args.task);
     if args.timestamps && format == ResponseFormat::Json {
         bail!("--timestamps: the json format holds only the text; verbose_json, srt and vtt give the segments' times");
     }
     let dir = super::run::resolve_model(&args.model, args.revision.as_deref())?;
     let catalog = global.catalog();
-    if !(1..=MAX_BEST_OF).contains(&args.best_of) {
-        bail!("--best-of {} is outside 1..{MAX_BEST_OF}", args.best_of);
-    }
     let mut transcriber = Checkpoint::open(&dir)
         .map_err(anyhow::Error::from)
         .and_then(|ck| load_transcriber(&catalog, ck, args.backend.clone(), args.threads.unwrap_or(0), args.best_of))

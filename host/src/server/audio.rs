@@ -222,6 +222,9 @@ struct Upload {
     best_of: usize,
 }
 
+/// Reads the whole form. A field refused is answered only once the rest of the form is read (and
+/// dropped), so that the connection stays usable: clients send the file after the other fields, and
+/// answering in the middle of its upload left them a reset connection instead of the 400.
 async fn read_upload(mut form: Multipart, task: SpeechTask) -> Result<Upload, ApiError> {
     let mut up = Upload {
         file: None,
@@ -237,13 +240,19 @@ async fn read_upload(mut form: Multipart, task: SpeechTask) -> Result<Upload, Ap
         ApiError::new(kind, format!("the multipart form could not be read: {}", e.body_text()))
     };
     let mut seen: Vec<String> = Vec::new();
-    let mut granularities = false;
+    let mut refused: Option<ApiError> = None;
     while let Some(field) = form.next_field().await.map_err(bad_form)? {
         let name = field.name().unwrap_or_default().to_string();
+        if refused.is_some() {
+            field.bytes().await.map_err(bad_form)?;
+            continue;
+        }
         // One value per field (a second file or format would be silently dropped); granularities
         // are a list.
         if seen.contains(&name) && name != "timestamp_granularities[]" {
-            return Err(ApiError::field(&name, format!("`{name}` is given more than once")));
+            refused = Some(ApiError::field(&name, format!("`{name}` is given more than once")));
+            field.bytes().await.map_err(bad_form)?;
+            continue;
         }
         seen.push(name.clone());
         if name == "file" {
@@ -253,57 +262,57 @@ async fn read_upload(mut form: Multipart, task: SpeechTask) -> Result<Upload, Ap
             continue;
         }
         let value = field.text().await.map_err(bad_form)?;
-        match name.as_str() {
-            // Any id is accepted: the server serves one model, as the chat routes do.
-            "model" => {}
-            "language" if task == SpeechTask::Transcribe => {
-                up.language = Some(value.trim().to_lowercase()).filter(|l| !l.is_empty())
-            }
-            "language" => {
-                return Err(ApiError::field("language", "translations take no `language`: the output is English"))
-            }
-            "prompt" => up.prompt = Some(value),
-            "response_format" => {
-                up.format = ResponseFormat::parse(value.trim())
-                    .map_err(|e| ApiError::field("response_format", e.to_string()))?
-            }
-            "temperature" => {
-                up.temperature =
-                    value.trim().parse::<f32>().ok().filter(|t| (0.0..=1.0).contains(t)).ok_or_else(|| {
-                        ApiError::field("temperature", format!("temperature `{value}` is not a number in 0..1"))
-                    })?
-            }
-            "best_of" => {
-                up.best_of =
-                    value.trim().parse::<usize>().ok().filter(|n| (1..=MAX_BEST_OF).contains(n)).ok_or_else(|| {
-                        ApiError::field(
-                            "best_of",
-                            format!("best_of `{value}` is not a whole number in 1..{MAX_BEST_OF}"),
-                        )
-                    })?
-            }
-            "timestamp_granularities[]" | "timestamp_granularities" => {
-                if value.trim() != "segment" {
-                    return Err(ApiError::field(
-                        "timestamp_granularities",
-                        format!("timestamp granularity `{value}` is not supported (segment)"),
-                    ));
-                }
-                granularities = true;
-            }
-            "stream" if matches!(value.trim(), "false" | "") => {}
-            "stream" => return Err(ApiError::field("stream", "streaming transcriptions are not supported")),
-            other => return Err(ApiError::field(other, format!("unknown field `{other}`"))),
+        if let Err(e) = take_field(&mut up, task, &name, &value) {
+            refused = Some(e);
         }
     }
-    // As OpenAI's API: only `verbose_json` carries timestamps to honour a granularity with.
-    if granularities && up.format != ResponseFormat::VerboseJson {
-        return Err(ApiError::field(
-            "timestamp_granularities",
-            "`timestamp_granularities` needs `response_format` `verbose_json`",
-        ));
+    match refused {
+        Some(e) => Err(e),
+        None => Ok(up),
     }
-    Ok(up)
+}
+
+/// One text field of the form into `up`, or the 400 that names it.
+fn take_field(up: &mut Upload, task: SpeechTask, name: &str, value: &str) -> Result<(), ApiError> {
+    match name {
+        // Any id is accepted: the server serves one model, as the chat routes do.
+        "model" => {}
+        "language" if task == SpeechTask::Transcribe => {
+            up.language = Some(value.trim().to_lowercase()).filter(|l| !l.is_empty())
+        }
+        "language" => {
+            return Err(ApiError::field("language", "translations take no `language`: the output is English"))
+        }
+        "prompt" => up.prompt = Some(value.to_string()),
+        "response_format" => {
+            up.format =
+                ResponseFormat::parse(value.trim()).map_err(|e| ApiError::field("response_format", e.to_string()))?
+        }
+        "temperature" => {
+            up.temperature = value.trim().parse::<f32>().ok().filter(|t| (0.0..=1.0).contains(t)).ok_or_else(|| {
+                ApiError::field("temperature", format!("temperature `{value}` is not a number in 0..1"))
+            })?
+        }
+        "best_of" => {
+            up.best_of =
+                value.trim().parse::<usize>().ok().filter(|n| (1..=MAX_BEST_OF).contains(n)).ok_or_else(|| {
+                    ApiError::field("best_of", format!("best_of `{value}` is not a whole number in 1..{MAX_BEST_OF}"))
+                })?
+        }
+        // Segments are what every format's timestamps are (as OpenAI's API, any format takes it);
+        // word timestamps are not produced.
+        "timestamp_granularities[]" | "timestamp_granularities" if value.trim() == "segment" => {}
+        "timestamp_granularities[]" | "timestamp_granularities" => {
+            return Err(ApiError::field(
+                "timestamp_granularities",
+                format!("timestamp granularity `{value}` is not supported (segment)"),
+            ))
+        }
+        "stream" if matches!(value.trim(), "false" | "") => {}
+        "stream" => return Err(ApiError::field("stream", "streaming transcriptions are not supported")),
+        other => return Err(ApiError::field(other, format!("unknown field `{other}`"))),
+    }
+    Ok(())
 }
 
 async fn handle(state: Arc<AppState>, form: Multipart, task: SpeechTask) -> Result<Response, ApiError> {
@@ -317,6 +326,14 @@ async fn handle(state: Arc<AppState>, form: Multipart, task: SpeechTask) -> Resu
         });
     };
     let up = read_upload(form, task).await?;
+    // Before the upload is decoded (the transcription thread checks it again, as it does every
+    // option).
+    if task == SpeechTask::Translate && !service.routes.contains(&"/v1/audio/translations") {
+        return Err(ApiError::field(
+            "model",
+            "this is an English-only Whisper model: it cannot translate (use a multilingual model)",
+        ));
+    }
     let (name, bytes) = up.file.ok_or_else(|| ApiError::field("file", "the form has no `file` field"))?;
     if bytes.is_empty() {
         return Err(ApiError::field("file", format!("`{name}` is empty")));
