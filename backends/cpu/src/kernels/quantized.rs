@@ -536,6 +536,36 @@ mod tests {
     use super::*;
     use crate::pool::ThreadPool;
 
+    /// A random 4-bit matrix in groups of 32 with f16 scales and biases.
+    struct Random4Bit {
+        packed: Vec<u32>,
+        scales: Vec<u16>,
+        biases: Vec<u16>,
+        k: usize,
+    }
+
+    impl Random4Bit {
+        fn new(rng: &mut crate::kernels::TestRng, n: usize, k: usize) -> Random4Bit {
+            let packed = (0..n * k / 8).map(|_| rng.next() as u32).collect();
+            let mut factor = |base: f32| half::f16::from_f32(base + (rng.next() % 1000) as f32 * 1e-5).to_bits();
+            let scales = (0..n * k / 32).map(|_| factor(0.01)).collect();
+            let biases = (0..n * k / 32).map(|_| factor(-0.005)).collect();
+            Random4Bit { packed, scales, biases, k }
+        }
+
+        fn matrix(&self) -> QuantMatrix<'_> {
+            QuantMatrix {
+                packed: &self.packed,
+                scales: Floats::F16(&self.scales),
+                biases: Floats::F16(&self.biases),
+                bits: 4,
+                group: 32,
+                k: self.k,
+                panels: None,
+            }
+        }
+    }
+
     /// Few-token tiles: SmolLM2's shapes on two threads take one tile per thread where that splits
     /// the rows evenly, and other thread counts are not left with one thread running a whole
     /// matrix while the others wait (the busiest thread within a task of an even share).
@@ -586,21 +616,10 @@ mod tests {
         assert!(int_path_applies(isa, 4, 32, 100, true) && int_path_applies(isa, 4, 32, 4096, true));
         assert!(!int_path_applies(isa, 4, 32, 100, false));
         let mut rng = crate::kernels::TestRng(0x51_7CC1_B727_220Au64);
+        let (n, k, t) = (80, 576, 100);
+        let m = Random4Bit::new(&mut rng, n, k);
+        let w = m.matrix();
         let mut next = move || rng.next();
-        let (n, k, group, t) = (80, 576, 32, 100);
-        let packed: Vec<u32> = (0..n * k / 8).map(|_| next() as u32).collect();
-        let factor = |v: u64, base: f32| half::f16::from_f32(base + (v % 1000) as f32 * 1e-5).to_bits();
-        let scales: Vec<u16> = (0..n * k / group).map(|_| factor(next(), 0.01)).collect();
-        let biases: Vec<u16> = (0..n * k / group).map(|_| factor(next(), -0.005)).collect();
-        let w = QuantMatrix {
-            packed: &packed,
-            scales: Floats::F16(&scales),
-            biases: Floats::F16(&biases),
-            bits: 4,
-            group,
-            k,
-            panels: None,
-        };
         let x: Vec<f32> = (0..t * k).map(|_| (next() % 2001) as f32 / 1000.0 - 1.0).collect();
         let pool = ThreadPool::new(2).unwrap();
         let mut whole = vec![f32::NAN; t * n];
@@ -625,21 +644,10 @@ mod tests {
     fn every_threads_copy_of_the_input_gives_the_one_thread_bits() {
         let isa = Isa::best();
         let mut rng = crate::kernels::TestRng(0x9E37_79B9_7F4A_7C15u64);
+        let (n, k) = (2048, 576);
+        let m = Random4Bit::new(&mut rng, n, k);
+        let w = m.matrix();
         let mut next = move || rng.next();
-        let (n, k, group) = (2048, 576, 32);
-        let packed: Vec<u32> = (0..n * k / 8).map(|_| next() as u32).collect();
-        let factor = |v: u64, base: f32| half::f16::from_f32(base + (v % 1000) as f32 * 1e-5).to_bits();
-        let scales: Vec<u16> = (0..n * k / group).map(|_| factor(next(), 0.01)).collect();
-        let biases: Vec<u16> = (0..n * k / group).map(|_| factor(next(), -0.005)).collect();
-        let w = QuantMatrix {
-            packed: &packed,
-            scales: Floats::F16(&scales),
-            biases: Floats::F16(&biases),
-            bits: 4,
-            group,
-            k,
-            panels: None,
-        };
         let pool = ThreadPool::new(2).unwrap();
         // 8 tokens: own copies; 60 tokens: over `OWN_COPY_MAX_VALUES`, one shared copy.
         for t in [1, 8, 60] {
