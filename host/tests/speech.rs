@@ -570,11 +570,30 @@ fn a_transcription_past_the_timeout_is_a_504_and_stops() {
         let get = |path: &str| client.get(format!("{base}{path}")).bearer_auth(KEY).send();
         let props: serde_json::Value = get("/props").await.unwrap().json().await.unwrap();
         assert_eq!((props["total_slots"].as_u64(), props["modalities"]["audio"].as_bool()), (Some(1), Some(true)));
-        // The decoder's context (whisper-tiny.en's max_target_positions).
+        // The decoder's context (whisper-tiny.en's max_target_positions), in /v1/models too.
         assert_eq!(props["default_generation_settings"]["n_ctx"], 448, "{props}");
+        let models: serde_json::Value = get("/v1/models").await.unwrap().json().await.unwrap();
+        assert_eq!(models["data"][0]["meta"]["n_ctx"], 448, "{models}");
         let slots: serde_json::Value = get("/slots").await.unwrap().json().await.unwrap();
         assert_eq!((&slots[0]["is_processing"], &slots[0]["n_ctx"]), (&false.into(), &448.into()), "{slots}");
     });
+}
+
+/// Text-model flags a Whisper model cannot honour stop the server with a message naming them.
+#[test]
+fn a_speech_server_refuses_text_model_flags() {
+    let Some(model) = whisper() else { return };
+    for (flag, value) in [("-c", "1024"), ("--embedding", "")] {
+        let mut c = mlxcel::testing::server_command(env!("CARGO_BIN_EXE_mlxcel-server"));
+        c.arg("-m").arg(&model).args(["--port", "0", flag]);
+        if !value.is_empty() {
+            c.arg(value);
+        }
+        let out = c.output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{flag}: {err}");
+        assert!(err.contains(flag) && err.contains("speech-recognition"), "{flag}: {err}");
+    }
 }
 
 #[test]

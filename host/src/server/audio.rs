@@ -81,6 +81,11 @@ impl SpeechService {
         })
     }
 
+    /// The decoder's context (prompt and generated tokens of one window).
+    pub fn n_ctx(&self) -> usize {
+        self.n_ctx
+    }
+
     /// `GET /slots` of a speech server: its one transcription thread.
     pub fn slots(&self) -> serde_json::Value {
         let busy = self.stats.processing.load(Ordering::Relaxed) > 0;

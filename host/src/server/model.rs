@@ -39,6 +39,13 @@ pub fn start(state: &AppState) -> Result<String> {
                 dir.display()
             );
         }
+        if let Some(c) = config.ctx_size {
+            bail!(
+                "{}: -c/--ctx-size {c}: this is a speech-recognition (Whisper) model, whose context is its \
+                 own (a 30 s window and the decoder's positions); start it without -c",
+                dir.display()
+            );
+        }
         let speech = audio::start(config, &catalog, checkpoint)?;
         let ready = format!("speech model {} ready (/v1/audio/transcriptions)", speech.id);
         let _ = state.speech.set(speech);

@@ -1236,7 +1236,7 @@ fn model_object(state: &AppState) -> Result<Value, ApiError> {
     };
     if let Some(s) = state.speech.get() {
         let mut m = common(&s.id);
-        m["meta"] = json!({"task": "asr", "path": s.path});
+        m["meta"] = json!({"task": "asr", "path": s.path, "n_ctx": s.n_ctx()});
         return Ok(m);
     }
     let f = &state.ready()?.facts;
