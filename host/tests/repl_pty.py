@@ -5,8 +5,9 @@
 
 Sends each LINE after the `>>> ` prompt appears, then `/exit`. `REPL_ARGS` holds the flags after
 `run MODEL --temp 0` (default `-n 200`). A LINE starting with `!ctrlc:` sends
-the rest, waits half a second and presses Ctrl-C. Prints a JSON list with the terminal output that
-followed each line. Exits 2 on timeout.
+the rest, waits until the answer has started and presses Ctrl-C (a fixed wait raced the answer's
+end on a fast machine). Prints a JSON list with the terminal output that followed each line. Exits 2
+on timeout.
 """
 import fcntl
 import json
@@ -50,6 +51,23 @@ def main():
         out, buf = buf[:i], buf[i:]
         return out.decode("utf-8", "replace")
 
+    def wait_for_answer(line, timeout=120):
+        # The echo of the line, then some of the answer: its first bytes past the echo.
+        nonlocal buf
+        end = time.time() + timeout
+        while line not in buf or len(buf) - (buf.rindex(line) + len(line)) < 24:
+            if time.time() > end:
+                sys.stderr.write("timeout waiting for an answer to %r; got %r\n" % (line, buf[-500:]))
+                sys.exit(2)
+            if select.select([fd], [], [], 0.05)[0]:
+                try:
+                    chunk = os.read(fd, 4096)
+                except OSError:
+                    return
+                if not chunk:
+                    return
+                buf += chunk
+
     def send(data):
         # In pieces, reading the echo between them: a long line's echo would otherwise fill the
         # terminal's buffer while this side only writes, and both sides would wait.
@@ -71,8 +89,9 @@ def main():
     transcripts = []
     for line in lines:
         if line.startswith("!ctrlc:"):
-            send(line[len("!ctrlc:"):].encode() + b"\r")
-            time.sleep(0.5)
+            text = line[len("!ctrlc:"):].encode()
+            send(text + b"\r")
+            wait_for_answer(text)
             os.write(fd, b"\x03")
         else:
             send(line.encode() + b"\r")
