@@ -31,59 +31,52 @@ def main():
         os.execv(exe, [exe, "run", model, "--temp", "0"] + extra)
     buf = b""
 
-    def read_until(marker, timeout=120):
+    def read_some(wait):
+        # Whatever the terminal has within `wait` seconds into `buf`; False once it is closed.
         nonlocal buf
+        if not select.select([fd], [], [], wait)[0]:
+            return True
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:
+            return False
+        buf += chunk
+        return bool(chunk)
+
+    def wait_while(pending, what, timeout=120):
+        # Reads until `pending()` is false or the terminal closes; exits 2 past `timeout`.
         end = time.time() + timeout
-        while marker not in buf:
+        while pending():
             if time.time() > end:
-                sys.stderr.write("timeout waiting for %r; got %r\n" % (marker, buf[-500:]))
+                sys.stderr.write("timeout waiting for %s; got %r\n" % (what, buf[-500:]))
                 sys.exit(2)
-            r, _, _ = select.select([fd], [], [], 0.5)
-            if r:
-                try:
-                    chunk = os.read(fd, 4096)
-                except OSError:
-                    break
-                if not chunk:
-                    break
-                buf += chunk
+            if not read_some(0.05):
+                return
+
+    def read_until(marker):
+        nonlocal buf
+        wait_while(lambda: marker not in buf, repr(marker))
         i = buf.index(marker) + len(marker)
         out, buf = buf[:i], buf[i:]
         return out.decode("utf-8", "replace")
 
-    def wait_for_answer(line, timeout=120):
+    def wait_for_answer(line):
         # The echo of the line, then some of the answer: its first bytes past the echo.
-        nonlocal buf
-        end = time.time() + timeout
-        while line not in buf or len(buf) - (buf.rindex(line) + len(line)) < 24:
-            if time.time() > end:
-                sys.stderr.write("timeout waiting for an answer to %r; got %r\n" % (line, buf[-500:]))
-                sys.exit(2)
-            if select.select([fd], [], [], 0.05)[0]:
-                try:
-                    chunk = os.read(fd, 4096)
-                except OSError:
-                    return
-                if not chunk:
-                    return
-                buf += chunk
+        wait_while(
+            lambda: line not in buf or len(buf) - (buf.rindex(line) + len(line)) < 24,
+            "an answer to %r" % line,
+        )
 
     def send(data):
         # In pieces, reading the echo between them: a long line's echo would otherwise fill the
         # terminal's buffer while this side only writes, and both sides would wait.
-        nonlocal buf
         for i in range(0, len(data), 64):
             os.write(fd, data[i : i + 64])
             if i + 64 >= len(data):
                 return  # the answer that follows is read_until's
             while select.select([fd], [], [], 0.05)[0]:
-                try:
-                    chunk = os.read(fd, 4096)
-                except OSError:
+                if not read_some(0):
                     return
-                if not chunk:
-                    return
-                buf += chunk
 
     read_until(b">>> ")
     transcripts = []
