@@ -1,6 +1,6 @@
 //! `mlxcel`: the command line.
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 use mlxcel::cli::{self, Cli, Command};
 
 fn main() {
@@ -17,7 +17,11 @@ fn main() {
         },
         None => argv,
     };
-    let args = Cli::parse_from(argv);
+    let matches = Cli::command().get_matches_from(argv);
+    let mut args = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+    if let (Command::Serve(a), Some(("serve", m))) = (&mut args.command, matches.subcommand()) {
+        a.note_given(m);
+    }
     if !matches!(args.command, Command::Serve(_)) {
         cli::die_on_closed_pipe();
     }

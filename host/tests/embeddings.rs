@@ -387,6 +387,19 @@ fn a_decoder_embedding_model_is_served_without_flags_and_a_plain_decoder_with_em
     let m = server.refused("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}]}), 400);
     assert!(m.contains("embedding model"), "{m}");
     drop(server);
+    // Text-generation flags are refused by name, not accepted and ignored.
+    let out = mlxcel::testing::server_command(env!("CARGO_BIN_EXE_mlxcel-server"))
+        .arg("-m")
+        .arg(&dir)
+        .args(["--port", "0", "-c", "64", "-n", "16", "--top-k", "5", "--reasoning-budget", "0"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("an embedding model does not use these flags") && !err.contains("-c,"), "{err}");
+    for flag in ["--n-predict", "--top-k", "--reasoning-budget"] {
+        assert!(err.contains(flag), "{flag}: {err}");
+    }
 
     // The same weights without sentence-transformers files: a text model, unless asked.
     let bare = tempfile::tempdir().unwrap();

@@ -579,11 +579,19 @@ fn a_transcription_past_the_timeout_is_a_504_and_stops() {
     });
 }
 
-/// Text-model flags a Whisper model cannot honour stop the server with a message naming them.
+/// Text-model flags a Whisper model cannot honour stop the server with a message naming them, from
+/// the command line or from llama-server's environment variables.
 #[test]
 fn a_speech_server_refuses_text_model_flags() {
     let Some(model) = whisper() else { return };
-    for (flag, value) in [("-c", "1024"), ("--embedding", "")] {
+    for (flag, value, named) in [
+        ("-c", "1024", "-c"),
+        ("--embedding", "", "--embedding"),
+        ("-np", "4", "--parallel"),
+        ("--temp", "0.5", "--temp"),
+        ("--no-cache-prompt", "", "--no-cache-prompt"),
+        ("--chat-template-kwargs", "{}", "--chat-template-kwargs"),
+    ] {
         let mut c = mlxcel::testing::server_command(env!("CARGO_BIN_EXE_mlxcel-server"));
         c.arg("-m").arg(&model).args(["--port", "0", flag]);
         if !value.is_empty() {
@@ -592,8 +600,12 @@ fn a_speech_server_refuses_text_model_flags() {
         let out = c.output().unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{flag}: {err}");
-        assert!(err.contains(flag) && err.contains("speech-recognition"), "{flag}: {err}");
+        assert!(err.contains(named) && err.contains("speech-recognition"), "{flag}: {err}");
     }
+    let mut c = mlxcel::testing::server_command(env!("CARGO_BIN_EXE_mlxcel-server"));
+    let out = c.arg("-m").arg(&model).args(["--port", "0"]).env("LLAMA_ARG_N_PREDICT", "64").output().unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--n-predict") && err.contains("does not use"), "{err}");
 }
 
 #[test]

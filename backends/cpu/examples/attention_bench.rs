@@ -4,8 +4,9 @@
 //! `cargo run --release -p mlxcel-backend-cpu --example attention_bench -- [depth] [threads] [tokens]`
 //! (`tokens` > 1: that many sequences of the same depth decode in one step; `HKV=n`: n KV heads of
 //! three query heads each; `LAYERS=n`: only n distinct caches, shared round-robin by the 30 layers —
-//! `LAYERS=1` keeps them cache-resident, timing the arithmetic alone; `REPS`: repetitions, 20 by
-//! default.)
+//! `LAYERS=1` keeps them cache-resident, timing the arithmetic alone; `FLUSH=mb`: that many MB of
+//! other memory read between layers, untimed, as a step's weights stream between two layers'
+//! attention; `REPS`: repetitions, 20 by default.)
 
 use std::time::Instant;
 
@@ -54,17 +55,30 @@ fn main() {
     let shape = AttentionShape { n_heads: hq, n_kv_heads: hkv, head_dim: dh, window: 0, scale: 0.125, softcap: 0.0 };
     let mut scratch = AttentionScratch::default();
     let reps = std::env::var("REPS").ok().and_then(|v| v.parse().ok()).unwrap_or(20);
+    // FLUSH=mb: that many MB of other memory read between layers (untimed), as a decode step's
+    // weights stream through the caches between one layer's attention and the next.
+    let flush_mb: usize = std::env::var("FLUSH").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    let other = vec![1u8; flush_mb << 20];
+    let per_layer = other.len() / layers;
+    let mut sink = 0u64;
     let mut times = pool.install(|| {
         (0..reps)
             .map(|_| {
-                let start = Instant::now();
-                for (k, v) in &caches {
+                let mut secs = 0.0;
+                for (l, (k, v)) in caches.iter().enumerate() {
+                    if per_layer > 0 {
+                        let part = &other[l * per_layer..(l + 1) * per_layer];
+                        sink += part.iter().step_by(64).map(|&b| b as u64).sum::<u64>();
+                    }
+                    let start = Instant::now();
                     attention(isa, &layout, shape, &q, k, v, &mut out, &mut scratch);
+                    secs += start.elapsed().as_secs_f64();
                 }
-                start.elapsed().as_secs_f64()
+                secs
             })
             .collect::<Vec<_>>()
     });
+    std::hint::black_box(sink);
     times.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let med = times[times.len() / 2];
     let bytes = (layers * seqs * (depth + 1) * kv_row * 2 * 2) as f64;

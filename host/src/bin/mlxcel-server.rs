@@ -1,7 +1,7 @@
 //! `mlxcel-server`: the HTTP server (OpenAI, Anthropic and llama-server dialects). `mlxcel serve` is
 //! the same program.
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches, Parser};
 use mlxcel::cli::GlobalArgs;
 use mlxcel::server::ServerArgs;
 
@@ -20,7 +20,9 @@ struct Cli {
 
 fn main() {
     let result = mlxcel::server::args::preprocess_argv(mlxcel::cli::args_or_exit()).and_then(|argv| {
-        let cli = Cli::try_parse_from(argv).unwrap_or_else(|e| e.exit());
+        let matches = Cli::command().try_get_matches_from(argv).unwrap_or_else(|e| e.exit());
+        let mut cli = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
+        cli.server.note_given(&matches);
         mlxcel::logging::init_server(cli.global.verbose);
         mlxcel::logging::quiet_panics();
         mlxcel::server::run(cli.server.config(&cli.global.plugin_dirs)?)

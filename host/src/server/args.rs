@@ -1,12 +1,15 @@
 //! The server's flags, named as llama-server names them (and read from the same `LLAMA_ARG_*`
 //! environment variables), so an existing deployment's command line works unchanged. A llama-server
-//! flag mlxcel does not implement is refused by name, never silently ignored.
+//! flag mlxcel does not implement is refused by name, never silently ignored, and so is a flag given
+//! for a model whose task does not use it (a sampling flag for a Whisper model).
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
-use clap::Args;
+use clap::parser::ValueSource;
+use clap::{ArgMatches, Args};
+use mlxcel_plugin_api::Task;
 
 use super::reasoning::ReasoningFormat;
 use crate::checkpoint::sentence_transformers::PoolingFlag;
@@ -145,7 +148,67 @@ pub struct ServerArgs {
     /// `--cache-type-k/-v` (also `-ctk`/`-ctv`).
     #[command(flatten)]
     pub cache_types: CacheTypeArgs,
+    /// The flags the command line or the environment gave ([`ServerArgs::note_given`]).
+    #[arg(skip)]
+    pub given: Vec<GivenFlag>,
 }
+
+/// A flag the command line (or its environment variable) gave, not a default: clap's id, and the
+/// name to quote in a message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GivenFlag {
+    pub id: String,
+    pub name: String,
+}
+
+impl ServerArgs {
+    /// Notes which of the server's flags `matches` (the parse that made these arguments) holds from
+    /// the command line or the environment, so that one the served model does not use can be refused.
+    pub fn note_given(&mut self, matches: &ArgMatches) {
+        let own = ServerArgs::augment_args(clap::Command::new("mlxcel-server"));
+        self.given = own
+            .get_arguments()
+            .filter(|a| {
+                matches!(
+                    matches.value_source(a.get_id().as_str()),
+                    Some(ValueSource::CommandLine | ValueSource::EnvVariable)
+                )
+            })
+            .map(|a| GivenFlag {
+                id: a.get_id().to_string(),
+                name: a.get_long().map_or_else(|| a.get_id().to_string(), |l| format!("--{l}")),
+            })
+            .collect();
+    }
+}
+
+/// Flags every served model acts on: listening, security, limits, the backend.
+const EVERY_MODEL_FLAGS: &[&str] = &[
+    "model",
+    "alias",
+    "host",
+    "port",
+    "threads",
+    "api_key",
+    "api_key_file",
+    "ssl_key_file",
+    "ssl_cert_file",
+    "timeout",
+    "metrics",
+    "slots",
+    "no_slots",
+    "cont_batching",
+    "jinja",
+    "backend",
+    "revision",
+    "max_body_bytes",
+    "max_audio_bytes",
+];
+
+/// Flags an embedding or reranking model acts on besides [`EVERY_MODEL_FLAGS`]: its input limit,
+/// queue, batch, memory check and pooling (and the KV types of a decoder served for embeddings).
+const ENCODER_FLAGS: &[&str] =
+    &["ctx_size", "parallel", "batch_size", "force", "embedding", "pooling", "cache_type_k", "cache_type_v"];
 
 /// An on/off value as llama.cpp reads its flags' environment variables: `true`, `1`, `on`,
 /// `enabled` (and `yes`) or `false`, `0`, `off`, `disabled` (and `no`), in any case.
@@ -357,6 +420,21 @@ pub struct ServerConfig {
     pub sampling: SamplingOverrides,
     /// `--embedding` / `--pooling`: serve the model as an embedding model.
     pub embedding: Option<EmbeddingFlags>,
+    /// The flags the command line or the environment gave.
+    pub given: Vec<GivenFlag>,
+}
+
+impl ServerConfig {
+    /// The given flags (as named) that a model of `task` would not act on: a speech model acts only
+    /// on [`EVERY_MODEL_FLAGS`], an encoder also on [`ENCODER_FLAGS`], a text model on all.
+    pub fn flags_unused_by(&self, task: Task) -> Vec<&str> {
+        let used = |id: &str| match task {
+            Task::Text => true,
+            Task::Embed | Task::Rerank => EVERY_MODEL_FLAGS.contains(&id) || ENCODER_FLAGS.contains(&id),
+            _ => EVERY_MODEL_FLAGS.contains(&id),
+        };
+        self.given.iter().filter(|g| !used(&g.id)).map(|g| g.name.as_str()).collect()
+    }
 }
 
 impl ServerArgs {
@@ -446,6 +524,7 @@ impl ServerArgs {
             queue_limit: (self.parallel * 4).max(16),
             sampling,
             embedding: (self.embedding || self.pooling.is_some()).then_some(EmbeddingFlags { pooling: self.pooling }),
+            given: self.given.clone(),
         })
     }
 }
@@ -586,6 +665,30 @@ mod tests {
         assert!(e.contains("per-token embeddings"), "{e}");
         let e = parse(&["-m", "m", "--reranking"]).unwrap_err().to_string();
         assert!(e.starts_with("--reranking is a llama-server flag"), "{e}");
+    }
+
+    /// [`parse`], noting the given flags as the binaries do.
+    /// (The environment's flags are tested on the binaries: setting one here would reach the other
+    /// tests' parses.)
+    fn parse_noting(args: &[&str]) -> ServerConfig {
+        let argv = preprocess_argv(std::iter::once("x").chain(args.iter().copied()).map(String::from)).unwrap();
+        let matches = <T as clap::CommandFactory>::command().try_get_matches_from(argv).unwrap();
+        let mut t = <T as clap::FromArgMatches>::from_arg_matches(&matches).unwrap();
+        t.a.note_given(&matches);
+        t.a.config(&[]).unwrap()
+    }
+
+    #[test]
+    fn flags_a_task_does_not_use_are_named_and_defaults_are_not_given() {
+        let c = parse_noting(&["-m", "m", "-np", "2", "--temp", "0.3", "--metrics", "-ub", "64", "--top-k", "7"]);
+        let given: Vec<&str> = c.given.iter().map(|g| g.name.as_str()).collect();
+        assert_eq!(given, ["--model", "--parallel", "--ubatch-size", "--metrics", "--temp", "--top-k"]);
+        assert!(c.flags_unused_by(Task::Text).is_empty());
+        assert_eq!(c.flags_unused_by(Task::Embed), ["--ubatch-size", "--temp", "--top-k"]);
+        assert_eq!(c.flags_unused_by(Task::Rerank), ["--ubatch-size", "--temp", "--top-k"]);
+        assert_eq!(c.flags_unused_by(Task::Asr), ["--parallel", "--ubatch-size", "--temp", "--top-k"]);
+        // A default (here -b's 2048, --port's 8080) is not given.
+        assert!(parse_noting(&["-m", "m"]).flags_unused_by(Task::Asr).is_empty());
     }
 
     #[test]

@@ -46,6 +46,7 @@ pub fn start(state: &AppState) -> Result<String> {
                 dir.display()
             );
         }
+        refuse_unused_flags(config, Task::Asr, &dir, "a speech-recognition (Whisper) model")?;
         let speech = audio::start(config, &catalog, checkpoint)?;
         let ready = format!("speech model {} ready (/v1/audio/transcriptions)", speech.id);
         let _ = state.speech.set(speech);
@@ -64,6 +65,8 @@ pub fn start(state: &AppState) -> Result<String> {
             (batch_engine::start(config, runner, text, facts)?, ready)
         }
         Task::Embed | Task::Rerank => {
+            let what = if runner.info.task == Task::Embed { "an embedding model" } else { "a reranking model" };
+            refuse_unused_flags(config, runner.info.task, &dir, what)?;
             let model = embeddings::start_encoder(config, runner, text, facts)?;
             let e = model.encoder.as_ref().expect("an encoder model has its encoder").info();
             let ready = format!(
@@ -79,6 +82,21 @@ pub fn start(state: &AppState) -> Result<String> {
     };
     let _ = state.model.set(model);
     Ok(ready)
+}
+
+/// Refuses the flags given that a model of `task` (described as `what`) would not act on, by name.
+fn refuse_unused_flags(config: &ServerConfig, task: Task, dir: &Path, what: &str) -> Result<()> {
+    let unused = config.flags_unused_by(task);
+    if !unused.is_empty() {
+        bail!(
+            "{}: {}: {what} does not use {}; start it without {}",
+            dir.display(),
+            unused.join(", "),
+            if unused.len() == 1 { "this flag" } else { "these flags" },
+            if unused.len() == 1 { "it" } else { "them" }
+        );
+    }
+    Ok(())
 }
 
 /// Loads the model of `checkpoint` with KV room for `parallel` sequences of the context size.

@@ -181,6 +181,7 @@ fn config() -> ServerConfig {
         queue_limit: 16,
         sampling: SamplingOverrides::default(),
         embedding: None,
+        given: Vec::new(),
     }
 }
 
