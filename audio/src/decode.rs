@@ -4,6 +4,7 @@ use std::fs::File;
 use std::io::{Cursor, ErrorKind, Read, Seek, SeekFrom};
 use std::path::Path;
 
+use symphonia::core::codecs::audio::well_known::CODEC_ID_OPUS;
 use symphonia::core::codecs::audio::AudioDecoderOptions;
 use symphonia::core::errors::Error as SymphoniaError;
 use symphonia::core::formats::probe::Hint;
@@ -11,6 +12,7 @@ use symphonia::core::formats::{FormatOptions, TrackType};
 use symphonia::core::io::{MediaSource, MediaSourceStream};
 use symphonia::core::meta::MetadataOptions;
 
+use crate::mp4_edit::{sound_track_edit, Edit};
 use crate::resample::resample_to_16k;
 
 /// Why an audio file could not be turned into samples. Every variant names the file (or upload) it is about.
@@ -23,8 +25,8 @@ pub enum AudioError {
     /// Zero bytes.
     #[error("{name}: the file is empty")]
     Empty { name: String },
-    /// The bytes are not a container we can read (WAV, FLAC, MP3, Ogg).
-    #[error("{name}: not a WAV, FLAC, MP3 or Ogg Vorbis file ({reason})")]
+    /// The bytes are not a container we can read (WAV, FLAC, MP3, Ogg, MP4/M4A, Matroska/WebM).
+    #[error("{name}: not a WAV, FLAC, MP3, Ogg, MP4/M4A or WebM audio file ({reason})")]
     UnrecognisedFormat { name: String, reason: String },
     /// A known container holding something we cannot decode: a sample format, codec or layout.
     #[error("{name}: unsupported audio: {reason}")]
@@ -43,7 +45,8 @@ pub enum AudioError {
     Resample { name: String, rate: u32, reason: String },
 }
 
-/// Decodes a WAV, FLAC, MP3 or Ogg Vorbis file into 16 kHz mono samples in [-1, 1].
+/// Decodes a WAV, FLAC, MP3, Ogg Vorbis, M4A/MP4 (AAC or ALAC) or Matroska/WebM (with a codec of
+/// those; not Opus, which symphonia does not decode) file into 16 kHz mono samples in [-1, 1].
 ///
 /// Channels are averaged (ffmpeg's `-ac 1` does the same for stereo), and any other sample rate is converted
 /// with rubato's FFT resampler. Unlike Whisper's ffmpeg pipe the result is not rounded to 16 bits.
@@ -83,9 +86,10 @@ pub fn load_audio(path: &Path) -> Result<Vec<f32>, AudioError> {
         file.read_to_end(&mut bytes).map_err(io_error)?;
         return decode_audio_bytes(&bytes, &name);
     }
+    let edit = if is_mp4(&bytes) { sound_track_edit(&mut file) } else { None };
     file.seek(SeekFrom::Start(0)).map_err(io_error)?;
     let extension = path.extension().and_then(|e| e.to_str());
-    guarded(&name, || decode_source(Box::new(file), extension, &name))
+    guarded(&name, || decode_source(Box::new(file), extension, edit, &name))
 }
 
 /// Decodes an audio file held in memory (an HTTP upload) like [`load_audio`].
@@ -103,9 +107,15 @@ pub fn decode_audio_bytes(bytes: &[u8], name_hint: &str) -> Result<Vec<f32>, Aud
         None => None,
     };
     if let Some(fixed) = with_streamed_wav_sizes(bytes) {
-        return guarded(&name, || decode_source(Box::new(Cursor::new(&fixed[..])), extension, &name));
+        return guarded(&name, || decode_source(Box::new(Cursor::new(&fixed[..])), extension, None, &name));
     }
-    guarded(&name, || decode_source(Box::new(Cursor::new(bytes)), extension, &name))
+    let edit = if is_mp4(bytes) { sound_track_edit(&mut Cursor::new(bytes)) } else { None };
+    guarded(&name, || decode_source(Box::new(Cursor::new(bytes)), extension, edit, &name))
+}
+
+/// Whether `head` (a file's first bytes) starts an MP4 (M4A) file: an `ftyp` box first.
+fn is_mp4(head: &[u8]) -> bool {
+    head.get(4..8) == Some(&b"ftyp"[..])
 }
 
 /// A copy of a WAV whose RIFF or `data` size is a recorder's placeholder (0 or `0xFFFFFFFF`: written
@@ -159,9 +169,12 @@ fn guarded(name: &str, decode: impl FnOnce() -> Result<Vec<f32>, AudioError>) ->
     })
 }
 
+/// Decodes `source`; an MP4's `edit` (read beforehand: symphonia reads no edit lists) cuts the
+/// decoded frames to the presentation, as ffmpeg plays them.
 fn decode_source(
     source: Box<dyn MediaSource + '_>,
     extension: Option<&str>,
+    edit: Option<Edit>,
     name: &str,
 ) -> Result<Vec<f32>, AudioError> {
     let stream = MediaSourceStream::new(source, Default::default());
@@ -190,7 +203,14 @@ fn decode_source(
         .ok_or_else(|| AudioError::NoAudio { name: name.to_string(), reason: "the track is not audio".to_string() })?;
     let mut decoder = symphonia::default::get_codecs()
         .make_audio_decoder(params, &AudioDecoderOptions::default())
-        .map_err(|e| classify(name, e))?;
+        .map_err(|e| match e {
+            // The codec of most WebM and Ogg voice recordings: name it, as symphonia's message does not.
+            SymphoniaError::Unsupported(_) if params.codec == CODEC_ID_OPUS => AudioError::Unsupported {
+                name: name.to_string(),
+                reason: "Opus audio cannot be decoded (send WAV, FLAC, MP3, Ogg Vorbis or AAC/ALAC in M4A)".to_string(),
+            },
+            e => classify(name, e),
+        })?;
 
     let mut mono = Vec::new();
     let mut interleaved: Vec<f32> = Vec::new();
@@ -268,6 +288,15 @@ fn decode_source(
         });
     }
     let rate = rate.unwrap_or(crate::SAMPLE_RATE);
+    if let Some(edit) = edit {
+        edit.apply(&mut mono, rate);
+        if mono.is_empty() {
+            return Err(AudioError::NoAudio {
+                name: name.to_string(),
+                reason: "the edit list keeps no samples".to_string(),
+            });
+        }
+    }
     resample_to_16k(&mono, rate).map_err(|reason| AudioError::Resample { name: name.to_string(), rate, reason })
 }
 

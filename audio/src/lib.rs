@@ -1,4 +1,4 @@
-//! Audio for speech recognition: any WAV, FLAC, MP3 or Ogg Vorbis file to 16 kHz mono samples, and those
+//! Audio for speech recognition: any WAV, FLAC, MP3, Ogg Vorbis or M4A file to 16 kHz mono samples, and those
 //! samples to the log-mel spectrogram OpenAI Whisper's encoder reads, computed as `whisper/audio.py` does.
 //!
 //! ```no_run
@@ -13,6 +13,7 @@
 
 mod decode;
 mod mel;
+mod mp4_edit;
 mod resample;
 
 pub use decode::{decode_audio_bytes, load_audio, AudioError};

@@ -5,6 +5,7 @@ Run by host/tests/speech.rs in the venv of tests/sdk/requirements.txt. Prints on
 closing 'N passed, N failed' line; exits non-zero on any failure.
 """
 
+import os
 import sys
 import traceback
 
@@ -51,6 +52,26 @@ def subtitles_as_srt():
     assert STABLE in srt, srt
 
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def an_m4a_upload_is_transcribed():
+    with open(os.path.join(HERE, "..", "fixtures", "speech-en-16k.m4a"), "rb") as f:
+        text = oa.audio.transcriptions.create(model=MODEL, file=f, response_format="text")
+    assert STABLE in text, text
+
+
+def an_opus_upload_is_a_400_naming_opus():
+    webm = os.path.join(HERE, "..", "..", "..", "audio", "tests", "fixtures", "speech_16k_mono.webm")
+    try:
+        with open(webm, "rb") as f:
+            oa.audio.transcriptions.create(model=MODEL, file=f)
+    except openai.BadRequestError as e:
+        assert "Opus" in str(e), e
+        return
+    raise AssertionError("an Opus upload was accepted")
+
+
 def an_empty_file_is_a_400():
     try:
         oa.audio.transcriptions.create(model=MODEL, file=("empty.wav", b""))
@@ -95,6 +116,8 @@ CHECKS = [
     transcription_as_json,
     transcription_verbose_json_with_segments,
     subtitles_as_srt,
+    an_m4a_upload_is_transcribed,
+    an_opus_upload_is_a_400_naming_opus,
     an_empty_file_is_a_400,
     a_text_file_named_mp3_is_a_400,
     translation_on_an_english_only_model_is_a_400,
