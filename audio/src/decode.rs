@@ -12,7 +12,7 @@ use symphonia::core::formats::{FormatOptions, TrackType};
 use symphonia::core::io::{MediaSource, MediaSourceStream};
 use symphonia::core::meta::MetadataOptions;
 
-use crate::mp4_edit::{sound_track_edit, Edit};
+use crate::mp4_edit::{sound_track_edits, Edit};
 use crate::resample::resample_to_16k;
 
 /// Why an audio file could not be turned into samples. Every variant names the file (or upload) it is about.
@@ -86,10 +86,10 @@ pub fn load_audio(path: &Path) -> Result<Vec<f32>, AudioError> {
         file.read_to_end(&mut bytes).map_err(io_error)?;
         return decode_audio_bytes(&bytes, &name);
     }
-    let edit = if is_mp4(&bytes) { sound_track_edit(&mut file) } else { None };
+    let edits = if is_mp4(&bytes) { sound_track_edits(&mut file) } else { Vec::new() };
     file.seek(SeekFrom::Start(0)).map_err(io_error)?;
     let extension = path.extension().and_then(|e| e.to_str());
-    guarded(&name, || decode_source(Box::new(file), extension, edit, &name))
+    guarded(&name, || decode_source(Box::new(file), extension, &edits, &name))
 }
 
 /// Decodes an audio file held in memory (an HTTP upload) like [`load_audio`].
@@ -107,10 +107,10 @@ pub fn decode_audio_bytes(bytes: &[u8], name_hint: &str) -> Result<Vec<f32>, Aud
         None => None,
     };
     if let Some(fixed) = with_streamed_wav_sizes(bytes) {
-        return guarded(&name, || decode_source(Box::new(Cursor::new(&fixed[..])), extension, None, &name));
+        return guarded(&name, || decode_source(Box::new(Cursor::new(&fixed[..])), extension, &[], &name));
     }
-    let edit = if is_mp4(bytes) { sound_track_edit(&mut Cursor::new(bytes)) } else { None };
-    guarded(&name, || decode_source(Box::new(Cursor::new(bytes)), extension, edit, &name))
+    let edits = if is_mp4(bytes) { sound_track_edits(&mut Cursor::new(bytes)) } else { Vec::new() };
+    guarded(&name, || decode_source(Box::new(Cursor::new(bytes)), extension, &edits, &name))
 }
 
 /// Whether `head` (a file's first bytes) starts an MP4 (M4A) file: an `ftyp` box first.
@@ -169,12 +169,12 @@ fn guarded(name: &str, decode: impl FnOnce() -> Result<Vec<f32>, AudioError>) ->
     })
 }
 
-/// Decodes `source`; an MP4's `edit` (read beforehand: symphonia reads no edit lists) cuts the
-/// decoded frames to the presentation, as ffmpeg plays them.
+/// Decodes `source`; an MP4's `edits` (by track id, read beforehand: symphonia reads no edit lists)
+/// cut the decoded track's frames to its presentation.
 fn decode_source(
     source: Box<dyn MediaSource + '_>,
     extension: Option<&str>,
-    edit: Option<Edit>,
+    edits: &[(u32, Edit)],
     name: &str,
 ) -> Result<Vec<f32>, AudioError> {
     let stream = MediaSourceStream::new(source, Default::default());
@@ -288,7 +288,7 @@ fn decode_source(
         });
     }
     let rate = rate.unwrap_or(crate::SAMPLE_RATE);
-    if let Some(edit) = edit {
+    if let Some((_, edit)) = edits.iter().find(|(id, _)| *id == track_id) {
         edit.apply(&mut mono, rate);
         if mono.is_empty() {
             return Err(AudioError::NoAudio {

@@ -1,5 +1,5 @@
-//! Audio for speech recognition: any WAV, FLAC, MP3, Ogg Vorbis or M4A file to 16 kHz mono samples, and those
-//! samples to the log-mel spectrogram OpenAI Whisper's encoder reads, computed as `whisper/audio.py` does.
+//! Audio for speech recognition: any WAV, FLAC, MP3, Ogg Vorbis, M4A or WebM (not Opus) file to 16 kHz
+//! mono samples, and those samples to the log-mel spectrogram OpenAI Whisper's encoder reads, computed as `whisper/audio.py` does.
 //!
 //! ```no_run
 //! use mlxcel_audio::{load_audio, pad_or_trim, MelSpectrogram, N_SAMPLES};

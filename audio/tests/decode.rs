@@ -141,6 +141,19 @@ fn aac_in_m4a_decodes_to_its_edited_second_as_ffmpeg_does() {
     assert!(relative < 0.03, "relative rms difference from ffmpeg's decoding {relative}");
 }
 
+/// The same AAC packets in a fragmented MP4 (`-movflags frag_keyframe+empty_moov`, as ffmpeg writes
+/// to a pipe). ffmpeg writes no edit list there, and decodes the priming too (16719 samples at 16
+/// kHz, as `ffmpeg -i … -ac 1 -ar 16000` gives): so does this, the same audio 372 samples later.
+#[test]
+fn fragmented_aac_without_an_edit_list_keeps_its_priming_as_ffmpeg_does() {
+    let plain = load_audio(&fixture("speech_44k_stereo.m4a")).unwrap();
+    let fragmented = load_audio(&fixture("speech_44k_stereo_fragmented.m4a")).unwrap();
+    assert_eq!(fragmented.len(), 16719);
+    let (lag, corr) = best_alignment(&fragmented, &plain, 800);
+    // (The priming is 371.5 samples at 16 kHz: the half sample costs some correlation.)
+    assert!(lag == 372 && corr > 0.95, "lag {lag}, correlation {corr}");
+}
+
 #[test]
 fn alac_in_m4a_decodes_to_exactly_the_wav_samples() {
     assert_eq!(load_audio(&fixture("speech_16k_mono_alac.m4a")).unwrap(), source_clip());

@@ -75,6 +75,11 @@ mod http {
         })
     }
 
+    /// GETs a JSON body.
+    pub fn get(url: &str) -> serde_json::Value {
+        rt().block_on(async { reqwest::get(url).await.unwrap().json().await.unwrap() })
+    }
+
     /// POSTs JSON; the status and the body as JSON.
     pub fn post(url: &str, body: &serde_json::Value) -> (u16, serde_json::Value) {
         rt().block_on(async {
@@ -396,7 +401,7 @@ fn a_decoder_embedding_model_is_served_without_flags_and_a_plain_decoder_with_em
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success(), "{err}");
-    assert!(err.contains("an embedding model does not use these flags") && !err.contains("-c,"), "{err}");
+    assert!(err.contains("an embedding model does not use these flags") && !err.contains("--ctx-size"), "{err}");
     for flag in ["--n-predict", "--top-k", "--reasoning-budget"] {
         assert!(err.contains(flag), "{flag}: {err}");
     }
@@ -432,6 +437,31 @@ fn reference() -> (PathBuf, Value) {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/minilm-reference.json");
     let v = serde_json::from_str(&std::fs::read_to_string(&path).unwrap()).unwrap();
     (path, v)
+}
+
+/// A short request that arrives while a long one runs is answered in the next pass, not after the
+/// long one: passes take each waiting request's next inputs in turn.
+#[test]
+fn a_short_request_is_not_held_behind_a_long_one() {
+    let Some(model) = minilm() else { return };
+    // Small passes (-b 256: about 25 of these inputs), so the long request takes many.
+    let server = start_with(&model, &["-b", "256"]);
+    let url = format!("{}/v1/embeddings", server.base);
+    let busy = || http::get(&format!("{}/slots", server.base))[0]["is_processing"] == true;
+    let long: Vec<String> = (0..2000).map(|i| format!("sentence number {i} is about the weather")).collect();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let (status, v) = http::post(&url, &json!({"input": long}));
+            assert_eq!((status, v["data"].as_array().map(Vec::len)), (200, Some(2000)));
+        });
+        while !busy() {
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+        let (status, v) = http::post(&url, &json!({"input": "a short one"}));
+        assert_eq!((status, v["data"].as_array().map(Vec::len)), (200, Some(1)));
+        // Held behind it, the short request would have been answered after the long one's passes.
+        assert!(busy(), "the long request had finished before the short one was answered");
+    });
 }
 
 #[test]

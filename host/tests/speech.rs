@@ -615,7 +615,7 @@ fn a_speech_server_refuses_text_model_flags() {
     let mut c = mlxcel::testing::server_command(env!("CARGO_BIN_EXE_mlxcel-server"));
     let out = c.arg("-m").arg(&model).args(["--port", "0"]).env("LLAMA_ARG_N_PREDICT", "64").output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("--n-predict") && err.contains("does not use"), "{err}");
+    assert!(!out.status.success() && err.contains("LLAMA_ARG_N_PREDICT: ") && err.contains("does not use"), "{err}");
 }
 
 #[test]

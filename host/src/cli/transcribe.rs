@@ -19,7 +19,7 @@ pub struct TranscribeArgs {
     /// Whisper model: folder, hub name or mlxcel store name.
     #[arg(short = 'm', long = "model", value_name = "MODEL")]
     pub model: String,
-    /// Audio files (WAV, FLAC, MP3, Ogg Vorbis, AAC/ALAC in M4A; any rate and channel count); `-` reads
+    /// Audio files (WAV, FLAC, MP3, Ogg Vorbis, AAC/ALAC in M4A, WebM; any rate and channels); `-` reads
     /// standard input.
     #[arg(value_name = "FILE", required = true)]
     pub files: Vec<PathBuf>,

@@ -296,64 +296,110 @@ impl Encoder {
     }
 }
 
-/// The encoder thread: take a request, gather whatever else is waiting, run them all in passes of at
-/// most `max_batch_tokens`, answer each request with its rows.
+/// A request the encoder thread has taken: its rows so far.
+struct Active {
+    job: Job,
+    rows: Vec<Vec<f32>>,
+    failed: Option<EngineError>,
+}
+
+impl Active {
+    fn done(&self) -> bool {
+        self.failed.is_some() || self.rows.len() == self.job.inputs.len()
+    }
+}
+
+/// The encoder thread. Between passes it takes every request that has arrived, and each pass takes
+/// the requests' next inputs in turn (one from each, round and round) up to `max_batch_tokens`, so
+/// a short request that arrives behind a long one runs in the next pass, not after it; a request is
+/// answered as soon as its last row is in.
 fn serve(mut runner: ModelRunner, rx: mpsc::Receiver<Job>, opts: EncoderOptions, counters: &EncoderCounters) {
-    while let Ok(first) = rx.recv() {
-        let mut jobs = vec![first];
-        while let Ok(more) = rx.try_recv() {
-            jobs.push(more);
+    let mut active: Vec<Active> = Vec::new();
+    loop {
+        if active.is_empty() {
+            match rx.recv() {
+                Ok(job) => active.push(Active { job, rows: Vec::new(), failed: None }),
+                Err(_) => return,
+            }
+            counters.queued.fetch_sub(1, Ordering::Relaxed);
         }
-        counters.queued.fetch_sub(jobs.len(), Ordering::Relaxed);
-        counters.running.store(jobs.len(), Ordering::Relaxed);
-        // Every input of every job, in order; a failed pass fails the jobs it held.
-        let all: Vec<(usize, &EncodedInput)> =
-            jobs.iter().enumerate().flat_map(|(j, job)| job.inputs.iter().map(move |i| (j, i))).collect();
-        let mut rows: Vec<Vec<Vec<f32>>> = jobs.iter().map(|j| Vec::with_capacity(j.inputs.len())).collect();
-        let mut failed: Vec<Option<EngineError>> = jobs.iter().map(|_| None).collect();
-        let mut stopped: Vec<bool> = vec![false; jobs.len()];
-        for batch in batches(&all, opts.max_batch_tokens) {
-            // A request whose caller stopped waiting (it left, or timed out) runs no more passes.
-            for (j, job) in jobs.iter().enumerate() {
-                if !stopped[j] && job.reply.is_closed() {
-                    stopped[j] = true;
-                    counters.cancelled.fetch_add(1, Ordering::Relaxed);
-                    tracing::info!("stopped an encoder request: its caller stopped waiting");
+        while let Ok(job) = rx.try_recv() {
+            counters.queued.fetch_sub(1, Ordering::Relaxed);
+            active.push(Active { job, rows: Vec::new(), failed: None });
+        }
+        // A request whose caller stopped waiting (it left, or timed out) runs no more passes.
+        active.retain(|a| {
+            let gone = a.job.reply.is_closed();
+            if gone {
+                counters.cancelled.fetch_add(1, Ordering::Relaxed);
+                tracing::info!("stopped an encoder request: its caller stopped waiting");
+            }
+            !gone
+        });
+        counters.running.store(active.len(), Ordering::Relaxed);
+        if active.is_empty() {
+            continue;
+        }
+        let remaining: Vec<&[EncodedInput]> = active.iter().map(|a| &a.job.inputs[a.rows.len()..]).collect();
+        let picks = round_robin(&remaining, opts.max_batch_tokens);
+        let inputs: Vec<&EncodedInput> = picks.iter().map(|&(a, i)| &remaining[a][i]).collect();
+        let start = Instant::now();
+        let result = forward(&mut runner, &inputs);
+        counters.compute_micros.fetch_add(start.elapsed().as_micros() as u64, Ordering::Relaxed);
+        counters.passes.fetch_add(1, Ordering::Relaxed);
+        counters.inputs.fetch_add(inputs.len() as u64, Ordering::Relaxed);
+        counters.tokens.fetch_add(inputs.iter().map(|i| i.ids.len() as u64).sum(), Ordering::Relaxed);
+        match result {
+            // Picks hold each request's inputs in order, so its rows arrive in order.
+            Ok(out) => picks.iter().zip(out).for_each(|(&(a, _), row)| active[a].rows.push(row)),
+            Err(e) => {
+                tracing::warn!("encoder pass failed: {e:#}");
+                for &(a, _) in &picks {
+                    active[a].failed.get_or_insert_with(|| EngineError::Internal(format!("{e:#}")));
                 }
             }
-            let batch: Vec<&(usize, &EncodedInput)> = batch.iter().filter(|(j, _)| !stopped[*j]).collect();
-            if batch.is_empty() {
+        }
+        for a in std::mem::take(&mut active) {
+            if !a.done() {
+                active.push(a);
                 continue;
             }
-            let inputs: Vec<&EncodedInput> = batch.iter().map(|(_, i)| *i).collect();
-            let start = Instant::now();
-            let result = forward(&mut runner, &inputs);
-            counters.compute_micros.fetch_add(start.elapsed().as_micros() as u64, Ordering::Relaxed);
-            counters.passes.fetch_add(1, Ordering::Relaxed);
-            counters.inputs.fetch_add(inputs.len() as u64, Ordering::Relaxed);
-            counters.tokens.fetch_add(inputs.iter().map(|i| i.ids.len() as u64).sum(), Ordering::Relaxed);
-            match result {
-                Ok(out) => {
-                    for ((j, _), row) in batch.iter().zip(out) {
-                        rows[*j].push(row);
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!("encoder pass failed: {e:#}");
-                    for (j, _) in batch {
-                        failed[*j].get_or_insert_with(|| EngineError::Internal(format!("{e:#}")));
-                    }
-                }
-            }
-        }
-        for ((job, rows), failed) in jobs.into_iter().zip(rows).zip(failed) {
-            let _ = job.reply.send(match failed {
+            let _ = a.job.reply.send(match a.failed {
                 Some(e) => Err(e),
-                None => Ok(rows),
+                None => Ok(a.rows),
             });
         }
-        counters.running.store(0, Ordering::Relaxed);
+        counters.running.store(active.len(), Ordering::Relaxed);
     }
+}
+
+/// One pass's inputs from the requests' remaining ones (`(request, index into its remaining)`):
+/// the first input of each request in turn, then the second of each, … while the pass holds at
+/// most `budget` tokens (an input longer than the budget runs alone). Each request's picks are its
+/// next inputs in order.
+fn round_robin(remaining: &[&[EncodedInput]], budget: usize) -> Vec<(usize, usize)> {
+    let mut picks = Vec::new();
+    let mut tokens = 0;
+    let mut full = vec![false; remaining.len()];
+    for round in 0.. {
+        let mut took = false;
+        for (a, inputs) in remaining.iter().enumerate() {
+            let Some(input) = inputs.get(round).filter(|_| !full[a]) else { continue };
+            let n = input.ids.len();
+            if !picks.is_empty() && tokens + n > budget {
+                // This request's next input does not fit: it waits, so its later ones wait too.
+                full[a] = true;
+                continue;
+            }
+            picks.push((a, round));
+            tokens += n;
+            took = true;
+        }
+        if !took {
+            break;
+        }
+    }
+    picks
 }
 
 /// Consecutive runs of `items` holding at most `budget` tokens each (a longer item alone).
@@ -411,6 +457,23 @@ mod tests {
 
     fn input(n: usize) -> EncodedInput {
         EncodedInput { ids: vec![1; n], types: vec![0; n] }
+    }
+
+    #[test]
+    fn a_pass_takes_each_requests_next_inputs_in_turn() {
+        let long: Vec<EncodedInput> = (0..10).map(|_| input(3)).collect();
+        let short = [input(2)];
+        let picks = round_robin(&[&long, &short], 10);
+        // The short request's one input joins the first pass, beside the long one's first two.
+        assert_eq!(picks, [(0, 0), (1, 0), (0, 1)]);
+        // Alone, a request fills the pass with its next inputs, in order.
+        assert_eq!(round_robin(&[&long], 10), [(0, 0), (0, 1), (0, 2)]);
+        // An input over the budget runs alone; one that no longer fits stops its request's picks.
+        let big = [input(50), input(1)];
+        assert_eq!(round_robin(&[&big, &short], 10), [(0, 0)]);
+        assert_eq!(round_robin(&[&short, &big], 10), [(0, 0)]);
+        let mixed = [input(4), input(9), input(1)];
+        assert_eq!(round_robin(&[&mixed, &long], 10), [(0, 0), (1, 0), (1, 1)]);
     }
 
     #[test]

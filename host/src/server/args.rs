@@ -154,7 +154,7 @@ pub struct ServerArgs {
 }
 
 /// A flag the command line (or its environment variable) gave, not a default: clap's id, and the
-/// name to quote in a message.
+/// name to quote in a message (`--n-predict`, or `LLAMA_ARG_N_PREDICT` where that set it).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GivenFlag {
     pub id: String,
@@ -168,15 +168,15 @@ impl ServerArgs {
         let own = ServerArgs::augment_args(clap::Command::new("mlxcel-server"));
         self.given = own
             .get_arguments()
-            .filter(|a| {
-                matches!(
-                    matches.value_source(a.get_id().as_str()),
-                    Some(ValueSource::CommandLine | ValueSource::EnvVariable)
-                )
-            })
-            .map(|a| GivenFlag {
-                id: a.get_id().to_string(),
-                name: a.get_long().map_or_else(|| a.get_id().to_string(), |l| format!("--{l}")),
+            .filter_map(|a| {
+                let id = a.get_id().to_string();
+                // Named as given: the flag, or the environment variable that set it.
+                let name = match matches.value_source(&id)? {
+                    ValueSource::CommandLine => a.get_long().map_or_else(|| id.clone(), |l| format!("--{l}")),
+                    ValueSource::EnvVariable => a.get_env()?.to_string_lossy().into_owned(),
+                    _ => return None,
+                };
+                Some(GivenFlag { id, name })
             })
             .collect();
     }

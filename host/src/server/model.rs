@@ -31,7 +31,8 @@ pub fn start(state: &AppState) -> Result<String> {
     let catalog = Catalog::load(&PluginSearch::from_env(&config.plugin_dirs));
     let checkpoint = Checkpoint::open(&dir)?;
     // The family that claims the model says what it is for, before its weights are bound.
-    if ModelRunner::task_of(&catalog, &checkpoint)? == Task::Asr {
+    let task = ModelRunner::task_of(&catalog, &checkpoint)?;
+    if task == Task::Asr {
         if config.embedding.is_some() {
             bail!(
                 "{}: --embedding / --pooling: this is a speech-recognition (Whisper) model, served on \
@@ -52,6 +53,12 @@ pub fn start(state: &AppState) -> Result<String> {
         let _ = state.speech.set(speech);
         return Ok(ready);
     }
+    // A text model with --embedding / --pooling is served as an embedding model.
+    match if config.embedding.is_some() { Task::Embed } else { task } {
+        Task::Embed => refuse_unused_flags(config, Task::Embed, &dir, "an embedding model")?,
+        Task::Rerank => refuse_unused_flags(config, Task::Rerank, &dir, "a reranking model")?,
+        _ => {}
+    }
     let parallel = config.parallel.max(1);
     let (mut runner, text, facts) = load(config, &catalog, checkpoint, parallel)?;
     let (model, ready) = match runner.info.task {
@@ -65,8 +72,6 @@ pub fn start(state: &AppState) -> Result<String> {
             (batch_engine::start(config, runner, text, facts)?, ready)
         }
         Task::Embed | Task::Rerank => {
-            let what = if runner.info.task == Task::Embed { "an embedding model" } else { "a reranking model" };
-            refuse_unused_flags(config, runner.info.task, &dir, what)?;
             let model = embeddings::start_encoder(config, runner, text, facts)?;
             let e = model.encoder.as_ref().expect("an encoder model has its encoder").info();
             let ready = format!(
@@ -159,14 +164,18 @@ pub fn load(
         chat_template: template_source,
         default_sampling: config.sampling.resolve(runner.checkpoint.generation_config.as_ref()),
     };
+    // An encoder's input limit is its tokenizer's (the ready line says it), not these positions.
+    let room = match runner.info.task {
+        Task::Text => format!("context {}", runner.ctx_size),
+        _ => format!("{} positions", runner.ctx_size),
+    };
     tracing::info!(
-        "loaded {} ({} via family `{}`) on backend `{}` [{}], context {}",
+        "loaded {} ({} via family `{}`) on backend `{}` [{}], {room}",
         dir.display(),
         runner.info.architecture,
         runner.family_name,
         runner.backend_name,
         runner.backend_features,
-        runner.ctx_size
     );
     Ok((runner, tokenizer, facts))
 }
