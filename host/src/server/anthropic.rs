@@ -19,7 +19,10 @@ use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
 use super::samplers::LlamaSamplers;
 use super::state::{AppState, LoadedModel, RequestLog};
 use super::structured;
-use super::tools::{parameters_problem, pieces_through, shown_tags, CallParser, Forced, Piece, ToolCall, Tooling};
+use super::tools::{
+    duplicate_name, parameters_problem, pieces_through, shown_tags, tool_name_problem, CallParser, Forced, Piece,
+    ToolCall, Tooling,
+};
 use crate::engine::{TokenLogprob, Usage};
 use crate::text::ChatMessage;
 
@@ -306,6 +309,10 @@ fn request_tools(model: &LoadedModel, r: &MessagesRequest) -> Result<Option<Tool
             return Err(ApiError::field(&format!("tools[{i}].name"), "a tool needs a name"));
         };
         // (Anthropic's error shape has no `param`: its messages start with the field's path.)
+        if let Some(problem) = tool_name_problem(name, 128) {
+            let param = format!("tools[{i}].name");
+            return Err(ApiError::field(&param, format!("{}: {problem}", dotted(&param))));
+        }
         let param = format!("tools[{i}].input_schema");
         let at = dotted(&param);
         let Some(schema) = t.get("input_schema").filter(|s| !s.is_null()) else {
@@ -323,6 +330,9 @@ fn request_tools(model: &LoadedModel, r: &MessagesRequest) -> Result<Option<Tool
             function["strict"] = strict.clone();
         }
         shaped.push(json!({"type": "function", "function": function}));
+    }
+    if let Some(name) = duplicate_name(shaped.iter().filter_map(|t| t.pointer("/function/name")?.as_str())) {
+        return Err(ApiError::field("tools", format!("tools: Tool names must be unique (`{name}` is given twice)")));
     }
     let tooling = Tooling::new(shaped, parallel, model.facts.chat_template.as_deref())
         .map_err(|e| ApiError::field("tools", e))?;
