@@ -454,7 +454,9 @@ fn a_short_request_is_not_held_behind_a_long_one() {
             let (status, v) = http::post(&url, &json!({"input": long}));
             assert_eq!((status, v["data"].as_array().map(Vec::len)), (200, Some(2000)));
         });
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         while !busy() {
+            assert!(std::time::Instant::now() < deadline, "the long request never started");
             std::thread::sleep(std::time::Duration::from_millis(2));
         }
         let (status, v) = http::post(&url, &json!({"input": "a short one"}));

@@ -309,10 +309,11 @@ impl Active {
     }
 }
 
-/// The encoder thread. Between passes it takes every request that has arrived, and each pass takes
-/// the requests' next inputs in turn (one from each, round and round) up to `max_batch_tokens`, so
-/// a short request that arrives behind a long one runs in the next pass, not after it; a request is
-/// answered as soon as its last row is in.
+/// The encoder thread. Between passes it takes the requests that have arrived (up to `max_queue`),
+/// and each pass takes their next inputs in turn (one from each, round and round, starting one
+/// request further on each pass) up to `max_batch_tokens`, so a short request that arrives behind a
+/// long one runs within a pass or two, not after it; a request is answered as soon as its last row
+/// is in.
 fn serve(mut runner: ModelRunner, rx: mpsc::Receiver<Job>, opts: EncoderOptions, counters: &EncoderCounters) {
     let mut active: Vec<Active> = Vec::new();
     loop {
@@ -323,7 +324,10 @@ fn serve(mut runner: ModelRunner, rx: mpsc::Receiver<Job>, opts: EncoderOptions,
             }
             counters.queued.fetch_sub(1, Ordering::Relaxed);
         }
-        while let Ok(job) = rx.try_recv() {
+        // At most `max_queue` taken: the rest wait in the channel, whose bound refuses new requests
+        // (`QueueFull`) while the encoder is that far behind.
+        while active.len() < opts.max_queue.max(1) {
+            let Ok(job) = rx.try_recv() else { break };
             counters.queued.fetch_sub(1, Ordering::Relaxed);
             active.push(Active { job, rows: Vec::new(), failed: None });
         }
@@ -358,6 +362,11 @@ fn serve(mut runner: ModelRunner, rx: mpsc::Receiver<Job>, opts: EncoderOptions,
                     active[a].failed.get_or_insert_with(|| EngineError::Internal(format!("{e:#}")));
                 }
             }
+        }
+        // The next pass starts its turns at the next request, so a long one at the front cannot keep
+        // taking a pass's room first.
+        if active.len() > 1 {
+            active.rotate_left(1);
         }
         for a in std::mem::take(&mut active) {
             if !a.done() {

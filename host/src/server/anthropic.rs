@@ -20,8 +20,8 @@ use super::samplers::LlamaSamplers;
 use super::state::{AppState, LoadedModel, RequestLog};
 use super::structured;
 use super::tools::{
-    duplicate_name, parameters_problem, pieces_through, shown_tags, tool_name_problem, CallParser, Forced, Piece,
-    ToolCall, Tooling,
+    anthropic_tool_name_problem, duplicate_name, parameters_problem, pieces_through, shown_tags, CallParser, Forced,
+    Piece, ToolCall, Tooling,
 };
 use crate::engine::{TokenLogprob, Usage};
 use crate::text::ChatMessage;
@@ -309,7 +309,7 @@ fn request_tools(model: &LoadedModel, r: &MessagesRequest) -> Result<Option<Tool
             return Err(ApiError::field(&format!("tools[{i}].name"), "a tool needs a name"));
         };
         // (Anthropic's error shape has no `param`: its messages start with the field's path.)
-        if let Some(problem) = tool_name_problem(name, 128) {
+        if let Some(problem) = anthropic_tool_name_problem(name) {
             let param = format!("tools[{i}].name");
             return Err(ApiError::field(&param, format!("{}: {problem}", dotted(&param))));
         }

@@ -22,10 +22,7 @@ use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
 use super::samplers::LlamaSamplers;
 use super::state::{AppState, LoadedModel, RequestLog};
 use super::structured;
-use super::tools::{
-    duplicate_name, parameters_problem, pieces_through, text_and_calls, tool_name_problem, CallParser, Forced,
-    ToolCall, Tooling,
-};
+use super::tools::{parameters_problem, pieces_through, text_and_calls, CallParser, Forced, ToolCall, Tooling};
 use crate::engine::{SamplingParams, TokenLogprob, Usage};
 use crate::text::{ChatMessage, TextTokenizer};
 
@@ -625,18 +622,12 @@ pub fn request_tools(
         if t.get("type").and_then(Value::as_str) != Some("function") {
             return Err(ApiError::field(&format!("tools[{i}].type"), "only `function` tools are supported"));
         }
-        let Some(name) = t.pointer("/function/name").and_then(Value::as_str).filter(|n| !n.is_empty()) else {
+        if t.pointer("/function/name").and_then(Value::as_str).is_none_or(str::is_empty) {
             return Err(ApiError::field(&format!("tools[{i}].function.name"), "a function tool needs a name"));
-        };
-        if let Some(problem) = tool_name_problem(name, 64) {
-            return Err(ApiError::field(&format!("tools[{i}].function.name"), problem));
         }
         if let Some(problem) = parameters_problem(t.pointer("/function/parameters"), "function.parameters") {
             return Err(ApiError::field(&format!("tools[{i}].function.parameters"), problem));
         }
-    }
-    if let Some(name) = duplicate_name(tools.iter().filter_map(|t| t.pointer("/function/name")?.as_str())) {
-        return Err(ApiError::field("tools", format!("tool names must be unique: `{name}` is given twice")));
     }
     let tooling = Tooling::new(tools, parallel.unwrap_or(true), model.facts.chat_template.as_deref())
         .map_err(|e| ApiError::field("tools", e))?;

@@ -24,7 +24,7 @@ use super::reasoning::{self, Parts, ReasoningFormat, Splitter};
 use super::samplers::LlamaSamplers;
 use super::state::{AppState, LoadedModel, RequestLog};
 use super::structured;
-use super::tools::{parameters_problem, pieces_through, tool_name_problem, CallParser, Piece, ToolCall, Tooling};
+use super::tools::{parameters_problem, pieces_through, CallParser, Piece, ToolCall, Tooling};
 use crate::engine::{TokenLogprob, Usage};
 use crate::text::{ChatMessage, TextTokenizer};
 
@@ -282,11 +282,8 @@ fn chat_tools(tools: &Option<Vec<Value>>) -> Result<Option<Vec<Value>>, ApiError
         }
         // Checked here, where the fields have the paths the client gave them (the chat checks would
         // name `tools[i].function.…`).
-        let Some(name) = t.get("name").and_then(Value::as_str).filter(|n| !n.is_empty()) else {
+        if t.get("name").and_then(Value::as_str).is_none_or(str::is_empty) {
             return Err(ApiError::field(&format!("tools[{i}].name"), "a function tool needs a name"));
-        };
-        if let Some(problem) = tool_name_problem(name, 64) {
-            return Err(ApiError::field(&format!("tools[{i}].name"), problem));
         }
         if let Some(problem) = parameters_problem(t.get("parameters"), "parameters") {
             return Err(ApiError::field(&format!("tools[{i}].parameters"), problem));

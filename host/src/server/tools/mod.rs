@@ -130,18 +130,16 @@ pub fn parameters_problem(schema: Option<&Value>, field: &str) -> Option<String>
     }
 }
 
-/// Why `name` cannot name a tool where names must match `^[a-zA-Z0-9_-]{1,max}$` (OpenAI's 64,
-/// Anthropic's 128): a model writes the name back in its call, where other characters (spaces, dots,
-/// quotes) would not read back as the same name in every call format.
-pub fn tool_name_problem(name: &str, max: usize) -> Option<String> {
+/// Why `name` cannot name a client tool on Anthropic's route: Anthropic's API takes names matching
+/// `^[a-zA-Z0-9_-]{1,128}$` only, and says so in these words. (OpenAI's route takes any name, as
+/// llama-server and vLLM do: clients written for them send names such as `server.tool`.)
+pub fn anthropic_tool_name_problem(name: &str) -> Option<&'static str> {
     let valid = |c: char| c.is_ascii_alphanumeric() || c == '_' || c == '-';
-    if name.is_empty() || name.len() > max || !name.chars().all(valid) {
-        return Some(format!("string should match the pattern '^[a-zA-Z0-9_-]{{1,{max}}}$', got {name:?}"));
-    }
-    None
+    (name.is_empty() || name.len() > 128 || !name.chars().all(valid))
+        .then_some("String should match pattern '^[a-zA-Z0-9_-]{1,128}$'")
 }
 
-/// The first name given twice, if any: a call must say which tool it is.
+/// The first name given twice, if any (Anthropic refuses them: a call must say which tool it is).
 pub fn duplicate_name<'a>(names: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
     let mut seen = std::collections::HashSet::new();
     names.into_iter().find(|n| !seen.insert(*n))
