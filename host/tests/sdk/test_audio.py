@@ -61,43 +61,34 @@ def an_m4a_upload_is_transcribed():
     assert STABLE in text, text
 
 
+def refused(call, words, what):
+    """`call` must fail with a 400 whose message holds `words`."""
+    try:
+        call()
+    except openai.BadRequestError as e:
+        assert words in str(e), e
+        return
+    raise AssertionError(f"{what} was accepted")
+
+
 def an_opus_upload_is_a_400_naming_opus():
     webm = os.path.join(HERE, "..", "..", "..", "audio", "tests", "fixtures", "speech_16k_mono.webm")
-    try:
-        with open(webm, "rb") as f:
-            oa.audio.transcriptions.create(model=MODEL, file=f)
-    except openai.BadRequestError as e:
-        assert "Opus" in str(e), e
-        return
-    raise AssertionError("an Opus upload was accepted")
+    with open(webm, "rb") as f:
+        refused(lambda: oa.audio.transcriptions.create(model=MODEL, file=f), "Opus", "an Opus upload")
 
 
 def an_empty_file_is_a_400():
-    try:
-        oa.audio.transcriptions.create(model=MODEL, file=("empty.wav", b""))
-    except openai.BadRequestError as e:
-        assert "empty" in str(e), e
-        return
-    raise AssertionError("an empty upload was accepted")
+    refused(lambda: oa.audio.transcriptions.create(model=MODEL, file=("empty.wav", b"")), "empty", "an empty upload")
 
 
 def a_text_file_named_mp3_is_a_400():
-    try:
-        oa.audio.transcriptions.create(model=MODEL, file=("notes.mp3", b"hello, this is text, not audio\n" * 20))
-    except openai.BadRequestError as e:
-        assert "could not be read as audio" in str(e), e
-        return
-    raise AssertionError("a text file was accepted as audio")
+    text = ("notes.mp3", b"hello, this is text, not audio\n" * 20)
+    refused(lambda: oa.audio.transcriptions.create(model=MODEL, file=text), "could not be read as audio", "a text file")
 
 
 def translation_on_an_english_only_model_is_a_400():
-    try:
-        with open(AUDIO, "rb") as f:
-            oa.audio.translations.create(model=MODEL, file=f)
-    except openai.BadRequestError as e:
-        assert "English-only" in str(e), e
-        return
-    raise AssertionError("translation on tiny.en was accepted")
+    with open(AUDIO, "rb") as f:
+        refused(lambda: oa.audio.translations.create(model=MODEL, file=f), "English-only", "translation on tiny.en")
 
 
 def chat_on_a_speech_model_is_a_400():
