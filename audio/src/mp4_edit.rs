@@ -35,8 +35,8 @@ const MAX_MOOV_BYTES: u64 = 64 << 20;
 
 /// The edits of the sound tracks of the MP4 file in `r` (read from its start; the position is left
 /// anywhere), by track id (`tkhd`'s, which symphonia's tracks carry). Empty for anything else than an
-/// MP4, and a track is left out where its edit list is not one plain edit (none, an empty edit
-/// before the audio, several) or a box is damaged.
+/// MP4, and a track is left out where its edit list does not hold one edit of the media (none, or
+/// several; empty edits before it are passed over) or a box is damaged.
 pub fn sound_track_edits<R: Read + Seek>(r: &mut R) -> Vec<(u32, Edit)> {
     read_moov(r).map_or_else(Vec::new, |moov| moov_edits(&moov))
 }
@@ -130,15 +130,22 @@ fn track_edit(trak: &[u8], movie_timescale: u32) -> Option<(u32, Edit)> {
     let media_timescale = field_after_times(child(mdia, b"mdhd")?)?;
     let elst = child(child(trak, b"edts")?, b"elst")?;
     let (version, count) = (*elst.first()?, be_u32(elst, 4)?);
-    if count != 1 || movie_timescale == 0 || media_timescale == 0 {
+    if movie_timescale == 0 || media_timescale == 0 || count > 16 {
         return None;
     }
-    let (duration, media_time) = match version {
-        0 => (be_u32(elst, 8)? as u64, be_u32(elst, 12)? as i32 as i64),
-        1 => (be_u64(elst, 8)?, be_u64(elst, 16)? as i64),
-        _ => return None,
+    let entry = |i: usize| -> Option<(u64, i64)> {
+        match version {
+            0 => Some((be_u32(elst, 8 + 12 * i)? as u64, be_u32(elst, 12 + 12 * i)? as i32 as i64)),
+            1 => Some((be_u64(elst, 8 + 20 * i)?, be_u64(elst, 16 + 20 * i)? as i64)),
+            _ => None,
+        }
     };
-    // -1: an empty edit (silence before the track), which ffmpeg plays; not a trim.
+    // Empty edits (media time -1: the track starts later than the movie, as in a video whose sound
+    // begins after a delay) place the audio in time; ffmpeg's decoding of the sound alone skips them.
+    // One edit of the media is applied; several are not (a cut-up presentation).
+    let entries = (0..count as usize).map(entry).collect::<Option<Vec<_>>>()?;
+    let mut media = entries.into_iter().filter(|&(_, time)| time != -1);
+    let (Some((duration, media_time)), None) = (media.next(), media.next()) else { return None };
     let skip = u64::try_from(media_time).ok()?;
     // A fragmented file's edit has no duration (its length is not known when the `moov` is written).
     let keep = match duration {
@@ -232,6 +239,15 @@ mod tests {
     }
 
     #[test]
+    fn an_empty_edit_before_the_audio_is_passed_over() {
+        // As `ffmpeg -itsoffset 0.5` writes it: 476 ms of nothing, then the media from its start.
+        for version in [0, 1] {
+            let bytes = file(&[trak(1, b"soun", version, &[(476, -1), (1024, 0)])]);
+            assert_eq!(edits(&bytes), [(1, Edit { skip: 0, keep: 45158, timescale: 44100 })], "version {version}");
+        }
+    }
+
+    #[test]
     fn a_fragmented_files_edit_keeps_everything_after_the_priming() {
         let bytes = file(&[trak(1, b"soun", 0, &[(0, 1024)])]);
         let found = edits(&bytes);
@@ -250,8 +266,8 @@ mod tests {
 
     #[test]
     fn other_files_and_edits_are_left_alone() {
-        assert!(edits(&file(&[trak(1, b"soun", 0, &[(10, -1), (990, 0)])])).is_empty());
         assert!(edits(&file(&[trak(1, b"soun", 0, &[(1000, -1)])])).is_empty());
+        assert!(edits(&file(&[trak(1, b"soun", 0, &[(500, 1024), (500, 9000)])])).is_empty());
         assert!(edits(b"RIFF....WAVEfmt ").is_empty());
         // A `moov` claiming more bytes than the file has reads what there is.
         let mut bytes = file(&[trak(1, b"soun", 0, &[(1000, 1024)])]);
