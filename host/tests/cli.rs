@@ -531,3 +531,22 @@ fn a_closed_output_pipe_ends_a_command_quietly_and_non_utf8_arguments_are_refuse
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("not valid UTF-8") && !stderr.contains("panicked"), "{stderr}");
 }
+
+/// `-t` takes 0 (one per core) to 512 threads, as llama.cpp: more is a usage error naming the limit,
+/// on every command that takes it and on the server.
+#[test]
+fn thread_counts_past_512_are_usage_errors() {
+    for args in [
+        &["run", "model", "-p", "hi", "-t", "513"][..],
+        &["bench", "model", "-t", "100000"],
+        &["transcribe", "-m", "model", "a.wav", "-t", "600"],
+    ] {
+        let out = mlxcel().args(args).output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains("at most 512 threads"), "{args:?}: {stderr}");
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_mlxcel-server")).args(["-m", "model", "-t", "1000"]).output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.code() == Some(2) && stderr.contains("at most 512 threads"), "{stderr}");
+}

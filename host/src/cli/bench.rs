@@ -25,7 +25,7 @@ pub struct BenchArgs {
     #[arg(short = 'r', long, default_value_t = 3, value_parser = repetitions)]
     pub repetitions: usize,
     /// Worker threads (0: one per core).
-    #[arg(short = 't', long, default_value_t = 0)]
+    #[arg(short = 't', long, default_value_t = 0, value_parser = crate::cli::thread_count)]
     pub threads: u32,
     /// Prefill chunk (tokens per step).
     #[arg(short = 'b', long = "batch-size", default_value_t = 512)]

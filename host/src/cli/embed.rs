@@ -18,7 +18,7 @@ pub struct EncoderModelArgs {
     #[arg(short = 'm', long = "model")]
     pub model: String,
     /// Worker threads (default: all cores).
-    #[arg(short = 't', long)]
+    #[arg(short = 't', long, value_parser = crate::cli::thread_count)]
     pub threads: Option<u32>,
     /// Backend plugin to use (default: the best-scoring one on this machine).
     #[arg(long)]

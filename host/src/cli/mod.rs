@@ -79,6 +79,19 @@ pub fn at_least_one(s: &str) -> Result<u64, String> {
     }
 }
 
+/// Most worker threads `-t` takes, as llama.cpp (`GGML_MAX_N_THREADS`): a step's threads spin
+/// while it runs, so thousands would only take the cores from each other.
+pub const MAX_THREADS: u32 = 512;
+
+/// A `-t` value (clap value parser): 0 (one per core) to [`MAX_THREADS`].
+pub fn thread_count(s: &str) -> Result<u32, String> {
+    match s.parse::<u32>() {
+        Ok(n) if n > MAX_THREADS => Err(format!("at most {MAX_THREADS} threads")),
+        Ok(n) => Ok(n),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// A folder that exists (clap value parser): a mistyped `--plugin-dir` is an error, not a folder
 /// silently searched in vain.
 fn existing_dir(s: &str) -> Result<PathBuf, String> {

@@ -50,7 +50,7 @@ pub struct RunArgs {
     #[arg(long = "stop")]
     pub stop: Vec<String>,
     /// Worker threads (default: all cores).
-    #[arg(short = 't', long)]
+    #[arg(short = 't', long, value_parser = crate::cli::thread_count)]
     pub threads: Option<u32>,
     /// Context size in tokens (default: min(model maximum, 4096)).
     #[arg(short = 'c', long = "ctx-size")]

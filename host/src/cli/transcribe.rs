@@ -46,7 +46,7 @@ pub struct TranscribeArgs {
     #[arg(long)]
     pub prompt: Option<String>,
     /// Worker threads (default: all cores).
-    #[arg(short = 't', long)]
+    #[arg(short = 't', long, value_parser = crate::cli::thread_count)]
     pub threads: Option<u32>,
     /// Backend plugin to use (default: the best-scoring one on this machine).
     #[arg(long)]

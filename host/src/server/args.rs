@@ -38,7 +38,7 @@ pub struct ServerArgs {
     #[arg(long = "parallel", env = "LLAMA_ARG_N_PARALLEL", default_value_t = 1)]
     pub parallel: usize,
     /// Worker threads (default: all cores).
-    #[arg(short = 't', long = "threads", env = "LLAMA_ARG_THREADS")]
+    #[arg(short = 't', long = "threads", env = "LLAMA_ARG_THREADS", value_parser = crate::cli::thread_count)]
     pub threads: Option<u32>,
     /// Default most tokens to generate per request (-1: until EOS or the context is full).
     #[arg(
