@@ -550,3 +550,34 @@ fn thread_counts_past_512_are_usage_errors() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.code() == Some(2) && stderr.contains("at most 512 threads"), "{stderr}");
 }
+
+/// `-f FILE` (and `-f -`, standard input) gives the prompt as `-p` does, less one final line break,
+/// as llama.cpp's `-f`; with `-p` it is a usage error.
+#[test]
+fn a_prompt_read_from_a_file_or_stdin_answers_as_the_same_prompt_given_with_p() {
+    use std::io::Write;
+    let model = fixture("qwen2-f32");
+    let common = ["-n", "6", "--temp", "0", "--no-chat-template"];
+    let answer = |extra: &[&str], stdin: Option<&str>| {
+        let mut c = mlxcel();
+        c.arg("generate").arg(&model).args(common).args(extra);
+        c.stdin(std::process::Stdio::piped()).stdout(std::process::Stdio::piped()).stderr(std::process::Stdio::piped());
+        let mut child = c.spawn().unwrap();
+        let mut input = child.stdin.take().unwrap();
+        input.write_all(stdin.unwrap_or("").as_bytes()).unwrap();
+        drop(input);
+        let out = child.wait_with_output().unwrap();
+        assert!(out.status.success(), "{extra:?}: {}", String::from_utf8_lossy(&out.stderr));
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("prompt.txt");
+    std::fs::write(&file, "Hello there\n").unwrap();
+    let given = answer(&["-p", "Hello there"], None);
+    assert_eq!(answer(&["-f", file.to_str().unwrap()], None), given);
+    assert_eq!(answer(&["-f", "-"], Some("Hello there\r\n")), given);
+    let out = mlxcel().arg("generate").arg(&model).args(["-p", "x", "-f", "-"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = mlxcel().arg("generate").arg(&model).args(["-f", "/nonexistent/prompt.txt"]).output().unwrap();
+    assert_one_line_error(&out, &["/nonexistent/prompt.txt"]);
+}

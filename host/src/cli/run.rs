@@ -1,7 +1,7 @@
 //! `mlxcel run` (chat REPL, or one answer with -p) and `mlxcel generate` (one answer).
 
-use std::io::Write;
-use std::path::PathBuf;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -29,6 +29,10 @@ pub struct RunArgs {
     /// start with `-`.
     #[arg(short = 'p', long = "prompt", allow_hyphen_values = true)]
     pub prompt: Option<String>,
+    /// Read the -p prompt from this file (`-`: standard input), as llama.cpp's `-f`; one final line
+    /// break is dropped.
+    #[arg(short = 'f', long = "file", value_name = "FILE", conflicts_with = "prompt")]
+    pub file: Option<PathBuf>,
     /// System prompt for the chat template.
     #[arg(long, allow_hyphen_values = true)]
     pub system: Option<String>,
@@ -358,14 +362,29 @@ pub fn run(global: &GlobalArgs, args: &RunArgs, one_shot: bool) -> Result<()> {
     if args.no_chat_template && args.system.is_some() {
         bail!("--system goes through the chat template, which --no-chat-template leaves out");
     }
-    if args.no_chat_template && args.prompt.is_none() && !one_shot {
+    let from_file = args.file.as_deref().map(read_prompt_file).transpose()?;
+    let prompt = args.prompt.as_deref().or(from_file.as_deref());
+    if args.no_chat_template && prompt.is_none() && !one_shot {
         bail!("--no-chat-template needs -p: the chat frames its turns with the template");
     }
-    match (&args.prompt, one_shot) {
+    match (prompt, one_shot) {
         (Some(p), _) => run_once(global, args, p),
-        (None, true) => bail!("`generate` needs a prompt: -p TEXT"),
+        (None, true) => bail!("`generate` needs a prompt: -p TEXT or -f FILE"),
         (None, false) => repl(global, args),
     }
+}
+
+/// The prompt in `path` (`-`: standard input), less one final line break.
+fn read_prompt_file(path: &Path) -> Result<String> {
+    let mut text = String::new();
+    if path == Path::new("-") {
+        std::io::stdin().read_to_string(&mut text).context("reading the prompt from standard input")?;
+    } else {
+        text = std::fs::read_to_string(path).with_context(|| format!("reading the prompt from {}", path.display()))?;
+    }
+    let end = text.strip_suffix("\r\n").or_else(|| text.strip_suffix('\n')).map_or(text.len(), str::len);
+    text.truncate(end);
+    Ok(text)
 }
 
 #[cfg(test)]
