@@ -365,7 +365,7 @@ pub fn run(global: &GlobalArgs, args: &RunArgs, one_shot: bool) -> Result<()> {
     let from_file = args.file.as_deref().map(read_prompt_file).transpose()?;
     let prompt = args.prompt.as_deref().or(from_file.as_deref());
     if args.no_chat_template && prompt.is_none() && !one_shot {
-        bail!("--no-chat-template needs -p: the chat frames its turns with the template");
+        bail!("--no-chat-template needs -p (or -f): the chat frames its turns with the template");
     }
     match (prompt, one_shot) {
         (Some(p), _) => run_once(global, args, p),

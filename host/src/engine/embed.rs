@@ -283,16 +283,17 @@ impl Encoder {
             return Err(EngineError::Invalid("no inputs".into()));
         }
         let (reply, rx) = tokio::sync::oneshot::channel();
-        match self.tx.try_send(Job { inputs, reply }) {
-            Ok(()) => {
-                self.counters.queued.fetch_add(1, Ordering::Relaxed);
-                Ok(rx)
-            }
+        // Counted before it is sent: the encoder thread may take it (and count it off) at once.
+        self.counters.queued.fetch_add(1, Ordering::Relaxed);
+        let refused = match self.tx.try_send(Job { inputs, reply }) {
+            Ok(()) => return Ok(rx),
             Err(mpsc::TrySendError::Full(_)) => {
-                Err(EngineError::QueueFull { queued: self.counters.queued.load(Ordering::Relaxed) })
+                EngineError::QueueFull { queued: self.counters.queued.load(Ordering::Relaxed).saturating_sub(1) }
             }
-            Err(mpsc::TrySendError::Disconnected(_)) => Err(EngineError::ShuttingDown),
-        }
+            Err(mpsc::TrySendError::Disconnected(_)) => EngineError::ShuttingDown,
+        };
+        self.counters.queued.fetch_sub(1, Ordering::Relaxed);
+        Err(refused)
     }
 }
 
