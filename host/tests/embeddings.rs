@@ -498,9 +498,7 @@ fn all_minilm_embeddings_match_the_numpy_reference_and_sentence_similarity() {
     let (_, v) = server.post("/v1/embeddings", json!({"input": "hello"}));
     assert_eq!(v["usage"]["prompt_tokens"], 3);
     // `/props` reports that limit as the context, not the model's 512 positions.
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-    let props: Value =
-        rt.block_on(async { reqwest::get(format!("{}/props", server.base)).await.unwrap().json().await.unwrap() });
+    let props = http::get(&format!("{}/props", server.base));
     assert_eq!(props["default_generation_settings"]["n_ctx"], 256, "{props}");
 }
 
