@@ -57,6 +57,20 @@ async fn chat_answers_paris_plain_and_streamed_and_sigterm_exits_cleanly() {
         })
         .collect();
     assert!(answer.contains("Paris"), "{answer}");
+    // A stop string is cut from the text, and its tokens from the logprobs.
+    let mut stopped = body.clone();
+    stopped["stop"] = json!(["Paris"]);
+    stopped["logprobs"] = json!(true);
+    let v: Value = http.post(&url).bearer_auth(KEY).json(&stopped).send().await.unwrap().json().await.unwrap();
+    let content = v["choices"][0]["message"]["content"].as_str().unwrap_or_default();
+    let tokens: String = v["choices"][0]["logprobs"]["content"]
+        .as_array()
+        .unwrap_or_else(|| panic!("{v}"))
+        .iter()
+        .map(|t| t["token"].as_str().unwrap())
+        .collect();
+    assert!(!content.contains("Paris") && content.starts_with(&tokens) && !tokens.is_empty(), "{v}");
+    assert!(content.len() - tokens.len() <= 1, "more than the stop string's tokens were dropped: {v}");
     // Structured output: held to a JSON schema, the answer is that JSON (and still right).
     let schema = json!({"type": "object", "properties": {"capital": {"type": "string", "maxLength": 40}},
         "required": ["capital"], "additionalProperties": false});
@@ -167,7 +181,7 @@ async fn a_client_leaving_mid_stream_frees_the_slot_timeouts_cut_answers_and_the
     assert_eq!(v["prompt"], "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n");
     let story = json!({"messages": [{"role": "user", "content": "Tell me a very long story about dragons."}],
                        "max_tokens": 1500, "ignore_eos": true, "stream": true});
-    for _ in 0..3 {
+    for i in 0..3 {
         let mut r = http
             .post(format!("{}/v1/chat/completions", server.base))
             .bearer_auth(KEY)
@@ -176,6 +190,14 @@ async fn a_client_leaving_mid_stream_frees_the_slot_timeouts_cut_answers_and_the
             .await
             .unwrap();
         r.chunk().await.unwrap().expect("a first chunk");
+        if i == 0 {
+            // The one slot is busy: llama-server's load-balancer check says so.
+            let url = format!("{}/slots?fail_on_no_slot=1", server.base);
+            let busy = http.get(&url).bearer_auth(KEY).send().await.unwrap();
+            assert_eq!(busy.status(), 503);
+            let v: Value = busy.json().await.unwrap();
+            assert_eq!(v["error"]["type"], "unavailable_error", "{v}");
+        }
         drop(r);
     }
     // The slot is free again within a moment of the last client leaving, and all three are counted
@@ -269,6 +291,20 @@ fn on_off_environment_variables_take_llama_cpp_spellings() {
     let out = server_bin().args(["-m", "x"]).env("LLAMA_ARG_CONT_BATCHING", "0").output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("always on"), "{stderr}");
+    // The key file's variable is read (a deployment that sets only it must not run without keys),
+    // and so are the current names of the on/off pairs.
+    let out = server_bin().args(["-m", "x"]).env("LLAMA_ARG_API_KEY_FILE", "/nonexistent/keys").output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("reading --api-key-file /nonexistent/keys"), "{stderr}");
+    for var in ["LLAMA_ARG_ENDPOINT_SLOTS", "LLAMA_ARG_CACHE_PROMPT"] {
+        let out = server_bin().args(["-m", "x"]).env(var, "maybe").output().unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains("invalid value 'maybe'"), "{var}: {stderr}");
+    }
+    // A variable of a llama-server flag mlxcel does not implement is refused, not ignored.
+    let out = server_bin().args(["-m", "x"]).env("LLAMA_ARG_CACHE_REUSE", "256").output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("LLAMA_ARG_CACHE_REUSE (llama-server's --cache-reuse) is set"), "{stderr}");
 }
 
 #[test]

@@ -10,16 +10,16 @@ use crate::engine::{SamplingOverrides, Step};
 #[derive(Args, Debug, Clone, Default)]
 pub struct SamplingArgs {
     /// Temperature; 0 = greedy.
-    #[arg(long = "temp", visible_alias = "temperature", allow_negative_numbers = true)]
+    #[arg(long = "temp", env = "LLAMA_ARG_TEMPERATURE", visible_alias = "temperature", allow_negative_numbers = true)]
     pub temp: Option<f32>,
     /// Keep the K most likely tokens (0 = off).
     #[arg(long = "top-k", env = "LLAMA_ARG_TOP_K", allow_negative_numbers = true)]
     pub top_k: Option<i64>,
     /// Nucleus sampling threshold (1.0 = off).
-    #[arg(long = "top-p")]
+    #[arg(long = "top-p", env = "LLAMA_ARG_TOP_P")]
     pub top_p: Option<f32>,
     /// Drop tokens less likely than min-p × the most likely (0 = off).
-    #[arg(long = "min-p")]
+    #[arg(long = "min-p", env = "LLAMA_ARG_MIN_P")]
     pub min_p: Option<f32>,
     /// Locally typical sampling, parameter p (1.0 = off).
     #[arg(long = "typical", visible_alias = "typical-p")]
@@ -34,16 +34,16 @@ pub struct SamplingArgs {
     #[arg(long = "xtc-threshold")]
     pub xtc_threshold: Option<f32>,
     /// Penalise repeats of the last --repeat-last-n tokens (1.0 = off).
-    #[arg(long = "repeat-penalty")]
+    #[arg(long = "repeat-penalty", env = "LLAMA_ARG_REPEAT_PENALTY")]
     pub repeat_penalty: Option<f32>,
     /// How many recent tokens the penalties consider (0 = off, -1 = the whole context).
     #[arg(long = "repeat-last-n", allow_negative_numbers = true)]
     pub repeat_last_n: Option<i64>,
     /// Lowers the logit of every token already seen by this much (0 = off).
-    #[arg(long = "presence-penalty", allow_negative_numbers = true)]
+    #[arg(long = "presence-penalty", env = "LLAMA_ARG_PRESENCE_PENALTY", allow_negative_numbers = true)]
     pub presence_penalty: Option<f32>,
     /// Lowers a seen token's logit by this much per time it was seen (0 = off).
-    #[arg(long = "frequency-penalty", allow_negative_numbers = true)]
+    #[arg(long = "frequency-penalty", env = "LLAMA_ARG_FREQUENCY_PENALTY", allow_negative_numbers = true)]
     pub frequency_penalty: Option<f32>,
     /// DRY: penalty for tokens that extend a repeat (0 = off).
     #[arg(long = "dry-multiplier")]

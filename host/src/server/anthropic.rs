@@ -118,7 +118,19 @@ fn turn(b: &Blocks, field: &str, role: &str) -> Result<Turn, ApiError> {
         let at = |f: &str| format!("{field}[{j}].{f}");
         match block.kind.as_str() {
             "text" => {
-                texts.push(block.text.clone().ok_or_else(|| ApiError::field(&at("text"), "a text block needs `text`"))?)
+                let text =
+                    block.text.clone().ok_or_else(|| ApiError::field(&at("text"), "a text block needs `text`"))?;
+                // As Anthropic's API refuses them (an empty block is not an empty turn).
+                if text.is_empty() {
+                    return Err(ApiError::field(&at("text"), "messages: text content blocks must be non-empty"));
+                }
+                if text.trim().is_empty() {
+                    return Err(ApiError::field(
+                        &at("text"),
+                        "messages: text content blocks must contain non-whitespace text",
+                    ));
+                }
+                texts.push(text)
             }
             "thinking" if assistant => thoughts.push(block.thinking.clone().unwrap_or_default()),
             "redacted_thinking" if assistant => t.redacted = true,
@@ -189,6 +201,14 @@ fn conversation(r: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
                 &at,
                 format!("messages.{i}: all messages must have non-empty content except for the optional final assistant message"),
             ));
+        }
+        if matches!(&m.content, Blocks::Text(s) if !s.is_empty() && s.trim().is_empty()) && !last {
+            return Err(ApiError::field(&at, "messages: text content blocks must contain non-whitespace text"));
+        }
+        // A prefill the answer continues: Anthropic refuses one that ends in whitespace (the model
+        // would go on from a word boundary it never writes, and answers degrade).
+        if last && m.role == "assistant" && t.text.ends_with(char::is_whitespace) {
+            return Err(ApiError::field(&at, "messages: final assistant content cannot end with trailing whitespace"));
         }
         // As Anthropic's API: a result answers a call of the turn just before (consecutive messages
         // of one role being one turn).
@@ -403,12 +423,14 @@ fn prompt_of(state: &AppState, model: &LoadedModel, r: &MessagesRequest) -> Resu
     Ok(Prompt { text, ids, tools, budget })
 }
 
-/// `stop_reason` and `stop_sequence`: an answer that called tools stopped to let them run.
-fn stop_reason(e: &Ending, calls: usize) -> (&'static str, Value) {
+/// `stop_reason` and `stop_sequence`: an answer that called tools stopped to let them run; one that
+/// filled the context (`out_of_context`) says so, as Anthropic's API does.
+fn stop_reason(e: &Ending, calls: usize, out_of_context: bool) -> (&'static str, Value) {
     match e {
         Ending::Eos | Ending::StopWord(_) if calls > 0 => ("tool_use", Value::Null),
         Ending::Eos => ("end_turn", Value::Null),
         Ending::StopWord(s) => ("stop_sequence", json!(s)),
+        Ending::Length if out_of_context => ("model_context_window_exceeded", Value::Null),
         Ending::Length | Ending::Cancelled => ("max_tokens", Value::Null),
     }
 }
@@ -481,8 +503,17 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
     if r.stream.unwrap_or(false) {
         let split = Splitter::new(format, open);
         let calls = tools.as_ref().map(|t| t.parser("toolu_"));
-        let dialect =
-            MessageStream { id, model: model_name, prompt_tokens, split, calls, sent_calls: 0, open: None, blocks: 0 };
+        let dialect = MessageStream {
+            id,
+            model: model_name,
+            prompt_tokens,
+            split,
+            calls,
+            sent_calls: 0,
+            open: None,
+            blocks: 0,
+            ctx_size: model.facts.ctx_size,
+        };
         return Ok(stream_response(events, dialect, prompt_tokens, stops, model.text.clone(), state.clone(), log));
     }
     let c = collect(events, &stops, &model.text, &state, &log).await?;
@@ -492,7 +523,7 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
         None => vec![Piece::Text(parts.content)],
     };
     let calls = pieces.iter().filter(|p| matches!(p, Piece::Call(_))).count();
-    let (reason, sequence) = stop_reason(&c.ending, calls);
+    let (reason, sequence) = stop_reason(&c.ending, calls, c.ending.out_of_context(&c.usage, model.facts.ctx_size));
     let mut content = vec![];
     if !parts.reasoning.is_empty() {
         content.push(json!({"type": "thinking", "thinking": parts.reasoning, "signature": ""}));
@@ -538,6 +569,7 @@ struct MessageStream {
     /// The content block open now (its index and kind), and how many were opened.
     open: Option<(usize, &'static str)>,
     blocks: usize,
+    ctx_size: usize,
 }
 
 impl MessageStream {
@@ -645,7 +677,7 @@ impl StreamDialect for MessageStream {
             self.write_block("text", "", &mut out);
         }
         self.close(&mut out);
-        let (reason, sequence) = stop_reason(ending, self.sent_calls);
+        let (reason, sequence) = stop_reason(ending, self.sent_calls, ending.out_of_context(usage, self.ctx_size));
         out.extend([
             event(json!({"type": "message_delta",
                 "delta": {"stop_reason": reason, "stop_sequence": sequence},

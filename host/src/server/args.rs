@@ -59,7 +59,7 @@ pub struct ServerArgs {
     #[arg(long = "api-key", env = "LLAMA_API_KEY", value_delimiter = ',')]
     pub api_key: Vec<String>,
     /// Read API keys from this file, one per line.
-    #[arg(long = "api-key-file", value_name = "FILE")]
+    #[arg(long = "api-key-file", env = "LLAMA_ARG_API_KEY_FILE", value_name = "FILE")]
     pub api_key_file: Option<PathBuf>,
     /// PEM private key for HTTPS (with --ssl-cert-file).
     #[arg(long = "ssl-key-file", env = "LLAMA_ARG_SSL_KEY_FILE", value_name = "FILE")]
@@ -74,9 +74,10 @@ pub struct ServerArgs {
     /// Serve Prometheus metrics at /metrics.
     #[arg(long = "metrics", env = "LLAMA_ARG_ENDPOINT_METRICS", value_parser = truthy)]
     pub metrics: bool,
-    /// Serve /slots (the default).
-    #[arg(long = "slots", overrides_with = "no_slots")]
-    pub slots: bool,
+    /// Serve /slots (the default; `--slots false` or `LLAMA_ARG_ENDPOINT_SLOTS=0` as --no-slots).
+    #[arg(long = "slots", env = "LLAMA_ARG_ENDPOINT_SLOTS", overrides_with = "no_slots", value_parser = truthy,
+          num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub slots: Option<bool>,
     /// Answer /slots with 501.
     #[arg(long = "no-slots", env = "LLAMA_ARG_NO_ENDPOINT_SLOTS", overrides_with = "slots", value_parser = truthy)]
     pub no_slots: bool,
@@ -87,9 +88,11 @@ pub struct ServerArgs {
     /// Skip the warm-up step.
     #[arg(long = "no-warmup", overrides_with = "warmup")]
     pub no_warmup: bool,
-    /// Reuse the KV of a shared prompt prefix across requests (the default; per request `cache_prompt`).
-    #[arg(long = "cache-prompt", overrides_with = "no_cache_prompt")]
-    pub cache_prompt: bool,
+    /// Reuse the KV of a shared prompt prefix across requests (the default; per request
+    /// `cache_prompt`; `LLAMA_ARG_CACHE_PROMPT=0` as --no-cache-prompt).
+    #[arg(long = "cache-prompt", env = "LLAMA_ARG_CACHE_PROMPT", overrides_with = "no_cache_prompt",
+          value_parser = truthy, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub cache_prompt: Option<bool>,
     /// Never reuse prompt KV across requests.
     #[arg(long = "no-cache-prompt", env = "LLAMA_ARG_NO_CACHE_PROMPT", overrides_with = "cache_prompt", value_parser = truthy)]
     pub no_cache_prompt: bool,
@@ -345,6 +348,77 @@ const REFUSED: &[(&[&str], &str, &str)] = &[
         "use -t/--threads; CPU affinity and priorities are not supported",
     ),
     (&["-sp", "--special", "--keep", "--override-kv", "--check-tensors"], "", "not supported by mlxcel-server"),
+    (
+        &[
+            "--log-disable",
+            "--log-file",
+            "--log-colors",
+            "-lv",
+            "--verbosity",
+            "--log-verbosity",
+            "--log-prefix",
+            "--no-log-prefix",
+            "--log-timestamps",
+            "--no-log-timestamps",
+            "--log-jsonl",
+            "--no-log-jsonl",
+        ],
+        "LLAMA_ARG_LOG_FILE",
+        "mlxcel-server logs to stderr, one line per request; -v or RUST_LOG (e.g. RUST_LOG=warn) sets how much",
+    ),
+    (
+        &["--threads-http", "--sleep-idle-seconds", "--sse-ping-interval", "--reuse-port", "--tags"],
+        "LLAMA_ARG_THREADS_HTTP",
+        "not supported by mlxcel-server",
+    ),
+];
+
+/// Environment variables of llama-server flags mlxcel does not implement, beyond [`REFUSED`]'s
+/// first ones: (variable, flag). Set, they are refused as the flags are.
+const REFUSED_VARIABLES: &[(&str, &str)] = &[
+    ("LLAMA_ARG_LOG_COLORS", "--log-colors"),
+    ("LLAMA_ARG_LOG_VERBOSITY", "--verbosity"),
+    ("LLAMA_ARG_LOG_PREFIX", "--log-prefix"),
+    ("LLAMA_ARG_LOG_TIMESTAMPS", "--log-timestamps"),
+    ("LLAMA_ARG_LOG_JSONL", "--log-jsonl"),
+    ("LLAMA_ARG_SLEEP_IDLE_SECONDS", "--sleep-idle-seconds"),
+    ("LLAMA_ARG_SSE_PING_INTERVAL", "--sse-ping-interval"),
+    ("LLAMA_ARG_REUSE_PORT", "--reuse-port"),
+    ("LLAMA_ARG_TAGS", "--tags"),
+    ("LLAMA_ARG_CACHE_REUSE", "--cache-reuse"),
+    ("LLAMA_ARG_CACHE_RAM", "--cache-ram"),
+    ("LLAMA_ARG_KV_UNIFIED", "--kv-unified"),
+    ("LLAMA_ARG_SWA_FULL", "--swa-full"),
+    ("LLAMA_ARG_CONTEXT_SHIFT", "--context-shift"),
+    ("LLAMA_ARG_NO_CONTEXT_SHIFT", "--no-context-shift"),
+    ("LLAMA_ARG_ENDPOINT_PROPS", "--props"),
+    ("LLAMA_ARG_STATIC_PATH", "--path"),
+    ("LLAMA_ARG_API_PREFIX", "--api-prefix"),
+    ("LLAMA_ARG_UI", "--webui"),
+    ("LLAMA_ARG_NO_UI", "--no-webui"),
+    ("LLAMA_ARG_NO_WEBUI", "--no-webui"),
+    ("LLAMA_ARG_ROPE_SCALE", "--rope-scale"),
+    ("LLAMA_ARG_ROPE_FREQ_BASE", "--rope-freq-base"),
+    ("LLAMA_ARG_ROPE_FREQ_SCALE", "--rope-freq-scale"),
+    ("LLAMA_ARG_YARN_ORIG_CTX", "--yarn-orig-ctx"),
+    ("LLAMA_ARG_YARN_EXT_FACTOR", "--yarn-ext-factor"),
+    ("LLAMA_ARG_YARN_ATTN_FACTOR", "--yarn-attn-factor"),
+    ("LLAMA_ARG_YARN_BETA_SLOW", "--yarn-beta-slow"),
+    ("LLAMA_ARG_YARN_BETA_FAST", "--yarn-beta-fast"),
+    ("LLAMA_ARG_MMPROJ_URL", "--mmproj-url"),
+    ("LLAMA_ARG_NUMA", "--numa"),
+    ("LLAMA_ARG_DEVICE", "--device"),
+    ("LLAMA_ARG_OVERRIDE_TENSOR", "--override-tensor"),
+    ("LLAMA_ARG_CPU_MOE", "--cpu-moe"),
+    ("LLAMA_ARG_N_CPU_MOE", "--n-cpu-moe"),
+    ("LLAMA_ARG_TENSOR_SPLIT", "--tensor-split"),
+    ("LLAMA_ARG_MAIN_GPU", "--main-gpu"),
+    ("LLAMA_ARG_DRAFT_MAX", "--draft-max"),
+    ("LLAMA_ARG_DRAFT_MIN", "--draft-min"),
+    ("LLAMA_ARG_CTX_SIZE_DRAFT", "--ctx-size-draft"),
+    ("LLAMA_ARG_N_GPU_LAYERS_DRAFT", "--gpu-layers-draft"),
+    ("LLAMA_ARG_SPEC_DRAFT_MODEL", "--spec-draft-model"),
+    ("LLAMA_ARG_SPEC_TYPE", "--spec-type"),
 ];
 
 /// Rewrites llama-server's multi-letter short flags and refuses the flags (and their environment
@@ -352,6 +426,14 @@ const REFUSED: &[(&[&str], &str, &str)] = &[
 pub fn preprocess_argv(args: impl IntoIterator<Item = String>) -> Result<Vec<String>> {
     let mut out = Vec::new();
     for a in args {
+        // llama.cpp reads `--ctx_size` as `--ctx-size`: underscores in a long flag's name are dashes.
+        let a = match a.strip_prefix("--") {
+            Some(rest) if rest.split('=').next().is_some_and(|n| n.contains('_')) => match rest.split_once('=') {
+                Some((n, v)) => format!("--{}={v}", n.replace('_', "-")),
+                None => format!("--{}", rest.replace('_', "-")),
+            },
+            _ => a,
+        };
         let name = a.split('=').next().unwrap_or(&a);
         if let Some((_, long)) = SHORT_ALIASES.iter().find(|(s, _)| *s == name) {
             out.push(match a.split_once('=') {
@@ -370,6 +452,11 @@ pub fn preprocess_argv(args: impl IntoIterator<Item = String>) -> Result<Vec<Str
     for (flags, env, why) in REFUSED {
         if !env.is_empty() && std::env::var_os(env).is_some() {
             bail!("{env} (llama-server's {}) is set, but mlxcel-server does not support it: {why}", flags[0]);
+        }
+    }
+    for (env, flag) in REFUSED_VARIABLES {
+        if std::env::var_os(env).is_some() {
+            bail!("{env} (llama-server's {flag}) is set, but mlxcel-server does not support it");
         }
     }
     Ok(out)
@@ -438,6 +525,21 @@ impl ServerConfig {
 }
 
 impl ServerArgs {
+    /// An on/off setting with a flag pair (`--slots [BOOL]` / `--no-slots`), each also set by its
+    /// variable: a command-line flag beats a variable (the command line's last flag wins, as clap
+    /// overrides), and between two variables the `NO_` one wins, as llama.cpp reads them. On by
+    /// default.
+    fn switch(&self, on_id: &str, on: Option<bool>, off_id: &str, off: bool) -> bool {
+        let on_cli = self.given.iter().any(|g| g.id == on_id && g.name.starts_with('-'));
+        let off_cli = self.given.iter().any(|g| g.id == off_id && g.name.starts_with('-'));
+        match (on, off) {
+            (Some(v), true) if on_cli && !off_cli => v,
+            (_, true) => false,
+            (Some(v), false) => v,
+            (None, false) => true,
+        }
+    }
+
     pub fn config(&self, plugin_dirs: &[PathBuf]) -> Result<ServerConfig> {
         if self.cont_batching == Some(false) {
             bail!("continuous batching cannot be switched off (--cont-batching / LLAMA_ARG_CONT_BATCHING): it is always on");
@@ -508,8 +610,8 @@ impl ServerArgs {
             tls,
             timeout: (self.timeout > 0).then(|| Duration::from_secs(self.timeout)),
             metrics: self.metrics,
-            slots: !self.no_slots,
-            cache_prompt: !self.no_cache_prompt,
+            slots: self.switch("slots", self.slots, "no_slots", self.no_slots),
+            cache_prompt: self.switch("cache_prompt", self.cache_prompt, "no_cache_prompt", self.no_cache_prompt),
             warmup: !self.no_warmup,
             chat_template,
             chat_template_kwargs,
@@ -643,6 +745,33 @@ mod tests {
         assert!(e.contains("-1 (no limit) or at least 0"), "{e}");
         assert!(parse(&["-m", "m", "--chat-template-kwargs", "[1]"]).is_err());
         assert!(parse(&["-m", "m", "--reasoning-format", "bogus"]).is_err());
+    }
+
+    #[test]
+    fn on_off_pairs_take_a_value_and_the_last_flag_wins() {
+        let c = parse(&["-m", "m"]).unwrap();
+        assert!(c.slots && c.cache_prompt);
+        let c = parse(&["-m", "m", "--slots", "false", "--cache-prompt=off"]).unwrap();
+        assert!(!c.slots && !c.cache_prompt);
+        assert!(!parse(&["-m", "m", "--slots", "--no-slots"]).unwrap().slots);
+        assert!(parse(&["-m", "m", "--no-slots", "--slots"]).unwrap().slots);
+        assert!(parse(&["-m", "m", "--no-cache-prompt", "--cache-prompt", "1"]).unwrap().cache_prompt);
+        assert!(parse(&["-m", "m", "--slots", "maybe"]).is_err());
+    }
+
+    #[test]
+    fn long_flags_read_underscores_as_dashes_and_logging_flags_are_refused_by_name() {
+        let c = parse(&["-m", "m", "--ctx_size", "2048", "--n_predict=64", "--chat_template_kwargs", r#"{"a_b": 1}"#])
+            .unwrap();
+        assert_eq!((c.ctx_size, c.n_predict), (Some(2048), Some(64)));
+        // Values keep their underscores.
+        assert_eq!(serde_json::Value::Object(c.chat_template_kwargs), serde_json::json!({"a_b": 1}));
+        let c = parse(&["-m", "m", "--api_key=k_1"]).unwrap();
+        assert_eq!(c.api_keys, ["k_1"]);
+        for flag in ["-lv", "--log-disable", "--log_file", "--verbosity", "--threads-http"] {
+            let e = parse(&["-m", "m", flag, "3"]).unwrap_err().to_string();
+            assert!(e.starts_with(&format!("{} is a llama-server flag", flag.replace('_', "-"))), "{flag}: {e}");
+        }
     }
 
     #[test]

@@ -211,6 +211,12 @@ pub enum Ending {
 }
 
 impl Ending {
+    /// Whether a length stop was the context filling up (not the token limit): the prompt and the
+    /// answer fill `ctx_size` (llama-server's `truncated`, Anthropic's `model_context_window_exceeded`).
+    pub fn out_of_context(&self, usage: &Usage, ctx_size: usize) -> bool {
+        matches!(self, Ending::Length) && usage.prompt_tokens + usage.completion_tokens >= ctx_size
+    }
+
     /// `finish_reason` of OpenAI and llama-server's OpenAI routes.
     pub fn openai(&self) -> &'static str {
         match self {
@@ -286,6 +292,12 @@ pub async fn collect(
                 let ending = got.ending(finish, stops, tok);
                 state.metrics.record(&usage);
                 log.usage(&usage, ending.openai());
+                if matches!(ending, Ending::StopWord(_)) {
+                    // The stop string is not part of the text: neither are its tokens' logprobs
+                    // (llama-server drops them too), so the logprobs describe the text returned.
+                    let within = tokens_within(&got.tokens, got.text.len(), tok);
+                    got.logprobs.truncate(within);
+                }
                 let (text, tokens, logprobs) = (got.text, got.tokens, got.logprobs);
                 return Ok(Completion { text, tokens, logprobs, ending, usage, slot });
             }
@@ -297,6 +309,21 @@ pub async fn collect(
     }
     state.metrics.failed();
     Err(ApiError::internal("the engine ended the request without an answer"))
+}
+
+/// How many of `tokens`, from the first, decode to at most `len` bytes: the tokens wholly inside a
+/// text of that length cut from their decoding (binary search: decoding grows with the tokens).
+fn tokens_within(tokens: &[u32], len: usize, tok: &TextTokenizer) -> usize {
+    let (mut lo, mut hi) = (0, tokens.len());
+    while lo < hi {
+        let mid = (lo + hi).div_ceil(2);
+        if tok.decode(&tokens[..mid]).map_or(usize::MAX, |t| t.len()) <= len {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
 }
 
 /// llama-server's `timings` object.

@@ -174,6 +174,11 @@ impl ApiError {
             }}),
             Dialect::Anthropic => {
                 let message = match (&self.param, self.unknown_field, self.code) {
+                    // Anthropic's words, which clients look for to shorten a conversation.
+                    _ if self.context.is_some() => {
+                        let (n, ctx) = self.context.unwrap_or_default();
+                        format!("prompt is too long: {n} tokens > {ctx} maximum")
+                    }
                     (Some(p), true, _) => format!("{p}: Extra inputs are not permitted"),
                     (Some(p), _, Some("missing_required_parameter")) => format!("{}: Field required", dotted(p)),
                     _ => self.message.clone(),

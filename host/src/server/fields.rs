@@ -87,6 +87,12 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
             v.is_null() || matches!(v.as_str(), Some("auto" | "default" | "standard_only")),
             "there is one service tier",
         ),
+        // OpenAI's answer-length hint for its reasoning models, at its default; and a response run
+        // in the background (nothing is stored here to poll), off.
+        "verbosity" => ok(v.is_null() || v.as_str() == Some("medium"), "only the default verbosity, medium"),
+        "background" => {
+            ok(v.is_null() || v == &Value::Bool(false), "responses are not stored to run in the background")
+        }
         // Read by the chat routes; inert where only a template is rendered.
         "parallel_tool_calls" => ok(v.is_boolean(), "expected true or false"),
         "modalities" => ok(v.is_null() || v == &serde_json::json!(["text"]), "this server answers in text only"),

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{Query, State};
 use axum::http::{header, StatusCode};
 use axum::response::sse::Event;
 use axum::response::{IntoResponse, Response};
@@ -100,7 +100,7 @@ impl CompletionRequest {
 /// The most candidates `n_probs` may ask for per token (each answer carries them all).
 const MAX_N_PROBS: usize = 100;
 
-fn sampling(r: &CompletionRequest, defaults: &SamplingParams, ctx: usize) -> SamplingParams {
+fn sampling(r: &CompletionRequest, defaults: &SamplingParams, ctx: usize) -> Result<SamplingParams, ApiError> {
     let mut p = defaults.clone();
     // llama-server: a temperature below 0 is greedy, a top-k of 0 or less is off.
     p.temperature = r.temperature.map_or(p.temperature, |t| t.max(0.0));
@@ -109,9 +109,11 @@ fn sampling(r: &CompletionRequest, defaults: &SamplingParams, ctx: usize) -> Sam
     p.min_p = r.min_p.unwrap_or(p.min_p);
     p.repeat_penalty = r.repeat_penalty.unwrap_or(p.repeat_penalty);
     p.penalty_last_n = match r.repeat_last_n {
+        None => p.penalty_last_n,
         Some(-1) => ctx,
-        Some(n) if n >= 0 => n as usize,
-        _ => p.penalty_last_n,
+        // (llama-server refuses the rest too.)
+        Some(n) => usize::try_from(n)
+            .map_err(|_| ApiError::field("repeat_last_n", format!("repeat_last_n must be -1 or more, got {n}")))?,
     };
     p.presence_penalty = r.presence_penalty.unwrap_or(p.presence_penalty);
     p.frequency_penalty = r.frequency_penalty.unwrap_or(p.frequency_penalty);
@@ -121,7 +123,7 @@ fn sampling(r: &CompletionRequest, defaults: &SamplingParams, ctx: usize) -> Sam
         Some(_) => None,
         None => p.seed,
     };
-    p
+    Ok(p)
 }
 
 /// A prompt's text and token ids.
@@ -219,11 +221,6 @@ fn utf8_head(bytes: &[u8]) -> String {
     };
     let end = if bytes.len() - start < needs { start } else { bytes.len() };
     String::from_utf8_lossy(&bytes[..end]).into_owned()
-}
-
-/// Whether the answer stopped because the context was full (llama-server's `truncated`).
-fn ran_out_of_context(e: &Ending, usage: &Usage, ctx_size: usize) -> bool {
-    matches!(e, Ending::Length) && usage.prompt_tokens + usage.completion_tokens >= ctx_size
 }
 
 /// `completion_probabilities`: per token, its probability list in llama-server's shape.
@@ -361,7 +358,7 @@ async fn completion_inner(
     };
     let stream = r.stream.unwrap_or(false);
     let extras = StreamExtras::new(r.timings_per_token, r.return_progress, stream)?;
-    let mut params = sampling(&r, &model.facts.default_sampling, model.facts.ctx_size);
+    let mut params = sampling(&r, &model.facts.default_sampling, model.facts.ctx_size)?;
     if let Some(b) = &r.logit_bias {
         params.logit_bias = logit_bias(b, model, false)?;
     }
@@ -424,6 +421,7 @@ async fn completion_inner(
                     extras,
                     tok: model.text.clone(),
                     ctx_size: model.facts.ctx_size,
+                    new_line: false,
                 };
                 (events, dialect, prompt_n)
             })
@@ -447,10 +445,10 @@ async fn completion_inner(
             "generation_settings": settings,
             "prompt": prompt,
             "has_new_line": c.text.contains('\n'),
-            "truncated": ran_out_of_context(&c.ending, &c.usage, model.facts.ctx_size),
+            "truncated": c.ending.out_of_context(&c.usage, model.facts.ctx_size),
             "stop_type": kind,
             "stopping_word": word,
-            "tokens_cached": c.usage.prompt_tokens + c.usage.completion_tokens,
+            "tokens_cached": tokens_cached(&c.usage),
             "timings": timings(&c.usage),
         });
         if with_probs {
@@ -509,6 +507,8 @@ struct CompletionStream {
     extras: StreamExtras,
     tok: Arc<crate::text::TextTokenizer>,
     ctx_size: usize,
+    /// Whether the text so far holds a line break (`has_new_line` of the last chunk).
+    new_line: bool,
 }
 
 impl CompletionStream {
@@ -536,6 +536,7 @@ impl StreamDialect for CompletionStream {
     }
 
     fn text(&mut self, text: &str, tokens: &[u32], logprobs: &[TokenLogprob], live: &Live) -> Vec<Event> {
+        self.new_line |= text.contains('\n');
         let mut v = self.partial(text, tokens, live);
         if self.with_probs {
             v["completion_probabilities"] = probabilities(&self.tok, logprobs);
@@ -557,10 +558,11 @@ impl StreamDialect for CompletionStream {
             "tokens_evaluated": usage.prompt_tokens,
             "generation_settings": self.settings,
             "prompt": self.prompt,
-            "truncated": ran_out_of_context(ending, usage, self.ctx_size),
+            "has_new_line": self.new_line,
+            "truncated": ending.out_of_context(usage, self.ctx_size),
             "stop_type": kind,
             "stopping_word": word,
-            "tokens_cached": usage.prompt_tokens + usage.completion_tokens,
+            "tokens_cached": tokens_cached(usage),
             "timings": timings(usage),
         }))]
     }
@@ -568,6 +570,12 @@ impl StreamDialect for CompletionStream {
     fn error(&mut self, e: &ApiError) -> Vec<Event> {
         vec![data(&e.clone().in_dialect(Dialect::Llama).body())]
     }
+}
+
+/// The tokens a finished request leaves in its cache, as llama-server counts them: the prompt and
+/// every sampled token but the last, which was never fed back.
+fn tokens_cached(usage: &Usage) -> usize {
+    usage.prompt_tokens + usage.completion_tokens.saturating_sub(1)
 }
 
 fn llama_err(e: ApiError) -> Response {
@@ -734,6 +742,10 @@ pub async fn props(State(state): State<Arc<AppState>>) -> Response {
         "bos_token": model.text.bos_token.clone().unwrap_or_default(),
         "eos_token": model.text.eos_token.clone().unwrap_or_default(),
         "modalities": {"vision": false, "audio": false},
+        "endpoint_slots": c.slots,
+        "endpoint_props": false,
+        "endpoint_metrics": c.metrics,
+        "is_sleeping": false,
         "build_info": format!("mlxcel {}", env!("CARGO_PKG_VERSION")),
         "mlxcel": {
             "architecture": f.architecture,
@@ -757,7 +769,10 @@ pub async fn props(State(state): State<Arc<AppState>>) -> Response {
     .into_response()
 }
 
-pub async fn slots(State(state): State<Arc<AppState>>) -> Response {
+pub async fn slots(
+    State(state): State<Arc<AppState>>,
+    Query(query): Query<std::collections::HashMap<String, String>>,
+) -> Response {
     if !state.config.slots {
         return llama_err(ApiError::new(ErrorKind::NotSupported, "This server does not support slots endpoint."));
     }
@@ -784,14 +799,20 @@ pub async fn slots(State(state): State<Arc<AppState>>) -> Response {
                 "is_processing": s.is_processing,
                 "params": generation_settings(model, params, if s.is_processing { (s.n_remain + s.n_decoded) as i64 } else { -1 }),
                 "n_prompt_tokens": s.n_prompt_tokens,
-                "next_token": {
+                // (An array of one, as llama-server writes it.)
+                "next_token": [{
                     "has_next_token": s.is_processing,
                     "n_remain": if s.is_processing { s.n_remain as i64 } else { -1 },
                     "n_decoded": s.n_decoded,
-                },
+                }],
             })
         })
         .collect();
+    // `?fail_on_no_slot=1`: 503 when every slot is busy (llama-server's check for load balancers).
+    let all_busy = slots.iter().all(|s| s["is_processing"] == true);
+    if query.get("fail_on_no_slot").is_some_and(|v| !v.is_empty()) && all_busy {
+        return llama_err(ApiError::new(ErrorKind::Unavailable, "no slot available"));
+    }
     Json(json!(slots)).into_response()
 }
 

@@ -230,7 +230,19 @@ pub fn chat_messages(messages: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiErro
             }
         };
         let content = match &m.content {
-            None => String::new(),
+            // As OpenAI's API (and llama-server: "Expected 'content' or 'tool_calls'"): only an
+            // assistant turn that called tools, or that only thought, has none.
+            None if role == "assistant" && (m.tool_calls.is_some() || m.reasoning_content.is_some()) => String::new(),
+            None => {
+                return Err(ApiError::field(
+                    &format!("messages[{i}].content"),
+                    format!(
+                        "a {} message needs `content`{}",
+                        m.role,
+                        if role == "assistant" { " or `tool_calls`" } else { "" }
+                    ),
+                ))
+            }
             Some(Content::Text(s)) => s.clone(),
             Some(Content::Parts(parts)) => {
                 let mut texts = Vec::new();

@@ -237,8 +237,8 @@ fn refuse_unsupported(r: &ResponsesRequest) -> Result<(), ApiError> {
         ));
     }
     summary(r)?;
-    if r.text.as_ref().and_then(|t| t.get("verbosity")).is_some_and(|v| !v.is_null()) {
-        return Err(ApiError::field("text.verbosity", "verbosity is not supported"));
+    if r.text.as_ref().and_then(|t| t.get("verbosity")).is_some_and(|v| !v.is_null() && v != "medium") {
+        return Err(ApiError::field("text.verbosity", "only the default verbosity, medium, is supported"));
     }
     if r.truncation.as_deref().is_some_and(|t| t != "disabled") {
         return Err(ApiError::field(

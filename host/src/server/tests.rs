@@ -563,6 +563,19 @@ async fn anthropic_messages_plain_and_stop_sequence() {
     let (status, v) =
         s.post("/v1/messages", json!({"max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})).await;
     assert_eq!((status, v["stop_reason"].as_str()), (200, Some("max_tokens")));
+    // An answer cut by the context filling up (64 here) says so, as Anthropic's API does.
+    // (The longest prompt of whole words that fits.)
+    let mut long = json!(null);
+    for k in 1..64 {
+        let m = json!([{"role": "user", "content": "word ".repeat(k)}]);
+        let (_, v) = s.post("/v1/messages/count_tokens", json!({"messages": m})).await;
+        if v["input_tokens"].as_u64().is_none_or(|n| n >= 63) {
+            break;
+        }
+        long = m;
+    }
+    let (status, v) = s.post("/v1/messages", json!({"max_tokens": 30, "messages": long})).await;
+    assert_eq!((status, v["stop_reason"].as_str()), (200, Some("model_context_window_exceeded")), "{v}");
 }
 
 #[tokio::test]
@@ -780,6 +793,29 @@ async fn anthropic_refuses_what_its_api_refuses() {
         let m = v["error"]["message"].as_str().unwrap();
         assert!(m.starts_with("messages.0: all messages must have non-empty content"), "{param}: {v}");
     }
+    // Empty or blank text blocks, a blank message and a prefill ending in whitespace, as Anthropic's
+    // API words them.
+    for (messages, want) in [
+        (
+            json!([{"role": "user", "content": [{"type": "text", "text": ""}, {"type": "text", "text": "hi"}]}]),
+            "messages: text content blocks must be non-empty",
+        ),
+        (
+            json!([{"role": "user", "content": [{"type": "text", "text": " \n"}]}]),
+            "messages: text content blocks must contain non-whitespace text",
+        ),
+        (
+            json!([{"role": "user", "content": "   "}, {"role": "assistant", "content": "a"}]),
+            "messages: text content blocks must contain non-whitespace text",
+        ),
+        (
+            json!([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The answer is "}]),
+            "messages: final assistant content cannot end with trailing whitespace",
+        ),
+    ] {
+        let (status, v) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": messages})).await;
+        assert_eq!((status, v["error"]["message"].as_str()), (400, Some(want)), "{messages}: {v}");
+    }
     // A final assistant message may be empty (it opens the answer), and thinking may be switched on
     // or off on any model (Anthropic clients send it whatever the model; one that does not think
     // answers without a thought).
@@ -804,6 +840,7 @@ async fn health_props_slots_and_metrics() {
     assert_eq!(v["default_generation_settings"]["n_ctx"], 64);
     assert_eq!(v["default_generation_settings"]["params"]["top_k"], v["default_generation_settings"]["top_k"]);
     assert_eq!(v["mlxcel"]["batch_size"], 2048);
+    assert_eq!((v["endpoint_slots"].as_bool(), v["endpoint_props"].as_bool()), (Some(true), Some(false)));
     assert_eq!(v["mlxcel"]["kv_budget_bytes"], 64 * 16 * 64);
     // No LoRA adapters (--lora is refused): an empty list, and setting scales on none is a 400.
     assert_eq!(s.get("/lora-adapters").await, (200, "[]".to_string()));
@@ -813,13 +850,15 @@ async fn health_props_slots_and_metrics() {
     assert_eq!(status, 200);
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!(
-        (v[0]["id"].as_i64(), v[0]["id_task"].as_i64(), v[0]["next_token"]["n_remain"].as_i64()),
+        (v[0]["id"].as_i64(), v[0]["id_task"].as_i64(), v[0]["next_token"][0]["n_remain"].as_i64()),
         (Some(0), Some(-1), Some(-1))
     );
     let busy = &v[1];
     assert_eq!((busy["id_task"].as_i64(), busy["is_processing"].as_bool()), (Some(42), Some(true)), "{busy}");
     assert_eq!((busy["params"]["temperature"].as_f64(), busy["params"]["n_predict"].as_i64()), (Some(0.25), Some(8)));
-    assert_eq!(busy["next_token"], json!({"has_next_token": true, "n_remain": 5, "n_decoded": 3}));
+    assert_eq!(busy["next_token"], json!([{"has_next_token": true, "n_remain": 5, "n_decoded": 3}]));
+    // A slot is idle: `fail_on_no_slot` answers as without it.
+    assert_eq!(s.get("/slots?fail_on_no_slot=1").await.0, 200);
     s.post("/completion", json!({"prompt": "x"})).await;
     let (status, body) = s.get("/metrics").await;
     assert_eq!(status, 200);
@@ -1185,6 +1224,23 @@ async fn unread_fields_are_refused_by_name_and_inert_ones_pass() {
     );
     // In Anthropic's own words.
     assert_eq!(v["error"]["message"], "speed: Extra inputs are not permitted", "{v}");
+    // OpenAI's fields at the values that change nothing pass; others are refused by name.
+    let hi = json!([{"role": "user", "content": "hi"}]);
+    assert_eq!(s.post("/v1/chat/completions", json!({"messages": hi, "verbosity": "medium"})).await.0, 200);
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": hi, "verbosity": "low"})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("verbosity")), "{v}");
+    let quiet = json!({"input": "hi", "text": {"verbosity": "medium"}, "background": false});
+    assert_eq!(s.post("/v1/responses", quiet).await.0, 200);
+    let (status, v) = s.post("/v1/responses", json!({"input": "hi", "background": true})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("background")), "{v}");
+    // A message with no content (only an assistant turn that called tools may have none).
+    for messages in [json!([{"role": "user"}]), json!([{"role": "user", "content": null}])] {
+        let (status, v) = s.post("/v1/chat/completions", json!({"messages": messages})).await;
+        assert_eq!((status, v["error"]["param"].as_str()), (400, Some("messages[0].content")), "{v}");
+    }
+    let no_answer = json!([{"role": "user", "content": "hi"}, {"role": "assistant"}, {"role": "user", "content": "?"}]);
+    let (status, v) = s.post("/v1/chat/completions", json!({"messages": no_answer})).await;
+    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("messages[1].content")), "{v}");
     let (status, v) = s.post("/completion", json!({"prompt": "x", "mirostat": 2, "mirostat_tau": 4})).await;
     assert_eq!(status, 200, "{v}");
     assert_eq!((s.last_request().sampling.mirostat, s.last_request().sampling.mirostat_tau), (2, 4.0));
@@ -1251,6 +1307,9 @@ async fn prompt_over_the_context_is_400_with_the_numbers() {
     let (status, v) =
         s.post("/v1/messages", json!({"max_tokens": 5, "messages": [{"role": "user", "content": long}]})).await;
     assert_eq!((status, v["type"].as_str()), (400, Some("error")));
+    // In Anthropic's words, which its clients look for (to compact a conversation).
+    let m = v["error"]["message"].as_str().unwrap();
+    assert!(m.starts_with("prompt is too long: ") && m.ends_with(" tokens > 64 maximum"), "{v}");
     // llama-server's own type, with both numbers as fields.
     let (status, v) = s.post("/completion", json!({"prompt": long})).await;
     let e = &v["error"];
