@@ -162,7 +162,14 @@ async fn a_client_leaving_mid_stream_frees_the_slot_timeouts_cut_answers_and_the
     let dir = tempfile::tempdir().unwrap();
     let template = dir.path().join("chatml.jinja");
     std::fs::write(&template, "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}").unwrap();
-    let args = ["-to".to_string(), "1".into(), "--chat-template-file".into(), template.display().to_string()];
+    let args = [
+        "-to".to_string(),
+        "1".into(),
+        "-np".into(),
+        "1".into(),
+        "--chat-template-file".into(),
+        template.display().to_string(),
+    ];
     let server =
         tokio::task::spawn_blocking(move || start(&model, &args.iter().map(String::as_str).collect::<Vec<_>>()))
             .await

@@ -34,9 +34,10 @@ pub struct ServerArgs {
     /// Context size per sequence in tokens (0: the model's maximum; default min(model maximum, 4096)).
     #[arg(short = 'c', long = "ctx-size", env = "LLAMA_ARG_CTX_SIZE")]
     pub ctx_size: Option<usize>,
-    /// Sequences computed together (also `-np`).
-    #[arg(long = "parallel", env = "LLAMA_ARG_N_PARALLEL", default_value_t = 1)]
-    pub parallel: usize,
+    /// Sequences computed together, each with the full context (also `-np`; -1, the default: auto,
+    /// 4, as llama-server's default).
+    #[arg(long = "parallel", env = "LLAMA_ARG_N_PARALLEL", default_value_t = -1, allow_negative_numbers = true)]
+    pub parallel: i64,
     /// Worker threads (default: all cores).
     #[arg(short = 't', long = "threads", env = "LLAMA_ARG_THREADS", value_parser = crate::cli::thread_count)]
     pub threads: Option<u32>,
@@ -184,6 +185,9 @@ impl ServerArgs {
             .collect();
     }
 }
+
+/// Slots when `-np` is not given (or negative): llama-server's auto.
+pub const AUTO_PARALLEL: usize = 4;
 
 /// Flags every served model acts on: listening, security, limits, the backend.
 const EVERY_MODEL_FLAGS: &[&str] = &[
@@ -586,9 +590,12 @@ impl ServerArgs {
             n if n > 0 => Some(n as usize),
             n => bail!("--reasoning-budget must be -1 (no limit) or at least 0, got {n}"),
         };
-        if self.parallel == 0 {
-            bail!("--parallel must be at least 1");
-        }
+        // llama-server's auto (any negative value): four slots.
+        let parallel = match self.parallel {
+            0 => bail!("--parallel must be at least 1 (or -1: auto, 4)"),
+            n if n < 0 => AUTO_PARALLEL,
+            n => usize::try_from(n).context("--parallel is too large")?,
+        };
         if self.batch_size == 0 || self.ubatch_size == 0 {
             bail!("--batch-size and --ubatch-size must be at least 1");
         }
@@ -601,7 +608,7 @@ impl ServerArgs {
             host: self.host.clone(),
             port: self.port,
             ctx_size: self.ctx_size,
-            parallel: self.parallel,
+            parallel,
             threads: self.threads.unwrap_or(0),
             n_predict: self.n_predict.and_then(|n| usize::try_from(n).ok()),
             batch_size: self.batch_size,
@@ -623,7 +630,7 @@ impl ServerArgs {
             max_body_bytes: self.max_body_bytes,
             cache_types: self.cache_types.types(),
             max_audio_bytes: self.max_audio_bytes,
-            queue_limit: (self.parallel * 4).max(16),
+            queue_limit: parallel.saturating_mul(4).max(16),
             sampling,
             embedding: (self.embedding || self.pooling.is_some()).then_some(EmbeddingFlags { pooling: self.pooling }),
             given: self.given.clone(),
@@ -772,6 +779,15 @@ mod tests {
             let e = parse(&["-m", "m", flag, "3"]).unwrap_err().to_string();
             assert!(e.starts_with(&format!("{} is a llama-server flag", flag.replace('_', "-"))), "{flag}: {e}");
         }
+    }
+
+    #[test]
+    fn parallel_defaults_to_llama_servers_auto() {
+        assert_eq!(parse(&["-m", "m"]).unwrap().parallel, AUTO_PARALLEL);
+        assert_eq!(parse(&["-m", "m", "-np", "-1"]).unwrap().parallel, AUTO_PARALLEL);
+        assert_eq!(parse(&["-m", "m", "-np", "1"]).unwrap().parallel, 1);
+        let e = parse(&["-m", "m", "-np", "0"]).unwrap_err().to_string();
+        assert!(e.contains("at least 1"), "{e}");
     }
 
     #[test]

@@ -134,7 +134,11 @@ pub fn load(
         runner.cache_types(),
     );
     if !est.fits && !config.force {
-        bail!("{} does not fit in memory: {}; lower --ctx-size or pass --force", dir.display(), est.summary());
+        bail!(
+            "{} does not fit in memory: {}; lower --ctx-size or --parallel ({parallel} sequences of the full context), or pass --force",
+            dir.display(),
+            est.summary()
+        );
     }
     let mut tokenizer =
         TextTokenizer::load(dir, &runner.checkpoint.config, runner.checkpoint.generation_config.as_ref())?;
