@@ -308,6 +308,14 @@ fn on_off_environment_variables_take_llama_cpp_spellings() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains("invalid value 'maybe'"), "{var}: {stderr}");
     }
+    // One set to what mlxcel does anyway passes (the model then fails to load, as it is "x").
+    let out = server_bin()
+        .args(["-m", "x"])
+        .envs([("LLAMA_ARG_NO_WEBUI", "1"), ("LLAMA_ARG_CONTEXT_SHIFT", "off")])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("LLAMA_ARG_"), "{stderr}");
     // A variable of a llama-server flag mlxcel does not implement is refused, not ignored.
     let out = server_bin().args(["-m", "x"]).env("LLAMA_ARG_CACHE_REUSE", "256").output().unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);

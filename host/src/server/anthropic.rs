@@ -121,13 +121,14 @@ fn turn(b: &Blocks, field: &str, role: &str) -> Result<Turn, ApiError> {
                 let text =
                     block.text.clone().ok_or_else(|| ApiError::field(&at("text"), "a text block needs `text`"))?;
                 // As Anthropic's API refuses them (an empty block is not an empty turn).
+                let part = if field.starts_with("system") { "system" } else { "messages" };
                 if text.is_empty() {
-                    return Err(ApiError::field(&at("text"), "messages: text content blocks must be non-empty"));
+                    return Err(ApiError::field(&at("text"), format!("{part}: text content blocks must be non-empty")));
                 }
                 if text.trim().is_empty() {
                     return Err(ApiError::field(
                         &at("text"),
-                        "messages: text content blocks must contain non-whitespace text",
+                        format!("{part}: text content blocks must contain non-whitespace text"),
                     ));
                 }
                 texts.push(text)
@@ -202,7 +203,8 @@ fn conversation(r: &MessagesRequest) -> Result<Vec<ChatMessage>, ApiError> {
                 format!("messages.{i}: all messages must have non-empty content except for the optional final assistant message"),
             ));
         }
-        if matches!(&m.content, Blocks::Text(s) if !s.is_empty() && s.trim().is_empty()) && !last {
+        let blank = matches!(&m.content, Blocks::Text(s) if !s.is_empty() && s.trim().is_empty());
+        if blank && !(last && m.role == "assistant") {
             return Err(ApiError::field(&at, "messages: text content blocks must contain non-whitespace text"));
         }
         // A prefill the answer continues: Anthropic refuses one that ends in whitespace (the model

@@ -354,8 +354,8 @@ const REFUSED: &[(&[&str], &str, &str)] = &[
     (&["-sp", "--special", "--keep", "--override-kv", "--check-tensors"], "", "not supported by mlxcel-server"),
     (
         &[
-            "--log-disable",
             "--log-file",
+            "--log-disable",
             "--log-colors",
             "-lv",
             "--verbosity",
@@ -378,51 +378,57 @@ const REFUSED: &[(&[&str], &str, &str)] = &[
 ];
 
 /// Environment variables of llama-server flags mlxcel does not implement, beyond [`REFUSED`]'s
-/// first ones: (variable, flag). Set, they are refused as the flags are.
-const REFUSED_VARIABLES: &[(&str, &str)] = &[
-    ("LLAMA_ARG_LOG_COLORS", "--log-colors"),
-    ("LLAMA_ARG_LOG_VERBOSITY", "--verbosity"),
-    ("LLAMA_ARG_LOG_PREFIX", "--log-prefix"),
-    ("LLAMA_ARG_LOG_TIMESTAMPS", "--log-timestamps"),
-    ("LLAMA_ARG_LOG_JSONL", "--log-jsonl"),
-    ("LLAMA_ARG_SLEEP_IDLE_SECONDS", "--sleep-idle-seconds"),
-    ("LLAMA_ARG_SSE_PING_INTERVAL", "--sse-ping-interval"),
-    ("LLAMA_ARG_REUSE_PORT", "--reuse-port"),
-    ("LLAMA_ARG_TAGS", "--tags"),
-    ("LLAMA_ARG_CACHE_REUSE", "--cache-reuse"),
-    ("LLAMA_ARG_CACHE_RAM", "--cache-ram"),
-    ("LLAMA_ARG_KV_UNIFIED", "--kv-unified"),
-    ("LLAMA_ARG_SWA_FULL", "--swa-full"),
-    ("LLAMA_ARG_CONTEXT_SHIFT", "--context-shift"),
-    ("LLAMA_ARG_NO_CONTEXT_SHIFT", "--no-context-shift"),
-    ("LLAMA_ARG_ENDPOINT_PROPS", "--props"),
-    ("LLAMA_ARG_STATIC_PATH", "--path"),
-    ("LLAMA_ARG_API_PREFIX", "--api-prefix"),
-    ("LLAMA_ARG_UI", "--webui"),
-    ("LLAMA_ARG_NO_UI", "--no-webui"),
-    ("LLAMA_ARG_NO_WEBUI", "--no-webui"),
-    ("LLAMA_ARG_ROPE_SCALE", "--rope-scale"),
-    ("LLAMA_ARG_ROPE_FREQ_BASE", "--rope-freq-base"),
-    ("LLAMA_ARG_ROPE_FREQ_SCALE", "--rope-freq-scale"),
-    ("LLAMA_ARG_YARN_ORIG_CTX", "--yarn-orig-ctx"),
-    ("LLAMA_ARG_YARN_EXT_FACTOR", "--yarn-ext-factor"),
-    ("LLAMA_ARG_YARN_ATTN_FACTOR", "--yarn-attn-factor"),
-    ("LLAMA_ARG_YARN_BETA_SLOW", "--yarn-beta-slow"),
-    ("LLAMA_ARG_YARN_BETA_FAST", "--yarn-beta-fast"),
-    ("LLAMA_ARG_MMPROJ_URL", "--mmproj-url"),
-    ("LLAMA_ARG_NUMA", "--numa"),
-    ("LLAMA_ARG_DEVICE", "--device"),
-    ("LLAMA_ARG_OVERRIDE_TENSOR", "--override-tensor"),
-    ("LLAMA_ARG_CPU_MOE", "--cpu-moe"),
-    ("LLAMA_ARG_N_CPU_MOE", "--n-cpu-moe"),
-    ("LLAMA_ARG_TENSOR_SPLIT", "--tensor-split"),
-    ("LLAMA_ARG_MAIN_GPU", "--main-gpu"),
-    ("LLAMA_ARG_DRAFT_MAX", "--draft-max"),
-    ("LLAMA_ARG_DRAFT_MIN", "--draft-min"),
-    ("LLAMA_ARG_CTX_SIZE_DRAFT", "--ctx-size-draft"),
-    ("LLAMA_ARG_N_GPU_LAYERS_DRAFT", "--gpu-layers-draft"),
-    ("LLAMA_ARG_SPEC_DRAFT_MODEL", "--spec-draft-model"),
-    ("LLAMA_ARG_SPEC_TYPE", "--spec-type"),
+/// first ones: (variable, flag, the on/off value that asks for what mlxcel does anyway). Set to
+/// anything else, they are refused as the flags are (older llama.cpp builds read the `LLAMA_LOG_*`
+/// names).
+const REFUSED_VARIABLES: &[(&str, &str, Option<bool>)] = &[
+    ("LLAMA_ARG_LOG_COLORS", "--log-colors", Some(false)),
+    ("LLAMA_ARG_LOG_VERBOSITY", "--verbosity", None),
+    ("LLAMA_ARG_LOG_PREFIX", "--log-prefix", None),
+    ("LLAMA_ARG_LOG_TIMESTAMPS", "--log-timestamps", None),
+    ("LLAMA_ARG_LOG_JSONL", "--log-jsonl", Some(false)),
+    ("LLAMA_ARG_SLEEP_IDLE_SECONDS", "--sleep-idle-seconds", None),
+    ("LLAMA_ARG_SSE_PING_INTERVAL", "--sse-ping-interval", None),
+    ("LLAMA_ARG_REUSE_PORT", "--reuse-port", Some(false)),
+    ("LLAMA_ARG_TAGS", "--tags", None),
+    ("LLAMA_ARG_CACHE_REUSE", "--cache-reuse", None),
+    ("LLAMA_ARG_CACHE_RAM", "--cache-ram", None),
+    ("LLAMA_ARG_KV_UNIFIED", "--kv-unified", None),
+    ("LLAMA_ARG_SWA_FULL", "--swa-full", Some(false)),
+    ("LLAMA_ARG_CONTEXT_SHIFT", "--context-shift", Some(false)),
+    ("LLAMA_ARG_NO_CONTEXT_SHIFT", "--no-context-shift", Some(true)),
+    ("LLAMA_ARG_ENDPOINT_PROPS", "--props", Some(false)),
+    ("LLAMA_ARG_STATIC_PATH", "--path", None),
+    ("LLAMA_ARG_API_PREFIX", "--api-prefix", None),
+    ("LLAMA_ARG_UI", "--webui", Some(false)),
+    ("LLAMA_ARG_NO_UI", "--no-webui", Some(true)),
+    ("LLAMA_ARG_NO_WEBUI", "--no-webui", Some(true)),
+    ("LLAMA_ARG_ROPE_SCALE", "--rope-scale", None),
+    ("LLAMA_ARG_ROPE_FREQ_BASE", "--rope-freq-base", None),
+    ("LLAMA_ARG_ROPE_FREQ_SCALE", "--rope-freq-scale", None),
+    ("LLAMA_ARG_YARN_ORIG_CTX", "--yarn-orig-ctx", None),
+    ("LLAMA_ARG_YARN_EXT_FACTOR", "--yarn-ext-factor", None),
+    ("LLAMA_ARG_YARN_ATTN_FACTOR", "--yarn-attn-factor", None),
+    ("LLAMA_ARG_YARN_BETA_SLOW", "--yarn-beta-slow", None),
+    ("LLAMA_ARG_YARN_BETA_FAST", "--yarn-beta-fast", None),
+    ("LLAMA_ARG_MMPROJ_URL", "--mmproj-url", None),
+    ("LLAMA_ARG_NUMA", "--numa", None),
+    ("LLAMA_ARG_DEVICE", "--device", None),
+    ("LLAMA_ARG_OVERRIDE_TENSOR", "--override-tensor", None),
+    ("LLAMA_ARG_CPU_MOE", "--cpu-moe", Some(false)),
+    ("LLAMA_ARG_N_CPU_MOE", "--n-cpu-moe", None),
+    ("LLAMA_ARG_TENSOR_SPLIT", "--tensor-split", None),
+    ("LLAMA_ARG_MAIN_GPU", "--main-gpu", None),
+    ("LLAMA_ARG_DRAFT_MAX", "--draft-max", None),
+    ("LLAMA_ARG_DRAFT_MIN", "--draft-min", None),
+    ("LLAMA_ARG_CTX_SIZE_DRAFT", "--ctx-size-draft", None),
+    ("LLAMA_ARG_N_GPU_LAYERS_DRAFT", "--gpu-layers-draft", None),
+    ("LLAMA_ARG_SPEC_DRAFT_MODEL", "--spec-draft-model", None),
+    ("LLAMA_ARG_SPEC_TYPE", "--spec-type", None),
+    ("LLAMA_LOG_VERBOSITY", "--verbosity", None),
+    ("LLAMA_LOG_COLORS", "--log-colors", Some(false)),
+    ("LLAMA_LOG_PREFIX", "--log-prefix", None),
+    ("LLAMA_LOG_TIMESTAMPS", "--log-timestamps", None),
 ];
 
 /// Rewrites llama-server's multi-letter short flags and refuses the flags (and their environment
@@ -458,10 +464,12 @@ pub fn preprocess_argv(args: impl IntoIterator<Item = String>) -> Result<Vec<Str
             bail!("{env} (llama-server's {}) is set, but mlxcel-server does not support it: {why}", flags[0]);
         }
     }
-    for (env, flag) in REFUSED_VARIABLES {
-        if std::env::var_os(env).is_some() {
-            bail!("{env} (llama-server's {flag}) is set, but mlxcel-server does not support it");
+    for (env, flag, matches) in REFUSED_VARIABLES {
+        let Some(value) = std::env::var_os(env) else { continue };
+        if matches.is_some() && truthy(&value.to_string_lossy()).ok() == *matches {
+            continue;
         }
+        bail!("{env} (llama-server's {flag}) is set to {value:?}, but mlxcel-server does not support it");
     }
     Ok(out)
 }
@@ -779,6 +787,23 @@ mod tests {
             let e = parse(&["-m", "m", flag, "3"]).unwrap_err().to_string();
             assert!(e.starts_with(&format!("{} is a llama-server flag", flag.replace('_', "-"))), "{flag}: {e}");
         }
+    }
+
+    #[test]
+    fn a_command_line_switch_beats_a_variable_and_between_variables_no_wins() {
+        let mut a = T::try_parse_from(["x", "-m", "m"]).unwrap().a;
+        let given = |id: &str, name: &str| GivenFlag { id: id.into(), name: name.into() };
+        // `--slots` on the command line, LLAMA_ARG_NO_ENDPOINT_SLOTS set.
+        a.given = vec![given("slots", "--slots"), given("no_slots", "LLAMA_ARG_NO_ENDPOINT_SLOTS")];
+        assert!(a.switch("slots", Some(true), "no_slots", true));
+        // LLAMA_ARG_ENDPOINT_SLOTS=1 set, `--no-slots` on the command line.
+        a.given = vec![given("slots", "LLAMA_ARG_ENDPOINT_SLOTS"), given("no_slots", "--no-slots")];
+        assert!(!a.switch("slots", Some(true), "no_slots", true));
+        // Both variables: the `NO_` one wins, as llama.cpp reads them.
+        a.given = vec![given("slots", "LLAMA_ARG_ENDPOINT_SLOTS"), given("no_slots", "LLAMA_ARG_NO_ENDPOINT_SLOTS")];
+        assert!(!a.switch("slots", Some(true), "no_slots", true));
+        a.given.clear();
+        assert!(a.switch("slots", None, "no_slots", false) && !a.switch("slots", Some(false), "no_slots", false));
     }
 
     #[test]

@@ -292,7 +292,7 @@ pub async fn collect(
                 let ending = got.ending(finish, stops, tok);
                 state.metrics.record(&usage);
                 log.usage(&usage, ending.openai());
-                if matches!(ending, Ending::StopWord(_)) {
+                if matches!(ending, Ending::StopWord(_)) && !got.logprobs.is_empty() {
                     // The stop string is not part of the text: neither are its tokens' logprobs
                     // (llama-server drops them too), so the logprobs describe the text returned.
                     let within = tokens_within(&got.tokens, got.text.len(), tok);
@@ -312,18 +312,11 @@ pub async fn collect(
 }
 
 /// How many of `tokens`, from the first, decode to at most `len` bytes: the tokens wholly inside a
-/// text of that length cut from their decoding (binary search: decoding grows with the tokens).
-fn tokens_within(tokens: &[u32], len: usize, tok: &TextTokenizer) -> usize {
-    let (mut lo, mut hi) = (0, tokens.len());
-    while lo < hi {
-        let mid = (lo + hi).div_ceil(2);
-        if tok.decode(&tokens[..mid]).map_or(usize::MAX, |t| t.len()) <= len {
-            lo = mid;
-        } else {
-            hi = mid - 1;
-        }
-    }
-    lo
+/// text of that length cut from their decoding. Searched from the end (a stop string is a few
+/// tokens), as a decoding does not always grow with its tokens: half a character decodes to a
+/// three-byte replacement character.
+pub(crate) fn tokens_within(tokens: &[u32], len: usize, tok: &TextTokenizer) -> usize {
+    (0..=tokens.len()).rev().find(|&k| tok.decode(&tokens[..k]).is_ok_and(|t| t.len() <= len)).unwrap_or(0)
 }
 
 /// llama-server's `timings` object.

@@ -176,8 +176,9 @@ impl ApiError {
                 let message = match (&self.param, self.unknown_field, self.code) {
                     // Anthropic's words, which clients look for to shorten a conversation.
                     _ if self.context.is_some() => {
+                        // (A prompt must leave room for one token: the maximum is one less.)
                         let (n, ctx) = self.context.unwrap_or_default();
-                        format!("prompt is too long: {n} tokens > {ctx} maximum")
+                        format!("prompt is too long: {n} tokens > {} maximum", ctx.saturating_sub(1))
                     }
                     (Some(p), true, _) => format!("{p}: Extra inputs are not permitted"),
                     (Some(p), _, Some("missing_required_parameter")) => format!("{}: Field required", dotted(p)),

@@ -240,6 +240,10 @@ fn generation_settings(model: &LoadedModel, p: &SamplingParams, n_predict: i64) 
     let last_n = |n: usize| if n == usize::MAX { -1 } else { n as i64 };
     json!({
         "n_predict": n_predict,
+        "max_tokens": n_predict,
+        // The context never shifts here (generation stops at its end), so nothing is kept or dropped.
+        "n_keep": 0,
+        "n_discard": 0,
         "temperature": p.temperature,
         "top_k": p.top_k,
         "top_p": p.top_p,
@@ -264,8 +268,10 @@ fn generation_settings(model: &LoadedModel, p: &SamplingParams, n_predict: i64) 
         "mirostat_tau": p.mirostat_tau,
         "mirostat_eta": p.mirostat_eta,
         "samplers": p.chain.iter().map(|s| s.name()).collect::<Vec<_>>(),
-        "seed": p.seed.map_or(-1i64, |s| s as i64),
-        "logit_bias": p.logit_bias.iter().map(|(t, b)| json!([t, if b.is_finite() { json!(b) } else { json!(false) }])).collect::<Vec<_>>(),
+        // A random seed as llama-server reports it: its unsigned 32-bit "default" seed.
+        "seed": p.seed.unwrap_or(u64::from(u32::MAX)),
+        // Its shape too (a banned token's bias, minus infinity, is null there).
+        "logit_bias": p.logit_bias.iter().map(|(t, b)| json!({"bias": if b.is_finite() { json!(b) } else { Value::Null }, "token": t})).collect::<Vec<_>>(),
         "n_ctx": model.facts.ctx_size,
         "model": model.facts.id,
     })
@@ -448,7 +454,7 @@ async fn completion_inner(
             "truncated": c.ending.out_of_context(&c.usage, model.facts.ctx_size),
             "stop_type": kind,
             "stopping_word": word,
-            "tokens_cached": tokens_cached(&c.usage),
+            "tokens_cached": tokens_cached(&c.usage, &c.ending),
             "timings": timings(&c.usage),
         });
         if with_probs {
@@ -562,7 +568,7 @@ impl StreamDialect for CompletionStream {
             "truncated": ending.out_of_context(usage, self.ctx_size),
             "stop_type": kind,
             "stopping_word": word,
-            "tokens_cached": tokens_cached(usage),
+            "tokens_cached": tokens_cached(usage, ending),
             "timings": timings(usage),
         }))]
     }
@@ -573,9 +579,13 @@ impl StreamDialect for CompletionStream {
 }
 
 /// The tokens a finished request leaves in its cache, as llama-server counts them: the prompt and
-/// every sampled token but the last, which was never fed back.
-fn tokens_cached(usage: &Usage) -> usize {
-    usage.prompt_tokens + usage.completion_tokens.saturating_sub(1)
+/// every sampled token but the last, which was never fed back — except an end-of-sequence token,
+/// which the completion tokens do not count.
+pub(crate) fn tokens_cached(usage: &Usage, ending: &Ending) -> usize {
+    match ending {
+        Ending::Eos => usage.prompt_tokens + usage.completion_tokens,
+        _ => usage.prompt_tokens + usage.completion_tokens.saturating_sub(1),
+    }
 }
 
 fn llama_err(e: ApiError) -> Response {

@@ -229,10 +229,21 @@ pub fn chat_messages(messages: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiErro
                 ))
             }
         };
+        if m.audio.as_ref().is_some_and(|a| !a.is_null()) || m.function_call.as_ref().is_some_and(|f| !f.is_null()) {
+            let field = if m.audio.as_ref().is_some_and(|a| !a.is_null()) { "audio" } else { "function_call" };
+            return Err(ApiError::field(
+                &format!("messages[{i}].{field}"),
+                format!("`{field}` in a message is not supported (audio output and legacy function calls are not implemented)"),
+            ));
+        }
         let content = match &m.content {
             // As OpenAI's API (and llama-server: "Expected 'content' or 'tool_calls'"): only an
-            // assistant turn that called tools, or that only thought, has none.
-            None if role == "assistant" && (m.tool_calls.is_some() || m.reasoning_content.is_some()) => String::new(),
+            // assistant turn that called tools, refused, or only thought has none.
+            None if role == "assistant"
+                && (m.tool_calls.is_some() || m.refusal.is_some() || m.reasoning_content.is_some()) =>
+            {
+                String::new()
+            }
             None => {
                 return Err(ApiError::field(
                     &format!("messages[{i}].content"),
@@ -266,13 +277,6 @@ pub fn chat_messages(messages: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiErro
                 texts.join("\n")
             }
         };
-        if m.audio.as_ref().is_some_and(|a| !a.is_null()) || m.function_call.as_ref().is_some_and(|f| !f.is_null()) {
-            let field = if m.audio.as_ref().is_some_and(|a| !a.is_null()) { "audio" } else { "function_call" };
-            return Err(ApiError::field(
-                &format!("messages[{i}].{field}"),
-                format!("`{field}` in a message is not supported (audio output and legacy function calls are not implemented)"),
-            ));
-        }
         // A refusal stands in for the content it refused to give.
         let content = match (&m.refusal, content.is_empty()) {
             (Some(r), true) => r.clone(),

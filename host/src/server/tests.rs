@@ -830,6 +830,36 @@ async fn anthropic_refuses_what_its_api_refuses() {
 }
 
 #[tokio::test]
+async fn completion_reports_as_llama_server_reports() {
+    let s = start().await;
+    // The last streamed chunk says whether the answer held a line break, as the whole answer does.
+    let (status, body, _) = s.post_text("/completion", json!({"prompt": "a", "stream": true})).await;
+    assert_eq!(status, 200);
+    let last: Value =
+        serde_json::from_str(body.lines().filter_map(|l| l.strip_prefix("data: ")).next_back().unwrap()).unwrap();
+    assert_eq!((last["stop"].as_bool(), last["has_new_line"].as_bool()), (Some(true), Some(false)), "{last}");
+    // The cache holds the prompt and every sampled token but the last (an end-of-sequence token is
+    // not counted among them).
+    let (_, v) = s.post("/completion", json!({"prompt": "a", "n_predict": 2})).await;
+    let (prompt, predicted) = (v["tokens_evaluated"].as_u64().unwrap(), v["tokens_predicted"].as_u64().unwrap());
+    assert_eq!((v["stop_type"].as_str(), v["tokens_cached"].as_u64()), (Some("limit"), Some(prompt + predicted - 1)));
+    let (_, v) = s.post("/completion", json!({"prompt": "a"})).await;
+    let (prompt, predicted) = (v["tokens_evaluated"].as_u64().unwrap(), v["tokens_predicted"].as_u64().unwrap());
+    assert_eq!((v["stop_type"].as_str(), v["tokens_cached"].as_u64()), (Some("eos"), Some(prompt + predicted)));
+    // A random seed is llama-server's unsigned default; repeat_last_n below -1 is refused.
+    assert_eq!(v["generation_settings"]["seed"].as_u64(), Some(u64::from(u32::MAX)), "{v}");
+    let (status, v) = s.post("/completion", json!({"prompt": "a", "repeat_last_n": -2})).await;
+    assert_eq!((status, v["error"]["code"].as_u64()), (400, Some(400)), "{v}");
+    // The tokens wholly inside a text cut from their decoding (logprobs past a stop string go).
+    let tok = s.fake.text.as_ref().unwrap();
+    let paris = tok.encode("Paris", false).unwrap();
+    let all = tok.encode("Paris and more", false).unwrap();
+    assert_eq!(super::completion::tokens_within(&all, "Paris".len(), tok), paris.len());
+    assert_eq!(super::completion::tokens_within(&all, 0, tok), 0);
+    assert_eq!(super::completion::tokens_within(&all, 1000, tok), all.len());
+}
+
+#[tokio::test]
 async fn health_props_slots_and_metrics() {
     let s = start().await;
     assert_eq!(s.get("/health").await, (200, r#"{"status":"ok"}"#.to_string()));
@@ -1309,7 +1339,7 @@ async fn prompt_over_the_context_is_400_with_the_numbers() {
     assert_eq!((status, v["type"].as_str()), (400, Some("error")));
     // In Anthropic's words, which its clients look for (to compact a conversation).
     let m = v["error"]["message"].as_str().unwrap();
-    assert!(m.starts_with("prompt is too long: ") && m.ends_with(" tokens > 64 maximum"), "{v}");
+    assert!(m.starts_with("prompt is too long: ") && m.ends_with(" tokens > 63 maximum"), "{v}");
     // llama-server's own type, with both numbers as fields.
     let (status, v) = s.post("/completion", json!({"prompt": long})).await;
     let e = &v["error"];
