@@ -93,6 +93,11 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
         "background" => {
             ok(v.is_null() || v == &Value::Bool(false), "responses are not stored to run in the background")
         }
+        // Anthropic's: the standard speed is what runs here; the rest of its request fields (server
+        // containers, MCP servers, context editing, output settings, routing) are not implemented.
+        "speed" => ok(v.as_str() == Some("standard"), "only the standard speed"),
+        "output_config" | "container" | "mcp_servers" | "context_management" | "inference_geo" | "diagnostics"
+        | "user_profile_id" | "workspace_id" => Err(format!("`{name}` is not implemented here")),
         // Read by the chat routes; inert where only a template is rendered.
         "parallel_tool_calls" => ok(v.is_boolean(), "expected true or false"),
         "modalities" => ok(v.is_null() || v == &serde_json::json!(["text"]), "this server answers in text only"),

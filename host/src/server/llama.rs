@@ -856,6 +856,18 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         ("llamacpp:tokens_predicted_total", "counter", "Number of generation tokens processed.", predicted as f64),
         ("llamacpp:tokens_predicted_seconds_total", "counter", "Predict process time", predicted_s),
         ("llamacpp:n_decode_total", "counter", "Total number of llama_decode() calls", s.n_decode_total as f64),
+        (
+            "llamacpp:n_tokens_max",
+            "counter",
+            "Largest observed sequence length (prompt + generation)",
+            m.n_tokens_max.load(r) as f64,
+        ),
+        (
+            "llamacpp:prompt_tokens_cached_total",
+            "counter",
+            "Number of prompt tokens reused from the cache",
+            m.cached_tokens_total.load(r) as f64,
+        ),
         ("llamacpp:n_busy_slots_per_decode", "counter", "Average number of busy slots per llama_decode() call", busy),
         (
             "llamacpp:prompt_tokens_seconds",

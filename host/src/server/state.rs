@@ -89,6 +89,8 @@ pub struct Metrics {
     prompt_micros_total: AtomicU64,
     predicted_micros_total: AtomicU64,
     queue_micros_total: AtomicU64,
+    /// The longest sequence a request made (prompt and answer), llama-server's `n_tokens_max`.
+    pub n_tokens_max: AtomicU64,
 }
 
 impl Metrics {
@@ -101,6 +103,7 @@ impl Metrics {
         self.prompt_micros_total.fetch_add(u.prompt_time.as_micros() as u64, r);
         self.predicted_micros_total.fetch_add(u.generation_time.as_micros() as u64, r);
         self.queue_micros_total.fetch_add(u.queue_time.as_micros() as u64, r);
+        self.n_tokens_max.fetch_max((u.prompt_tokens + u.completion_tokens) as u64, r);
     }
     pub fn failed(&self) {
         self.requests_failed.fetch_add(1, Ordering::Relaxed);

@@ -902,6 +902,8 @@ async fn health_props_slots_and_metrics() {
         "llamacpp:requests_deferred",
         "llamacpp:kv_cache_usage_ratio 0.25",
         "mlxcel_prompt_cached_tokens_total 2",
+        "llamacpp:prompt_tokens_cached_total 2",
+        "llamacpp:n_tokens_max ",
         "# TYPE llamacpp:prompt_tokens_total counter",
     ] {
         assert!(body.contains(name), "/metrics lacks {name}: {body}");
@@ -1247,13 +1249,25 @@ async fn unread_fields_are_refused_by_name_and_inert_ones_pass() {
     let (status, v) = s.post("/v1/chat/completions", chat).await;
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("functions")), "{v}");
     assert_eq!(v["error"]["message"], "Unrecognized request argument supplied: functions");
-    let (status, v) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": [], "speed": "fast"})).await;
+    let (status, v) = s.post("/v1/messages", json!({"max_tokens": 5, "messages": [], "bogus": 1})).await;
     assert_eq!(
         (status, v["type"].as_str(), v["error"]["type"].as_str()),
         (400, Some("error"), Some("invalid_request_error"))
     );
     // In Anthropic's own words.
-    assert_eq!(v["error"]["message"], "speed: Extra inputs are not permitted", "{v}");
+    assert_eq!(v["error"]["message"], "bogus: Extra inputs are not permitted", "{v}");
+    // Its own fields this server does not implement are named as such; the standard speed passes.
+    let hi_msg = |extra: Value| {
+        let mut m = json!({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]});
+        m.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+        m
+    };
+    assert_eq!(s.post("/v1/messages", hi_msg(json!({"speed": "standard"}))).await.0, 200);
+    for extra in [json!({"speed": "fast"}), json!({"mcp_servers": []}), json!({"output_config": {"effort": "low"}})] {
+        let (status, v) = s.post("/v1/messages", hi_msg(extra.clone())).await;
+        let m = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(status == 400 && m.contains("is not supported by this server"), "{extra}: {v}");
+    }
     // OpenAI's fields at the values that change nothing pass; others are refused by name.
     let hi = json!([{"role": "user", "content": "hi"}]);
     assert_eq!(s.post("/v1/chat/completions", json!({"messages": hi, "verbosity": "medium"})).await.0, 200);
