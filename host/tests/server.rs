@@ -244,6 +244,24 @@ async fn a_client_leaving_mid_stream_frees_the_slot_timeouts_cut_answers_and_the
     assert!(t.elapsed() < Duration::from_secs(5), "the timeout did not cut the request: {:?}", t.elapsed());
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_four_slots_share_one_context_of_kv() {
+    let Some(model) = smollm2() else { return };
+    // llama-server's auto `-np`: four slots, one context's KV pool between them, each sequence
+    // free to reach the whole context.
+    let server = tokio::task::spawn_blocking(move || start(&model, &[])).await.unwrap();
+    let http = reqwest::Client::new();
+    let v: Value =
+        http.get(format!("{}/props", server.base)).bearer_auth(KEY).send().await.unwrap().json().await.unwrap();
+    let m = &v["mlxcel"];
+    assert_eq!(
+        (v["total_slots"].as_u64(), m["parallel"].as_u64(), m["n_ctx"].as_u64()),
+        (Some(4), Some(4), Some(2048))
+    );
+    let pool = m["kv_blocks_total"].as_u64().unwrap() * m["kv_block_size"].as_u64().unwrap();
+    assert_eq!(pool, 2048, "{v}");
+}
+
 #[test]
 fn openai_and_anthropic_sdks_get_right_answers_plain_and_streamed() {
     let Some(model) = smollm2() else { return };

@@ -136,6 +136,7 @@ fn load(global: &GlobalArgs, args: &RunArgs) -> Result<Loaded> {
         runner.checkpoint.weight_bytes(),
         runner.ctx_size as u64,
         1,
+        1,
         runner.device_free_memory,
         runner.cache_types(),
     );

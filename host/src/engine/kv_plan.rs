@@ -114,11 +114,22 @@ pub struct KvPlan {
 
 impl KvPlan {
     /// Plans caches for `parallel` sequences of up to `ctx_size` tokens that bring at most
-    /// `max_step_tokens` tokens to one step: full-attention layers get `ctx_size` per sequence; a
-    /// sliding-window group only its window plus one step's tokens (pages behind it are released).
-    pub fn new(info: &ModelInfo, ctx_size: usize, block_size: usize, parallel: usize, max_step_tokens: usize) -> Self {
+    /// `max_step_tokens` tokens to one step: full-attention layers get `ctx_size` per sequence — or
+    /// `ctx_size × pool_seqs` shared by all, where `pool_seqs` is fewer (llama-server's unified KV:
+    /// a sequence may still reach `ctx_size`, and the scheduler preempts when pages run out); a
+    /// sliding-window group only its window plus one step's tokens per sequence (pages behind it are
+    /// released).
+    pub fn new(
+        info: &ModelInfo,
+        ctx_size: usize,
+        block_size: usize,
+        parallel: usize,
+        max_step_tokens: usize,
+        pool_seqs: usize,
+    ) -> Self {
         let block_size = block_size.max(1);
         let parallel = parallel.max(1);
+        let pool_seqs = pool_seqs.clamp(1, parallel);
         let max_blocks_per_seq = ctx_size.div_ceil(block_size);
         let window_of = |kind: KvKind, window: usize| match kind {
             KvKind::SlidingWindow if window > 0 && window < ctx_size => window,
@@ -138,10 +149,9 @@ impl KvPlan {
         let blocks_per_group = windows
             .iter()
             .map(|&w| match w {
-                0 => max_blocks_per_seq,
-                w => ((w + max_step_tokens.max(1)).div_ceil(block_size) + 1).min(max_blocks_per_seq),
+                0 => max_blocks_per_seq * pool_seqs,
+                w => ((w + max_step_tokens.max(1)).div_ceil(block_size) + 1).min(max_blocks_per_seq) * parallel,
             })
-            .map(|per_seq| per_seq * parallel)
             .collect();
         let layer_group = info
             .kv_layers

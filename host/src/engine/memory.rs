@@ -36,6 +36,7 @@ impl MemoryEstimate {
         weight_bytes: u64,
         ctx_size: u64,
         parallel: u64,
+        pool_seqs: u64,
         available: u64,
         cache_types: KvCacheTypes,
     ) -> MemoryEstimate {
@@ -46,7 +47,8 @@ impl MemoryEstimate {
             .filter(|l| matches!(l.kind, KvKind::Full | KvKind::SlidingWindow))
             .map(|l| cache_types.bytes_per_token(l.n_kv_heads, l.head_dim) as u64)
             .sum();
-        let plan = KvPlan::new(info, ctx_size as usize, 16, parallel as usize, PREFILL_CHUNK as usize);
+        let plan =
+            KvPlan::new(info, ctx_size as usize, 16, parallel as usize, PREFILL_CHUNK as usize, pool_seqs as usize);
         let kv_bytes = plan.bytes(info, cache_types);
         // One prefill chunk of activations plus the logits rows, plus CPU-side scratch slack.
         let chunk = PREFILL_CHUNK.min(ctx_size.max(1));

@@ -30,6 +30,9 @@ pub struct RunnerOptions {
     /// Sequences that may be in flight together (the KV pool holds `ctx_size * parallel` tokens, and
     /// there are as many rows of recurrent state).
     pub parallel: usize,
+    /// Full contexts the KV pool holds when fewer than `parallel` (shared by the sequences:
+    /// llama-server's unified KV); `None`: `parallel`.
+    pub kv_pool_seqs: Option<usize>,
     pub block_size: usize,
     /// Most tokens one sequence brings to a step (the prefill chunk): a sliding-window group holds
     /// the window plus one such chunk per sequence.
@@ -55,6 +58,7 @@ impl Default for RunnerOptions {
             threads: 0,
             ctx_size: 4096,
             parallel: 1,
+            kv_pool_seqs: None,
             block_size: 16,
             max_step_tokens: 512,
             embedding: None,
@@ -416,7 +420,8 @@ impl ModelRunner {
         }
         let described = backend_plugin.describe();
         let ctx_size = fitted_context(opts.ctx_size, info.max_positions);
-        let plan = KvPlan::new(&info, ctx_size, opts.block_size, opts.parallel, opts.max_step_tokens);
+        let pool_seqs = opts.kv_pool_seqs.unwrap_or(opts.parallel);
+        let plan = KvPlan::new(&info, ctx_size, opts.block_size, opts.parallel, opts.max_step_tokens, pool_seqs);
         let pool = KvCache::new(&plan.windows, &plan.blocks_per_group, plan.block_size, plan.state_slots);
         let device = DeviceState::bind(backend_plugin, opts.threads, &checkpoint, &info, &plan, opts.cache_types)?;
         Ok(ModelRunner {

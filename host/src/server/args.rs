@@ -34,8 +34,8 @@ pub struct ServerArgs {
     /// Context size per sequence in tokens (0: the model's maximum; default min(model maximum, 4096)).
     #[arg(short = 'c', long = "ctx-size", env = "LLAMA_ARG_CTX_SIZE")]
     pub ctx_size: Option<usize>,
-    /// Sequences computed together, each with the full context (also `-np`; -1, the default: auto,
-    /// 4, as llama-server's default).
+    /// Sequences computed together, each with room for the full context (also `-np`; -1, the
+    /// default: auto, 4 sharing one context's KV, as llama-server's default).
     #[arg(long = "parallel", env = "LLAMA_ARG_N_PARALLEL", default_value_t = -1, allow_negative_numbers = true)]
     pub parallel: i64,
     /// Worker threads (default: all cores).
@@ -485,6 +485,9 @@ pub struct ServerConfig {
     /// None: min(model maximum, 4096); Some(0): the model's maximum.
     pub ctx_size: Option<usize>,
     pub parallel: usize,
+    /// Full contexts of KV the sequences share when fewer than `parallel` (auto: one, as
+    /// llama-server's unified KV); `None`: one per sequence.
+    pub kv_pool_seqs: Option<usize>,
     pub threads: u32,
     /// Default generation limit (None: until EOS or the context is full).
     pub n_predict: Option<usize>,
@@ -617,6 +620,7 @@ impl ServerArgs {
             port: self.port,
             ctx_size: self.ctx_size,
             parallel,
+            kv_pool_seqs: (self.parallel < 0).then_some(1),
             threads: self.threads.unwrap_or(0),
             n_predict: self.n_predict.and_then(|n| usize::try_from(n).ok()),
             batch_size: self.batch_size,
@@ -808,7 +812,9 @@ mod tests {
 
     #[test]
     fn parallel_defaults_to_llama_servers_auto() {
-        assert_eq!(parse(&["-m", "m"]).unwrap().parallel, AUTO_PARALLEL);
+        let auto = parse(&["-m", "m"]).unwrap();
+        assert_eq!((auto.parallel, auto.kv_pool_seqs), (AUTO_PARALLEL, Some(1)));
+        assert_eq!(parse(&["-m", "m", "-np", "4"]).unwrap().kv_pool_seqs, None);
         assert_eq!(parse(&["-m", "m", "-np", "-1"]).unwrap().parallel, AUTO_PARALLEL);
         assert_eq!(parse(&["-m", "m", "-np", "1"]).unwrap().parallel, 1);
         let e = parse(&["-m", "m", "-np", "0"]).unwrap_err().to_string();

@@ -97,7 +97,10 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
         // containers, MCP servers, context editing, output settings, routing) are not implemented.
         "speed" => ok(v.as_str() == Some("standard"), "only the standard speed"),
         "output_config" | "container" | "mcp_servers" | "context_management" | "inference_geo" | "diagnostics"
-        | "user_profile_id" | "workspace_id" => Err(format!("`{name}` is not implemented here")),
+        | "user_profile_id" | "workspace_id" => ok(
+            v.as_array().is_some_and(Vec::is_empty) || v.as_object().is_some_and(Map::is_empty),
+            "an Anthropic platform feature",
+        ),
         // Read by the chat routes; inert where only a template is rendered.
         "parallel_tool_calls" => ok(v.is_boolean(), "expected true or false"),
         "modalities" => ok(v.is_null() || v == &serde_json::json!(["text"]), "this server answers in text only"),

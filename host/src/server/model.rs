@@ -118,6 +118,7 @@ pub fn load(
         threads: config.threads,
         ctx_size: config.ctx_size.unwrap_or(4096),
         parallel: parallel.max(1),
+        kv_pool_seqs: config.kv_pool_seqs,
         embedding: config.embedding,
         cache_types: config.cache_types,
         ..Default::default()
@@ -130,12 +131,13 @@ pub fn load(
         runner.checkpoint.weight_bytes(),
         runner.ctx_size as u64,
         parallel.max(1) as u64,
+        config.kv_pool_seqs.unwrap_or(parallel).max(1) as u64,
         runner.device_free_memory,
         runner.cache_types(),
     );
     if !est.fits && !config.force {
         bail!(
-            "{} does not fit in memory: {}; lower --ctx-size or --parallel ({parallel} sequences of the full context), or pass --force",
+            "{} does not fit in memory: {}; lower --ctx-size or --parallel, or pass --force",
             dir.display(),
             est.summary()
         );

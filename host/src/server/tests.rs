@@ -157,6 +157,7 @@ fn config() -> ServerConfig {
         port: 0,
         ctx_size: None,
         parallel: 1,
+        kv_pool_seqs: None,
         threads: 0,
         n_predict: None,
         batch_size: 2048,
@@ -1263,7 +1264,9 @@ async fn unread_fields_are_refused_by_name_and_inert_ones_pass() {
         m
     };
     assert_eq!(s.post("/v1/messages", hi_msg(json!({"speed": "standard"}))).await.0, 200);
-    for extra in [json!({"speed": "fast"}), json!({"mcp_servers": []}), json!({"output_config": {"effort": "low"}})] {
+    assert_eq!(s.post("/v1/messages", hi_msg(json!({"mcp_servers": []}))).await.0, 200);
+    let mcp = json!({"mcp_servers": [{"type": "url", "url": "https://example.com", "name": "x"}]});
+    for extra in [json!({"speed": "fast"}), mcp, json!({"output_config": {"effort": "low"}})] {
         let (status, v) = s.post("/v1/messages", hi_msg(extra.clone())).await;
         let m = v["error"]["message"].as_str().unwrap_or_default();
         assert!(status == 400 && m.contains("is not supported by this server"), "{extra}: {v}");
