@@ -245,6 +245,16 @@ fn embedding_server_matches_transformers_on_every_route_and_refuses_bad_input() 
             assert_eq!(v["data"][j]["embedding"], alone["data"][0]["embedding"], "request {i}, input {j}");
         }
     }
+    drop(server);
+    // It keeps no KV: the cache types are refused by name, not accepted and ignored.
+    let out = mlxcel::testing::server_command(env!("CARGO_BIN_EXE_mlxcel-server"))
+        .arg("-m")
+        .arg(fixture("bert-model"))
+        .args(["--port", "0", "-ctk", "bf16"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--cache-type-k: this encoder keeps no KV cache"), "{err}");
 }
 
 #[test]
