@@ -246,7 +246,7 @@ fn embedding_server_matches_transformers_on_every_route_and_refuses_bad_input() 
         }
     }
     drop(server);
-    // It keeps no KV: the cache types are refused by name, not accepted and ignored.
+    // An embedding pass keeps no KV: the cache types are refused by name, not accepted and ignored.
     let out = mlxcel::testing::server_command(env!("CARGO_BIN_EXE_mlxcel-server"))
         .arg("-m")
         .arg(fixture("bert-model"))
@@ -254,7 +254,10 @@ fn embedding_server_matches_transformers_on_every_route_and_refuses_bad_input() 
         .output()
         .unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(!out.status.success() && err.contains("--cache-type-k: this encoder keeps no KV cache"), "{err}");
+    assert!(
+        !out.status.success() && err.contains("--cache-type-k: an embedding model does not use this flag"),
+        "{err}"
+    );
 }
 
 #[test]

@@ -26,6 +26,8 @@ pub struct MemoryEstimate {
     pub fits: bool,
     pub ctx_size: u64,
     pub parallel: u64,
+    /// Full contexts of KV the sequences share (`parallel` unless fewer).
+    pub pool_seqs: u64,
 }
 
 impl MemoryEstimate {
@@ -67,6 +69,7 @@ impl MemoryEstimate {
             fits: available == 0 || total <= available,
             ctx_size,
             parallel,
+            pool_seqs: pool_seqs.clamp(1, parallel),
         }
     }
 
@@ -74,12 +77,13 @@ impl MemoryEstimate {
     pub fn summary(&self) -> String {
         let mb = |b: u64| b as f64 / 1e6;
         format!(
-            "needs {:.0} MB (weights {:.0} MB + KV cache {:.0} MB for {} tokens × {} + activations {:.0} MB), {:.0} MB available",
+            "needs {:.0} MB (weights {:.0} MB + KV cache {:.0} MB for {} tokens × {}{} + activations {:.0} MB), {:.0} MB available",
             mb(self.total_bytes),
             mb(self.weight_bytes),
             mb(self.kv_bytes),
             self.ctx_size,
-            self.parallel,
+            self.pool_seqs,
+            if self.pool_seqs < self.parallel { format!(" shared by {} sequences", self.parallel) } else { String::new() },
             mb(self.activation_bytes),
             mb(self.available_bytes)
         )

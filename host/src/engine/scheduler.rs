@@ -638,6 +638,14 @@ impl<M: StepModel> Scheduler<M> {
     /// place and a slot, until they are cached.
     fn admit(&mut self) {
         let bs = self.model.kv_cache().block_size;
+        // Pages the running prompts still need (their prefills take them chunk by chunk), and then
+        // those of each request admitted here: admissions are counted against the pool together, so
+        // a pool shared by several slots (`-np` auto) does not admit prompts it would have to
+        // preempt a step later.
+        let mut committed: usize = {
+            let pool = self.model.kv_cache();
+            self.running.iter().map(|r| pool.pages_for(r.tokens.len()).saturating_sub(r.kv.num_pages())).sum()
+        };
         // Requests passed over keep their place and a slot each.
         let mut next = 0;
         while self.running.len() + next < self.opts.parallel {
@@ -657,9 +665,10 @@ impl<M: StepModel> Scheduler<M> {
             let pool = self.model.kv_cache();
             let need = pool.pages_for(seq.tokens.len()) - hit.pages.len();
             let available = pool.free_blocks() + self.cache.evictable();
-            if need > available && !self.running.is_empty() {
+            if need + committed > available && !self.running.is_empty() {
                 break;
             }
+            committed += need;
             let mut seq = self.waiting.remove(next).expect("the request looked at");
             let mut reused = hit.pages.len() * bs;
             for page in hit.pages {

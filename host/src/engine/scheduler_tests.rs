@@ -573,6 +573,26 @@ fn eviction_under_a_small_kv_budget_keeps_answers_correct() {
 }
 
 #[test]
+fn slots_sharing_one_context_of_pages_admit_what_fits_together() {
+    // Four slots over one 256-token context (`-np` auto): prompts of 100 tokens fit two at a time,
+    // so two start and two wait, rather than four starting and two being preempted; one that needs
+    // the whole pool waits for the others and then runs alone.
+    let mut reqs: Vec<GenerationRequest> = (0..4).map(|i| request(prompt(60 + i, 100), 10)).collect();
+    reqs.push(request(prompt(70, 240), 10));
+    let mut s = scheduler(CheckingModel::new(16, 16, 256), opts(4));
+    let mut clients: Vec<Client> =
+        reqs.iter().enumerate().map(|(i, r)| submit(&mut s, i as u64, r.clone()).unwrap()).collect();
+    s.step();
+    assert_eq!(s.stats().busy_slots(), 2, "two prompts fit the pool together");
+    drain(&mut s, &mut clients);
+    assert_eq!(s.stats().counters.preemptions, 0, "nothing admitted had to be preempted");
+    for (c, r) in clients.iter().zip(&reqs) {
+        same_answer(&c.got, &solo(r));
+    }
+    assert_no_leak(&s);
+}
+
+#[test]
 fn preemption_when_pages_run_out_gives_the_same_greedy_output() {
     // Ten pages of four tokens; three requests that each grow to ~30 tokens cannot all stay.
     let reqs: Vec<GenerationRequest> = (0..3).map(|i| request(prompt(20 + i, 10), 20)).collect();

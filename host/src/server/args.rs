@@ -213,9 +213,9 @@ const EVERY_MODEL_FLAGS: &[&str] = &[
 ];
 
 /// Flags an embedding or reranking model acts on besides [`EVERY_MODEL_FLAGS`]: its input limit,
-/// queue, batch, memory check and pooling (and the KV types of a decoder served for embeddings).
-const ENCODER_FLAGS: &[&str] =
-    &["ctx_size", "parallel", "batch_size", "force", "embedding", "pooling", "cache_type_k", "cache_type_v"];
+/// queue, batch, memory check and pooling (an embedding pass keeps no KV, decoders' included, so
+/// the cache types are not among them).
+const ENCODER_FLAGS: &[&str] = &["ctx_size", "parallel", "batch_size", "force", "embedding", "pooling"];
 
 /// An on/off value as llama.cpp reads its flags' environment variables: `true`, `1`, `on`,
 /// `enabled` (and `yes`) or `false`, `0`, `off`, `disabled` (and `no`), in any case.

@@ -61,24 +61,6 @@ pub fn start(state: &AppState) -> Result<String> {
     }
     let parallel = config.parallel.max(1);
     let (mut runner, text, facts) = load(config, &catalog, checkpoint, parallel)?;
-    // An encoder (BERT and its kin) reads each input whole and keeps no KV: its cache types would do
-    // nothing (a decoder served for embeddings keeps KV, and uses them).
-    if matches!(runner.info.task, Task::Embed | Task::Rerank) && runner.info.kv_layers.is_empty() {
-        let kv: Vec<&str> = config
-            .given
-            .iter()
-            .filter(|g| g.id == "cache_type_k" || g.id == "cache_type_v")
-            .map(|g| g.name.as_str())
-            .collect();
-        if !kv.is_empty() {
-            bail!(
-                "{}: {}: this encoder keeps no KV cache (it reads each input whole); start it without {}",
-                dir.display(),
-                kv.join(", "),
-                if kv.len() == 1 { "it" } else { "them" }
-            );
-        }
-    }
     let (model, ready) = match runner.info.task {
         Task::Text => {
             if config.warmup {
@@ -155,9 +137,10 @@ pub fn load(
     );
     if !est.fits && !config.force {
         bail!(
-            "{} does not fit in memory: {}; lower --ctx-size or --parallel, or pass --force",
+            "{} does not fit in memory: {}; lower --ctx-size{}, or pass --force",
             dir.display(),
-            est.summary()
+            est.summary(),
+            if config.kv_pool_seqs.is_some() { "" } else { " or --parallel" }
         );
     }
     let mut tokenizer =
