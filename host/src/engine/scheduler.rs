@@ -656,19 +656,18 @@ impl<M: StepModel> Scheduler<M> {
             let reuse = self.reuse_prefixes && seq.cache_prompt;
             let hit =
                 if reuse { self.cache.lookup(&seq.tokens[..reusable * bs], reusable) } else { Default::default() };
+            let pool = self.model.kv_cache();
+            let need = pool.pages_for(seq.tokens.len()) - hit.pages.len();
             if reuse && self.computing_shared_pages(seq, hit.pages.len()) {
                 // It finds those pages cached a step or so later; the requests behind it need not
                 // wait for them, but leave it a slot.
                 next += 1;
                 continue;
             }
-            let pool = self.model.kv_cache();
-            let need = pool.pages_for(seq.tokens.len()) - hit.pages.len();
             let available = pool.free_blocks() + self.cache.evictable();
             if need + committed > available && !self.running.is_empty() {
                 break;
             }
-            committed += need;
             let mut seq = self.waiting.remove(next).expect("the request looked at");
             let mut reused = hit.pages.len() * bs;
             for page in hit.pages {
@@ -680,6 +679,9 @@ impl<M: StepModel> Scheduler<M> {
             if reuse && self.model.copies_pages() {
                 reused += self.reuse_page_head(&mut seq, hit.key);
             }
+            // What it still needs (a page head copied above is taken from the free pages already).
+            let pool = self.model.kv_cache();
+            committed += pool.pages_for(seq.tokens.len()).saturating_sub(seq.kv.num_pages());
             self.counters.cache_hit_tokens += reused as u64;
             seq.slot = self.free_slots.pop();
             if seq.admitted.is_none() {
