@@ -314,10 +314,18 @@ pub async fn collect(
 /// How many of `tokens`, from the first, decode to at most `len` bytes: the tokens wholly inside a
 /// text of that length cut from their decoding. Searched from the end (a stop string is a few
 /// tokens), as a decoding does not always grow with its tokens: half a character decodes to a
-/// three-byte replacement character.
+/// three-byte replacement character; at most [`STOP_TOKENS_SEARCHED`] back, past which nothing is
+/// cut (the text is then not the tokens' decoding, and each step decodes the whole answer).
 pub(crate) fn tokens_within(tokens: &[u32], len: usize, tok: &TextTokenizer) -> usize {
-    (0..=tokens.len()).rev().find(|&k| tok.decode(&tokens[..k]).is_ok_and(|t| t.len() <= len)).unwrap_or(0)
+    let lowest = tokens.len().saturating_sub(STOP_TOKENS_SEARCHED);
+    (lowest..=tokens.len())
+        .rev()
+        .find(|&k| tok.decode(&tokens[..k]).is_ok_and(|t| t.len() <= len))
+        .unwrap_or(tokens.len())
 }
+
+/// How far back [`tokens_within`] looks for the text's end.
+const STOP_TOKENS_SEARCHED: usize = 256;
 
 /// llama-server's `timings` object.
 pub fn timings(u: &Usage) -> serde_json::Value {
