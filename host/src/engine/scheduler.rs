@@ -656,14 +656,14 @@ impl<M: StepModel> Scheduler<M> {
             let reuse = self.reuse_prefixes && seq.cache_prompt;
             let hit =
                 if reuse { self.cache.lookup(&seq.tokens[..reusable * bs], reusable) } else { Default::default() };
-            let pool = self.model.kv_cache();
-            let need = pool.pages_for(seq.tokens.len()) - hit.pages.len();
             if reuse && self.computing_shared_pages(seq, hit.pages.len()) {
                 // It finds those pages cached a step or so later; the requests behind it need not
                 // wait for them, but leave it a slot.
                 next += 1;
                 continue;
             }
+            let pool = self.model.kv_cache();
+            let need = pool.pages_for(seq.tokens.len()) - hit.pages.len();
             let available = pool.free_blocks() + self.cache.evictable();
             if need + committed > available && !self.running.is_empty() {
                 break;

@@ -108,13 +108,7 @@ fn sampling(r: &CompletionRequest, defaults: &SamplingParams, ctx: usize) -> Res
     p.top_p = r.top_p.unwrap_or(p.top_p);
     p.min_p = r.min_p.unwrap_or(p.min_p);
     p.repeat_penalty = r.repeat_penalty.unwrap_or(p.repeat_penalty);
-    p.penalty_last_n = match r.repeat_last_n {
-        None => p.penalty_last_n,
-        Some(-1) => ctx,
-        // (llama-server refuses the rest too.)
-        Some(n) => usize::try_from(n)
-            .map_err(|_| ApiError::field("repeat_last_n", format!("repeat_last_n must be -1 or more, got {n}")))?,
-    };
+    p.penalty_last_n = super::samplers::penalty_last_n(r.repeat_last_n, p.penalty_last_n, ctx)?;
     p.presence_penalty = r.presence_penalty.unwrap_or(p.presence_penalty);
     p.frequency_penalty = r.frequency_penalty.unwrap_or(p.frequency_penalty);
     // llama-server: -1 (or 0xFFFFFFFF) means a random seed.
@@ -581,7 +575,7 @@ impl StreamDialect for CompletionStream {
 /// The tokens a finished request leaves in its cache, as llama-server counts them: the prompt and
 /// every sampled token but the last, which was never fed back — except an end-of-sequence token,
 /// which the completion tokens do not count.
-pub(crate) fn tokens_cached(usage: &Usage, ending: &Ending) -> usize {
+fn tokens_cached(usage: &Usage, ending: &Ending) -> usize {
     match ending {
         Ending::Eos => usage.prompt_tokens + usage.completion_tokens,
         _ => usage.prompt_tokens + usage.completion_tokens.saturating_sub(1),
@@ -793,10 +787,13 @@ pub async fn slots(
         Ok(m) => m,
         Err(e) => return llama_err(e),
     };
+    let stats = model.generator.stats();
+    // `?fail_on_no_slot=1`: 503 when every slot is busy (llama-server's check for load balancers).
+    if query.get("fail_on_no_slot").is_some_and(|v| !v.is_empty()) && stats.slots.iter().all(|s| s.is_processing) {
+        return llama_err(ApiError::new(ErrorKind::Unavailable, "no slot available"));
+    }
     let n_ctx = model.facts.ctx_size;
-    let slots: Vec<Value> = model
-        .generator
-        .stats()
+    let slots: Vec<Value> = stats
         .slots
         .iter()
         .map(|s| {
@@ -818,11 +815,6 @@ pub async fn slots(
             })
         })
         .collect();
-    // `?fail_on_no_slot=1`: 503 when every slot is busy (llama-server's check for load balancers).
-    let all_busy = slots.iter().all(|s| s["is_processing"] == true);
-    if query.get("fail_on_no_slot").is_some_and(|v| !v.is_empty()) && all_busy {
-        return llama_err(ApiError::new(ErrorKind::Unavailable, "no slot available"));
-    }
     Json(json!(slots)).into_response()
 }
 

@@ -115,13 +115,7 @@ impl SamplingFields {
         p.top_k = self.top_k.map_or(p.top_k, |k| usize::try_from(k).unwrap_or(0));
         p.min_p = self.min_p.unwrap_or(p.min_p);
         p.repeat_penalty = self.repeat_penalty.unwrap_or(p.repeat_penalty);
-        p.penalty_last_n = match self.repeat_last_n {
-            None => p.penalty_last_n,
-            // llama-server's -1: the whole context.
-            Some(-1) => ctx,
-            Some(n) => usize::try_from(n)
-                .map_err(|_| ApiError::field("repeat_last_n", format!("repeat_last_n must be -1 or more, got {n}")))?,
-        };
+        p.penalty_last_n = super::samplers::penalty_last_n(self.repeat_last_n, p.penalty_last_n, ctx)?;
         // OpenAI's seed is any int64, negative ones as deterministic as the rest — but -1 (and its
         // 32-bit spelling), which llama-server's clients send for "random", is random.
         match self.seed {

@@ -14,6 +14,18 @@ use serde_json::Value;
 use super::error::{ApiError, Shared};
 use crate::engine::{SamplingOverrides, SamplingParams, Step};
 
+/// How many recent tokens the repeat penalties read for a request's `repeat_last_n` (llama-server's
+/// field, which its OpenAI routes read too): `default` when not given, the whole context (`ctx`) for
+/// -1; below that refused, as llama-server refuses it.
+pub fn penalty_last_n(asked: Option<i64>, default: usize, ctx: usize) -> Result<usize, ApiError> {
+    match asked {
+        None => Ok(default),
+        Some(-1) => Ok(ctx),
+        Some(n) => usize::try_from(n)
+            .map_err(|_| ApiError::field("repeat_last_n", format!("repeat_last_n must be -1 or more, got {n}"))),
+    }
+}
+
 /// The settings, as llama-server's request fields name them.
 #[derive(Deserialize, Debug, Default)]
 pub struct LlamaSamplers {
