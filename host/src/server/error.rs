@@ -114,6 +114,17 @@ impl ApiError {
     pub fn internal(message: impl Into<String>) -> Self {
         Self::new(ErrorKind::Internal, message)
     }
+    /// A number of the request field `param` outside `[min, max]`, with OpenAI's code for the side
+    /// it is on (`integer_below_min_value`, `decimal_above_max_value`, …).
+    pub fn out_of_range(param: &str, integer: bool, above: bool, message: impl Into<String>) -> Self {
+        let code = match (integer, above) {
+            (true, true) => "integer_above_max_value",
+            (true, false) => "integer_below_min_value",
+            (false, true) => "decimal_above_max_value",
+            (false, false) => "decimal_below_min_value",
+        };
+        Self::field(param, message).with_code(code)
+    }
     pub fn with_code(mut self, code: &'static str) -> Self {
         self.code = Some(code);
         self
@@ -257,7 +268,12 @@ pub fn json_error(e: serde_path_to_error::Error<serde_json::Error>) -> ApiError 
     if let Some(name) = msg.strip_prefix("data did not match any variant of untagged enum ") {
         msg = format!("expected {}", expected_shape(name));
     }
-    ApiError::field(&path, format!("invalid value for `{path}`: {msg}"))
+    let e = ApiError::field(&path, format!("invalid value for `{path}`: {msg}"));
+    // OpenAI's code for a value of the wrong JSON type.
+    if msg.starts_with("invalid type") || msg.starts_with("expected ") {
+        return e.with_code("invalid_type");
+    }
+    e
 }
 
 /// What an untagged request type accepts, in words.

@@ -123,17 +123,15 @@ impl SamplingFields {
             Some(s) => p.seed = Some(s as u64),
             None => {}
         }
-        if !(-2.0..=2.0).contains(&p.presence_penalty) {
-            return Err(ApiError::field("presence_penalty", "presence_penalty must be in [-2, 2]"));
-        }
-        if !(-2.0..=2.0).contains(&p.frequency_penalty) {
-            return Err(ApiError::field("frequency_penalty", "frequency_penalty must be in [-2, 2]"));
-        }
-        if p.temperature > 2.0 || p.temperature < 0.0 || p.temperature.is_nan() {
-            return Err(ApiError::field(
-                "temperature",
-                format!("temperature must be in [0, 2], got {}", p.temperature),
-            ));
+        for (field, v, min) in [
+            ("presence_penalty", p.presence_penalty, -2.0),
+            ("frequency_penalty", p.frequency_penalty, -2.0),
+            ("temperature", p.temperature, 0.0),
+        ] {
+            if !(min..=2.0).contains(&v) {
+                let message = format!("{field} must be in [{min}, 2], got {v}");
+                return Err(ApiError::out_of_range(field, false, v > 2.0, message));
+            }
         }
         Ok(p)
     }
@@ -514,7 +512,7 @@ fn completion_logprobs(tok: &TextTokenizer, lps: &[TokenLogprob], start_offset: 
 fn check_n(field: &str, n: Option<u32>) -> Result<usize, ApiError> {
     let n = n.unwrap_or(1) as usize;
     if n == 0 || n > 16 {
-        return Err(ApiError::field(field, format!("{field} must be between 1 and 16, got {n}")));
+        return Err(ApiError::out_of_range(field, true, n > 16, format!("{field} must be between 1 and 16, got {n}")));
     }
     Ok(n)
 }
@@ -527,7 +525,8 @@ fn token_limit(fields: &[(&str, Option<i64>)], min: i64) -> Result<Option<usize>
     match fields.iter().find_map(|(f, v)| v.map(|v| (*f, v))) {
         None | Some((_, -1)) => Ok(None),
         Some((f, v)) if v < least(f) => {
-            Err(ApiError::field(f, format!("{f} must be at least {} (or -1 for no limit), got {v}", least(f))))
+            let message = format!("{f} must be at least {} (or -1 for no limit), got {v}", least(f));
+            Err(ApiError::out_of_range(f, true, false, message))
         }
         Some((_, v)) => Ok(Some(v as usize)),
     }
@@ -754,7 +753,8 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
             return Err(ApiError::field("top_logprobs", "top_logprobs needs logprobs: true"));
         }
         if k > 20 {
-            return Err(ApiError::field("top_logprobs", format!("top_logprobs must be at most 20, got {k}")));
+            let message = format!("top_logprobs must be at most 20, got {k}");
+            return Err(ApiError::out_of_range("top_logprobs", true, true, message));
         }
     }
     job.logprobs = want_logprobs.then(|| r.top_logprobs.unwrap_or(0) as usize);
@@ -1056,7 +1056,7 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
     let echo = r.echo.unwrap_or(false);
     if let Some(k) = r.logprobs {
         if k > 5 {
-            return Err(ApiError::field("logprobs", format!("logprobs must be at most 5, got {k}")));
+            return Err(ApiError::out_of_range("logprobs", true, true, format!("logprobs must be at most 5, got {k}")));
         }
         if echo {
             return Err(ApiError::field("echo", "echo with logprobs (prompt logprobs) is not supported"));

@@ -953,7 +953,27 @@ async fn bad_bodies_get_400_in_each_dialect() {
     let (status, v) = s
         .post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "temperature": "hot"}))
         .await;
-    assert_eq!((status, v["error"]["param"].as_str()), (400, Some("temperature")), "{v}");
+    assert_eq!(
+        (status, v["error"]["param"].as_str(), v["error"]["code"].as_str()),
+        (400, Some("temperature"), Some("invalid_type")),
+        "{v}"
+    );
+    // Out of range, with OpenAI's code for the side.
+    for (field, value, code) in [
+        ("temperature", json!(2.5), "decimal_above_max_value"),
+        ("presence_penalty", json!(-3), "decimal_below_min_value"),
+        ("n", json!(0), "integer_below_min_value"),
+        ("max_tokens", json!(0), "integer_below_min_value"),
+    ] {
+        let mut body = json!({"messages": [{"role": "user", "content": "hi"}]});
+        body[field] = value;
+        let (status, v) = s.post("/v1/chat/completions", body).await;
+        assert_eq!(
+            (status, v["error"]["param"].as_str(), v["error"]["code"].as_str()),
+            (400, Some(field), Some(code)),
+            "{v}"
+        );
+    }
     let (status, v) = s.post("/v1/chat/completions", json!({"messages": [{"role": "wizard", "content": "hi"}]})).await;
     assert_eq!((status, v["error"]["param"].as_str()), (400, Some("messages[0].role")), "{v}");
     let (status, v) = s
