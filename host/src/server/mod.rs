@@ -50,9 +50,9 @@ pub use generator::{EngineStats, EventStream, Generator, ModelFacts, SlotStats};
 use state::LineHead;
 pub use state::{AppState, LoadedModel, RequestLog};
 
-/// Routes answered without an API key: llama-server's (health, and the model list that clients
-/// and its web UI read before they have a key).
-const PUBLIC_PATHS: &[&str] = &["/health", "/v1/health", "/models", "/v1/models"];
+/// Routes answered without an API key: llama-server's (health alone since the model list, public in
+/// older versions, came to need the key), so that a probe can check liveness without one.
+const PUBLIC_PATHS: &[&str] = &["/health", "/v1/health"];
 
 /// Runs `work`, which may take milliseconds of CPU, telling the runtime (where it has other workers)
 /// that it blocks, so that the worker's other connections move on meanwhile.

@@ -1408,8 +1408,13 @@ async fn api_keys_by_bearer_or_x_api_key_and_health_stays_public() {
     let r = s.client.post(s.url("/v1/messages")).header("x-api-key", "k1").json(&msg).send().await.unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(s.get("/health").await.0, 200);
-    // The model list is public too, as llama-server's; one model's details are not.
-    assert_eq!((s.get("/v1/models").await.0, s.get("/models").await.0), (200, 200));
+    // The model list needs the key, as current llama-server's and OpenAI's, as one model's details do.
+    assert_eq!(
+        (s.get("/v1/models").await.0, s.get("/models").await.0, s.get("/v1/models/tiny").await.0),
+        (401, 401, 401)
+    );
+    let r = s.client.get(s.url("/v1/models")).bearer_auth("k1").send().await.unwrap();
+    assert_eq!(r.status(), 200);
     // Slot actions need --slot-save-path in llama-server, which is refused here: its answer without it.
     let r = s.client.post(s.url("/slots/0?action=erase")).bearer_auth("k1").send().await.unwrap();
     assert_eq!(r.status(), 501);
