@@ -47,6 +47,7 @@ impl Grammars {
     /// object); Err says what is wrong with the schema.
     pub fn json_schema(&self, schema: &Value) -> Result<Constraint, String> {
         let mut schema = schema.clone();
+        close_objects(&mut schema);
         // Compact JSON, as OpenAI's structured outputs come: with whitespace allowed between its
         // tokens a small model wanders (newlines, spaces until its token limit). A schema's own
         // `x-guidance` options win.
@@ -73,6 +74,46 @@ impl Grammars {
             return Err(format!("it fails at its first token ({})", short(&e)));
         }
         Ok(Constraint { matcher, eos_ids: self.eos_ids.clone(), vocab: self.vocab })
+    }
+}
+
+/// Objects that list their `properties` and say nothing of others take no others, as llama.cpp's
+/// schema grammars hold them (JSON Schema would allow any key): held to an open object, a model
+/// writes keys of its own, repeats them and may never close it. Only schemas in schema positions are
+/// touched (a property named `properties` is a name, not a keyword); the branches of an `allOf`
+/// stay open, as each closed one would forbid the others' keys.
+fn close_objects(schema: &mut Value) {
+    let Some(o) = schema.as_object_mut() else { return };
+    let open_keys = ["additionalProperties", "patternProperties", "unevaluatedProperties"];
+    if o.get("properties").is_some_and(Value::is_object) && !open_keys.iter().any(|k| o.contains_key(*k)) {
+        o.insert("additionalProperties".into(), Value::Bool(false));
+    }
+    close_nested(schema);
+}
+
+/// [`close_objects`] for the schemas inside `schema`, not `schema` itself.
+fn close_nested(schema: &mut Value) {
+    let Some(o) = schema.as_object_mut() else { return };
+    for (key, v) in o.iter_mut() {
+        match key.as_str() {
+            "items"
+            | "additionalProperties"
+            | "not"
+            | "if"
+            | "then"
+            | "else"
+            | "contains"
+            | "propertyNames"
+            | "additionalItems"
+            | "unevaluatedItems"
+            | "unevaluatedProperties" => close_objects(v),
+            "prefixItems" | "anyOf" | "oneOf" => v.as_array_mut().into_iter().flatten().for_each(close_objects),
+            "allOf" => v.as_array_mut().into_iter().flatten().for_each(close_nested),
+            "properties" | "$defs" | "definitions" | "patternProperties" | "dependentSchemas" => {
+                v.as_object_mut().into_iter().flat_map(|m| m.values_mut()).for_each(close_objects)
+            }
+            _ => {}
+        }
     }
 }
 
@@ -152,5 +193,49 @@ impl Constraint {
             return Ok(());
         }
         self.matcher.consume_token(token).map_err(|e| short(&e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn objects_that_list_their_properties_take_no_others() {
+        let mut s = json!({"type": "object", "properties": {
+            "properties": {"type": "object", "properties": {"a": {"type": "integer"}}},
+            "list": {"type": "array", "items": {"type": "object", "properties": {}}},
+            "open": {"type": "object", "properties": {}, "additionalProperties": true},
+            "any": {"type": "object"}},
+            "$defs": {"D": {"anyOf": [{"properties": {"x": {}}}]}},
+            "allOf": [{"properties": {"b": {"properties": {"c": {}}}}}]});
+        close_objects(&mut s);
+        assert_eq!(s["additionalProperties"], false);
+        // The property named `properties` is closed as a schema; no property was added beside it.
+        assert_eq!(s["properties"]["properties"]["additionalProperties"], false);
+        assert!(s["properties"].get("additionalProperties").is_none(), "{s}");
+        assert_eq!(s["properties"]["list"]["items"]["additionalProperties"], false);
+        assert_eq!(s["properties"]["open"]["additionalProperties"], true);
+        assert!(s["properties"]["any"].get("additionalProperties").is_none());
+        assert_eq!(s["$defs"]["D"]["anyOf"][0]["additionalProperties"], false);
+        // An allOf branch stays open; what is nested in it is closed.
+        assert!(s["allOf"][0].get("additionalProperties").is_none(), "{s}");
+        assert_eq!(s["allOf"][0]["properties"]["b"]["additionalProperties"], false);
+    }
+
+    #[test]
+    fn a_key_the_schema_does_not_list_is_refused() {
+        let dir = crate::testing::workspace_root().join("families/llama/tests/fixtures/qwen3-f32");
+        let tok = TextTokenizer::load(&dir, &json!({}), None).unwrap();
+        let grammars = tok.grammars().unwrap();
+        let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
+        let feed = |text: &str| {
+            let mut c = grammars.json_schema(&schema).unwrap();
+            tok.encode(text, false).unwrap().into_iter().try_for_each(|t| c.accept(t))
+        };
+        assert!(feed(r#"{"a":1}"#).is_ok());
+        assert!(feed(r#"{"a":1,"b":2}"#).is_err());
+        assert!(feed(r#"{"b":2}"#).is_err());
     }
 }
