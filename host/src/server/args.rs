@@ -474,6 +474,12 @@ pub fn preprocess_argv(args: impl IntoIterator<Item = String>) -> Result<Vec<Str
     Ok(out)
 }
 
+/// The fewest requests that may wait for a slot (sixteen per slot where there are more slots): an
+/// indexing client sends dozens at once and llama-server queues them all; a bound still answers a
+/// flood with 503 before its prompts fill memory. (Four per slot, 16 at the default, refused a 32-way
+/// embedding client.)
+pub const QUEUE_LIMIT_MIN: usize = 128;
+
 /// The settings the server and its engine run with, resolved from the flags.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
@@ -516,7 +522,7 @@ pub struct ServerConfig {
     pub max_audio_bytes: usize,
     /// KV cache types (None: f16 where the backend keeps it, else f32).
     pub cache_types: Option<KvCacheTypes>,
-    /// Requests that may wait for a slot before new ones get 503.
+    /// Requests that may wait for a slot before new ones get 503 (see [`QUEUE_LIMIT_MIN`]).
     pub queue_limit: usize,
     /// Sampling flags applied over the model's generation_config.json.
     pub sampling: SamplingOverrides,
@@ -642,7 +648,7 @@ impl ServerArgs {
             max_body_bytes: self.max_body_bytes,
             cache_types: self.cache_types.types(),
             max_audio_bytes: self.max_audio_bytes,
-            queue_limit: parallel.saturating_mul(4).max(16),
+            queue_limit: parallel.saturating_mul(16).max(QUEUE_LIMIT_MIN),
             sampling,
             embedding: (self.embedding || self.pooling.is_some()).then_some(EmbeddingFlags { pooling: self.pooling }),
             given: self.given.clone(),
