@@ -255,3 +255,28 @@ fn unknown_repo_is_a_clear_error() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("someone/missing` was not found"));
 }
+
+#[test]
+fn a_revision_is_a_name_in_the_store_never_a_path() {
+    let e = env();
+    let url = hub(vec![("someone/tiny", fixture_dir())], Arc::default());
+    // A download at another revision is listed as owner/name@revision and removed by that name.
+    ok(&mlxcel(&e, &url).args(["download", "someone/tiny", "--revision", "refs/pr/1"]).output().unwrap());
+    let list = ok(&mlxcel(&e, &url).args(["list"]).output().unwrap());
+    assert!(list.contains("someone/tiny@refs/pr/1"), "{list}");
+    let removed = ok(&mlxcel(&e, &url).args(["rm", "someone/tiny@refs/pr/1", "--yes"]).output().unwrap());
+    assert!(removed.contains("removed someone/tiny@refs/pr/1"), "{removed}");
+    assert_eq!(std::fs::read_dir(e.store.join("models/someone")).unwrap().count(), 0);
+    // A revision that climbs out of the store is refused before anything is touched.
+    let victim = e.store.parent().unwrap().join("victim");
+    std::fs::create_dir_all(&victim).unwrap();
+    for args in [
+        &["rm", "someone/tiny", "--revision", "v2/../../../../victim", "--yes"][..],
+        &["download", "someone/tiny", "--revision", "../../../victim"][..],
+    ] {
+        let out = mlxcel(&e, &url).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("is not a revision"), "{args:?}: {err}");
+    }
+    assert!(victim.is_dir());
+}

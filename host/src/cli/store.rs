@@ -7,7 +7,7 @@ use anyhow::{bail, Result};
 use clap::Args;
 use serde_json::{json, Value};
 
-use crate::store::resolve::{hf_cache_root, is_model_folder, store_folder};
+use crate::store::resolve::{check_revision, hf_cache_root, is_model_folder, store_folder, store_leaf_name};
 use crate::store::{resolve_model, store_root, RepoId, ResolveOptions, Resolved};
 
 #[derive(Args, Debug)]
@@ -28,7 +28,8 @@ pub struct DownloadArgs {
 
 #[derive(Args, Debug)]
 pub struct RmArgs {
-    /// A model in the store, by its hub name (as `mlxcel list` shows it).
+    /// A model in the store, by its hub name (as `mlxcel list` shows it: `owner/name`, or
+    /// `owner/name@revision` for another revision than main).
     pub name: String,
     /// The revision to remove (branch, tag or commit; default: main).
     #[arg(long)]
@@ -77,7 +78,8 @@ pub fn installed() -> Vec<Value> {
             if name.ends_with(".partial") || !is_model_folder(&m.path()) {
                 continue;
             }
-            out.push(describe(format!("{}/{}", owner.file_name().to_string_lossy(), name), "mlxcel", m.path()));
+            let name = format!("{}/{}", owner.file_name().to_string_lossy(), store_leaf_name(&name));
+            out.push(describe(name, "mlxcel", m.path()));
         }
     }
     for repo in std::fs::read_dir(hf_cache_root()).into_iter().flatten().flatten() {
@@ -130,17 +132,24 @@ pub fn download(args: &DownloadArgs) -> Result<()> {
 }
 
 pub fn rm(args: &RmArgs) -> Result<()> {
-    let repo = RepoId::parse(&args.name)?;
-    let dir = store_folder(&repo, args.revision.as_deref().unwrap_or("main"));
-    if !dir.exists() {
+    // `owner/name@revision`, as `list` shows it.
+    let (name, revision) = match (args.name.split_once('@'), &args.revision) {
+        (Some(_), Some(r)) => bail!("`{}` names a revision and so does --revision {r}: give one", args.name),
+        (Some((n, r)), None) => (n, r),
+        (None, r) => (args.name.as_str(), r.as_deref().unwrap_or("main")),
+    };
+    let repo = RepoId::parse(name)?;
+    check_revision(revision)?;
+    let shown = if revision == "main" { repo.full() } else { format!("{}@{revision}", repo.full()) };
+    let dir = store_folder(&repo, revision);
+    if !dir.is_dir() {
         bail!(
-            "`{}` is not in the mlxcel store ({}); models in the Hugging Face cache are managed by Hugging Face tools",
-            repo.full(),
+            "`{shown}` is not in the mlxcel store ({}); models in the Hugging Face cache are managed by Hugging Face tools",
             store_root().join("models").display()
         );
     }
     if !args.yes {
-        eprint!("remove {} ({:.0} MB) at {}? [y/N] ", repo.full(), folder_size(&dir) as f64 / 1e6, dir.display());
+        eprint!("remove {shown} ({:.0} MB) at {}? [y/N] ", folder_size(&dir) as f64 / 1e6, dir.display());
         std::io::stderr().flush().ok();
         let mut answer = String::new();
         if std::io::stdin().read_line(&mut answer)? == 0 {
@@ -153,6 +162,6 @@ pub fn rm(args: &RmArgs) -> Result<()> {
         }
     }
     std::fs::remove_dir_all(&dir)?;
-    println!("removed {}", repo.full());
+    println!("removed {shown}");
     Ok(())
 }

@@ -83,10 +83,22 @@ fn http_error(repo: &RepoId, what: &str, e: ureq::Error) -> anyhow::Error {
     }
 }
 
+/// A revision as one segment of a hub URL (`refs/pr/1` → `refs%2Fpr%2F1`, as huggingface_hub
+/// quotes it); revisions hold no other character that needs quoting (see `check_revision`).
+fn url_revision(revision: &str) -> String {
+    revision.replace('/', "%2F")
+}
+
 /// The repo's files at `revision` (hub tree API).
 pub fn list_files(repo: &RepoId, revision: &str) -> Result<Vec<RemoteFile>> {
     // Recursive: sentence-transformers keep their pooling config in a subfolder.
-    let url = format!("{}/api/models/{}/{}/tree/{}?recursive=true", endpoint(), repo.owner, repo.name, revision);
+    let url = format!(
+        "{}/api/models/{}/{}/tree/{}?recursive=true",
+        endpoint(),
+        repo.owner,
+        repo.name,
+        url_revision(revision)
+    );
     let resp = with_auth(agent().get(&url)).call().map_err(|e| http_error(repo, "listing files", e))?;
     let text = resp.into_string().context("reading the hub's file list")?;
     let v: serde_json::Value = serde_json::from_str(&text).context("the hub's file list is not JSON")?;
@@ -136,7 +148,7 @@ fn fetch_file(
     }
     let part = dir.join(format!("{}.part", file.path));
     let have = std::fs::metadata(&part).map(|m| m.len()).unwrap_or(0);
-    let url = format!("{}/{}/{}/resolve/{}/{}", endpoint(), repo.owner, repo.name, revision, file.path);
+    let url = format!("{}/{}/{}/resolve/{}/{}", endpoint(), repo.owner, repo.name, url_revision(revision), file.path);
     let mut req = with_auth(agent().get(&url));
     if have > 0 && have < file.size {
         req = req.set("Range", &format!("bytes={have}-"));

@@ -35,6 +35,21 @@ impl RepoId {
     }
 }
 
+/// Refuses a revision that is not a git ref name or commit (a branch, tag, commit or `refs/pr/N`):
+/// revisions become paths in the store and the Hugging Face cache, so `..` could reach anywhere.
+pub fn check_revision(rev: &str) -> Result<()> {
+    let ok = rev.len() <= 255
+        && rev.chars().all(|c| c.is_ascii_alphanumeric() || "-_./".contains(c))
+        && rev.split('/').all(|part| !part.is_empty() && !part.starts_with('.') && !part.ends_with(".lock"))
+        && !rev.contains("..");
+    if !ok {
+        bail!(
+            "`{rev}` is not a revision: a branch, tag or commit (letters, digits and `-_./`, no `..` or empty parts)"
+        );
+    }
+    Ok(())
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct ResolveOptions {
     pub revision: Option<String>,
@@ -86,6 +101,10 @@ fn hf_cache_snapshot(repo: &RepoId, revision: &str) -> Option<PathBuf> {
     let commit = std::fs::read_to_string(base.join("refs").join(revision))
         .map(|s| s.trim().to_string())
         .unwrap_or_else(|_| revision.to_string());
+    // A ref file names a commit: anything else (a path) is not followed.
+    if !commit.chars().all(|c| c.is_ascii_alphanumeric()) || commit.is_empty() {
+        return None;
+    }
     let snap = base.join("snapshots").join(commit);
     is_model_folder(&snap).then_some(snap)
 }
@@ -99,10 +118,17 @@ pub fn is_model_folder(p: &Path) -> bool {
 }
 
 /// mlxcel's store folder for a repo: `<store>/models/<owner>/<name>` (revision `main`) or
-/// `<store>/models/<owner>/<name>@<revision>`.
+/// `<store>/models/<owner>/<name>@<revision>`, a revision's slashes written `%2F` (`refs/pr/1`
+/// stays one folder, which `mlxcel list` finds). The revision must have passed [`check_revision`].
 pub fn store_folder(repo: &RepoId, revision: &str) -> PathBuf {
-    let leaf = if revision == "main" { repo.name.clone() } else { format!("{}@{}", repo.name, revision) };
+    let leaf =
+        if revision == "main" { repo.name.clone() } else { format!("{}@{}", repo.name, revision.replace('/', "%2F")) };
     store_root().join("models").join(&repo.owner).join(leaf)
+}
+
+/// A store folder's name as `mlxcel list` shows it and `mlxcel rm` takes it (`name@refs/pr/1`).
+pub fn store_leaf_name(leaf: &str) -> String {
+    leaf.replace("%2F", "/")
 }
 
 pub fn offline_env() -> bool {
@@ -133,6 +159,7 @@ pub fn resolve_model(model: &str, opts: &ResolveOptions) -> Result<Resolved> {
     }
     let repo = RepoId::parse(model)?;
     let revision = opts.revision.clone().unwrap_or_else(|| "main".into());
+    check_revision(&revision)?;
     if let Some(snap) = hf_cache_snapshot(&repo, &revision) {
         return Ok(Resolved::HfCache(snap));
     }
@@ -155,6 +182,22 @@ pub fn resolve_model(model: &str, opts: &ResolveOptions) -> Result<Resolved> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn revisions_are_ref_names_never_paths() {
+        for good in ["main", "v2", "refs/pr/1", "0123abcd", "release-1.0_rc"] {
+            check_revision(good).unwrap_or_else(|e| panic!("{good}: {e}"));
+        }
+        for bad in ["", "v2/../../x", "..", "../escaped", "/abs", "a//b", "a/", ".hidden", "a b", "x.lock", "a\\b"] {
+            assert!(check_revision(bad).is_err(), "{bad:?} was taken");
+        }
+        let offline = ResolveOptions { revision: Some("../../x".into()), offline: true };
+        let e = resolve_model("owner/m", &offline).unwrap_err().to_string();
+        assert!(e.contains("is not a revision"), "{e}");
+        let repo = RepoId::parse("t/pr").unwrap();
+        let leaf = store_folder(&repo, "refs/pr/1").file_name().unwrap().to_string_lossy().to_string();
+        assert_eq!((leaf.as_str(), store_leaf_name(&leaf).as_str()), ("pr@refs%2Fpr%2F1", "pr@refs/pr/1"));
+    }
 
     #[test]
     fn bare_name_means_mlx_community() {
