@@ -7,16 +7,16 @@ fn main() {
     // `serve` takes llama-server's command line: its two-letter short flags are rewritten and the flags
     // mlxcel does not implement are refused by name before clap sees them.
     let argv = cli::args_or_exit();
-    let argv = match argv.iter().position(|a| a == "serve") {
-        Some(i) => match mlxcel::server::args::preprocess_argv(argv[i + 1..].iter().cloned()) {
-            Ok(tail) => argv[..=i].iter().cloned().chain(tail).collect(),
-            Err(e) => {
-                eprintln!("error: {}", mlxcel::logging::one_line(&e));
-                std::process::exit(1);
-            }
-        },
-        None => argv,
+    // The model commands read llama.cpp's multi-letter short flags the same way.
+    let preprocessed = match cli::subcommand_index(&argv).filter(|&i| argv[i] == "serve") {
+        Some(i) => mlxcel::server::args::preprocess_argv(argv[i + 1..].iter().cloned())
+            .map(|tail| argv[..=i].iter().cloned().chain(tail).collect()),
+        None => cli::llama_cli_argv(argv),
     };
+    let argv = preprocessed.unwrap_or_else(|e| {
+        eprintln!("error: {}", mlxcel::logging::one_line(&e));
+        std::process::exit(1);
+    });
     let matches = Cli::command().get_matches_from(argv);
     let mut args = Cli::from_arg_matches(&matches).unwrap_or_else(|e| e.exit());
     if let (Command::Serve(a), Some(("serve", m))) = (&mut args.command, matches.subcommand()) {

@@ -375,6 +375,16 @@ fn inspect_json_gives_exact_weight_bytes_and_a_kv_figure() {
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["memory"]["kv_bytes_per_token"].as_u64().unwrap(), 2 * 2 * 16 * (4 + 2));
 
+    // llama.cpp's spelling of the same flags.
+    let out =
+        mlxcel().arg("inspect").arg(&dir).args(["--json", "-c", "256", "-ctk", "f32", "-ctv=bf16"]).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["memory"]["kv_bytes_per_token"].as_u64().unwrap(), 2 * 2 * 16 * (4 + 2));
+    // Its multi-letter flags mlxcel does not take are named, not read as `-n gl` or `-f a`.
+    assert_one_line_error(&mlxcel().arg("inspect").arg(&dir).args(["-ngl", "99"]).output().unwrap(), &["-ngl"]);
+    assert_one_line_error(&mlxcel().args(["generate"]).arg(&dir).args(["-fa", "-p", "x"]).output().unwrap(), &["-fa"]);
+
     // A type the engine does not keep is refused by clap with the reason.
     let out = mlxcel().arg("inspect").arg(&dir).args(["--cache-type-k", "q8_0"]).output().unwrap();
     assert!(!out.status.success());

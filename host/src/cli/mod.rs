@@ -117,6 +117,56 @@ pub fn args_or_exit() -> Vec<String> {
         .collect()
 }
 
+/// llama.cpp's multi-letter short flags on the model commands (`run`, `generate`, `inspect`, `bench`…),
+/// which clap would read as a one-letter flag and its value (`-ngl 99` as `-n gl`, `-fa` as `-f a`):
+/// the ones mlxcel takes under a long name are rewritten to it, the others refused by name.
+/// Arguments after `--` are left alone.
+pub fn llama_cli_argv(args: impl IntoIterator<Item = String>) -> anyhow::Result<Vec<String>> {
+    const ALIASES: &[(&str, &str)] = &[("-ctk", "--cache-type-k"), ("-ctv", "--cache-type-v"), ("-sys", "--system")];
+    const REFUSED: &[&str] = &[
+        "-ngl", "-ngld", "-fa", "-cnv", "-no-cnv", "-st", "-mli", "-sm", "-ts", "-mg", "-ot", "-cmoe", "-ncmoe",
+        "-dev", "-devd", "-nkvo", "-np", "-cb", "-ub", "-to", "-md", "-cd", "-lv", "-hf", "-hfr", "-hff", "-hft",
+        "-hfv", "-hfd", "-mm", "-mmu", "-jf", "-sp", "-lcs", "-lcd", "-cml", "-mmp", "-nopo", "-embd", "-pg", "-dio",
+        "-sysf", "-tb", "-bs", "-gan", "-gaw", "-dt", "-ps", "-ctxcp",
+    ];
+    let mut out = Vec::new();
+    let mut rest = false;
+    for a in args {
+        rest |= a == "--";
+        let name = a.split('=').next().unwrap_or(&a);
+        if !rest {
+            if let Some((_, long)) = ALIASES.iter().find(|(short, _)| *short == name) {
+                out.push(match a.split_once('=') {
+                    Some((_, v)) => format!("{long}={v}"),
+                    None => long.to_string(),
+                });
+                continue;
+            }
+            if REFUSED.contains(&name) {
+                anyhow::bail!(
+                    "{name} is a llama.cpp flag mlxcel does not take (see --help; the backend plugin holds the \
+                     whole model and picks its kernels)"
+                );
+            }
+        }
+        out.push(a);
+    }
+    Ok(out)
+}
+
+/// Where the subcommand's name is in `argv` (after the program and the global flags), if anywhere.
+pub fn subcommand_index(argv: &[String]) -> Option<usize> {
+    let mut i = 1;
+    while i < argv.len() {
+        match argv[i].as_str() {
+            "--plugin-dir" => i += 2,
+            a if a.starts_with('-') => i += 1,
+            _ => return Some(i),
+        }
+    }
+    None
+}
+
 /// Lets a closed stdout or stderr end the command quietly, as it ends `cat` or `ls` (`mlxcel arch |
 /// head`): Rust ignores SIGPIPE, and every later print would panic. Not for the server, which must
 /// outlive a client's closed socket.
@@ -125,5 +175,29 @@ pub fn die_on_closed_pipe() {
     // SAFETY: restores the default disposition of one signal before any thread starts.
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn argv(s: &str) -> Vec<String> {
+        s.split_whitespace().map(String::from).collect()
+    }
+
+    #[test]
+    fn the_subcommand_is_the_first_word_after_the_global_flags() {
+        assert_eq!(subcommand_index(&argv("mlxcel -v --plugin-dir serve run m -p serve")), Some(4));
+        assert_eq!(subcommand_index(&argv("mlxcel serve -m m")), Some(1));
+        assert_eq!(subcommand_index(&argv("mlxcel --help")), None);
+    }
+
+    #[test]
+    fn llama_cpp_multi_letter_flags_are_rewritten_or_named() {
+        let got = llama_cli_argv(argv("mlxcel run m -ctk f32 -ctv=bf16 -sys x -- -ngl")).unwrap();
+        assert_eq!(got, argv("mlxcel run m --cache-type-k f32 --cache-type-v=bf16 --system x -- -ngl"));
+        let e = llama_cli_argv(argv("mlxcel run m -ngl 99")).unwrap_err().to_string();
+        assert!(e.starts_with("-ngl is a llama.cpp flag"), "{e}");
     }
 }
