@@ -325,6 +325,12 @@ fn inspect_json_gives_exact_weight_bytes_and_a_kv_figure() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(v["memory"]["weight_bytes"].as_u64().unwrap(), payload_bytes(&dir.join("model.safetensors")));
+    // The tokenizer counts too, at ten times its file (a loaded tokenizer holds 9–12 times).
+    let tokenizer_file = std::fs::metadata(dir.join("tokenizer.json")).unwrap().len();
+    assert_eq!(v["memory"]["tokenizer_bytes"].as_u64().unwrap(), 10 * tokenizer_file);
+    let m = &v["memory"];
+    let parts = ["weight_bytes", "kv_bytes", "activation_bytes", "tokenizer_bytes"].map(|k| m[k].as_u64().unwrap());
+    assert_eq!(m["total_bytes"].as_u64().unwrap(), parts.iter().sum::<u64>());
     // 2 layers × K and V × 2 KV heads × head_dim 16 × 2 bytes (f16 by default), for 256 tokens × 2
     // sequences.
     assert_eq!(

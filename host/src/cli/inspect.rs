@@ -55,7 +55,8 @@ pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
     };
     let free = backend.and_then(|b| b.describe().devices.first().map(|d| d.free_memory_bytes)).unwrap_or(0);
     let cache_types = args.cache_types.types().unwrap_or(KvCacheTypes::DEFAULT);
-    let est = MemoryEstimate::new(info, ck.weight_bytes(), ctx, args.parallel, args.parallel, free, cache_types);
+    let est = MemoryEstimate::new(info, ck.weight_bytes(), ctx, args.parallel, args.parallel, free, cache_types)
+        .with_tokenizer(&ck.dir);
     let params: u64 = ck.tensors.iter().map(|t| t.shape.iter().product::<u64>()).sum();
     // Every task reads the Hugging Face tokenizer file; without it the model does not run, however
     // well it fits.
@@ -105,6 +106,8 @@ pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
     println!("  activations    {} (estimate)", mb(est.activation_bytes));
     if !has_tokenizer {
         println!("  tokenizer      MISSING: no tokenizer.json beside the weights, which every run needs");
+    } else {
+        println!("  tokenizer      {} (estimate, from its file)", mb(est.tokenizer_bytes));
     }
     if est.available_bytes == 0 {
         println!("  total          {} (the backend reports no free memory figure)", mb(est.total_bytes));

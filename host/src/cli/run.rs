@@ -139,7 +139,8 @@ fn load(global: &GlobalArgs, args: &RunArgs) -> Result<Loaded> {
         1,
         runner.device_free_memory,
         runner.cache_types(),
-    );
+    )
+    .with_tokenizer(&runner.checkpoint.dir);
     if !est.fits && !args.force {
         bail!("{} does not fit in memory: {}; lower --ctx-size or pass --force", dir.display(), est.summary());
     }

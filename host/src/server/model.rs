@@ -134,7 +134,8 @@ pub fn load(
         config.kv_pool_seqs.unwrap_or(parallel).max(1) as u64,
         runner.device_free_memory,
         runner.cache_types(),
-    );
+    )
+    .with_tokenizer(&runner.checkpoint.dir);
     if !est.fits && !config.force {
         bail!(
             "{} does not fit in memory: {}; lower --ctx-size{}, or pass --force",
