@@ -745,6 +745,11 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     structured::after_thought(model, &prompt_text, &mut job, reasoning != ReasoningFormat::Split, held_at)?;
     job.shown_special = super::tools::shown_tags(&model.text, tooling.as_ref());
     job.stop = r.stop.map(StopField::into_vec).unwrap_or_default();
+    if held_at == "tool_choice" && job.constraint.is_some() {
+        // A forced call's grammar ends the answer: a stop string inside its arguments would leave
+        // no call at all.
+        job.stop.clear();
+    }
     job.cache_prompt = r.cache_prompt;
     job.ignore_eos = r.ignore_eos.unwrap_or(false);
     let want_logprobs = r.logprobs.unwrap_or(false);

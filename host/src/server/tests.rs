@@ -2259,9 +2259,11 @@ async fn openai_tool_calls() {
         json!({"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "get_time"}}]}}),
         json!({"type": "function", "function": {"name": "get_weather"}}),
     ] {
-        let body = json!({"messages": ask, "tools": weather_tools(), "tool_choice": choice});
+        let body = json!({"messages": ask, "tools": weather_tools(), "tool_choice": choice, "stop": ["Paris"]});
         let (status, v) = s.post("/v1/chat/completions", body).await;
         assert_eq!((status, s.last_request().constraint.is_some()), (200, true), "{choice}: {v}");
+        // Stop strings do not cut the call the grammar holds.
+        assert!(s.last_request().stop.is_empty(), "{choice}");
     }
     for choice in [
         json!({"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [{"type": "function", "function": {"name": "nope"}}]}}),
@@ -2477,9 +2479,13 @@ async fn anthropic_tool_use() {
     assert_eq!(status, 200, "{v}");
     for choice in [json!({"type": "any"}), json!({"type": "tool", "name": "get_weather"})] {
         let (status, v) = s
-            .post("/v1/messages", json!({"max_tokens": 5, "messages": ask, "tools": tools, "tool_choice": choice}))
+            .post(
+                "/v1/messages",
+                json!({"max_tokens": 5, "messages": ask, "tools": tools, "tool_choice": choice, "stop_sequences": ["Paris"]}),
+            )
             .await;
         assert_eq!((status, s.last_request().constraint.is_some()), (200, true), "{choice}: {v}");
+        assert!(s.last_request().stop.is_empty(), "{choice}");
     }
     let choice = json!({"type": "tool", "name": "nope"});
     let (status, v) =
