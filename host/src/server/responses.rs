@@ -84,10 +84,17 @@ fn conversation(r: &ResponsesRequest) -> Result<Vec<ChatMessage>, ApiError> {
     };
     // A reasoning item belongs to the assistant turn right after it; a call's output to a call.
     let mut thought: Option<String> = None;
-    let mut call_ids: Vec<&str> = Vec::new();
+    // Every call so far, and those not yet answered: as OpenAI, a call's output comes before any
+    // other message (the template would show the model a call it never saw answered).
+    let (mut call_ids, mut open): (Vec<&str>, Vec<&str>) = (Vec::new(), Vec::new());
+    let unanswered =
+        |at: String, id: &str| ApiError::field(&at, format!("No tool output found for function call {id}."));
     for (i, item) in items.iter().enumerate() {
         let at = |f: &str| format!("input[{i}].{f}");
         let kind = item.get("type").and_then(Value::as_str).unwrap_or("message");
+        if let (Some(id), "message") = (open.first(), kind) {
+            return Err(unanswered(format!("input[{i}]"), id));
+        }
         match kind {
             "message" => {
                 let role = item.get("role").and_then(Value::as_str).unwrap_or_default();
@@ -106,7 +113,11 @@ fn conversation(r: &ResponsesRequest) -> Result<Vec<ChatMessage>, ApiError> {
                 let (Some(call_id), Some(name)) = (field("call_id"), field("name")) else {
                     return Err(ApiError::field(&at("call_id"), "a function_call item needs `call_id` and `name`"));
                 };
+                if call_ids.contains(&call_id) {
+                    return Err(ApiError::field(&at("call_id"), format!("Duplicate function call id {call_id}.")));
+                }
                 call_ids.push(call_id);
+                open.push(call_id);
                 let args = field("arguments").unwrap_or("{}");
                 let args = serde_json::from_str(args).unwrap_or_else(|_| json!(args));
                 let call = super::tools::template_call(call_id, name, args);
@@ -132,6 +143,7 @@ fn conversation(r: &ResponsesRequest) -> Result<Vec<ChatMessage>, ApiError> {
                         format!("No tool call found for function call output with call_id {call_id}."),
                     ));
                 }
+                open.retain(|o| *o != call_id);
                 thought = None;
                 let output = content_text(item.get("output"), &at("output"))?;
                 out.push(ChatMessage { tool_call_id: Some(call_id.into()), ..ChatMessage::new("tool", &output) });
@@ -162,6 +174,9 @@ fn conversation(r: &ResponsesRequest) -> Result<Vec<ChatMessage>, ApiError> {
                 ))
             }
         }
+    }
+    if let Some(id) = open.first() {
+        return Err(unanswered("input".into(), id));
     }
     if out.iter().all(|m| m.role == "system") {
         return Err(ApiError::field("input", "input holds no message to answer"));

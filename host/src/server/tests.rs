@@ -2762,6 +2762,19 @@ async fn responses_api_function_calls_and_reasoning() {
     let (status, v) = s.post("/v1/responses", json!({"input": items, "tools": tools})).await;
     assert_eq!(status, 200, "{v}");
     s.assert_weather_call_and_result_rendered();
+    // A call never answered, or answered after another message, or made twice, is refused as OpenAI
+    // refuses it.
+    let call = json!({"type": "function_call", "call_id": "call_1", "name": "get_weather", "arguments": "{}"});
+    let output = json!({"type": "function_call_output", "call_id": "call_1", "output": "22 C"});
+    let user = json!({"role": "user", "content": "And?"});
+    for (input, at) in [
+        (json!([user, call]), "input"),
+        (json!([user, call, user, output]), "input[2]"),
+        (json!([user, call, output, call]), "input[3].call_id"),
+    ] {
+        let (status, v) = s.post("/v1/responses", json!({"input": input, "tools": tools})).await;
+        assert_eq!((status, v["error"]["param"].as_str()), (400, Some(at)), "{input}: {v}");
+    }
     // Streamed: each call an item of its own, whole.
     let (_, body, _) = s.post_text("/v1/responses", json!({"input": "Weather?", "tools": tools, "stream": true})).await;
     let data: Vec<Value> = sse(&body).into_iter().map(|e| serde_json::from_str(&e.1).unwrap()).collect();
