@@ -187,6 +187,19 @@ fn embedding_server_matches_transformers_on_every_route_and_refuses_bad_input() 
     assert!(m.contains("normalises its vectors"), "the fixture's pipeline normalises: {m}");
     let m = server.refused("/v1/embeddings", json!({"input": "x", "embd_normalize": -2}), 400);
     assert!(m.contains("embd_normalize"), "{m}");
+    // llama-server's --embd-normalize: the norm of requests that name none.
+    let taxicab_server = start_with(&fixture("bert-model"), &["--embd-normalize", "1"]);
+    let (_, v) = taxicab_server.post("/embedding", json!({"content": texts[0]}));
+    assert!((floats(&v[0]["embedding"][0]).iter().map(|x| x.abs()).sum::<f32>() - 1.0).abs() < 1e-4, "{v}");
+    drop(taxicab_server);
+    let out = mlxcel::testing::server_command(env!("CARGO_BIN_EXE_mlxcel-server"))
+        .arg("-m")
+        .arg(fixture("bert-model"))
+        .args(["--port", "0", "--embd-normalize", "-1"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--embd-normalize -1") && err.contains("normalises"), "{err}");
 
     // Bad input: clear 400s naming the field, never a crash.
     let m = server.refused("/v1/embeddings", json!({"input": []}), 400);

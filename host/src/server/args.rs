@@ -149,6 +149,11 @@ pub struct ServerArgs {
     /// the model's sentence-transformers config, else last for decoders, mean for encoders).
     #[arg(long = "pooling", env = "LLAMA_ARG_POOLING", value_parser = PoolingFlag::parse)]
     pub pooling: Option<PoolingFlag>,
+    /// How embeddings are normalised where a request does not say (its `embd_normalize`): -1 none,
+    /// 0 int16 range, 1 taxicab, 2 Euclidean, larger p-norms (default: as the model's pipeline does).
+    #[arg(long = "embd-normalize", value_name = "N", allow_negative_numbers = true,
+          value_parser = clap::value_parser!(i64).range(-1..))]
+    pub embd_normalize: Option<i64>,
     /// `--cache-type-k/-v` (also `-ctk`/`-ctv`).
     #[command(flatten)]
     pub cache_types: CacheTypeArgs,
@@ -215,7 +220,8 @@ const EVERY_MODEL_FLAGS: &[&str] = &[
 /// Flags an embedding or reranking model acts on besides [`EVERY_MODEL_FLAGS`]: its input limit,
 /// queue, batch, memory check and pooling (an embedding pass keeps no KV, decoders' included, so
 /// the cache types are not among them).
-const ENCODER_FLAGS: &[&str] = &["ctx_size", "parallel", "batch_size", "force", "embedding", "pooling"];
+const ENCODER_FLAGS: &[&str] =
+    &["ctx_size", "parallel", "batch_size", "force", "embedding", "pooling", "embd_normalize"];
 
 /// An on/off value as llama.cpp reads its flags' environment variables: `true`, `1`, `on`,
 /// `enabled` (and `yes`) or `false`, `0`, `off`, `disabled` (and `no`), in any case.
@@ -528,6 +534,8 @@ pub struct ServerConfig {
     pub sampling: SamplingOverrides,
     /// `--embedding` / `--pooling`: serve the model as an embedding model.
     pub embedding: Option<EmbeddingFlags>,
+    /// `--embd-normalize`: the `embd_normalize` of requests that send none.
+    pub embd_normalize: Option<i64>,
     /// The flags the command line or the environment gave.
     pub given: Vec<GivenFlag>,
 }
@@ -651,6 +659,7 @@ impl ServerArgs {
             queue_limit: parallel.saturating_mul(16).max(QUEUE_LIMIT_MIN),
             sampling,
             embedding: (self.embedding || self.pooling.is_some()).then_some(EmbeddingFlags { pooling: self.pooling }),
+            embd_normalize: self.embd_normalize,
             given: self.given.clone(),
         })
     }

@@ -67,6 +67,10 @@ pub fn start_encoder(
     let max_batch_tokens = config.batch_size.max(tokenizer.max_tokens);
     let options = EncoderOptions { max_batch_tokens, max_queue: config.queue_limit.max(1) };
     let encoder = Encoder::start(runner, tokenizer.max_tokens, options)?;
+    if let Some(p) = config.embd_normalize {
+        // Refused at start, not by every request that leaves it to the server.
+        normalization(Some(p), &encoder.info).map_err(|e| anyhow::anyhow!("--embd-normalize {p}: {}", e.message))?;
+    }
     let generator = Arc::new(NoGeneration { id: facts.id.clone(), encoder: encoder.clone() });
     let encoder = EncoderModel { encoder, tokenizer: Arc::new(tokenizer) };
     Ok(LoadedModel { generator, text: Arc::new(text), facts, encoder: Some(encoder) })
@@ -250,7 +254,7 @@ async fn openai_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Res
                 .map_err(|m| ApiError::field("dimensions", format!("`dimensions` {m}")))
         })
         .transpose()?;
-    let norm = normalization(r.embd_normalize, enc.info())?;
+    let norm = normalization(r.embd_normalize.or(state.config.embd_normalize), enc.info())?;
     let inputs = encode_inputs(&enc.tokenizer, r.input, "input")?;
     let n_tokens = tokens(&inputs);
     let mut vectors = within(state.config.timeout, enc.encoder.run(inputs)).await?;
@@ -315,7 +319,7 @@ fn normalization(p: Option<i64>, info: &EncoderInfo) -> Result<Option<i64>, ApiE
         )),
         Some(-1) if info.normalized => Err(ApiError::field(
             "embd_normalize",
-            "embd_normalize -1 (none) is not available: this model's pipeline normalises its vectors (its sentence-transformers Normalize module)",
+            "embd_normalize -1 (none) is not available: this model's pipeline normalises its vectors (a sentence-transformers Normalize module, or --embedding's normalised pooling)",
         )),
         p => Ok(p),
     }
@@ -341,7 +345,7 @@ async fn llama_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resu
         (Some(_), Some(_)) => return Err(ApiError::invalid("send `content` or `input`, not both")),
         (None, None) => return Err(ApiError::field("content", "`content` is required")),
     };
-    let norm = normalization(r.embd_normalize, enc.info())?;
+    let norm = normalization(r.embd_normalize.or(state.config.embd_normalize), enc.info())?;
     let inputs = encode_inputs(&enc.tokenizer, input, field)?;
     let n_tokens = tokens(&inputs);
     let mut vectors = within(state.config.timeout, enc.encoder.run(inputs)).await?;

@@ -182,6 +182,7 @@ fn config() -> ServerConfig {
         queue_limit: 16,
         sampling: SamplingOverrides::default(),
         embedding: None,
+        embd_normalize: None,
         given: Vec::new(),
     }
 }
