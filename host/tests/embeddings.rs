@@ -307,6 +307,18 @@ fn rerank_server_orders_documents_by_the_cross_encoders_scores() {
         let results = v["results"].as_array().unwrap();
         assert_eq!(results.len(), 1, "{v}");
         assert_eq!(results[0]["document"]["text"], docs[best]);
+        // Hugging Face TEI's shape, as llama-server takes it: `texts` in, a bare list of scores out.
+        let (s, v) = server.post("/rerank", json!({"query": query, "texts": docs, "return_text": true}));
+        assert_eq!(s, 200, "{v}");
+        let list = v.as_array().unwrap_or_else(|| panic!("a bare list: {v}"));
+        assert_eq!(
+            (list.len(), list[0]["index"].as_u64(), &list[0]["text"]),
+            (docs.len(), Some(best as u64), &json!(docs[best]))
+        );
+        assert!((list[0]["score"].as_f64().unwrap() as f32 - sigmoid(scores[best])).abs() <= 1e-4, "{v}");
+        // A document field that would not be scored is refused, not dropped.
+        let m = server.refused("/rerank", json!({"query": query, "documents": [{"text": "b", "title": "t"}]}), 400);
+        assert!(m.contains("documents[0]") && m.contains("no other field"), "{m}");
 
         let m = server.refused("/rerank", json!({"query": query, "documents": []}), 400);
         assert!(m.contains("documents"), "{m}");

@@ -357,18 +357,25 @@ async fn llama_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resu
     Ok(Json(Value::Array(out)).into_response())
 }
 
-/// A document to rerank: a string, or `{"text": ...}` (Jina's object form).
+/// A document to rerank: a string, or `{"text": ...}` (Jina's object form; other fields, such as
+/// Cohere's `title`, are refused rather than left out of what is scored).
 #[derive(Deserialize, Debug)]
 #[serde(untagged)]
 pub enum Document {
     Text(String),
-    Object { text: String },
+    Object(DocumentObject),
+}
+
+#[derive(Deserialize, Debug)]
+#[serde(deny_unknown_fields)]
+pub struct DocumentObject {
+    text: String,
 }
 
 impl Document {
     fn text(&self) -> &str {
         match self {
-            Document::Text(t) | Document::Object { text: t } => t,
+            Document::Text(t) | Document::Object(DocumentObject { text: t }) => t,
         }
     }
 }
@@ -377,7 +384,11 @@ impl Document {
 pub struct RerankRequest {
     pub model: Option<String>,
     pub query: String,
-    pub documents: Vec<Document>,
+    pub documents: Option<Vec<Document>>,
+    /// Hugging Face TEI's name for the documents, which llama-server takes too: the answer is then
+    /// TEI's, a bare list of `{index, score}` (and `text` with `return_text`).
+    pub texts: Option<Vec<Document>>,
+    pub return_text: Option<bool>,
     pub top_n: Option<usize>,
     pub return_documents: Option<bool>,
 }
@@ -401,20 +412,41 @@ async fn rerank_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Res
     if r.query.is_empty() {
         return Err(ApiError::field("query", "`query` is an empty string"));
     }
-    if r.documents.is_empty() {
-        return Err(ApiError::field("documents", "`documents` is an empty list; send at least one document"));
+    let (documents, field, tei) = match (&r.documents, &r.texts) {
+        (Some(d), None) => (d, "documents", false),
+        (None, Some(t)) => (t, "texts", true),
+        (Some(_), Some(_)) => return Err(ApiError::field("texts", "send `documents` or TEI's `texts`, not both")),
+        (None, None) => {
+            return Err(ApiError {
+                code: Some("missing_required_parameter"),
+                ..ApiError::field("documents", "missing required parameter `documents`")
+            })
+        }
+    };
+    let wrong_shape = match tei {
+        true => r.return_documents.map(|_| "return_documents"),
+        false => r.return_text.map(|_| "return_text"),
+    };
+    if let Some(f) = wrong_shape {
+        let other = if tei { "return_text" } else { "return_documents" };
+        return Err(ApiError::field(
+            f,
+            format!("`{f}` goes with `{}`; with `{field}` send `{other}`", if tei { "documents" } else { "texts" }),
+        ));
+    }
+    if documents.is_empty() {
+        return Err(ApiError::field(field, format!("`{field}` is an empty list; send at least one document")));
     }
     if r.top_n == Some(0) {
         return Err(ApiError::field("top_n", "`top_n` must be at least 1"));
     }
-    let inputs: Vec<EncodedInput> = r
-        .documents
+    let inputs: Vec<EncodedInput> = documents
         .iter()
         .enumerate()
         .map(|(i, d)| {
             enc.tokenizer
                 .encode_pair(&r.query, d.text())
-                .map_err(|e| ApiError::field("documents", format!("`documents[{i}]`: {e}")))
+                .map_err(|e| ApiError::field(&format!("{field}[{i}]"), format!("`{field}[{i}]`: {e}")))
         })
         .collect::<Result<_, _>>()?;
     let n_tokens = tokens(&inputs);
@@ -424,13 +456,24 @@ async fn rerank_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Res
     // Best first; equal scores keep the documents' order.
     order.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
     order.truncate(r.top_n.unwrap_or(order.len()));
+    if tei {
+        let with_text = r.return_text.unwrap_or(false);
+        let results: Vec<Value> = order
+            .iter()
+            .map(|&(i, score)| match with_text {
+                true => json!({"index": i, "score": score, "text": documents[i].text()}),
+                false => json!({"index": i, "score": score}),
+            })
+            .collect();
+        return Ok(Json(Value::Array(results)).into_response());
+    }
     let with_docs = r.return_documents.unwrap_or(false);
     let results: Vec<Value> = order
         .iter()
         .map(|&(i, score)| {
             let mut v = json!({"index": i, "relevance_score": score});
             if with_docs {
-                v["document"] = json!({"text": r.documents[i].text()});
+                v["document"] = json!({"text": documents[i].text()});
             }
             v
         })

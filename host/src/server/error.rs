@@ -285,6 +285,7 @@ fn expected_shape(type_name: &str) -> &'static str {
         "PromptField" => "a string, a list of strings, a list of token ids or a list of token-id lists",
         "Prompt" => "a string, a list of token ids, or token ids and strings mixed",
         "TokenizeContent" => "a string, or a list of token ids and strings",
+        "Document" => "a string, or an object with `text` and no other field",
         _ => "another type",
     }
 }
