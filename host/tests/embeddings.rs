@@ -212,9 +212,14 @@ fn embedding_server_matches_transformers_on_every_route_and_refuses_bad_input() 
     assert!(m.contains("100000") && m.contains("vocabulary"), "{m}");
     let m = server.refused("/v1/embeddings", json!({"input": [2, -1]}), 400);
     assert!(m.contains("input"), "{m}");
-    // The fixture's tokenizer does not truncate and the model has 64 positions.
-    let long = "the quick brown fox ".repeat(40);
-    let m = server.refused("/v1/embeddings", json!({"input": long}), 400);
+    // The fixture has no max_seq_length and its tokenizer.json no truncation: a longer text is cut at
+    // its tokenizer_config's model_max_length (64, its positions), as sentence-transformers cuts it;
+    // token ids over it are refused.
+    let (long, longer) = ("the quick brown fox ".repeat(40), "the quick brown fox ".repeat(50));
+    let (s, v) = server.post("/v1/embeddings", json!({"input": [long, longer]}));
+    assert_eq!((s, v["usage"]["prompt_tokens"].as_u64()), (200, Some(128)), "{v}");
+    assert_eq!(v["data"][0]["embedding"], v["data"][1]["embedding"]);
+    let m = server.refused("/v1/embeddings", json!({"input": vec![2; 65]}), 400);
     assert!(m.contains("at most 64"), "{m}");
     let (s, v) = server.post("/v1/embeddings", json!({"input": "x", "dimensions": 65}));
     assert_eq!(s, 400, "{v}");

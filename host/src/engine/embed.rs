@@ -34,10 +34,9 @@ pub struct EncodedInput {
 /// The tokenizer side of an encoder model.
 pub struct EncoderTokenizer {
     inner: Tokenizer,
-    /// Longest sequence the model takes (its positions, or the truncation length when lower).
+    /// Longest sequence the model takes (its positions, or the truncation length when lower); longer
+    /// texts are cut to it.
     pub max_tokens: usize,
-    /// Whether texts longer than `max_tokens` are truncated (else refused).
-    pub truncates: bool,
     vocab_size: usize,
     /// RoBERTa-style models have one token type: every token is type 0 whatever the tokenizer says.
     single_type: bool,
@@ -45,10 +44,11 @@ pub struct EncoderTokenizer {
 
 impl EncoderTokenizer {
     /// Loads `dir/tokenizer.json` for a model of `vocab_size` ids and `model_max` positions.
-    /// Truncation: `sentence_transformers.max_seq_length` of `config` (what sentence-transformers
-    /// truncates to), else the `truncation` of `tokenizer.json`, capped at `model_max`; neither means
-    /// inputs are never truncated. A fixed padding in `tokenizer.json` (all-MiniLM-L6-v2 pads to 128)
-    /// is switched off: every sequence runs at its own length.
+    /// Texts are cut as sentence-transformers cuts them: at `sentence_transformers.max_seq_length` of
+    /// `config`, else the `truncation` of `tokenizer.json`, else `model_max_length` of
+    /// `tokenizer_config.json`, all capped at `model_max` (which applies alone where none is given,
+    /// as sentence-transformers takes the positions then). A fixed padding in `tokenizer.json`
+    /// (all-MiniLM-L6-v2 pads to 128) is switched off: every sequence runs at its own length.
     pub fn load(dir: &Path, config: &Value, model_max: usize, vocab_size: usize) -> Result<EncoderTokenizer> {
         let path = dir.join("tokenizer.json");
         let text = std::fs::read_to_string(&path)
@@ -62,23 +62,22 @@ impl EncoderTokenizer {
             .and_then(|s| s.get("max_seq_length"))
             .and_then(Value::as_u64);
         let tok_max = json.get("truncation").and_then(|t| t.get("max_length")).and_then(Value::as_u64);
-        let limit = st_max.or(tok_max).map(|m| (m as usize).min(model_max));
+        // (Transformers writes a huge number there for "no limit".)
+        let config_max = std::fs::read_to_string(dir.join("tokenizer_config.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<Value>(&t).ok())
+            .and_then(|c| c.get("model_max_length").and_then(Value::as_u64));
+        let limit = st_max.or(tok_max).or(config_max).map_or(model_max, |m| (m as usize).min(model_max));
         inner.with_padding(None);
-        let truncation = limit.map(|max_length| TruncationParams {
-            max_length,
+        let truncation = TruncationParams {
+            max_length: limit,
             strategy: TruncationStrategy::LongestFirst,
             stride: 0,
             direction: TruncationDirection::Right,
-        });
-        inner.with_truncation(truncation).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        };
+        inner.with_truncation(Some(truncation)).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         let single_type = config.get("type_vocab_size").and_then(Value::as_u64) == Some(1);
-        Ok(EncoderTokenizer {
-            inner,
-            max_tokens: limit.unwrap_or(model_max),
-            truncates: limit.is_some(),
-            vocab_size,
-            single_type,
-        })
+        Ok(EncoderTokenizer { inner, max_tokens: limit, vocab_size, single_type })
     }
 
     /// One text, with the tokenizer's special tokens (`[CLS] text [SEP]`).
@@ -124,9 +123,9 @@ impl EncoderTokenizer {
 
     fn finish(&self, ids: Vec<u32>, mut types: Vec<u32>) -> Result<EncodedInput, EngineError> {
         if ids.len() > self.max_tokens {
-            // Only reachable without truncation: the tokenizer truncates to `max_tokens` otherwise.
+            // (A pair whose query alone fills the limit: the tokenizer cannot cut it to fit.)
             return Err(EngineError::Invalid(format!(
-                "the input has {} tokens; the model takes at most {} and its tokenizer does not truncate",
+                "the input has {} tokens after cutting; the model takes at most {}",
                 ids.len(),
                 self.max_tokens
             )));
