@@ -124,6 +124,9 @@ pub fn rerank(global: &GlobalArgs, a: &RerankArgs) -> Result<()> {
     if a.top_n == Some(0) {
         anyhow::bail!("--top-n must be at least 1");
     }
+    if a.query.is_empty() {
+        anyhow::bail!("the query (-q) is an empty string");
+    }
     let (mut runner, tok) = load(global, &a.model, Task::Rerank, None)?;
     let inputs: Vec<EncodedInput> = a
         .documents

@@ -406,6 +406,14 @@ impl ModelRunner {
         let (family, model) = family_model(catalog, &checkpoint)?;
         let backend_plugin = catalog.select_backend(opts.backend.as_deref())?;
         let info = model.info().clone();
+        if opts.embedding.is_some() && info.task == Task::Rerank {
+            bail!(
+                "{}: this {} model is a cross-encoder (a reranker): it scores (query, document) pairs and has no \
+                 embedding to give; serve it without --embedding / --pooling (/v1/rerank)",
+                checkpoint.dir.display(),
+                info.architecture
+            );
+        }
         if opts.embedding.is_some() && info.task != Task::Embed {
             bail!(
                 "{}: the `{}` family cannot run this {} model as an embedding model (--embedding / --pooling \

@@ -64,6 +64,15 @@ pub fn start_encoder(
     // The context `/props` and `/slots` report is the longest input the model takes (all-MiniLM-L6-v2
     // truncates to 256 of its 512 positions), not the positions.
     facts.ctx_size = tokenizer.max_tokens;
+    if let Some(asked) = config.ctx_size.filter(|&c| c > tokenizer.max_tokens && c <= runner.info.max_positions) {
+        // (Over the positions, the runner's own warning has said so.)
+        tracing::warn!(
+            "-c {asked} is over the longest input this model takes ({} tokens, as its sentence-transformers or \
+             tokenizer files cut texts); using {}",
+            tokenizer.max_tokens,
+            tokenizer.max_tokens
+        );
+    }
     let max_batch_tokens = config.batch_size.max(tokenizer.max_tokens);
     let options = EncoderOptions { max_batch_tokens, max_queue: config.queue_limit.max(1) };
     let encoder = Encoder::start(runner, tokenizer.max_tokens, options)?;
