@@ -28,8 +28,8 @@ pub struct BenchArgs {
     #[arg(short = 't', long, default_value_t = 0, value_parser = crate::cli::thread_count)]
     pub threads: u32,
     /// Prefill chunk (tokens per step).
-    #[arg(short = 'b', long = "batch-size", default_value_t = 512)]
-    pub batch: usize,
+    #[arg(short = 'b', long = "batch-size", default_value_t = 512, value_parser = crate::cli::at_least_one)]
+    pub batch: u64,
     /// Also time generation after this many tokens of context (comma-separated, as llama-bench's
     /// `-d`): the context is prefilled untimed, then n-gen tokens are decoded on top of it.
     #[arg(short = 'd', long = "n-depth", value_delimiter = ',')]
@@ -119,7 +119,7 @@ pub fn run(global: &GlobalArgs, args: &BenchArgs) -> Result<()> {
         let t0 = Instant::now();
         let mut pos = 0;
         while pos < prompt.len() {
-            let end = (pos + args.batch.max(1)).min(prompt.len());
+            let end = (pos + args.batch as usize).min(prompt.len());
             let want = if end == prompt.len() { Logits::Last } else { Logits::None };
             runner.forward(&[SeqChunk { blocks: &seq, tokens: &prompt[pos..end], start_pos: pos, logits: want }])?;
             pos = end;
@@ -156,8 +156,8 @@ pub fn run(global: &GlobalArgs, args: &BenchArgs) -> Result<()> {
         for rep in 0..=args.repetitions {
             let mut seq = SeqBlocks::default();
             runner.pool.reserve(&mut seq, depth + args.n_gen)?;
-            for start in (0..depth).step_by(args.batch.max(1)) {
-                let end = (start + args.batch.max(1)).min(depth);
+            for start in (0..depth).step_by(args.batch as usize) {
+                let end = (start + args.batch as usize).min(depth);
                 let want = if end == depth { Logits::Last } else { Logits::None };
                 runner.forward(&[SeqChunk {
                     blocks: &seq,

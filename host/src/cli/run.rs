@@ -51,7 +51,7 @@ pub struct RunArgs {
     #[arg(long)]
     pub ignore_eos: bool,
     /// Stop when this text appears (repeatable).
-    #[arg(long = "stop")]
+    #[arg(long = "stop", value_parser = non_empty_stop)]
     pub stop: Vec<String>,
     /// Worker threads (default: all cores).
     #[arg(short = 't', long, value_parser = crate::cli::thread_count)]
@@ -103,6 +103,14 @@ fn token_limit(v: &str) -> Result<usize, String> {
     match v.trim() {
         "-1" => Ok(usize::MAX),
         n => n.parse().map_err(|_| format!("expected a number of tokens, or -1 for no limit; got {n}")),
+    }
+}
+
+/// A `--stop` string (clap value parser): an empty one would match everywhere, or nowhere.
+fn non_empty_stop(s: &str) -> Result<String, String> {
+    match s.is_empty() {
+        true => Err("a stop string cannot be empty".into()),
+        false => Ok(s.to_string()),
     }
 }
 

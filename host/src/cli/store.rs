@@ -128,6 +128,10 @@ pub fn download(args: &DownloadArgs) -> Result<()> {
         Resolved::Downloaded(_) => "downloaded",
     };
     println!("{} ({how})", r.path().display());
+    if !r.path().join("tokenizer.json").is_file() {
+        // Every command needs it; a repo that ships only the older tokenizer files cannot run here.
+        eprintln!("warning: {} has no tokenizer.json, which mlxcel needs to run it", r.path().display());
+    }
     Ok(())
 }
 

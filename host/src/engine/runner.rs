@@ -427,6 +427,14 @@ impl ModelRunner {
             bail!("{}", task_refusal(&checkpoint.dir, info.task, tasks));
         }
         let described = backend_plugin.describe();
+        let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+        if cores > 0 && opts.threads as usize > cores {
+            // A step's threads spin while it runs: more than the cores only take them from each other.
+            tracing::warn!(
+                "-t {} is more threads than this machine's {cores} cores; steps will be slower",
+                opts.threads
+            );
+        }
         let ctx_size = fitted_context(opts.ctx_size, info.max_positions);
         let pool_seqs = opts.kv_pool_seqs.unwrap_or(opts.parallel);
         let plan = KvPlan::new(&info, ctx_size, opts.block_size, opts.parallel, opts.max_step_tokens, pool_seqs);

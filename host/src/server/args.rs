@@ -89,6 +89,10 @@ pub struct ServerArgs {
     /// Skip the warm-up step.
     #[arg(long = "no-warmup", overrides_with = "warmup")]
     pub no_warmup: bool,
+    /// No web UI: what mlxcel-server does anyway (it serves none), so llama-server command lines
+    /// that switch it off run as they are.
+    #[arg(long = "no-webui")]
+    pub no_webui: bool,
     /// Reuse the KV of a shared prompt prefix across requests (the default; per request
     /// `cache_prompt`; `LLAMA_ARG_CACHE_PROMPT=0` as --no-cache-prompt).
     #[arg(long = "cache-prompt", env = "LLAMA_ARG_CACHE_PROMPT", overrides_with = "no_cache_prompt",
@@ -215,6 +219,7 @@ const EVERY_MODEL_FLAGS: &[&str] = &[
     "revision",
     "max_body_bytes",
     "max_audio_bytes",
+    "no_webui",
 ];
 
 /// Flags an embedding or reranking model acts on besides [`EVERY_MODEL_FLAGS`]: its input limit,
@@ -338,7 +343,7 @@ const REFUSED: &[(&[&str], &str, &str)] = &[
         "not supported by mlxcel's engine",
     ),
     (&["--no-jinja"], "", "mlxcel only renders Jinja chat templates"),
-    (&["--api-prefix", "--path", "--props", "--no-webui", "--webui"], "", "not supported by mlxcel-server"),
+    (&["--api-prefix", "--path", "--props", "--webui"], "", "not supported by mlxcel-server"),
     (
         &[
             "-tb",
@@ -752,6 +757,9 @@ mod tests {
         }
         let e = parse(&["-m", "m", "--flash-attn=on"]).unwrap_err().to_string();
         assert!(e.contains("--flash-attn"), "{e}");
+        // Switching off the web UI mlxcel-server does not have is what it does anyway.
+        assert!(parse(&["-m", "m", "--no-webui"]).is_ok());
+        assert!(parse(&["-m", "m", "--webui"]).unwrap_err().to_string().contains("--webui"));
     }
 
     #[test]
