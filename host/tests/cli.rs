@@ -597,3 +597,24 @@ fn a_prompt_read_from_a_file_or_stdin_answers_as_the_same_prompt_given_with_p() 
     let out = mlxcel().arg("generate").arg(&model).args(["-f", "/nonexistent/prompt.txt"]).output().unwrap();
     assert_one_line_error(&out, &["/nonexistent/prompt.txt"]);
 }
+
+/// A chat template that does not parse stops only what needs it: raw completion runs, the chat names
+/// the error, and `--chat-template-file` replaces it.
+#[test]
+fn a_broken_chat_template_stops_only_the_chat() {
+    let (tmp, dir) = broken_copy("qwen3-q4");
+    std::fs::write(dir.join("chat_template.jinja"), "{% if %}").unwrap();
+    let raw = mlxcel().arg("run").arg(&dir).args(["-p", "hi", "-n", "2", "--no-chat-template"]).output().unwrap();
+    assert!(raw.status.success(), "{}", String::from_utf8_lossy(&raw.stderr));
+    assert_one_line_error(&run_prompt(&dir), &["does not parse", "--chat-template-file"]);
+    let good = tmp.path().join("good.jinja");
+    std::fs::write(&good, "{% for m in messages %}{{ m.content }}{% endfor %}").unwrap();
+    let out = mlxcel()
+        .arg("run")
+        .arg(&dir)
+        .args(["-p", "hi", "-n", "2", "--chat-template-file"])
+        .arg(&good)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}

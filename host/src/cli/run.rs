@@ -36,6 +36,9 @@ pub struct RunArgs {
     /// System prompt for the chat template.
     #[arg(long, allow_hyphen_values = true)]
     pub system: Option<String>,
+    /// A Jinja chat template (file) to use instead of the model's, as llama.cpp's.
+    #[arg(long = "chat-template-file", value_name = "FILE", conflicts_with = "no_chat_template")]
+    pub chat_template_file: Option<PathBuf>,
     /// Send the -p prompt as raw text, not through the chat template (not for the chat, whose turns
     /// the template frames).
     #[arg(long)]
@@ -152,7 +155,13 @@ fn load(global: &GlobalArgs, args: &RunArgs) -> Result<Loaded> {
     if !est.fits && !args.force {
         bail!("{} does not fit in memory: {}; lower --ctx-size or pass --force", dir.display(), est.summary());
     }
-    let tokenizer = TextTokenizer::load(&dir, &runner.checkpoint.config, runner.checkpoint.generation_config.as_ref())?;
+    let mut tokenizer =
+        TextTokenizer::load(&dir, &runner.checkpoint.config, runner.checkpoint.generation_config.as_ref())?;
+    if let Some(f) = &args.chat_template_file {
+        let src =
+            std::fs::read_to_string(f).with_context(|| format!("reading --chat-template-file {}", f.display()))?;
+        tokenizer.replace_template(&src, &format!("--chat-template-file {}", f.display()))?;
+    }
     let sampling = sampling_params(args, runner.checkpoint.generation_config.as_ref())?;
     sampling.validate().map_err(|e| anyhow::anyhow!("invalid sampling option: {e}"))?;
     tracing::info!(
@@ -294,8 +303,8 @@ fn fit_conversation(
 /// over the context leaves its oldest exchanges out ([`fit_conversation`]).
 pub fn repl(global: &GlobalArgs, args: &RunArgs) -> Result<()> {
     let l = load(global, args)?;
-    if l.tokenizer.chat_template.is_none() && !args.no_chat_template {
-        bail!("this model has no chat template; use -p with --no-chat-template for raw completion");
+    if !args.no_chat_template {
+        l.tokenizer.template().context("the chat needs a template (raw completion: -p with --no-chat-template)")?;
     }
     // Ctrl-C cancels the answer being streamed, if any.
     let answering: Arc<Mutex<Option<Arc<AtomicBool>>>> = Arc::default();

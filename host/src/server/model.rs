@@ -149,14 +149,12 @@ pub fn load(
     let tokenizer_config = read_json(&dir.join("tokenizer_config.json"));
     let mut template_source = ChatTemplate::source_in(dir, tokenizer_config.as_ref());
     if let Some(src) = &config.chat_template {
-        let t = ChatTemplate::new(
-            src,
-            tokenizer.bos_token.as_deref().unwrap_or(""),
-            tokenizer.eos_token.as_deref().unwrap_or(""),
-        )
-        .map_err(|e| anyhow::anyhow!("--chat-template: {e}"))?;
-        tokenizer.chat_template = Some(t);
+        tokenizer.replace_template(src, "--chat-template")?;
         template_source = Some(src.clone());
+    }
+    if let Some(e) = &tokenizer.chat_template_error {
+        // Every chat route would fail on it: said at start (a replacement template is the way out).
+        bail!("{e}; pass another with --chat-template-file");
     }
     let facts = ModelFacts {
         id: config.alias.clone().unwrap_or_else(|| config.model.clone()),

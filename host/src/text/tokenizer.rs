@@ -18,6 +18,9 @@ pub struct TextTokenizer {
     /// Every id that ends generation.
     pub eos_ids: Vec<u32>,
     pub chat_template: Option<ChatTemplate>,
+    /// Why the model's own chat template could not be used (it does not parse): said where a
+    /// template is needed, so that raw completion and a replacement template still work.
+    pub chat_template_error: Option<String>,
     /// A copy of `inner` that reads special-token text as plain text, made on first use.
     literal: std::sync::OnceLock<Tokenizer>,
     /// Grammars over this vocabulary, made at the first constrained request.
@@ -106,12 +109,13 @@ impl TextTokenizer {
         eos_ids.sort_unstable();
         eos_ids.dedup();
 
-        let chat_template = match ChatTemplate::source_in(dir, tc.as_ref()) {
-            Some(src) => Some(
-                ChatTemplate::new(&src, bos_token.as_deref().unwrap_or(""), eos_token.as_deref().unwrap_or(""))
-                    .map_err(|e| anyhow::anyhow!("{}: {e}", dir.display()))?,
-            ),
-            None => None,
+        let (bos, eos) = (bos_token.as_deref().unwrap_or(""), eos_token.as_deref().unwrap_or(""));
+        let (chat_template, chat_template_error) = match ChatTemplate::source_in(dir, tc.as_ref()) {
+            Some(src) => match ChatTemplate::new(&src, bos, eos) {
+                Ok(t) => (Some(t), None),
+                Err(e) => (None, Some(format!("{}: {e}", dir.display()))),
+            },
+            None => (None, None),
         };
         Ok(TextTokenizer {
             inner,
@@ -119,6 +123,7 @@ impl TextTokenizer {
             eos_token,
             eos_ids,
             chat_template,
+            chat_template_error,
             literal: Default::default(),
             grammars: Default::default(),
         })
@@ -142,11 +147,29 @@ impl TextTokenizer {
     /// The prompt of a conversation through the chat template (tokenized without adding specials:
     /// the template writes them).
     pub fn chat_prompt(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
-        let t = self.chat_template.as_ref().context(
-            "this model has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja); use --no-chat-template",
-        )?;
+        let t = self.template()?;
         let text = t.render(messages, true).map_err(|e| anyhow::anyhow!(e))?;
         self.encode(&text, false)
+    }
+
+    /// The chat template, or why there is none to use.
+    pub fn template(&self) -> Result<&ChatTemplate> {
+        match (&self.chat_template, &self.chat_template_error) {
+            (Some(t), _) => Ok(t),
+            (None, Some(e)) => bail!("{e}; use --no-chat-template, or another template with --chat-template-file"),
+            (None, None) => bail!(
+                "this model has no chat template (tokenizer_config.json `chat_template` or chat_template.jinja); use --no-chat-template"
+            ),
+        }
+    }
+
+    /// Replaces the model's chat template with `source` (`--chat-template-file`); `what` names it in
+    /// an error.
+    pub fn replace_template(&mut self, source: &str, what: &str) -> Result<()> {
+        let (bos, eos) = (self.bos_token.as_deref().unwrap_or(""), self.eos_token.as_deref().unwrap_or(""));
+        let t = ChatTemplate::new(source, bos, eos).map_err(|e| anyhow::anyhow!("{what}: {e}"))?;
+        (self.chat_template, self.chat_template_error) = (Some(t), None);
+        Ok(())
     }
 
     /// Token ids of `text` with special-token text (`<|im_start|>`) tokenized as ordinary text, as
