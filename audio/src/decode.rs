@@ -9,7 +9,7 @@ use symphonia::core::codecs::audio::AudioDecoderOptions;
 use symphonia::core::errors::Error as SymphoniaError;
 use symphonia::core::formats::probe::Hint;
 use symphonia::core::formats::{FormatOptions, TrackType};
-use symphonia::core::io::{MediaSource, MediaSourceStream};
+use symphonia::core::io::{MediaSource, MediaSourceStream, ReadOnlySource};
 use symphonia::core::meta::MetadataOptions;
 
 use crate::mp4_edit::{sound_track_edits, Edit};
@@ -89,7 +89,9 @@ pub fn load_audio(path: &Path) -> Result<Vec<f32>, AudioError> {
     let edits = if is_mp4(&bytes) { sound_track_edits(&mut file) } else { Vec::new() };
     file.seek(SeekFrom::Start(0)).map_err(io_error)?;
     let extension = path.extension().and_then(|e| e.to_str());
-    guarded(&name, || decode_source(Box::new(file), extension, &edits, &name))
+    let source: Box<dyn MediaSource> =
+        if is_uncounted_stream(&bytes) { Box::new(ReadOnlySource::new(file)) } else { Box::new(file) };
+    guarded(&name, || decode_source(source, extension, &edits, &name))
 }
 
 /// Decodes an audio file held in memory (an HTTP upload) like [`load_audio`].
@@ -110,7 +112,20 @@ pub fn decode_audio_bytes(bytes: &[u8], name_hint: &str) -> Result<Vec<f32>, Aud
         return guarded(&name, || decode_source(Box::new(Cursor::new(&fixed[..])), extension, &[], &name));
     }
     let edits = if is_mp4(bytes) { sound_track_edits(&mut Cursor::new(bytes)) } else { Vec::new() };
-    guarded(&name, || decode_source(Box::new(Cursor::new(bytes)), extension, &edits, &name))
+    let source: Box<dyn MediaSource> = match is_uncounted_stream(bytes) {
+        true => Box::new(ReadOnlySource::new(Cursor::new(bytes))),
+        false => Box::new(Cursor::new(bytes)),
+    };
+    guarded(&name, || decode_source(source, extension, &edits, &name))
+}
+
+/// Whether `head` starts raw MPEG audio (an ID3 tag or a frame's sync word) or ADTS AAC: streams with
+/// no frame count but a Xing/VBRI header's. Read from a seekable source, symphonia estimates their
+/// length from the first frames' bitrate and then cuts the audio at the estimate (a VBR MP3 without a
+/// Xing header lost its last 10 s of 96) or finds it "truncated" against it; read as a stream, they
+/// decode to the end of their data, as ffmpeg decodes them.
+fn is_uncounted_stream(head: &[u8]) -> bool {
+    head.starts_with(b"ID3") || (head.len() >= 2 && head[0] == 0xFF && head[1] & 0xE0 == 0xE0)
 }
 
 /// Whether `head` (a file's first bytes) starts an MP4 (M4A) file: an `ftyp` box first.

@@ -400,3 +400,20 @@ fn an_io_error_reads_its_reason_once() {
     assert!(std::error::Error::source(&error).is_none(), "{error:?}");
     assert_eq!(error.to_string().matches("No such file").count(), 1, "{error}");
 }
+
+/// Raw MPEG audio and ADTS AAC carry no frame count (here a VBR MP3 without a Xing header, whose
+/// quiet first second makes a bitrate estimate of its length wrong): decoded to the end of the data,
+/// as ffmpeg decodes them (41472 and 41984 samples), neither cut at an estimate nor called truncated
+/// against one. Both are one second of silence, then the 1.5 s clip.
+#[test]
+fn streams_without_a_frame_count_decode_to_the_end_of_their_data() {
+    for (name, ffmpeg_len) in [("speech_16k_mono_vbr_noxing.mp3", 41472), ("speech_16k_mono_adts.aac", 41984)] {
+        let samples = load_audio(&fixture(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert!(samples.len().abs_diff(ffmpeg_len) <= 2048, "{name}: {} samples, ffmpeg {ffmpeg_len}", samples.len());
+        let bytes = std::fs::read(fixture(name)).unwrap();
+        assert_eq!(decode_audio_bytes(&bytes, name).unwrap().len(), samples.len(), "{name} as an upload");
+        // The speech is there after the silence.
+        let (silence, speech) = samples.split_at(16000);
+        assert!(rms(silence) < 1e-3 && rms(&speech[..24000]) > 0.01, "{name}");
+    }
+}
