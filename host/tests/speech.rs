@@ -110,6 +110,8 @@ fn subtitle_formats_time_their_segments() {
     assert!(ok, "{err}");
     let v: serde_json::Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["text"], REFERENCE);
+    // OpenAI's usage for whisper-1: the clip's 6.94 s as whole seconds, rounded up.
+    assert_eq!(v["usage"], serde_json::json!({"type": "duration", "seconds": 7}), "{v}");
     let segs = v["segments"].as_array().unwrap();
     assert!(!segs.is_empty());
     let mut last = 0.0;
@@ -440,6 +442,21 @@ fn openai_sdk_transcribes_through_the_server() {
         assert!(v["error"]["message"].as_str().unwrap().contains("speech-recognition"), "{v}");
         // Last: a body over the limit is refused before it is read, and the server then closes that
         // connection, so a pooled client must not send another request on it.
+        // The limit is the file's: one of exactly 300000 bytes is read (and is not audio), one byte
+        // more is a 413 naming the file.
+        for (size, status) in [(300_000, 400), (300_001, 413)] {
+            let r = client
+                .post(format!("{}/v1/audio/transcriptions", server.base))
+                .bearer_auth(KEY)
+                .header("content-type", "multipart/form-data; boundary=XyZ")
+                .body(multipart(&[("model", "whisper-1")], &vec![b'x'; size]))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), status, "{size}");
+            let v: serde_json::Value = r.json().await.unwrap();
+            assert_eq!(v["error"]["param"], "file", "{v}");
+        }
         let r = post(vec![("big", "x".repeat(400_000))]).await.unwrap();
         assert_eq!(r.status(), 413);
     });

@@ -200,13 +200,18 @@ pub fn start(config: &ServerConfig, catalog: &Catalog, checkpoint: Checkpoint) -
     })
 }
 
-/// The audio routes with their own body limit (`--max-audio-bytes`; uploads are larger than chat JSON).
+/// Bytes a form may hold beside its file: its other fields, part headers and boundaries.
+const FORM_FIELDS_BYTES: usize = 64 << 10;
+
+/// The audio routes with their own body limit: `--max-audio-bytes` is the file's (as OpenAI's 25 MB
+/// is), so the form around it may be [`FORM_FIELDS_BYTES`] larger; the file itself is checked as it
+/// is read.
 pub fn routes(limit: usize) -> Router<Arc<AppState>> {
     Router::new()
         .route("/v1/audio/transcriptions", post(transcriptions))
         .route("/v1/audio/translations", post(translations))
         .layer(DefaultBodyLimit::disable())
-        .layer(RequestBodyLimitLayer::new(limit))
+        .layer(RequestBodyLimitLayer::new(limit.saturating_add(FORM_FIELDS_BYTES)))
 }
 
 async fn transcriptions(State(state): State<Arc<AppState>>, form: Multipart) -> Response {
@@ -230,7 +235,7 @@ struct Upload {
 /// Reads the whole form. A field refused is answered only once the rest of the form is read (and
 /// dropped), so that the connection stays usable: clients send the file after the other fields, and
 /// answering in the middle of its upload left them a reset connection instead of the 400.
-async fn read_upload(mut form: Multipart, task: SpeechTask) -> Result<Upload, ApiError> {
+async fn read_upload(mut form: Multipart, task: SpeechTask, max_file_bytes: usize) -> Result<Upload, ApiError> {
     let mut up = Upload {
         file: None,
         language: None,
@@ -263,6 +268,12 @@ async fn read_upload(mut form: Multipart, task: SpeechTask) -> Result<Upload, Ap
         if name == "file" {
             let filename = field.file_name().unwrap_or("the uploaded file").to_string();
             let bytes = field.bytes().await.map_err(bad_form)?;
+            if bytes.len() > max_file_bytes {
+                let message =
+                    format!("the file is {} bytes, over the {max_file_bytes} of --max-audio-bytes", bytes.len());
+                refused = Some(ApiError { param: Some("file".into()), ..ApiError::new(ErrorKind::TooLarge, message) });
+                continue;
+            }
             up.file = Some((filename, bytes.to_vec()));
             continue;
         }
@@ -330,7 +341,7 @@ async fn handle(state: Arc<AppState>, form: Multipart, task: SpeechTask) -> Resu
             None => ApiError { retry_after: Some(5), ..ApiError::new(ErrorKind::Unavailable, "Loading model") },
         });
     };
-    let up = read_upload(form, task).await?;
+    let up = read_upload(form, task, state.config.max_audio_bytes).await?;
     // Before the upload is decoded (the transcription thread checks it again, as it does every
     // option).
     if task == SpeechTask::Translate && !service.routes.contains(&"/v1/audio/translations") {

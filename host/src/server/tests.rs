@@ -1638,7 +1638,7 @@ async fn audio_routes_on_a_text_model_are_a_400_with_their_own_body_limit() {
     assert_eq!(r.status(), 400);
     let v: Value = r.json().await.unwrap();
     assert!(v["error"]["message"].as_str().unwrap().contains("not a speech-recognition model"), "{v}");
-    let r = audio_form(&s, &[("prompt", "x".repeat(300_000))]).send().await.unwrap();
+    let r = audio_form(&s, &[("prompt", "x".repeat(400_000))]).send().await.unwrap();
     assert_eq!(r.status(), 413);
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["error"]["type"], "invalid_request_error", "{v}");

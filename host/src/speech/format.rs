@@ -75,8 +75,10 @@ pub fn render(t: &Transcript, format: ResponseFormat, task: &str) -> String {
 /// The JSON formats' object (None for the others).
 pub fn render_json(t: &Transcript, format: ResponseFormat, task: &str) -> Option<Value> {
     let text = t.text.trim();
+    // OpenAI's usage for whisper-1: the audio's whole seconds, rounded up.
+    let usage = json!({"type": "duration", "seconds": t.duration.max(0.0).ceil() as u64});
     match format {
-        ResponseFormat::Json => Some(json!({ "text": text })),
+        ResponseFormat::Json => Some(json!({ "text": text, "usage": usage })),
         ResponseFormat::VerboseJson => {
             let segments: Vec<_> = t
                 .segments
@@ -92,7 +94,7 @@ pub fn render_json(t: &Transcript, format: ResponseFormat, task: &str) -> Option
                 .collect();
             Some(
                 json!({ "task": task, "language": language_name(&t.language), "duration": tidy(t.duration), "text": text,
-                    "segments": segments }),
+                    "segments": segments, "usage": usage }),
             )
         }
         _ => None,
