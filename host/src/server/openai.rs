@@ -935,7 +935,9 @@ impl ChatStream {
 
 impl StreamDialect for ChatStream {
     fn start(&mut self, _live: &Live) -> Vec<Event> {
-        vec![data(&self.chunk(json!({"role": "assistant", "content": ""}), None, Value::Null))]
+        // `content: null`, as llama-server's first chunk: the SDKs add up the content deltas, and an
+        // empty string there made an answer of tool calls alone have content "" instead of none.
+        vec![data(&self.chunk(json!({"role": "assistant", "content": null}), None, Value::Null))]
     }
 
     fn progress(&mut self, live: &Live, progress: Value) -> Vec<Event> {

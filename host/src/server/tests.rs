@@ -387,7 +387,7 @@ async fn chat_stream_is_sse_chunks_then_usage_then_done() {
     let events = sse(&body);
     assert_eq!(events.last().unwrap().1, "[DONE]");
     let chunks: Vec<Value> = events[..events.len() - 1].iter().map(|e| serde_json::from_str(&e.1).unwrap()).collect();
-    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert_eq!(chunks[0]["choices"][0]["delta"], json!({"role": "assistant", "content": null}));
     let text: String =
         chunks.iter().filter_map(|c| c["choices"].get(0)?["delta"]["content"].as_str().map(String::from)).collect();
     assert_eq!(text, ANSWER.concat());
