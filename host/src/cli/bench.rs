@@ -119,7 +119,7 @@ pub fn run(global: &GlobalArgs, args: &BenchArgs) -> Result<()> {
         let t0 = Instant::now();
         let mut pos = 0;
         while pos < prompt.len() {
-            let end = (pos + args.batch as usize).min(prompt.len());
+            let end = pos.saturating_add(args.batch as usize).min(prompt.len());
             let want = if end == prompt.len() { Logits::Last } else { Logits::None };
             runner.forward(&[SeqChunk { blocks: &seq, tokens: &prompt[pos..end], start_pos: pos, logits: want }])?;
             pos = end;
@@ -157,7 +157,7 @@ pub fn run(global: &GlobalArgs, args: &BenchArgs) -> Result<()> {
             let mut seq = SeqBlocks::default();
             runner.pool.reserve(&mut seq, depth + args.n_gen)?;
             for start in (0..depth).step_by(args.batch as usize) {
-                let end = (start + args.batch as usize).min(depth);
+                let end = start.saturating_add(args.batch as usize).min(depth);
                 let want = if end == depth { Logits::Last } else { Logits::None };
                 runner.forward(&[SeqChunk {
                     blocks: &seq,

@@ -129,12 +129,15 @@ pub fn llama_cli_argv(args: impl IntoIterator<Item = String>) -> anyhow::Result<
         "-hfv", "-hfd", "-mm", "-mmu", "-jf", "-sp", "-lcs", "-lcd", "-cml", "-mmp", "-nopo", "-embd", "-pg", "-dio",
         "-sysf", "-tb", "-bs", "-gan", "-gaw", "-dt", "-ps", "-ctxcp",
     ];
-    let mut out = Vec::new();
+    // Options whose value may itself start with a dash (a prompt, a stop string): never read as a flag.
+    const TEXT_VALUED: &[&str] = &["-p", "--prompt", "--system", "-q", "--query", "-d", "--document", "--stop"];
+    let mut out: Vec<String> = Vec::new();
     let mut rest = false;
     for a in args {
         rest |= a == "--";
         let name = a.split('=').next().unwrap_or(&a);
-        if !rest {
+        let is_value = out.last().is_some_and(|prev| TEXT_VALUED.contains(&prev.as_str()));
+        if !rest && !is_value {
             if let Some((_, long)) = ALIASES.iter().find(|(short, _)| *short == name) {
                 out.push(match a.split_once('=') {
                     Some((_, v)) => format!("{long}={v}"),
@@ -199,5 +202,8 @@ mod tests {
         assert_eq!(got, argv("mlxcel run m --cache-type-k f32 --cache-type-v=bf16 --system x -- -ngl"));
         let e = llama_cli_argv(argv("mlxcel run m -ngl 99")).unwrap_err().to_string();
         assert!(e.starts_with("-ngl is a llama.cpp flag"), "{e}");
+        // A prompt that looks like one is a prompt.
+        let got = llama_cli_argv(argv("mlxcel run m -p -st --system -sys")).unwrap();
+        assert_eq!(got, argv("mlxcel run m -p -st --system -sys"));
     }
 }

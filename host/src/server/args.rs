@@ -91,7 +91,7 @@ pub struct ServerArgs {
     pub no_warmup: bool,
     /// No web UI: what mlxcel-server does anyway (it serves none), so llama-server command lines
     /// that switch it off run as they are.
-    #[arg(long = "no-webui")]
+    #[arg(long = "no-webui", alias = "no-ui")]
     pub no_webui: bool,
     /// Reuse the KV of a shared prompt prefix across requests (the default; per request
     /// `cache_prompt`; `LLAMA_ARG_CACHE_PROMPT=0` as --no-cache-prompt).
@@ -228,6 +228,10 @@ const EVERY_MODEL_FLAGS: &[&str] = &[
 const ENCODER_FLAGS: &[&str] =
     &["ctx_size", "parallel", "batch_size", "force", "embedding", "pooling", "embd_normalize"];
 
+/// Flags only an embedding model acts on: a text model (served without `--embedding`) and a
+/// reranker refuse them.
+const EMBEDDING_ONLY_FLAGS: &[&str] = &["embd_normalize"];
+
 /// An on/off value as llama.cpp reads its flags' environment variables: `true`, `1`, `on`,
 /// `enabled` (and `yes`) or `false`, `0`, `off`, `disabled` (and `no`), in any case.
 fn truthy(v: &str) -> Result<bool, String> {
@@ -343,7 +347,7 @@ const REFUSED: &[(&[&str], &str, &str)] = &[
         "not supported by mlxcel's engine",
     ),
     (&["--no-jinja"], "", "mlxcel only renders Jinja chat templates"),
-    (&["--api-prefix", "--path", "--props", "--webui"], "", "not supported by mlxcel-server"),
+    (&["--api-prefix", "--path", "--props", "--webui", "--ui"], "", "not supported by mlxcel-server"),
     (
         &[
             "-tb",
@@ -550,8 +554,12 @@ impl ServerConfig {
     /// on [`EVERY_MODEL_FLAGS`], an encoder also on [`ENCODER_FLAGS`], a text model on all.
     pub fn flags_unused_by(&self, task: Task) -> Vec<&str> {
         let used = |id: &str| match task {
-            Task::Text => true,
-            Task::Embed | Task::Rerank => EVERY_MODEL_FLAGS.contains(&id) || ENCODER_FLAGS.contains(&id),
+            // (--embedding turns a text model into an embedding model before this is asked.)
+            Task::Text => !EMBEDDING_ONLY_FLAGS.contains(&id),
+            Task::Rerank => {
+                (EVERY_MODEL_FLAGS.contains(&id) || ENCODER_FLAGS.contains(&id)) && !EMBEDDING_ONLY_FLAGS.contains(&id)
+            }
+            Task::Embed => EVERY_MODEL_FLAGS.contains(&id) || ENCODER_FLAGS.contains(&id),
             _ => EVERY_MODEL_FLAGS.contains(&id),
         };
         self.given.iter().filter(|g| !used(&g.id)).map(|g| g.name.as_str()).collect()
@@ -758,7 +766,7 @@ mod tests {
         let e = parse(&["-m", "m", "--flash-attn=on"]).unwrap_err().to_string();
         assert!(e.contains("--flash-attn"), "{e}");
         // Switching off the web UI mlxcel-server does not have is what it does anyway.
-        assert!(parse(&["-m", "m", "--no-webui"]).is_ok());
+        assert!(parse(&["-m", "m", "--no-webui"]).is_ok() && parse(&["-m", "m", "--no-ui"]).is_ok());
         assert!(parse(&["-m", "m", "--webui"]).unwrap_err().to_string().contains("--webui"));
     }
 
@@ -886,6 +894,13 @@ mod tests {
         assert_eq!(c.flags_unused_by(Task::Embed), ["--ubatch-size", "--temp", "--top-k"]);
         assert_eq!(c.flags_unused_by(Task::Rerank), ["--ubatch-size", "--temp", "--top-k"]);
         assert_eq!(c.flags_unused_by(Task::Asr), ["--parallel", "--ubatch-size", "--temp", "--top-k"]);
+        // --embd-normalize is an embedding model's alone.
+        let c = parse_noting(&["-m", "m", "--embd-normalize", "1"]);
+        assert_eq!(
+            (c.flags_unused_by(Task::Text), c.flags_unused_by(Task::Rerank)),
+            (vec!["--embd-normalize"], vec!["--embd-normalize"])
+        );
+        assert!(c.flags_unused_by(Task::Embed).is_empty());
         // A default (here -b's 2048, --port's 8080) is not given.
         assert!(parse_noting(&["-m", "m"]).flags_unused_by(Task::Asr).is_empty());
     }

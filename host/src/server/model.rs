@@ -57,7 +57,7 @@ pub fn start(state: &AppState) -> Result<String> {
     match if config.embedding.is_some() { Task::Embed } else { task } {
         Task::Embed => refuse_unused_flags(config, Task::Embed, &dir, "an embedding model")?,
         Task::Rerank => refuse_unused_flags(config, Task::Rerank, &dir, "a reranking model")?,
-        _ => {}
+        _ => refuse_unused_flags(config, Task::Text, &dir, "a text-generation model (served without --embedding)")?,
     }
     let parallel = config.parallel.max(1);
     let (mut runner, text, facts) = load(config, &catalog, checkpoint, parallel)?;

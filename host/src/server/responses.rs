@@ -84,15 +84,17 @@ fn conversation(r: &ResponsesRequest) -> Result<Vec<ChatMessage>, ApiError> {
     };
     // A reasoning item belongs to the assistant turn right after it; a call's output to a call.
     let mut thought: Option<String> = None;
-    // Every call so far, and those not yet answered: as OpenAI, a call's output comes before any
-    // other message (the template would show the model a call it never saw answered).
+    // Every call so far, and those not yet answered: as OpenAI, a call's output comes before the next
+    // user or system message (the template would show the model a call it never saw answered).
     let (mut call_ids, mut open): (Vec<&str>, Vec<&str>) = (Vec::new(), Vec::new());
     let unanswered =
         |at: String, id: &str| ApiError::field(&at, format!("No tool output found for function call {id}."));
     for (i, item) in items.iter().enumerate() {
         let at = |f: &str| format!("input[{i}].{f}");
         let kind = item.get("type").and_then(Value::as_str).unwrap_or("message");
-        if let (Some(id), "message") = (open.first(), kind) {
+        // (An assistant message may sit between: this server writes a call's text after it in order.)
+        let role = item.get("role").and_then(Value::as_str).unwrap_or_default();
+        if let (Some(id), "message", false) = (open.first(), kind, role == "assistant") {
             return Err(unanswered(format!("input[{i}]"), id));
         }
         match kind {

@@ -2776,6 +2776,10 @@ async fn responses_api_function_calls_and_reasoning() {
         let (status, v) = s.post("/v1/responses", json!({"input": input, "tools": tools})).await;
         assert_eq!((status, v["error"]["param"].as_str()), (400, Some(at)), "{input}: {v}");
     }
+    // The model's own text after its call, as this server's output lists it, may come between.
+    let said = json!({"role": "assistant", "content": "Checking."});
+    let (status, v) = s.post("/v1/responses", json!({"input": [user, call, said, output], "tools": tools})).await;
+    assert_eq!(status, 200, "{v}");
     // Streamed: each call an item of its own, whole.
     let (_, body, _) = s.post_text("/v1/responses", json!({"input": "Weather?", "tools": tools, "stream": true})).await;
     let data: Vec<Value> = sse(&body).into_iter().map(|e| serde_json::from_str(&e.1).unwrap()).collect();

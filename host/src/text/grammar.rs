@@ -79,38 +79,38 @@ impl Grammars {
 
 /// Objects that list their `properties` and say nothing of others take no others, as llama.cpp's
 /// schema grammars hold them (JSON Schema would allow any key): held to an open object, a model
-/// writes keys of its own, repeats them and may never close it. Only schemas in schema positions are
-/// touched (a property named `properties` is a name, not a keyword); the branches of an `allOf`
-/// stay open, as each closed one would forbid the others' keys.
-fn close_objects(schema: &mut Value) {
-    let Some(o) = schema.as_object_mut() else { return };
-    let open_keys = ["additionalProperties", "patternProperties", "unevaluatedProperties"];
-    if o.get("properties").is_some_and(Value::is_object) && !open_keys.iter().any(|k| o.contains_key(*k)) {
-        o.insert("additionalProperties".into(), Value::Bool(false));
-    }
-    close_nested(schema);
+/// writes keys of its own, repeats them and may never close it. Only plain objects are closed: one
+/// combined with other schemas (`allOf`, `anyOf`, `oneOf`, `$ref`, `if`, `not`, …), which must all
+/// hold together, keeps its keys open to theirs, and so do the branches of an object's own `anyOf`
+/// and the definitions of a schema that uses `allOf` (its branches refer to them). A property named
+/// `properties` is a name, not a keyword.
+pub(crate) fn close_objects(schema: &mut Value) {
+    let defs_closed = !serde_json::to_string(schema).is_ok_and(|t| t.contains("\"allOf\""));
+    close(schema, defs_closed);
 }
 
-/// [`close_objects`] for the schemas inside `schema`, not `schema` itself.
-fn close_nested(schema: &mut Value) {
+const COMBINED: [&str; 9] = ["allOf", "anyOf", "oneOf", "$ref", "if", "then", "else", "not", "dependentSchemas"];
+
+fn close(schema: &mut Value, defs_closed: bool) {
     let Some(o) = schema.as_object_mut() else { return };
+    let open_keys = ["additionalProperties", "patternProperties", "unevaluatedProperties"];
+    let has_properties = o.get("properties").is_some_and(Value::is_object);
+    if has_properties && !open_keys.iter().chain(&COMBINED).any(|k| o.contains_key(*k)) {
+        o.insert("additionalProperties".into(), Value::Bool(false));
+    }
     for (key, v) in o.iter_mut() {
         match key.as_str() {
-            "items"
-            | "additionalProperties"
-            | "not"
-            | "if"
-            | "then"
-            | "else"
-            | "contains"
-            | "propertyNames"
-            | "additionalItems"
-            | "unevaluatedItems"
-            | "unevaluatedProperties" => close_objects(v),
-            "prefixItems" | "anyOf" | "oneOf" => v.as_array_mut().into_iter().flatten().for_each(close_objects),
-            "allOf" => v.as_array_mut().into_iter().flatten().for_each(close_nested),
-            "properties" | "$defs" | "definitions" | "patternProperties" | "dependentSchemas" => {
-                v.as_object_mut().into_iter().flat_map(|m| m.values_mut()).for_each(close_objects)
+            "items" | "additionalProperties" | "contains" | "additionalItems" => close(v, defs_closed),
+            "prefixItems" => v.as_array_mut().into_iter().flatten().for_each(|s| close(s, defs_closed)),
+            // Alternatives beside no keys of the object's own are whole schemas each.
+            "anyOf" | "oneOf" if !has_properties => {
+                v.as_array_mut().into_iter().flatten().for_each(|s| close(s, defs_closed))
+            }
+            "properties" => {
+                v.as_object_mut().into_iter().flat_map(|m| m.values_mut()).for_each(|s| close(s, defs_closed))
+            }
+            "$defs" | "definitions" if defs_closed => {
+                v.as_object_mut().into_iter().flat_map(|m| m.values_mut()).for_each(|s| close(s, defs_closed))
             }
             _ => {}
         }
@@ -207,9 +207,9 @@ mod tests {
             "properties": {"type": "object", "properties": {"a": {"type": "integer"}}},
             "list": {"type": "array", "items": {"type": "object", "properties": {}}},
             "open": {"type": "object", "properties": {}, "additionalProperties": true},
-            "any": {"type": "object"}},
-            "$defs": {"D": {"anyOf": [{"properties": {"x": {}}}]}},
-            "allOf": [{"properties": {"b": {"properties": {"c": {}}}}}]});
+            "any": {"type": "object"},
+            "either": {"anyOf": [{"properties": {"x": {}}}, {"type": "null"}]}},
+            "$defs": {"D": {"properties": {"y": {}}}}});
         close_objects(&mut s);
         assert_eq!(s["additionalProperties"], false);
         // The property named `properties` is closed as a schema; no property was added beside it.
@@ -218,10 +218,24 @@ mod tests {
         assert_eq!(s["properties"]["list"]["items"]["additionalProperties"], false);
         assert_eq!(s["properties"]["open"]["additionalProperties"], true);
         assert!(s["properties"]["any"].get("additionalProperties").is_none());
-        assert_eq!(s["$defs"]["D"]["anyOf"][0]["additionalProperties"], false);
-        // An allOf branch stays open; what is nested in it is closed.
-        assert!(s["allOf"][0].get("additionalProperties").is_none(), "{s}");
-        assert_eq!(s["allOf"][0]["properties"]["b"]["additionalProperties"], false);
+        assert_eq!(s["properties"]["either"]["anyOf"][0]["additionalProperties"], false);
+        assert_eq!(s["$defs"]["D"]["additionalProperties"], false);
+    }
+
+    /// Schemas that must hold together stay open to each other's keys.
+    #[test]
+    fn combined_schemas_stay_open() {
+        let cases = [
+            json!({"properties": {"a": {}}, "allOf": [{"properties": {"b": {}}}]}),
+            json!({"$defs": {"A": {"properties": {"a": {}}}}, "allOf": [{"$ref": "#/$defs/A"}]}),
+            json!({"properties": {"kind": {}}, "anyOf": [{"properties": {"x": {}}}]}),
+            json!({"properties": {"a": {}}, "if": {"properties": {"a": {"const": 1}}}, "then": {"properties": {"b": {}}}}),
+        ];
+        for case in cases {
+            let mut s = case.clone();
+            close_objects(&mut s);
+            assert_eq!(s, case, "changed");
+        }
     }
 
     #[test]

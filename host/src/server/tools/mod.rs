@@ -187,7 +187,9 @@ impl Tooling {
             .map(|f| {
                 // (OpenAI: "omitting parameters defines a function with an empty parameter list".)
                 let none = json!({"type": "object", "properties": {}, "additionalProperties": false});
-                let params = Some(&f["parameters"]).filter(|p| !p.is_null()).cloned().unwrap_or(none);
+                let mut params = Some(&f["parameters"]).filter(|p| !p.is_null()).cloned().unwrap_or(none);
+                // As a JSON format's: listed arguments only (a call with none closes at once).
+                crate::text::grammar::close_objects(&mut params);
                 json!({"type": "object", "properties": {"name": {"const": f["name"]}, args_key: params},
                     "required": ["name", args_key], "additionalProperties": false})
             })
@@ -722,6 +724,15 @@ mod tests {
         };
         let g = t.forced_grammar(|_| None).unwrap();
         let empty = json!({"type": "object", "properties": {}, "additionalProperties": false}).to_string();
+        assert!(g.contains(&format!("\"arguments\":{empty}")), "{g}");
+        // Given as an empty object with no word on other keys, it is closed the same way.
+        let t = Tooling {
+            tools: vec![
+                json!({"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}}}),
+            ],
+            ..t
+        };
+        let g = t.forced_grammar(|_| None).unwrap();
         assert!(g.contains(&format!("\"arguments\":{empty}")), "{g}");
     }
 
