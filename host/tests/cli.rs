@@ -607,6 +607,11 @@ fn a_broken_chat_template_stops_only_the_chat() {
     let raw = mlxcel().arg("run").arg(&dir).args(["-p", "hi", "-n", "2", "--no-chat-template"]).output().unwrap();
     assert!(raw.status.success(), "{}", String::from_utf8_lossy(&raw.stderr));
     assert_one_line_error(&run_prompt(&dir), &["does not parse", "--chat-template-file"]);
+    // inspect says so before anything runs.
+    let out = mlxcel().arg("inspect").arg(&dir).arg("--json").output().unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["chat_template"]["ok"], false, "{v}");
+    assert!(v["chat_template"]["problem"].as_str().unwrap().contains("does not parse"), "{v}");
     let good = tmp.path().join("good.jinja");
     std::fs::write(&good, "{% for m in messages %}{{ m.content }}{% endfor %}").unwrap();
     let out = mlxcel()

@@ -384,6 +384,11 @@ fn openai_sdk_transcribes_through_the_server() {
         let v: serde_json::Value =
             post(vec![("timestamp_granularities[]", "word".into())]).await.unwrap().json().await.unwrap();
         assert_eq!(v["error"]["param"], "timestamp_granularities", "{v}");
+        // An unknown field in OpenAI's words; a `stream` that is no boolean named as such.
+        let v: serde_json::Value = post(vec![("foo", "1".into())]).await.unwrap().json().await.unwrap();
+        assert_eq!(v["error"]["message"], "Unrecognized request argument supplied: foo", "{v}");
+        let v: serde_json::Value = post(vec![("stream", "maybe".into())]).await.unwrap().json().await.unwrap();
+        assert!(v["error"]["message"].as_str().unwrap().contains("true or false"), "{v}");
         // A field refused before the file is answered once the whole upload is read: the client gets
         // the 400 on a connection it can use again (this client pools its connections).
         for _ in 0..3 {

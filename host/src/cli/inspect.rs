@@ -4,6 +4,7 @@
 
 use anyhow::Result;
 use clap::Args;
+use mlxcel_plugin_api::Task;
 use serde_json::json;
 
 use super::cache_type::CacheTypeArgs;
@@ -13,6 +14,7 @@ use crate::checkpoint::Checkpoint;
 use crate::engine::memory::MemoryEstimate;
 use crate::engine::runner::{family_model, fitted_context, warn_if_context_cut};
 use crate::engine::KvCacheTypes;
+use crate::text::ChatTemplate;
 
 #[derive(Args, Debug)]
 pub struct InspectArgs {
@@ -61,6 +63,16 @@ pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
     // Every task reads the Hugging Face tokenizer file; without it the model does not run, however
     // well it fits.
     let has_tokenizer = dir.join("tokenizer.json").is_file();
+    // A text model's chat needs its template (run and the server's chat routes).
+    let template = (info.task == Task::Text).then(|| {
+        let config = std::fs::read_to_string(dir.join("tokenizer_config.json"))
+            .ok()
+            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+        match ChatTemplate::source_in(&dir, config.as_ref()) {
+            None => Err("none: chat needs --chat-template-file (raw completion: --no-chat-template)".to_string()),
+            Some(src) => ChatTemplate::new(&src, "", "").map(|_| ()),
+        }
+    });
     if args.json {
         let v = json!({
             "path": dir.display().to_string(),
@@ -77,6 +89,10 @@ pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
             "files": ck.files.len(),
             "memory": est,
             "tokenizer": has_tokenizer,
+            "chat_template": template.as_ref().map(|t| match t {
+                Ok(()) => json!({"ok": true}),
+                Err(e) => json!({"ok": false, "problem": e}),
+            }),
         });
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
@@ -104,6 +120,11 @@ pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
         est.cache_type_v
     );
     println!("  activations    {} (estimate)", mb(est.activation_bytes));
+    match &template {
+        Some(Ok(())) => println!("  chat template  yes"),
+        Some(Err(e)) => println!("  chat template  {e}"),
+        None => {}
+    }
     if !has_tokenizer {
         println!("  tokenizer      MISSING: no tokenizer.json beside the weights, which every run needs");
     } else {

@@ -65,6 +65,7 @@ pub enum Command {
     /// Embeddings per second of an embedding model on sets of texts (`cargo xtask bench --embeddings`).
     BenchEmbed(embed::BenchEmbedArgs),
     /// Serve a model over HTTP (OpenAI, Anthropic, llama-server APIs); the same as `mlxcel-server`.
+    #[command(version)]
     Serve(Box<crate::server::ServerArgs>),
     /// Speech to text with a Whisper model: print the transcript of each audio file.
     Transcribe(transcribe::TranscribeArgs),

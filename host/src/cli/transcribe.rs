@@ -61,6 +61,9 @@ pub fn run(global: &GlobalArgs, args: &TranscribeArgs) -> Result<()> {
     if args.timestamps && format == ResponseFormat::Json {
         bail!("--timestamps: the json format holds only the text; verbose_json, srt and vtt give the segments' times");
     }
+    if args.files.iter().filter(|f| f.as_os_str() == "-").count() > 1 {
+        bail!("`-` (standard input) is named more than once; it can be read once");
+    }
     let dir = super::run::resolve_model(&args.model, args.revision.as_deref())?;
     let catalog = global.catalog();
     let mut transcriber = Checkpoint::open(&dir)

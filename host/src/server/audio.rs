@@ -277,7 +277,12 @@ async fn read_upload(mut form: Multipart, task: SpeechTask, max_file_bytes: usiz
             up.file = Some((filename, bytes.to_vec()));
             continue;
         }
-        let value = field.text().await.map_err(bad_form)?;
+        // (Read as bytes: axum's text() would replace bytes that are not UTF-8 without a word.)
+        let bytes = field.bytes().await.map_err(bad_form)?;
+        let Ok(value) = String::from_utf8(bytes.to_vec()) else {
+            refused = Some(ApiError::field(&name, format!("`{name}` is not UTF-8 text")));
+            continue;
+        };
         if let Err(e) = take_field(&mut up, task, &name, &value) {
             refused = Some(e);
         }
@@ -324,9 +329,12 @@ fn take_field(up: &mut Upload, task: SpeechTask, name: &str, value: &str) -> Res
                 format!("timestamp granularity `{value}` is not supported (segment)"),
             ))
         }
-        "stream" if matches!(value.trim(), "false" | "") => {}
-        "stream" => return Err(ApiError::field("stream", "streaming transcriptions are not supported")),
-        other => return Err(ApiError::field(other, format!("unknown field `{other}`"))),
+        "stream" => match value.trim() {
+            "false" | "" => {}
+            "true" => return Err(ApiError::field("stream", "streaming transcriptions are not supported")),
+            v => return Err(ApiError::field("stream", format!("`stream` must be true or false, got `{v}`"))),
+        },
+        other => return Err(ApiError::unknown_field(other)),
     }
     Ok(())
 }
