@@ -65,10 +65,7 @@ pub fn run(global: &GlobalArgs, args: &InspectArgs) -> Result<()> {
     let has_tokenizer = dir.join("tokenizer.json").is_file();
     // A text model's chat needs its template (run and the server's chat routes).
     let template = (info.task == Task::Text).then(|| {
-        let config = std::fs::read_to_string(dir.join("tokenizer_config.json"))
-            .ok()
-            .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
-        match ChatTemplate::source_in(&dir, config.as_ref()) {
+        match ChatTemplate::source_in(&dir, crate::text::tokenizer_config(&dir).as_ref()) {
             None => Err("none: chat needs --chat-template-file (raw completion: --no-chat-template)".to_string()),
             Some(src) => ChatTemplate::new(&src, "", "").map(|_| ()),
         }

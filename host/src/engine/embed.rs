@@ -63,10 +63,8 @@ impl EncoderTokenizer {
             .and_then(Value::as_u64);
         let tok_max = json.get("truncation").and_then(|t| t.get("max_length")).and_then(Value::as_u64);
         // (Transformers writes a huge number there for "no limit".)
-        let config_max = std::fs::read_to_string(dir.join("tokenizer_config.json"))
-            .ok()
-            .and_then(|t| serde_json::from_str::<Value>(&t).ok())
-            .and_then(|c| c.get("model_max_length").and_then(Value::as_u64));
+        let config_max =
+            crate::text::tokenizer_config(dir).and_then(|c| c.get("model_max_length").and_then(Value::as_u64));
         let limit = st_max.or(tok_max).or(config_max).map_or(model_max, |m| (m as usize).min(model_max));
         inner.with_padding(None);
         let truncation = TruncationParams {

@@ -146,7 +146,7 @@ pub fn load(
     }
     let mut tokenizer =
         TextTokenizer::load(dir, &runner.checkpoint.config, runner.checkpoint.generation_config.as_ref())?;
-    let tokenizer_config = read_json(&dir.join("tokenizer_config.json"));
+    let tokenizer_config = crate::text::tokenizer_config(dir);
     let mut template_source = ChatTemplate::source_in(dir, tokenizer_config.as_ref());
     if let Some(src) = &config.chat_template {
         tokenizer.replace_template(src, "--chat-template")?;
@@ -184,9 +184,4 @@ pub fn load(
         runner.backend_features,
     );
     Ok((runner, tokenizer, facts))
-}
-
-fn read_json(path: &Path) -> Option<serde_json::Value> {
-    let text = std::fs::read_to_string(path).ok()?;
-    serde_json::from_str(&text).ok()
 }
