@@ -494,12 +494,7 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
         ));
     }
     job.stop = r.stop_sequences.clone().map(|v| StopField::Many(v).into_vec()).unwrap_or_default();
-    job.constraint = structured::forced_calls(model, tools.as_ref())?;
-    if job.constraint.is_some() {
-        // A forced call's grammar ends the answer: a stop sequence inside its input would leave no
-        // call at all.
-        job.stop.clear();
-    }
+    structured::force_calls(model, tools.as_ref(), &mut job)?;
     structured::after_thought(model, &prompt_text, &mut job, format != ReasoningFormat::Split, "tool_choice")?;
     let stops = job.stop.clone();
     let req = job.into_request(&state, model, "messages")?;

@@ -726,11 +726,12 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
         job.sampling.logit_bias = logit_bias(b, model, true)?;
     }
     job.max_tokens = limit;
+    job.stop = r.stop.map(StopField::into_vec).unwrap_or_default();
     let held_at = if schema.is_some() { schema_field } else { "tool_choice" };
-    job.constraint = match schema {
-        Some(_) => structured::constraint(model, schema, schema_field)?,
-        None => structured::forced_calls(model, tooling.as_ref())?,
-    };
+    match schema {
+        Some(_) => job.constraint = structured::constraint(model, schema, schema_field)?,
+        None => structured::force_calls(model, tooling.as_ref(), &mut job)?,
+    }
     let effort_budget = effort.budget_under(r.chat_template_kwargs.as_ref());
     // llama-server's per-request cap applies where the server sets none.
     let asked = match r.thinking_budget_tokens {
@@ -744,12 +745,6 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     job.thought_budget = reasoning::thought_budget(model, budget, &prompt_text)?;
     structured::after_thought(model, &prompt_text, &mut job, reasoning != ReasoningFormat::Split, held_at)?;
     job.shown_special = super::tools::shown_tags(&model.text, tooling.as_ref());
-    job.stop = r.stop.map(StopField::into_vec).unwrap_or_default();
-    if held_at == "tool_choice" && job.constraint.is_some() {
-        // A forced call's grammar ends the answer: a stop string inside its arguments would leave
-        // no call at all.
-        job.stop.clear();
-    }
     job.cache_prompt = r.cache_prompt;
     job.ignore_eos = r.ignore_eos.unwrap_or(false);
     let want_logprobs = r.logprobs.unwrap_or(false);

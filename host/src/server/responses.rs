@@ -409,10 +409,10 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
     job.shown_special = super::tools::shown_tags(&model.text, tooling.as_ref());
     let text_format = r.text.as_ref().and_then(|t| t.get("format")).cloned().unwrap_or(json!({"type": "text"}));
     let held_at = if schema.is_some() { "text.format" } else { "tool_choice" };
-    job.constraint = match schema {
-        Some(_) => structured::constraint(model, schema, "text.format")?,
-        None => structured::forced_calls(model, tooling.as_ref())?,
-    };
+    match schema {
+        Some(_) => job.constraint = structured::constraint(model, schema, "text.format")?,
+        None => structured::force_calls(model, tooling.as_ref(), &mut job)?,
+    }
     let format = reasoning::request_format(&state, r.reasoning_format.as_deref(), true)?;
     structured::after_thought(model, &prompt_text, &mut job, format != ReasoningFormat::Split, held_at)?;
     let prompt_tokens = job.prompt.len();

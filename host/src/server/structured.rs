@@ -53,9 +53,19 @@ pub fn constraint(model: &LoadedModel, schema: Option<Value>, field: &str) -> Re
         .map_err(|e| ApiError::field(field, format!("the JSON schema in `{field}` cannot be used: {e}")))
 }
 
-/// The constraint that holds an answer to calls, where the request forces one (`tool_choice`
-/// `required`, `any`, or a named tool).
-pub fn forced_calls(model: &LoadedModel, tooling: Option<&Tooling>) -> Result<Option<Constraint>, ApiError> {
+/// Holds `job` to calls where the request forces one (`tool_choice` `required`, `any`, or a named
+/// tool). The calls' grammar ends the answer, so the job's stop strings (set before this) are
+/// dropped: one inside a call's arguments would leave no call at all.
+pub fn force_calls(model: &LoadedModel, tooling: Option<&Tooling>, job: &mut Job) -> Result<(), ApiError> {
+    job.constraint = forced_calls(model, tooling)?;
+    if job.constraint.is_some() {
+        job.stop.clear();
+    }
+    Ok(())
+}
+
+/// The constraint that holds an answer to calls, where the request forces one.
+fn forced_calls(model: &LoadedModel, tooling: Option<&Tooling>) -> Result<Option<Constraint>, ApiError> {
     let Some(t) = tooling.filter(|t| t.forced.is_some()) else { return Ok(None) };
     let tags: Vec<&str> = [Some(t.format.open()), t.format.close()].into_iter().flatten().collect();
     let special = model.text.special_ids(&tags);
