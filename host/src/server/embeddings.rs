@@ -432,16 +432,13 @@ async fn rerank_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Res
             })
         }
     };
-    let wrong_shape = match tei {
-        true => r.return_documents.map(|_| "return_documents"),
-        false => r.return_text.map(|_| "return_text"),
+    // Each shape's own switch for the documents in the answer.
+    let (given, wrong, goes_with, own) = match tei {
+        true => (r.return_documents.is_some(), "return_documents", "documents", "return_text"),
+        false => (r.return_text.is_some(), "return_text", "texts", "return_documents"),
     };
-    if let Some(f) = wrong_shape {
-        let other = if tei { "return_text" } else { "return_documents" };
-        return Err(ApiError::field(
-            f,
-            format!("`{f}` goes with `{}`; with `{field}` send `{other}`", if tei { "documents" } else { "texts" }),
-        ));
+    if given {
+        return Err(ApiError::field(wrong, format!("`{wrong}` goes with `{goes_with}`; with `{field}` send `{own}`")));
     }
     if documents.is_empty() {
         return Err(ApiError::field(field, format!("`{field}` is an empty list; send at least one document")));
