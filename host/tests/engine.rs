@@ -45,7 +45,10 @@ fn collect(mut s: RequestStream) -> Answer {
                 a.text.push_str(&text);
                 a.tokens.extend(tokens);
             }
-            GenerationEvent::Started { .. } | GenerationEvent::PromptProgress { .. } => {}
+            GenerationEvent::Started { .. }
+            | GenerationEvent::PromptProgress { .. }
+            | GenerationEvent::PromptLogprobs(_)
+            | GenerationEvent::EndToken(_) => {}
             GenerationEvent::Done { finish, usage } => {
                 a.finish = Some(finish);
                 a.usage = usage;

@@ -262,6 +262,62 @@ async fn by_default_four_slots_share_one_context_of_kv() {
     assert_eq!(pool, 2048, "{v}");
 }
 
+/// `/v1/completions` with `echo` and `logprobs` scores the prompt, as evaluation harnesses
+/// (lm-evaluation-harness's loglikelihood tasks) ask: against mlx-lm's scores of the same tokens
+/// (fixtures/make_prompt_logprobs.py), plain and streamed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn echoed_completions_score_the_prompt_as_mlx_lm_does() {
+    let Some(model) = smollm2() else { return };
+    let server = tokio::task::spawn_blocking(move || start(&model, &["-np", "2"])).await.unwrap();
+    let http = reqwest::Client::new();
+    let url = format!("{}/v1/completions", server.base);
+    let fixture = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/smollm2-prompt-logprobs.json");
+    let reference: Value = serde_json::from_str(&std::fs::read_to_string(fixture).unwrap()).unwrap();
+    for case in reference["cases"].as_array().unwrap() {
+        let (ids, want) = (&case["ids"], case["logprobs"].as_array().unwrap());
+        // As the harness asks: one more token, whose score it drops.
+        let body = json!({"prompt": ids, "max_tokens": 1, "logprobs": 1, "echo": true, "temperature": 0});
+        let v: Value = http.post(&url).bearer_auth(KEY).json(&body).send().await.unwrap().json().await.unwrap();
+        let choice = &v["choices"][0];
+        assert!(choice["text"].as_str().unwrap_or_default().starts_with(case["text"].as_str().unwrap()), "{v}");
+        let lp = &choice["logprobs"];
+        let scores = lp["token_logprobs"].as_array().unwrap_or_else(|| panic!("{v}"));
+        assert_eq!(scores.len(), want.len() + 2, "the prompt's tokens and the one generated: {v}");
+        assert!(scores[0].is_null() && lp["top_logprobs"][0].is_null(), "the first token has no score: {v}");
+        for (p, (got, want)) in scores[1..].iter().zip(want).enumerate() {
+            let (got, want) = (got.as_f64().unwrap(), want.as_f64().unwrap());
+            assert!((got - want).abs() < 0.02, "token {}: {got} against mlx-lm's {want}", p + 1);
+            // Where the prompt's token is the model's first choice, it heads the alternatives.
+            let top = lp["top_logprobs"][p + 1].as_object().unwrap();
+            if case["best"][p] == ids[p + 1] {
+                assert_eq!(top.get(lp["tokens"][p + 1].as_str().unwrap()).and_then(Value::as_f64), Some(got), "{v}");
+            }
+        }
+        assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "a scored prompt is computed whole");
+    }
+
+    // Streamed: the echo comes first and carries the prompt's scores; nothing generated at max_tokens 0.
+    let case = &reference["cases"][0];
+    let body = json!({"prompt": case["text"], "max_tokens": 0, "logprobs": 2, "echo": true, "stream": true});
+    let text = http.post(&url).bearer_auth(KEY).json(&body).send().await.unwrap().text().await.unwrap();
+    let chunks: Vec<Value> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let echo = &chunks[0]["choices"][0];
+    assert_eq!(echo["text"], case["text"], "{text}");
+    let scores = echo["logprobs"]["token_logprobs"].as_array().unwrap_or_else(|| panic!("{text}"));
+    assert_eq!(scores.len(), case["ids"].as_array().unwrap().len(), "{text}");
+    for (got, want) in scores[1..].iter().zip(case["logprobs"].as_array().unwrap()) {
+        assert!((got.as_f64().unwrap() - want.as_f64().unwrap()).abs() < 0.02, "{text}");
+    }
+    assert!(echo["logprobs"]["top_logprobs"][1].as_object().is_some_and(|t| t.len() == 2), "{text}");
+    let generated: String = chunks[1..].iter().filter_map(|c| c["choices"][0]["text"].as_str()).collect();
+    assert_eq!(generated, "", "{text}");
+}
+
 #[test]
 fn openai_and_anthropic_sdks_get_right_answers_plain_and_streamed() {
     let Some(model) = smollm2() else { return };

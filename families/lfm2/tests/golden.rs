@@ -62,7 +62,10 @@ fn collect(mut s: RequestStream) -> (Vec<u32>, usize) {
     while let Some(e) = s.blocking_next() {
         match e {
             GenerationEvent::Text { tokens: t, .. } => tokens.extend(t),
-            GenerationEvent::Started { .. } | GenerationEvent::PromptProgress { .. } => {}
+            GenerationEvent::Started { .. }
+            | GenerationEvent::PromptProgress { .. }
+            | GenerationEvent::PromptLogprobs(_)
+            | GenerationEvent::EndToken(_) => {}
             GenerationEvent::Done { usage, .. } => cached = usage.cached_tokens,
             GenerationEvent::Error(e) => panic!("request failed: {e}"),
         }

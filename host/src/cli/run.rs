@@ -205,7 +205,10 @@ fn stream_answer(stream: &mut RequestStream) -> Result<(String, FinishReason, Us
                 }
                 text.push_str(&piece);
             }
-            GenerationEvent::Started { .. } | GenerationEvent::PromptProgress { .. } => {}
+            GenerationEvent::Started { .. }
+            | GenerationEvent::PromptProgress { .. }
+            | GenerationEvent::PromptLogprobs(_)
+            | GenerationEvent::EndToken(_) => {}
             GenerationEvent::Done { finish, usage } => return Ok((text, finish, usage)),
             GenerationEvent::Error(e) => bail!("{e}"),
         }

@@ -17,6 +17,15 @@ pub const TOKENIZER_BYTES_PER_FILE_BYTE: u64 = 10;
 /// Prompt tokens computed per step (activations scale with it).
 pub const PREFILL_CHUNK: u64 = 512;
 
+/// Most bytes of logits rows a step brings back to score a prompt (`echo` with `logprobs`): a
+/// scored prompt is computed in chunks of as many rows as fit (at least one).
+pub const SCORING_ROWS_BYTES: u64 = 8 * 1024 * 1024;
+
+/// The prompt tokens of one scored chunk for a vocabulary of `vocab` logits.
+pub fn scoring_chunk(vocab: usize) -> usize {
+    (SCORING_ROWS_BYTES as usize / (vocab.max(1) * 4)).max(1)
+}
+
 #[derive(Debug, Clone, Serialize)]
 pub struct MemoryEstimate {
     pub weight_bytes: u64,
@@ -59,10 +68,11 @@ impl MemoryEstimate {
         let plan =
             KvPlan::new(info, ctx_size as usize, 16, parallel as usize, PREFILL_CHUNK as usize, pool_seqs as usize);
         let kv_bytes = plan.bytes(info, cache_types);
-        // One prefill chunk of activations plus the logits rows, plus CPU-side scratch slack.
+        // One prefill chunk of activations plus the logits rows (one per sequence, and a scored
+        // prompt's), plus CPU-side scratch slack.
         let chunk = PREFILL_CHUNK.min(ctx_size.max(1));
-        let activation_bytes =
-            info.activation_bytes_per_token * chunk * 2 + info.vocab_size as u64 * 4 * parallel + 16 * 1024 * 1024;
+        let logits_bytes = info.vocab_size as u64 * 4 * parallel + SCORING_ROWS_BYTES;
+        let activation_bytes = info.activation_bytes_per_token * chunk * 2 + logits_bytes + 16 * 1024 * 1024;
         let total = weight_bytes + kv_bytes + activation_bytes;
         MemoryEstimate {
             weight_bytes,

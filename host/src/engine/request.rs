@@ -28,6 +28,11 @@ pub struct GenerationRequest {
     pub cache_prompt: bool,
     /// Report the chosen token's log-probability and this many alternatives per token (None = off).
     pub logprobs: Option<usize>,
+    /// Score the prompt: each prompt token's log-probability given the tokens before it (the first
+    /// has none) and this many alternatives per token (None = off), sent as one
+    /// [`GenerationEvent::PromptLogprobs`] before any text. A scored prompt is computed whole: it
+    /// reuses no cached prefix.
+    pub prompt_logprobs: Option<usize>,
     /// Give up after this long (None = no limit); the request ends with [`FinishReason::Cancelled`].
     pub timeout: Option<Duration>,
     /// A cap on a reasoning model's thought (None = the model thinks as long as it likes).
@@ -54,6 +59,7 @@ impl GenerationRequest {
             ignore_eos: false,
             cache_prompt: true,
             logprobs: None,
+            prompt_logprobs: None,
             timeout: None,
             thought_budget: None,
             shown_special: Vec::new(),
@@ -100,9 +106,16 @@ pub enum GenerationEvent {
     /// `processed` of the prompt's `total` tokens are in the KV, `cached` of them from the prefix
     /// cache, `elapsed` since admission.
     PromptProgress { processed: usize, total: usize, cached: usize, elapsed: Duration },
+    /// The log-probabilities of the prompt's tokens after the first, in order (sent once, before any
+    /// text, to a request that asked for [`GenerationRequest::prompt_logprobs`]).
+    PromptLogprobs(Vec<TokenLogprob>),
     /// New text (already through the streaming detokenizer and the stop-string matcher; may be empty
     /// when a token only completes a multi-byte character later) and the token ids behind it.
     Text { text: String, tokens: Vec<u32>, logprobs: Vec<TokenLogprob> },
+    /// The token that ended the answer as an end of sequence does (it adds no text, and is no token
+    /// of the answer's) with its log-probability: sent, to a request that asked for logprobs, just
+    /// before `Done`, for the dialects that list it (OpenAI's legacy completions, llama-server's).
+    EndToken(TokenLogprob),
     /// The request ended.
     Done { finish: FinishReason, usage: Usage },
     /// The request failed; nothing more follows.

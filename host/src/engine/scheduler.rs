@@ -20,6 +20,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::generate::FinishReason;
 use super::kv_cache::{KvCache, SeqBlocks};
+use super::memory::scoring_chunk;
 use super::prefix_cache::{PrefixCache, ROOT};
 use super::request::{EngineError, GenerationEvent, GenerationRequest, TokenLogprob, Usage};
 use super::runner::{Logits, ModelRunner, RowsWanted, SeqChunk, StepRows};
@@ -311,6 +312,8 @@ struct Sequence {
     offered_key: u64,
     cache_prompt: bool,
     logprobs: Option<usize>,
+    /// The prompt's scores, where the request asked for them.
+    scores: Option<PromptScores>,
     sampler: Sampler,
     text: StreamingText,
     events: UnboundedSender<GenerationEvent>,
@@ -328,7 +331,42 @@ struct Sequence {
     constraint: Option<Constraint>,
 }
 
+/// A scored prompt's log-probabilities so far: kept across a preemption (what was scored is not
+/// scored again), sent once every prompt token after the first has its score.
+struct PromptScores {
+    /// Alternatives per token.
+    top: usize,
+    /// Of prompt tokens `1..`, in order.
+    scores: Vec<TokenLogprob>,
+    sent: bool,
+}
+
+impl PromptScores {
+    /// The prompt position whose logits row scores the next token still to score.
+    fn next_row(&self) -> usize {
+        self.scores.len()
+    }
+}
+
 impl Sequence {
+    /// Whether the chunk of `n` tokens from the KV's end computes a logits row that scores a prompt
+    /// token (the row of position `p` scores token `p + 1`).
+    fn scores_in(&self, n: usize) -> bool {
+        self.scores.as_ref().is_some_and(|sc| {
+            let (first, end) = (self.kv.len, self.kv.len + n);
+            !sc.sent && end > sc.next_row() && first + 1 < self.prompt_len
+        })
+    }
+
+    /// Most tokens of its next chunk: a prompt still to score is computed in chunks whose logits rows
+    /// fit [`SCORING_ROWS_BYTES`](super::memory::SCORING_ROWS_BYTES).
+    fn chunk_cap(&self, vocab: usize) -> usize {
+        match &self.scores {
+            Some(sc) if !sc.sent => scoring_chunk(vocab),
+            _ => usize::MAX,
+        }
+    }
+
     /// The grammar that holds the next token: none while a thought goes on (the answer's grammar
     /// holds what follows the thought, as a thought is free text).
     fn held(&mut self) -> Option<&mut Constraint> {
@@ -497,6 +535,11 @@ impl<M: StepModel> Scheduler<M> {
             offered_key: ROOT,
             cache_prompt: r.cache_prompt,
             logprobs: r.logprobs.map(|n| n.min(self.model.vocab_size())),
+            scores: r.prompt_logprobs.map(|n| PromptScores {
+                top: n.min(self.model.vocab_size()),
+                scores: Vec::new(),
+                sent: false,
+            }),
             sampler,
             text: StreamingText::new(&r.stop, r.ignore_eos, r.max_tokens)
                 .showing(r.shown_special)
@@ -653,7 +696,8 @@ impl<M: StepModel> Scheduler<M> {
             // Reuse whole cached pages, but always compute the last token (its logits are needed) in a
             // page this sequence owns.
             let reusable = (seq.tokens.len() - 1) / bs;
-            let reuse = self.reuse_prefixes && seq.cache_prompt;
+            // A scored prompt computes every row (its pages are still offered to the cache).
+            let reuse = self.reuse_prefixes && seq.cache_prompt && seq.scores.is_none();
             let hit =
                 if reuse { self.cache.lookup(&seq.tokens[..reusable * bs], reusable) } else { Default::default() };
             if reuse && self.computing_shared_pages(seq, hit.pages.len()) {
@@ -749,6 +793,7 @@ impl<M: StepModel> Scheduler<M> {
     /// Returns `(index in running, tokens)` in `running` order.
     fn plan(&mut self) -> Vec<(usize, usize)> {
         let mut budget = self.opts.step_tokens();
+        let vocab = self.model.vocab_size();
         let mut planned = vec![0usize; self.running.len()];
         for decodes in [true, false] {
             let mut i = 0;
@@ -758,7 +803,8 @@ impl<M: StepModel> Scheduler<M> {
                     i += 1;
                     continue;
                 }
-                if let Some(n) = self.grow(i, pending.min(budget)) {
+                let cap = self.running[i].chunk_cap(vocab);
+                if let Some(n) = self.grow(i, pending.min(budget).min(cap)) {
                     planned[i] = n;
                     budget -= n;
                     i += 1;
@@ -840,12 +886,25 @@ impl<M: StepModel> Scheduler<M> {
                     let needed = if whole { None } else { s.sampler.top_k_needed() };
                     top_k = top_k.zip(needed).map(|(a, b)| a.max(b));
                 }
-                SeqChunk {
-                    blocks: &s.kv,
-                    tokens: &s.tokens[s.kv.len..s.kv.len + n],
-                    start_pos: s.kv.len,
-                    logits: if samples { Logits::Last } else { Logits::None },
-                }
+                let logits = if s.scores_in(n) {
+                    // Scores are log-softmaxes of whole rows.
+                    top_k = None;
+                    Logits::All
+                } else if samples {
+                    Logits::Last
+                } else {
+                    Logits::None
+                };
+                SeqChunk { blocks: &s.kv, tokens: &s.tokens[s.kv.len..s.kv.len + n], start_pos: s.kv.len, logits }
+            })
+            .collect();
+        // Each chunk's logits rows, and whether they score its prompt.
+        let row_counts: Vec<(usize, bool)> = chunks
+            .iter()
+            .map(|c| match c.logits {
+                Logits::All => (c.tokens.len(), true),
+                Logits::Last => (1, false),
+                Logits::None => (0, false),
             })
             .collect();
         let want = match top_k {
@@ -879,8 +938,14 @@ impl<M: StepModel> Scheduler<M> {
         let mut row_index = 0;
         let mut ended = Vec::new();
         let mut rows = rows;
-        for &(i, n) in plan {
+        for (&(i, n), &(row_count, scoring)) in plan.iter().zip(&row_counts) {
             let seq = &mut self.running[i];
+            if scoring {
+                if let StepRows::Full(v) = &rows {
+                    let first = row_index * vocab;
+                    score_prompt(seq, v.get(first..first + row_count * vocab).unwrap_or_default(), vocab);
+                }
+            }
             seq.kv.len += n;
             if seq.first_token.is_none() {
                 self.counters.prompt_tokens += n as u64;
@@ -894,9 +959,18 @@ impl<M: StepModel> Scheduler<M> {
             if self.reuse_prefixes && seq.cache_prompt {
                 offer_full_pages(&mut self.cache, seq, page_size);
             }
+            let prompt_len = seq.prompt_len;
+            if let Some(sc) = seq.scores.as_mut().filter(|sc| !sc.sent && sc.next_row() + 1 >= prompt_len) {
+                sc.sent = true;
+                let scores = std::mem::take(&mut sc.scores);
+                seq.send(GenerationEvent::PromptLogprobs(scores));
+            }
             if seq.kv.len < seq.tokens.len() {
+                row_index += row_count;
                 continue;
             }
+            // The sampling row is the chunk's last.
+            row_index += row_count.saturating_sub(1);
             let row = match &mut rows {
                 StepRows::Full(v) => v.chunks_exact_mut(vocab).nth(row_index).map(Row::Full),
                 StepRows::Top { k, ids, values } => {
@@ -968,6 +1042,21 @@ fn offer_full_pages(cache: &mut PrefixCache, seq: &mut Sequence, page_size: usiz
         let tokens = &seq.tokens[p * page_size..(p + 1) * page_size];
         seq.offered_key = cache.insert(seq.offered_key, tokens, p + 1, seq.kv.page(p));
         seq.offered_pages += 1;
+    }
+}
+
+/// Scores the prompt tokens that the logits `rows` (of the positions from the KV's end on, `vocab`
+/// each) predict and that have no score yet.
+fn score_prompt(seq: &mut Sequence, rows: &[f32], vocab: usize) {
+    let Some(sc) = seq.scores.as_mut() else { return };
+    for (j, row) in rows.chunks_exact(vocab).enumerate() {
+        let pos = seq.kv.len + j;
+        if pos != sc.next_row() || pos + 1 >= seq.prompt_len {
+            continue;
+        }
+        let token = seq.tokens[pos + 1];
+        let (lse, top) = log_softmax_top(row, sc.top);
+        sc.scores.push(TokenLogprob { token, logprob: row[token as usize] - lse, top });
     }
 }
 
@@ -1045,13 +1134,17 @@ fn sample_next(
         seq.tokens.push(token);
         seq.last_token = Some(now);
         tokens.push(token);
-        if let (Some(n), Some(model_row)) = (seq.logprobs, model_row) {
-            let (lse, top) = log_softmax_top(&model_row, n);
+        if let (Some(n), Some(model_row)) = (seq.logprobs, &model_row) {
+            let (lse, top) = log_softmax_top(model_row, n);
             logprobs.push(TokenLogprob { token, logprob: model_row[token as usize] - lse, top });
         }
     }
     if !step.text.is_empty() || !tokens.is_empty() {
         seq.send(GenerationEvent::Text { text: step.text, tokens, logprobs });
+    }
+    if let (false, Some(n), Some(model_row)) = (step.accepted, seq.logprobs, &model_row) {
+        let (lse, top) = log_softmax_top(model_row, n);
+        seq.send(GenerationEvent::EndToken(TokenLogprob { token, logprob: model_row[token as usize] - lse, top }));
     }
     if step.finish.is_some() {
         return Ok(step.finish);

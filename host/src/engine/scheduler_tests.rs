@@ -85,9 +85,14 @@ impl CheckingModel {
                 let s = self.slot(c, pos);
                 self.slots[s] = Some((pos, mix(before, t as u64 + 1)));
             }
-            if c.logits == Logits::Last {
-                let (_, digest) = self.slots[self.slot(c, end - 1)].unwrap();
-                out.extend((0..VOCAB as u64).map(|v| (mix(digest, v) >> 40) as f32 / (1u64 << 24) as f32 * 8.0));
+            let rows = match c.logits {
+                Logits::All => c.start_pos..end,
+                Logits::Last => end - 1..end,
+                Logits::None => end..end,
+            };
+            for pos in rows {
+                let (_, digest) = self.slots[self.slot(c, pos)].unwrap();
+                out.extend(logits_row(digest));
             }
         }
         Ok(out)
@@ -132,6 +137,11 @@ impl StepModel for CheckingModel {
     }
 }
 
+/// The logits a position holding `digest` (of every token up to it) gives.
+fn logits_row(digest: u64) -> Vec<f32> {
+    (0..VOCAB as u64).map(|v| (mix(digest, v) >> 40) as f32 / (1u64 << 24) as f32 * 8.0).collect()
+}
+
 fn tokenizer() -> Arc<TextTokenizer> {
     let dir = crate::testing::workspace_root().join("families/llama/tests/fixtures/qwen3-f32");
     Arc::new(TextTokenizer::load(&dir, &serde_json::json!({}), None).unwrap())
@@ -163,6 +173,7 @@ struct Outcome {
     finish: Option<FinishReason>,
     usage: Usage,
     error: Option<EngineError>,
+    prompt_scores: Option<Vec<TokenLogprob>>,
 }
 
 struct Client {
@@ -181,6 +192,11 @@ impl Client {
                     self.got.tokens.extend(tokens);
                 }
                 GenerationEvent::Started { .. } | GenerationEvent::PromptProgress { .. } => {}
+                GenerationEvent::EndToken(_) => {}
+                GenerationEvent::PromptLogprobs(scores) => {
+                    assert!(self.got.prompt_scores.is_none() && self.got.tokens.is_empty(), "scores once, first");
+                    self.got.prompt_scores = Some(scores);
+                }
                 GenerationEvent::Done { finish, usage } => {
                     self.got.finish = Some(finish);
                     self.got.usage = usage;
@@ -836,6 +852,67 @@ fn logprobs_are_the_log_softmax_of_the_logits_row() {
     assert!((lse - (4f32).ln()).abs() < 1e-6);
     assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 0, 2]);
     assert!((top[0].1 - (0.5f32).ln()).abs() < 1e-6);
+}
+
+/// Each prompt token's score computed straight from the model's rows: the log-softmax of the row of
+/// the position before it.
+fn expected_scores(prompt: &[u32], top: usize) -> Vec<TokenLogprob> {
+    let mut digest = 0;
+    let mut out = Vec::new();
+    for (p, &t) in prompt.iter().enumerate() {
+        digest = mix(digest, t as u64 + 1);
+        if let Some(&next) = prompt.get(p + 1) {
+            let row = logits_row(digest);
+            let (lse, top) = log_softmax_top(&row, top);
+            out.push(TokenLogprob { token: next, logprob: row[next as usize] - lse, top });
+        }
+    }
+    out
+}
+
+#[test]
+fn prompt_scores_are_each_tokens_log_softmax_whatever_batches_caches_or_preempts_it() {
+    let scored = |p: Vec<u32>, max_tokens| {
+        let mut r = request(p, max_tokens);
+        r.prompt_logprobs = Some(3);
+        r
+    };
+    // Alone, over several prompt chunks beside another request's decode: every token after the
+    // first has its score, sent once before any text, and the answer is the unscored one's.
+    let long = prompt(40, 300);
+    let mut s = scheduler(CheckingModel::new(256, 16, 2048), EngineOptions { ubatch_size: 64, ..opts(2) });
+    let mut c = vec![submit(&mut s, 1, request(prompt(41, 5), 30)).unwrap()];
+    s.step();
+    c.push(submit(&mut s, 2, scored(long.clone(), 4)).unwrap());
+    drain(&mut s, &mut c);
+    assert_eq!(c[1].got.prompt_scores.as_deref(), Some(&expected_scores(&long, 3)[..]));
+    same_answer(&c[1].got, &solo(&request(long.clone(), 4)));
+    assert_eq!(c[0].got.prompt_scores, None);
+    same_answer(&c[0].got, &solo(&request(prompt(41, 5), 30)));
+
+    // A cached prefix is not reused for a scored prompt (its rows are needed), and max_tokens 0
+    // scores without generating; a one-token prompt has nothing to score.
+    let mut c =
+        vec![submit(&mut s, 3, scored(long.clone(), 0)).unwrap(), submit(&mut s, 4, scored(vec![9], 2)).unwrap()];
+    drain(&mut s, &mut c);
+    assert_eq!(c[0].got.usage.cached_tokens, 0);
+    assert_eq!(c[0].got.prompt_scores.as_deref(), Some(&expected_scores(&long, 3)[..]));
+    assert!(c[0].got.tokens.is_empty() && c[0].got.finish == Some(FinishReason::Length));
+    assert_eq!(c[1].got.prompt_scores, Some(vec![]));
+    assert_eq!(c[1].got.tokens.len(), 2);
+
+    // Preempted part way (a pool too small for all three), each is scored once, whole.
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(50 + i, 14)).collect();
+    let mut s = scheduler(CheckingModel::new(10, 4, 256), EngineOptions { ubatch_size: 8, ..opts(3) });
+    let mut c: Vec<Client> =
+        prompts.iter().enumerate().map(|(i, p)| submit(&mut s, i as u64, scored(p.clone(), 12)).unwrap()).collect();
+    drain(&mut s, &mut c);
+    assert!(s.stats().counters.preemptions > 0);
+    for (c, p) in c.iter().zip(&prompts) {
+        assert_eq!(c.got.prompt_scores.as_deref(), Some(&expected_scores(p, 3)[..]));
+        same_answer(&c.got, &solo(&request(p.clone(), 12)));
+    }
+    assert_no_leak(&s);
 }
 
 #[test]

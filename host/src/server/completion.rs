@@ -33,6 +33,8 @@ pub struct Job {
     pub ignore_eos: bool,
     pub cache_prompt: Option<bool>,
     pub logprobs: Option<usize>,
+    /// Score the prompt too, with this many alternatives per token.
+    pub prompt_logprobs: Option<usize>,
     pub thought_budget: Option<ThoughtBudget>,
     /// Special tokens whose text the answer keeps (tags the dialect reads back).
     pub shown_special: Vec<u32>,
@@ -56,6 +58,7 @@ impl Job {
             ignore_eos,
             cache_prompt,
             logprobs,
+            prompt_logprobs: None,
             thought_budget,
             shown_special,
             end_tokens,
@@ -108,6 +111,7 @@ impl Job {
         r.ignore_eos = self.ignore_eos;
         r.cache_prompt = state.config.cache_prompt && self.cache_prompt.unwrap_or(true);
         r.logprobs = self.logprobs;
+        r.prompt_logprobs = self.prompt_logprobs;
         r.thought_budget = self.thought_budget;
         r.shown_special = self.shown_special;
         r.end_tokens = self.end_tokens;
@@ -183,6 +187,8 @@ pub async fn run_all(
                     text,
                     tokens,
                     logprobs,
+                    prompt_logprobs: None,
+                    end_token: None,
                     ending: Ending::Cancelled,
                     usage: Usage::default(),
                     slot: 0,
@@ -232,6 +238,10 @@ pub struct Completion {
     pub text: String,
     pub tokens: Vec<u32>,
     pub logprobs: Vec<TokenLogprob>,
+    /// The prompt's scores (tokens after the first), where the request asked for them.
+    pub prompt_logprobs: Option<Vec<TokenLogprob>>,
+    /// The end-of-sequence token that ended it, with its logprob (where logprobs were asked for).
+    pub end_token: Option<TokenLogprob>,
     pub ending: Ending,
     pub usage: Usage,
     /// The engine's slot that served it.
@@ -283,10 +293,13 @@ pub async fn collect(
 ) -> Result<Completion, ApiError> {
     let mut got = Received::default();
     let mut slot = 0;
+    let (mut prompt_logprobs, mut end_token) = (None, None);
     while let Some(ev) = events.recv().await {
         match ev {
             GenerationEvent::Started { slot: s, .. } => slot = s,
             GenerationEvent::PromptProgress { .. } => {}
+            GenerationEvent::PromptLogprobs(scores) => prompt_logprobs = Some(scores),
+            GenerationEvent::EndToken(lp) => end_token = Some(lp),
             GenerationEvent::Text { text, tokens, logprobs } => got.push(&text, &tokens, &logprobs),
             GenerationEvent::Done { finish, usage } => {
                 let ending = got.ending(finish, stops, tok);
@@ -299,7 +312,7 @@ pub async fn collect(
                     got.logprobs.truncate(within);
                 }
                 let (text, tokens, logprobs) = (got.text, got.tokens, got.logprobs);
-                return Ok(Completion { text, tokens, logprobs, ending, usage, slot });
+                return Ok(Completion { text, tokens, logprobs, prompt_logprobs, end_token, ending, usage, slot });
             }
             GenerationEvent::Error(e) => {
                 state.metrics.failed();
@@ -434,7 +447,16 @@ pub trait StreamDialect: Send + 'static {
     fn progress(&mut self, _live: &Live, _progress: serde_json::Value) -> Vec<Event> {
         vec![]
     }
+    /// The prompt's scores came (to a request that asked for them), before any text; nothing by default.
+    fn prompt_logprobs(&mut self, _scores: &[TokenLogprob], _live: &Live) -> Vec<Event> {
+        vec![]
+    }
     fn text(&mut self, text: &str, tokens: &[u32], logprobs: &[TokenLogprob], live: &Live) -> Vec<Event>;
+    /// The end-of-sequence token that ended the answer, with its logprob (where asked for); nothing
+    /// by default (OpenAI's chat and Anthropic list no such token).
+    fn end_token(&mut self, _token: &TokenLogprob, _live: &Live) -> Vec<Event> {
+        vec![]
+    }
     fn done(&mut self, ending: &Ending, usage: &Usage, live: &Live) -> Vec<Event>;
     /// After every request of the stream is done (the first request's dialect writes it): `total`
     /// is their usage summed. Nothing by default.
@@ -626,6 +648,8 @@ impl<D: StreamDialect> Relay<D> {
             Some(GenerationEvent::PromptProgress { processed, total, cached, elapsed }) => {
                 out.extend(self.dialect.progress(live, prompt_progress(processed, total, cached, elapsed)))
             }
+            Some(GenerationEvent::PromptLogprobs(scores)) => out.extend(self.dialect.prompt_logprobs(&scores, live)),
+            Some(GenerationEvent::EndToken(lp)) => out.extend(self.dialect.end_token(&lp, live)),
             Some(GenerationEvent::Text { text, tokens, logprobs }) => {
                 self.got.push(&text, &tokens, &logprobs);
                 live.generated += tokens.len();

@@ -452,7 +452,9 @@ async fn completion_inner(
             "timings": timings(&c.usage),
         });
         if with_probs {
-            out["completion_probabilities"] = probabilities(&model.text, &c.logprobs);
+            // The end-of-sequence token it ended at is listed too, as llama-server lists it.
+            let all: Vec<TokenLogprob> = c.logprobs.iter().chain(&c.end_token).cloned().collect();
+            out["completion_probabilities"] = probabilities(&model.text, &all);
         }
         if let Some(fields) = &response_fields {
             out = pick_fields(&out, fields);
@@ -543,6 +545,14 @@ impl StreamDialect for CompletionStream {
         }
         self.extras.add_timings(&mut v, live);
         vec![data(&v)]
+    }
+
+    /// A chunk of no text for the end-of-sequence token, as llama-server streams it.
+    fn end_token(&mut self, token: &TokenLogprob, live: &Live) -> Vec<Event> {
+        match self.with_probs {
+            true => self.text("", &[], std::slice::from_ref(token), live),
+            false => vec![],
+        }
     }
 
     fn done(&mut self, ending: &Ending, usage: &Usage, live: &Live) -> Vec<Event> {

@@ -486,25 +486,58 @@ fn chat_logprobs(tok: &TextTokenizer, lps: &[TokenLogprob]) -> Value {
     json!({ "content": content })
 }
 
-/// Legacy completions logprobs: parallel lists. `text_offset` counts characters from `start_offset`:
-/// a token's offset is the number of characters begun before its bytes.
-fn completion_logprobs(tok: &TextTokenizer, lps: &[TokenLogprob], start_offset: usize) -> Value {
-    let mut offset = start_offset;
-    let mut tokens = vec![];
-    let mut token_logprobs = vec![];
-    let mut top = vec![];
-    let mut offsets = vec![];
-    for l in lps {
-        offsets.push(offset);
-        // Every byte but a UTF-8 continuation byte begins a character.
-        offset += tok.token_bytes(l.token).iter().filter(|&&b| b & 0xC0 != 0x80).count();
-        tokens.push(token_label(tok, l.token));
-        token_logprobs.push(l.logprob);
-        let m: serde_json::Map<String, Value> =
-            l.top.iter().map(|(id, lp)| (token_label(tok, *id), json!(lp))).collect();
-        top.push(Value::Object(m));
+/// Legacy completions logprobs: parallel lists, token by token. `text_offset` counts characters
+/// from where it starts: a token's offset is the number of characters begun before its bytes.
+struct LegacyLogprobs<'a> {
+    tok: &'a TextTokenizer,
+    offset: usize,
+    tokens: Vec<String>,
+    token_logprobs: Vec<Value>,
+    top: Vec<Value>,
+    offsets: Vec<usize>,
+}
+
+impl<'a> LegacyLogprobs<'a> {
+    fn new(tok: &'a TextTokenizer, start_offset: usize) -> Self {
+        let (tokens, token_logprobs, top, offsets) = (vec![], vec![], vec![], vec![]);
+        LegacyLogprobs { tok, offset: start_offset, tokens, token_logprobs, top, offsets }
     }
-    json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
+
+    /// An echoed prompt: its first token (which has no score, `null` as in OpenAI's answer), then
+    /// the scores of the others.
+    fn prompt(mut self, first: Option<u32>, scores: &[TokenLogprob]) -> Self {
+        if let Some(id) = first {
+            self.token(id, Value::Null, Value::Null);
+        }
+        self.scored(scores)
+    }
+
+    fn scored(mut self, lps: &[TokenLogprob]) -> Self {
+        for l in lps {
+            let m: serde_json::Map<String, Value> =
+                l.top.iter().map(|(id, lp)| (token_label(self.tok, *id), json!(lp))).collect();
+            self.token(l.token, json!(l.logprob), Value::Object(m));
+        }
+        self
+    }
+
+    fn token(&mut self, id: u32, logprob: Value, top: Value) {
+        self.offsets.push(self.offset);
+        // Every byte but a UTF-8 continuation byte begins a character.
+        self.offset += self.tok.token_bytes(id).iter().filter(|&&b| b & 0xC0 != 0x80).count();
+        self.tokens.push(token_label(self.tok, id));
+        self.token_logprobs.push(logprob);
+        self.top.push(top);
+    }
+
+    fn json(self) -> Value {
+        let LegacyLogprobs { tokens, token_logprobs, top, offsets, .. } = self;
+        json!({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets})
+    }
+}
+
+fn completion_logprobs(tok: &TextTokenizer, lps: &[TokenLogprob], start_offset: usize) -> Value {
+    LegacyLogprobs::new(tok, start_offset).scored(lps).json()
 }
 
 /// The answers per prompt that `field` (`n`, or llama-server's `n_cmpl`) asks for; streamed, each
@@ -1060,9 +1093,6 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
         if k > 5 {
             return Err(ApiError::out_of_range("logprobs", true, true, format!("logprobs must be at most 5, got {k}")));
         }
-        if echo {
-            return Err(ApiError::field("echo", "echo with logprobs (prompt logprobs) is not supported"));
-        }
     }
     let stream = r.stream.unwrap_or(false);
     // llama-server's name for `n` on this route too.
@@ -1089,6 +1119,8 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
         job.cache_prompt = r.cache_prompt;
         job.ignore_eos = r.ignore_eos.unwrap_or(false);
         job.logprobs = r.logprobs.map(|k| k as usize);
+        // Echoed with logprobs, the prompt is scored too (what evaluation harnesses ask for).
+        job.prompt_logprobs = job.logprobs.filter(|_| echo);
         job
     };
 
@@ -1108,7 +1140,8 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
     let asked = Asked { prompt: "prompt", count };
     if stream {
         // Each answer is a choice of its own, its chunks interleaved with the others' by `index`.
-        let lens: Vec<usize> = jobs.iter().map(|j| j.prompt.len()).collect();
+        let lens: Vec<(usize, Option<u32>)> =
+            jobs.iter().map(|j| (j.prompt.len(), j.prompt.first().copied())).collect();
         let texts: Vec<String> = prompts.iter().flat_map(|(text, _)| std::iter::repeat_n(text.clone(), n)).collect();
         let created = unix_time();
         let include_usage = r.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
@@ -1117,7 +1150,7 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
             .zip(texts)
             .zip(lens)
             .enumerate()
-            .map(|(index, (((events, _), text), prompt_tokens))| {
+            .map(|(index, (((events, _), text), (prompt_tokens, first_prompt_token)))| {
                 let dialect = CompletionStream {
                     id: id.clone(),
                     index,
@@ -1126,6 +1159,7 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
                     include_usage,
                     logprobs: r.logprobs.is_some(),
                     echo: echo.then_some(text),
+                    first_prompt_token,
                     offset: 0,
                     tok: model.text.clone(),
                     extras,
@@ -1143,7 +1177,15 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
         let prompt_text = &prompts[i / n].0;
         let text = if echo { format!("{prompt_text}{}", c.text) } else { c.text.clone() };
         let logprobs = match r.logprobs {
-            Some(_) => completion_logprobs(&model.text, &c.logprobs, 0),
+            Some(_) => {
+                let lp = match &c.prompt_logprobs {
+                    Some(scores) => {
+                        LegacyLogprobs::new(&model.text, 0).prompt(prompts[i / n].1.first().copied(), scores)
+                    }
+                    None => LegacyLogprobs::new(&model.text, 0),
+                };
+                lp.scored(&c.logprobs).scored(c.end_token.as_slice()).json()
+            }
             None => Value::Null,
         };
         choices.push(json!({"index": i, "text": text, "logprobs": logprobs, "finish_reason": c.ending.openai()}));
@@ -1174,7 +1216,9 @@ struct CompletionStream {
     model: String,
     include_usage: bool,
     logprobs: bool,
+    /// The prompt, while it is still to be echoed.
     echo: Option<String>,
+    first_prompt_token: Option<u32>,
     offset: usize,
     tok: Arc<TextTokenizer>,
     extras: StreamExtras,
@@ -1199,14 +1243,27 @@ impl CompletionStream {
 
 impl StreamDialect for CompletionStream {
     fn start(&mut self, _live: &Live) -> Vec<Event> {
-        match self.echo.take() {
+        // With logprobs, the echo waits for the prompt's scores and carries them.
+        match self.echo.take_if(|_| !self.logprobs) {
             Some(p) => vec![data(&self.chunk(&p, None, Value::Null))],
             None => vec![],
         }
     }
 
+    fn prompt_logprobs(&mut self, scores: &[TokenLogprob], _live: &Live) -> Vec<Event> {
+        let Some(p) = self.echo.take() else { return vec![] };
+        let lp = LegacyLogprobs::new(&self.tok, 0).prompt(self.first_prompt_token, scores);
+        self.offset = lp.offset;
+        vec![data(&self.chunk(&p, None, lp.json()))]
+    }
+
     fn progress(&mut self, live: &Live, progress: Value) -> Vec<Event> {
         self.extras.progress(self.chunk("", None, Value::Null), progress, live)
+    }
+
+    /// Listed with no text, as OpenAI's legacy completions list an `<|endoftext|>` they end at.
+    fn end_token(&mut self, token: &TokenLogprob, live: &Live) -> Vec<Event> {
+        self.text("", &[], std::slice::from_ref(token), live)
     }
 
     fn text(&mut self, text: &str, _tokens: &[u32], logprobs: &[TokenLogprob], live: &Live) -> Vec<Event> {
