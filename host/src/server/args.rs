@@ -72,6 +72,25 @@ pub struct ServerArgs {
     /// included: raise it for long recordings on slow hardware.
     #[arg(long = "timeout", env = "LLAMA_ARG_TIMEOUT", default_value_t = 600)]
     pub timeout: u64,
+    /// Origins browsers may call the server from: `*` (any), a comma-separated list, or `localhost`
+    /// (an origin on this machine only).
+    #[arg(long = "cors-origins", env = "LLAMA_ARG_CORS_ORIGINS", default_value = "*", value_name = "ORIGINS")]
+    pub cors_origins: String,
+    /// Methods allowed across origins (comma-separated, or `*`).
+    #[arg(long = "cors-methods", env = "LLAMA_ARG_CORS_METHODS", default_value = super::cors::DEFAULT_METHODS,
+          value_name = "METHODS")]
+    pub cors_methods: String,
+    /// Request headers allowed across origins (comma-separated, or `*`).
+    #[arg(long = "cors-headers", env = "LLAMA_ARG_CORS_HEADERS", default_value = "*", value_name = "HEADERS")]
+    pub cors_headers: String,
+    /// Allow credentials (cookies, `Authorization`) across origins (the default; with `*` origins
+    /// the request's origin is named back, as browsers require).
+    #[arg(long = "cors-credentials", env = "LLAMA_ARG_CORS_CREDENTIALS", overrides_with = "no_cors_credentials",
+          value_parser = truthy, num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+    pub cors_credentials: Option<bool>,
+    /// Refuse credentials across origins.
+    #[arg(long = "no-cors-credentials", overrides_with = "cors_credentials")]
+    pub no_cors_credentials: bool,
     /// Serve Prometheus metrics at /metrics.
     #[arg(long = "metrics", env = "LLAMA_ARG_ENDPOINT_METRICS", value_parser = truthy)]
     pub metrics: bool,
@@ -210,6 +229,11 @@ const EVERY_MODEL_FLAGS: &[&str] = &[
     "ssl_key_file",
     "ssl_cert_file",
     "timeout",
+    "cors_origins",
+    "cors_methods",
+    "cors_headers",
+    "cors_credentials",
+    "no_cors_credentials",
     "metrics",
     "slots",
     "no_slots",
@@ -518,6 +542,7 @@ pub struct ServerConfig {
     /// (certificate chain, private key), PEM.
     pub tls: Option<(PathBuf, PathBuf)>,
     pub timeout: Option<Duration>,
+    pub cors: super::cors::CorsConfig,
     pub metrics: bool,
     pub slots: bool,
     pub cache_prompt: bool,
@@ -655,6 +680,12 @@ impl ServerArgs {
             api_keys,
             tls,
             timeout: (self.timeout > 0).then(|| Duration::from_secs(self.timeout)),
+            cors: super::cors::CorsConfig::parse(
+                &self.cors_origins,
+                &self.cors_methods,
+                &self.cors_headers,
+                self.switch("cors_credentials", self.cors_credentials, "no_cors_credentials", self.no_cors_credentials),
+            )?,
             metrics: self.metrics,
             slots: self.switch("slots", self.slots, "no_slots", self.no_slots),
             cache_prompt: self.switch("cache_prompt", self.cache_prompt, "no_cache_prompt", self.no_cache_prompt),

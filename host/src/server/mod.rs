@@ -10,6 +10,7 @@ pub mod args;
 pub mod audio;
 pub mod batch_engine;
 pub mod completion;
+pub mod cors;
 pub mod embeddings;
 pub mod error;
 pub mod fields;
@@ -40,7 +41,6 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use futures_util::StreamExt;
-use tower_http::cors::{AllowHeaders, AllowMethods, Any, CorsLayer};
 use tower_http::limit::RequestBodyLimitLayer;
 use tower_http::trace::{DefaultOnFailure, TraceLayer};
 
@@ -114,14 +114,7 @@ pub fn router(state: Arc<AppState>) -> Router {
         // Each request's own line says its status (a 500's cause is logged where it happens), and
         // `/health` answers 503 while loading: tower-http's failure events stay at debug.
         .layer(TraceLayer::new_for_http().on_failure(DefaultOnFailure::new().level(tracing::Level::DEBUG)))
-        .layer(
-            CorsLayer::new()
-                .allow_origin(Any)
-                .allow_methods(AllowMethods::mirror_request())
-                // Mirrored, not `*`: browsers do not count `Authorization` as covered by a wildcard.
-                .allow_headers(AllowHeaders::mirror_request())
-                .max_age(std::time::Duration::from_secs(3600)),
-        )
+        .layer(state.config.cors.layer())
         .with_state(state)
 }
 
@@ -140,10 +133,11 @@ async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next:
         return next.run(req).await;
     }
     let h = req.headers();
+    // The key alone is taken too, as llama-server takes it.
     let bearer = h
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
+        .map(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")).unwrap_or(v))
         .map(str::trim);
     let x_key = h.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim);
     let given: Vec<&str> = bearer.into_iter().chain(x_key).collect();

@@ -165,6 +165,7 @@ fn config() -> ServerConfig {
         api_keys: vec![],
         tls: None,
         timeout: None,
+        cors: Default::default(),
         metrics: true,
         slots: true,
         cache_prompt: true,
@@ -1401,6 +1402,10 @@ async fn api_keys_by_bearer_or_x_api_key_and_health_stays_public() {
     assert_eq!(r.status(), 401);
     let r = s.client.post(s.url("/v1/chat/completions")).bearer_auth("k2").json(&chat).send().await.unwrap();
     assert_eq!(r.status(), 200);
+    // The key alone, without `Bearer`, as llama-server takes it.
+    let r =
+        s.client.post(s.url("/v1/chat/completions")).header("Authorization", "k2").json(&chat).send().await.unwrap();
+    assert_eq!(r.status(), 200);
     let msg = json!({"max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]});
     let r = s.client.post(s.url("/v1/messages")).json(&msg).send().await.unwrap();
     assert_eq!(r.status(), 401);
@@ -1462,12 +1467,32 @@ async fn unknown_routes_wrong_methods_and_cors_preflight() {
         .await
         .unwrap();
     assert!(r.status().is_success(), "{}", r.status());
-    assert_eq!(r.headers()["access-control-allow-origin"], "*");
+    // llama-server's defaults: any origin, with credentials, so the origin is named back.
+    assert_eq!(r.headers()["access-control-allow-origin"], "http://example.test");
+    assert_eq!(r.headers()["access-control-allow-credentials"], "true");
     // The requested headers named back (a browser does not count `Authorization` as covered by `*`).
     let allowed = r.headers()["access-control-allow-headers"].to_str().unwrap().to_ascii_lowercase();
     assert!(allowed.contains("authorization") && allowed.contains("content-type"), "{allowed}");
     let r = s.client.get(s.url("/health")).header("Origin", "http://example.test").send().await.unwrap();
-    assert_eq!(r.headers()["access-control-allow-origin"], "*");
+    assert_eq!(r.headers()["access-control-allow-origin"], "http://example.test");
+
+    // `--cors-origins localhost --no-cors-credentials`: other origins get no grant.
+    let mut c = config();
+    c.cors = super::cors::CorsConfig::parse("localhost", "GET, POST", "*", false).unwrap();
+    let s = start_with(c, Fake::default(), true).await;
+    let preflight = |origin: &'static str| {
+        s.client
+            .request(reqwest::Method::OPTIONS, s.url("/v1/chat/completions"))
+            .header("Origin", origin)
+            .header("Access-Control-Request-Method", "POST")
+            .send()
+    };
+    let r = preflight("http://localhost:5173").await.unwrap();
+    assert_eq!(r.headers()["access-control-allow-origin"], "http://localhost:5173");
+    assert!(r.headers().get("access-control-allow-credentials").is_none());
+    assert_eq!(r.headers()["access-control-allow-methods"], "GET,POST");
+    let r = preflight("http://example.test").await.unwrap();
+    assert!(r.headers().get("access-control-allow-origin").is_none());
 }
 
 /// At shutdown the engine fails the answers that never started: beside one that had, the client
