@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use axum::Router;
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use hyper_util::service::TowerToHyperService;
 use rustls_pki_types::pem::PemObject;
@@ -17,6 +17,16 @@ use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::net::TcpListener;
 use tokio_rustls::rustls;
 use tokio_rustls::TlsAcceptor;
+
+/// The longest a client may take to send a request's head, or to send the next piece of its body,
+/// before its connection is closed (`--timeout` where that is shorter): requests half sent and
+/// left open would otherwise hold their connections for ever.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// [`READ_TIMEOUT`], or the per-request `--timeout` where shorter.
+pub fn read_timeout(request_timeout: Option<Duration>) -> Duration {
+    request_timeout.map_or(READ_TIMEOUT, |t| t.min(READ_TIMEOUT))
+}
 
 /// How long in-flight requests may run after a shutdown signal before they are cut.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
@@ -46,7 +56,8 @@ pub fn tls_acceptor(cert: &Path, key: &Path) -> Result<TlsAcceptor> {
 /// How long requests cut short at the end of the grace period have to send their last words.
 const CUT_FLUSH: Duration = Duration::from_secs(3);
 
-/// Serves `app` on `listener` until `shutdown` resolves, then shuts down gracefully: requests in
+/// Serves `app` on `listener` until `shutdown` resolves (a request's head must arrive within
+/// `read_timeout`), then shuts down gracefully: requests in
 /// flight may finish for [`SHUTDOWN_GRACE`] (a second signal ends that at once); then `cut` ends
 /// those left as cut short, so each answer still ends in its dialect's shape (a final chunk,
 /// `[DONE]`, `message_stop`), and what has not ended [`CUT_FLUSH`] later is dropped.
@@ -54,6 +65,7 @@ pub async fn serve(
     listener: TcpListener,
     tls: Option<TlsAcceptor>,
     app: Router,
+    read_timeout: Duration,
     shutdown: impl Future<Output = ()>,
     cut: impl FnOnce() + Send + 'static,
 ) {
@@ -77,7 +89,8 @@ pub async fn serve(
         let watcher = graceful.watcher();
         let tls = tls.clone();
         tokio::spawn(async move {
-            let builder = hyper::server::conn::http1::Builder::new();
+            let mut builder = hyper::server::conn::http1::Builder::new();
+            builder.timer(TokioTimer::new()).header_read_timeout(read_timeout);
             let result = match tls {
                 Some(acceptor) => {
                     let stream = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await {

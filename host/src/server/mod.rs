@@ -42,6 +42,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use futures_util::StreamExt;
 use tower_http::limit::RequestBodyLimitLayer;
+use tower_http::timeout::RequestBodyTimeoutLayer;
 use tower_http::trace::{DefaultOnFailure, TraceLayer};
 
 pub use args::{ServerArgs, ServerConfig};
@@ -109,6 +110,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .layer(DefaultBodyLimit::disable())
         .layer(RequestBodyLimitLayer::new(limit))
         .merge(audio::routes(state.config.max_audio_bytes))
+        // A body that stops coming fails its request instead of holding the connection.
+        .layer(RequestBodyTimeoutLayer::new(listen::read_timeout(state.config.timeout)))
         .layer(middleware::from_fn_with_state(state.clone(), require_api_key))
         .layer(middleware::from_fn(log_request))
         // Each request's own line says its status (a 500's cause is logged where it happens), and
@@ -175,7 +178,9 @@ async fn log_request(mut req: Request, next: Next) -> Response {
     let mut resp = next.run(req).await;
     let status = resp.status();
     if (status.is_client_error() || status.is_server_error()) && !is_json(&resp) {
-        resp = reshape_error(status, &path);
+        // (A plain-text error is a line or two: what the layer said, to tell a stalled body by.)
+        let said = axum::body::to_bytes(resp.into_body(), 4096).await.unwrap_or_default();
+        resp = reshape_error(status, &path, &String::from_utf8_lossy(&said));
     }
     let status = resp.status();
     log.update(|f| f.head.as_mut().expect("set above").status = status);
@@ -197,7 +202,17 @@ fn is_json(r: &Response) -> bool {
     r.headers().get(header::CONTENT_TYPE).is_some_and(|v| v.as_bytes().starts_with(b"application/json"))
 }
 
-fn reshape_error(status: StatusCode, path: &str) -> Response {
+/// What tower-http's body timeout says, inside axum's refusal of the body.
+const BODY_TIMED_OUT: &str = "data was not received within the designated timeout";
+
+fn reshape_error(status: StatusCode, path: &str, said: &str) -> Response {
+    if status == StatusCode::BAD_REQUEST && said.contains(BODY_TIMED_OUT) {
+        let message = "the request body stopped arriving before it was complete (the server waits for the next part of a body as long as --timeout, at most 30 s)";
+        let mut r =
+            ApiError::new(ErrorKind::InvalidRequest, message).in_dialect(Dialect::of_path(path)).into_response();
+        *r.status_mut() = StatusCode::REQUEST_TIMEOUT;
+        return r;
+    }
     let (kind, message) = match status {
         StatusCode::PAYLOAD_TOO_LARGE => {
             // The audio routes have their own limit.
@@ -263,6 +278,7 @@ async fn serve(config: ServerConfig) -> Result<()> {
     });
 
     let app = router(state.clone());
+    let read_timeout = listen::read_timeout(state.config.timeout);
     let failure = Arc::new(std::sync::Mutex::new(None::<String>));
     let failed = failure.clone();
     let stop = async move {
@@ -283,7 +299,7 @@ async fn serve(config: ServerConfig) -> Result<()> {
             model.generator.cut_all();
         }
     };
-    listen::serve(listener, tls, app, stop, cut).await;
+    listen::serve(listener, tls, app, read_timeout, stop, cut).await;
     let failure = failure.lock().unwrap().take();
     match failure {
         Some(e) => Err(anyhow::anyhow!(e)),

@@ -259,12 +259,14 @@ async fn start_tokenized(
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let base = format!("http://{}", listener.local_addr().unwrap());
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let read_timeout = listen::read_timeout(state.config.timeout);
     let app = router(state);
     let done = tokio::spawn(async move {
         listen::serve(
             listener,
             None,
             app,
+            read_timeout,
             async {
                 let _ = stopped.await;
             },
@@ -1447,6 +1449,32 @@ async fn oversized_bodies_get_413_in_the_dialect_shape() {
     assert_eq!((status, v["error"]["code"].as_u64()), (413, Some(413)), "{v}");
 }
 
+/// A client that sends half a request and stalls loses its connection after the read timeout
+/// (`--timeout` here): a half-sent head is closed, a half-sent body answered 408.
+#[tokio::test]
+async fn requests_that_stop_arriving_are_dropped() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut c = config();
+    c.timeout = Some(std::time::Duration::from_secs(1));
+    let s = start_with(c, Fake::default(), true).await;
+    let addr = s.base.trim_start_matches("http://").to_string();
+    let send = |bytes: &'static [u8]| {
+        let addr = addr.clone();
+        async move {
+            let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+            tcp.write_all(bytes).await.unwrap();
+            let mut got = Vec::new();
+            let read = tokio::time::timeout(std::time::Duration::from_secs(10), tcp.read_to_end(&mut got)).await;
+            assert!(read.is_ok(), "the connection was still open after 10 s");
+            String::from_utf8_lossy(&got).into_owned()
+        }
+    };
+    assert_eq!(send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n").await, "");
+    let got = send(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{\"mess").await;
+    assert!(got.starts_with("HTTP/1.1 408"), "{got}");
+    assert!(got.contains("stopped arriving"), "{got}");
+}
+
 #[tokio::test]
 async fn unknown_routes_wrong_methods_and_cors_preflight() {
     let s = start().await;
@@ -1633,7 +1661,14 @@ async fn https_with_a_pem_certificate() {
     let state = AppState::new(config());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
-    tokio::spawn(listen::serve(listener, Some(acceptor), router(state), std::future::pending(), || {}));
+    tokio::spawn(listen::serve(
+        listener,
+        Some(acceptor),
+        router(state),
+        listen::READ_TIMEOUT,
+        std::future::pending(),
+        || {},
+    ));
     let ca = reqwest::Certificate::from_pem(&std::fs::read(&cert).unwrap()).unwrap();
     let client = reqwest::Client::builder().add_root_certificate(ca).build().unwrap();
     let r = client.get(format!("https://localhost:{port}/health")).send().await.unwrap();
