@@ -33,6 +33,9 @@ pub struct GenerationRequest {
     /// [`GenerationEvent::PromptLogprobs`] before any text. A scored prompt is computed whole: it
     /// reuses no cached prefix.
     pub prompt_logprobs: Option<usize>,
+    /// The slot to run in (llama-server's `id_slot`; taken modulo the slots, as there): the request
+    /// waits for that slot (None: any free slot).
+    pub slot: Option<usize>,
     /// Give up after this long (None = no limit); the request ends with [`FinishReason::Cancelled`].
     pub timeout: Option<Duration>,
     /// A cap on a reasoning model's thought (None = the model thinks as long as it likes).
@@ -60,6 +63,7 @@ impl GenerationRequest {
             cache_prompt: true,
             logprobs: None,
             prompt_logprobs: None,
+            slot: None,
             timeout: None,
             thought_budget: None,
             shown_special: Vec::new(),

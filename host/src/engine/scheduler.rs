@@ -326,6 +326,8 @@ struct Sequence {
     /// Prompt tokens the first admission found in the prefix cache.
     cached_tokens: usize,
     slot: Option<usize>,
+    /// The slot it must run in, if it asked for one.
+    pinned: Option<usize>,
     thought: Option<Thought>,
     /// The grammar its tokens must follow, if any (whole rows are then sampled, masked by it).
     constraint: Option<Constraint>,
@@ -555,6 +557,7 @@ impl<M: StepModel> Scheduler<M> {
             last_token: None,
             cached_tokens: 0,
             slot: None,
+            pinned: r.slot.map(|s| s % self.opts.parallel.max(1)),
             thought: r.thought_budget.map(Thought::new),
             constraint: r.constraint,
         });
@@ -689,10 +692,15 @@ impl<M: StepModel> Scheduler<M> {
             let pool = self.model.kv_cache();
             self.running.iter().map(|r| pool.pages_for(r.tokens.len()).saturating_sub(r.kv.num_pages())).sum()
         };
-        // Requests passed over keep their place and a slot each.
-        let mut next = 0;
-        while self.running.len() + next < self.opts.parallel {
+        // Requests passed over keep their place; those waiting on shared pages keep a slot each too
+        // (`kept`), those waiting for the slot they asked for none.
+        let (mut next, mut kept) = (0, 0);
+        while self.running.len() + kept < self.opts.parallel {
             let Some(seq) = self.waiting.get(next) else { break };
+            if seq.pinned.is_some_and(|s| !self.free_slots.contains(&s)) {
+                next += 1;
+                continue;
+            }
             // Reuse whole cached pages, but always compute the last token (its logits are needed) in a
             // page this sequence owns.
             let reusable = (seq.tokens.len() - 1) / bs;
@@ -704,6 +712,7 @@ impl<M: StepModel> Scheduler<M> {
                 // It finds those pages cached a step or so later; the requests behind it need not
                 // wait for them, but leave it a slot.
                 next += 1;
+                kept += 1;
                 continue;
             }
             let pool = self.model.kv_cache();
@@ -727,7 +736,13 @@ impl<M: StepModel> Scheduler<M> {
             let pool = self.model.kv_cache();
             committed += pool.pages_for(seq.tokens.len()).saturating_sub(seq.kv.num_pages());
             self.counters.cache_hit_tokens += reused as u64;
-            seq.slot = self.free_slots.pop();
+            seq.slot = match seq.pinned {
+                Some(s) => {
+                    self.free_slots.retain(|&f| f != s);
+                    Some(s)
+                }
+                None => self.free_slots.pop(),
+            };
             if seq.admitted.is_none() {
                 seq.admitted = Some(Instant::now());
                 seq.cached_tokens = reused;

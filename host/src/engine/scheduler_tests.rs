@@ -174,6 +174,8 @@ struct Outcome {
     usage: Usage,
     error: Option<EngineError>,
     prompt_scores: Option<Vec<TokenLogprob>>,
+    /// The slot it ran in (its last admission's).
+    slot: Option<usize>,
 }
 
 struct Client {
@@ -191,8 +193,8 @@ impl Client {
                     self.got.text.push_str(&text);
                     self.got.tokens.extend(tokens);
                 }
-                GenerationEvent::Started { .. } | GenerationEvent::PromptProgress { .. } => {}
-                GenerationEvent::EndToken(_) => {}
+                GenerationEvent::Started { slot, .. } => self.got.slot = Some(slot),
+                GenerationEvent::PromptProgress { .. } | GenerationEvent::EndToken(_) => {}
                 GenerationEvent::PromptLogprobs(scores) => {
                     assert!(self.got.prompt_scores.is_none() && self.got.tokens.is_empty(), "scores once, first");
                     self.got.prompt_scores = Some(scores);
@@ -912,6 +914,30 @@ fn prompt_scores_are_each_tokens_log_softmax_whatever_batches_caches_or_preempts
         assert_eq!(c.got.prompt_scores.as_deref(), Some(&expected_scores(p, 3)[..]));
         same_answer(&c.got, &solo(&request(p.clone(), 12)));
     }
+    assert_no_leak(&s);
+}
+
+#[test]
+fn a_request_for_a_slot_waits_for_that_slot_and_no_other() {
+    let pinned = |slot| {
+        let mut r = request(prompt(60 + slot as u64, 6), 8);
+        r.slot = Some(slot);
+        r
+    };
+    let mut s = scheduler(CheckingModel::new(64, 16, 1024), opts(3));
+    // Slot 4 of three is slot 1, as llama-server wraps it.
+    let mut c = vec![
+        submit(&mut s, 1, pinned(1)).unwrap(),
+        submit(&mut s, 2, pinned(4)).unwrap(),
+        submit(&mut s, 3, request(prompt(63, 6), 8)).unwrap(),
+        submit(&mut s, 4, pinned(2)).unwrap(),
+    ];
+    s.step();
+    c.iter_mut().for_each(Client::poll);
+    assert_eq!(c.iter().map(|c| c.got.slot).collect::<Vec<_>>(), [Some(1), None, Some(0), Some(2)]);
+    drain(&mut s, &mut c);
+    assert_eq!(c[1].got.slot, Some(1), "it ran once its slot was free");
+    same_answer(&c[1].got, &solo(&request(prompt(64, 6), 8)));
     assert_no_leak(&s);
 }
 

@@ -479,6 +479,7 @@ async fn messages_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> R
     llama_samplers.apply(&mut sampling)?;
     let prompt_tokens = prompt.len();
     let mut job = Job::new(prompt, sampling);
+    job.slot = llama_samplers.slot()?;
     if let Some(b) = &r.logit_bias {
         job.sampling.logit_bias = logit_bias(b, model, true)?;
     }

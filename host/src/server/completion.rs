@@ -35,6 +35,8 @@ pub struct Job {
     pub logprobs: Option<usize>,
     /// Score the prompt too, with this many alternatives per token.
     pub prompt_logprobs: Option<usize>,
+    /// The slot to run in (None: any).
+    pub slot: Option<usize>,
     pub thought_budget: Option<ThoughtBudget>,
     /// Special tokens whose text the answer keeps (tags the dialect reads back).
     pub shown_special: Vec<u32>,
@@ -59,6 +61,7 @@ impl Job {
             cache_prompt,
             logprobs,
             prompt_logprobs: None,
+            slot: None,
             thought_budget,
             shown_special,
             end_tokens,
@@ -74,6 +77,11 @@ impl Job {
         let mut j = self.clone();
         if let Some(s) = j.sampling.seed {
             j.sampling.seed = Some(s.wrapping_add(i as u64));
+        }
+        // Only the first keeps the slot asked for; the others run where there is room, as
+        // llama-server's child tasks do.
+        if i > 0 {
+            j.slot = None;
         }
         j
     }
@@ -112,6 +120,7 @@ impl Job {
         r.cache_prompt = state.config.cache_prompt && self.cache_prompt.unwrap_or(true);
         r.logprobs = self.logprobs;
         r.prompt_logprobs = self.prompt_logprobs;
+        r.slot = self.slot;
         r.thought_budget = self.thought_budget;
         r.shown_special = self.shown_special;
         r.end_tokens = self.end_tokens;

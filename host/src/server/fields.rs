@@ -124,8 +124,8 @@ fn inert(name: &str, v: &Value, body: &Map<String, Value>) -> Option<Result<(), 
         // Tokens kept when the context shifts: this server never shifts (generation stops at the end
         // of the context), as llama-server without --context-shift.
         "n_keep" => ok(v.is_null() || v.is_i64(), "expected an integer"),
-        // A slot asked for by id (llama.vim asks for slot 0): llama-server waits for that slot to reuse
-        // its cache; here every slot reads one shared prefix cache, so any slot gives that reuse.
+        // A slot asked for by id: the generating routes run the request there (see `samplers`);
+        // inert elsewhere, as in llama-server.
         "id_slot" | "slot_id" => ok(v.as_i64().is_some_and(|s| s >= -1), "expected a slot id (-1: any)"),
         // llama-server parses this but does not act on it (a TODO there); editors send it.
         "t_max_prompt_ms" => ok(v.is_number(), "expected a number"),

@@ -403,6 +403,10 @@ async fn completion_inner(
         }
     }
 
+    // The first answer runs in the slot asked for, the others where there is room.
+    if let Some(first) = jobs.first_mut() {
+        first.slot = llama_samplers.slot()?;
+    }
     // (n_cmpl alone is held to the slots: too many answers come from the list of prompts.)
     let asked = Asked { prompt: "prompt", count: "prompt" };
     if stream {

@@ -755,6 +755,7 @@ async fn chat_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> Resul
     let mut sampling = sampling_fields!(r).apply(&model.facts.default_sampling, model.facts.ctx_size)?;
     llama_samplers.apply(&mut sampling)?;
     let mut job = Job::new(prompt, sampling);
+    job.slot = llama_samplers.slot()?;
     if let Some(b) = &r.logit_bias {
         job.sampling.logit_bias = logit_bias(b, model, true)?;
     }
@@ -1129,6 +1130,11 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
     for (_, ids) in &prompts {
         let job = make_job(ids.clone());
         jobs.extend((0..n).map(|i| job.with_seed_offset(i)));
+    }
+    // The first answer runs in the slot asked for, the others where there is room (as llama-server's
+    // child tasks).
+    if let Some(first) = jobs.first_mut() {
+        first.slot = llama_samplers.slot()?;
     }
     let count = if n == 1 {
         "prompt"

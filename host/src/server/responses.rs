@@ -392,6 +392,7 @@ async fn responses_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -> 
     let mut sampling = sampling.apply(&model.facts.default_sampling, model.facts.ctx_size)?;
     llama_samplers.apply(&mut sampling)?;
     let mut job = Job::new(prompt, sampling);
+    job.slot = llama_samplers.slot()?;
     if let Some(b) = &r.logit_bias {
         job.sampling.logit_bias = logit_bias(b, model, true)?;
     }

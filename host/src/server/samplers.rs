@@ -7,6 +7,8 @@
 //!
 //! As in llama-server, names it does not know are skipped (older web UIs still send `tfs_z`);
 //! `adaptive_p`, a sampler this server lacks, is refused.
+//!
+//! The same routes read `id_slot` with them: the slot a request runs in.
 
 use serde::Deserialize;
 use serde_json::Value;
@@ -46,6 +48,9 @@ pub struct LlamaSamplers {
     pub mirostat_tau: Option<f32>,
     pub mirostat_eta: Option<f32>,
     pub samplers: Option<Value>,
+    /// The slot to run in (-1: any), as llama.vim asks for slot 0.
+    #[serde(alias = "slot_id")]
+    pub id_slot: Option<i64>,
 }
 
 impl Shared for LlamaSamplers {
@@ -68,6 +73,8 @@ impl Shared for LlamaSamplers {
         "mirostat_tau",
         "mirostat_eta",
         "samplers",
+        "id_slot",
+        "slot_id",
     ];
 }
 
@@ -76,6 +83,16 @@ impl LlamaSamplers {
     pub fn apply(&self, p: &mut SamplingParams) -> Result<(), ApiError> {
         self.overrides()?.apply_to(p);
         Ok(())
+    }
+
+    /// The slot the request asked for (None: any). Past the last slot it wraps, as in llama-server.
+    pub fn slot(&self) -> Result<Option<usize>, ApiError> {
+        match self.id_slot {
+            None | Some(-1) => Ok(None),
+            Some(s) => usize::try_from(s)
+                .map(Some)
+                .map_err(|_| ApiError::field("id_slot", format!("id_slot must be a slot id or -1 (any), got {s}"))),
+        }
     }
 
     /// The settings, checked, as overrides of the request's other sampling fields.

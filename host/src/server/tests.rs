@@ -1193,6 +1193,16 @@ async fn dialect_details_models_seeds_ranges_and_off_values() {
     assert_eq!((status, v["index"].as_u64()), (200, Some(0)), "{v}");
     let (status, v) = s.post("/completion", json!({"prompt": [[5, 6]]})).await;
     assert_eq!((status, v["id_slot"].as_u64()), (200, Some(1)), "{v}");
+    // `id_slot` goes to the engine with the first answer; the others run where there is room.
+    let (status, v) = s.post("/v1/completions", json!({"prompt": "x", "id_slot": 2, "n": 2})).await;
+    assert_eq!(status, 200, "{v}");
+    let asked: Vec<Option<usize>> = s.fake.requests.lock().unwrap().iter().rev().take(2).map(|r| r.slot).collect();
+    assert_eq!(asked, [None, Some(2)]);
+    let (status, v) =
+        s.post("/v1/chat/completions", json!({"messages": [{"role": "user", "content": "hi"}], "slot_id": 0})).await;
+    assert_eq!((status, s.last_request().slot), (200, Some(0)), "{v}");
+    let (status, v) = s.post("/completion", json!({"prompt": "x", "id_slot": -2})).await;
+    assert_eq!((status, v["error"]["message"].as_str().map(|m| m.contains("id_slot"))), (400, Some(true)), "{v}");
     // More prompts than the slots and the queue hold: a 400 that says so, not a 503 forever.
     let many: Vec<String> = (0..18).map(|i| format!("p{i}")).collect();
     let (status, v) = s.post("/completion", json!({"prompt": many})).await;
