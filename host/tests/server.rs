@@ -117,7 +117,7 @@ async fn chat_answers_paris_plain_and_streamed_and_sigterm_exits_cleanly() {
     while !text.contains("\"content\"") {
         text += &String::from_utf8_lossy(&r.chunk().await.unwrap().expect("the stream ended early"));
     }
-    // A request queued behind it never starts: at the cut it gets a 503, not an empty answer.
+    // A request queued behind it never starts: at the signal it gets a 503, not an empty answer.
     let queued = tokio::spawn(http.post(&url).bearer_auth(KEY).json(&body).send());
     let waiting = || async {
         let m = http.get(format!("{}/metrics", server.base)).bearer_auth(KEY).send().await.unwrap();
@@ -130,7 +130,12 @@ async fn chat_answers_paris_plain_and_streamed_and_sigterm_exits_cleanly() {
     }
     let pid = server.child.id().to_string();
     assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
-    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    // It never starts: its 503 comes at once, while the running stream goes on.
+    let refused =
+        tokio::time::timeout(Duration::from_secs(5), queued).await.expect("no 503 at the signal").unwrap().unwrap();
+    assert_eq!(refused.status(), 503);
+    let v: Value = refused.json().await.unwrap();
+    assert!(v["error"]["message"].as_str().unwrap_or_default().contains("shutting down"), "{v}");
     assert!(Command::new("kill").args(["-TERM", &pid]).status().unwrap().success());
     while let Some(chunk) = r.chunk().await.unwrap() {
         text += &String::from_utf8_lossy(&chunk);
@@ -147,10 +152,6 @@ async fn chat_answers_paris_plain_and_streamed_and_sigterm_exits_cleanly() {
     let usage = &chunks.last().unwrap()["usage"];
     // Cut long before the context (2048 tokens) would have ended it.
     assert!(usage["completion_tokens"].as_u64().unwrap() < 1000, "{usage}");
-    let r = queued.await.unwrap().unwrap();
-    assert_eq!(r.status(), 503);
-    let v: Value = r.json().await.unwrap();
-    assert!(v["error"]["message"].as_str().unwrap_or_default().contains("shutting down"), "{v}");
     let status = tokio::task::spawn_blocking(move || server.child.wait().unwrap()).await.unwrap();
     assert_eq!(status.code(), Some(0), "SIGTERM should exit 0");
 }

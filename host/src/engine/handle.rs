@@ -19,6 +19,7 @@ use crate::text::TextTokenizer;
 enum Command {
     Submit(Box<Submission>),
     ClearPrefixCache,
+    RefuseWaiting,
     Shutdown,
 }
 
@@ -125,6 +126,7 @@ fn apply<M: StepModel>(scheduler: &mut Scheduler<M>, command: Command) -> bool {
     match command {
         Command::Submit(s) => scheduler.enqueue(*s),
         Command::ClearPrefixCache => scheduler.clear_prefix_cache(),
+        Command::RefuseWaiting => scheduler.refuse_waiting(),
         Command::Shutdown => {
             scheduler.cancel_all();
             return false;
@@ -205,6 +207,14 @@ impl EngineHandle {
     /// Drops every cached prefix page no request is using.
     pub fn clear_prefix_cache(&self) {
         let _ = self.shared.commands.lock().unwrap_or_else(|e| e.into_inner()).send(Command::ClearPrefixCache);
+    }
+
+    /// Stops accepting new requests and fails those still waiting to start with `ShuttingDown` (the
+    /// first part of a graceful shutdown: the running ones go on).
+    pub fn refuse_waiting(&self) {
+        let s = &self.shared;
+        s.accepting.store(false, Ordering::SeqCst);
+        let _ = s.commands.lock().unwrap_or_else(|e| e.into_inner()).send(Command::RefuseWaiting);
     }
 
     /// Stops accepting new requests and waits up to `timeout` for those in flight or queued to finish;

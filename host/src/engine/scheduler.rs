@@ -608,6 +608,17 @@ impl<M: StepModel> Scheduler<M> {
         self.counts.running.store(0, Ordering::SeqCst);
     }
 
+    /// Fails every waiting request that has not started its answer with `ShuttingDown` (a shutdown's
+    /// first step: one preempted part way through its answer stays, to finish with the running ones).
+    pub fn refuse_waiting(&mut self) {
+        let (started, refused): (VecDeque<Sequence>, VecDeque<Sequence>) =
+            self.waiting.drain(..).partition(|s| s.first_token.is_some());
+        self.waiting = started;
+        for seq in refused {
+            self.finish(seq, Outcome::Failed(EngineError::ShuttingDown));
+        }
+    }
+
     /// Drops every cached page no sequence holds.
     pub fn clear_prefix_cache(&mut self) {
         self.cache.clear_unused();

@@ -706,6 +706,21 @@ fn shutdown_cancels_a_started_answer_and_fails_one_that_never_started() {
 }
 
 #[test]
+fn a_shutdown_refuses_the_waiting_requests_and_lets_the_running_one_finish() {
+    let mut s = scheduler(CheckingModel::new(64, 16, 1024), opts(1));
+    let mut c = vec![
+        submit(&mut s, 1, request(prompt(10, 10), 20)).unwrap(),
+        submit(&mut s, 2, request(prompt(11, 10), 20)).unwrap(),
+    ];
+    s.step();
+    s.refuse_waiting();
+    drain(&mut s, &mut c);
+    same_answer(&c[0].got, &solo(&request(prompt(10, 10), 20)));
+    assert!(matches!(c[1].got.error, Some(EngineError::ShuttingDown)), "{:?}", c[1].got);
+    assert_no_leak(&s);
+}
+
+#[test]
 fn a_timeout_cancels_the_request() {
     let mut s = scheduler(CheckingModel::new(64, 16, 1024), opts(1));
     let mut r = request(prompt(9, 10), 1_000_000);

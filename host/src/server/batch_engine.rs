@@ -45,6 +45,10 @@ impl Drop for BatchEngine {
 }
 
 impl Generator for BatchEngine {
+    fn refuse_waiting(&self) {
+        self.handle.refuse_waiting();
+    }
+
     fn cut_all(&self) {
         // Each request's stream gets its end: cut short where it had tokens, a 503 where it had none.
         self.handle.shutdown();

@@ -365,7 +365,8 @@ pub fn timings(u: &Usage) -> serde_json::Value {
         "predicted_n": u.completion_tokens,
         "predicted_ms": predicted_ms,
         "predicted_per_token_ms": per(u.completion_tokens, predicted_ms),
-        "predicted_per_second": rate(u.completion_tokens, predicted_ms),
+        // The first token starts the clock: one token alone has no rate (not a million a second).
+        "predicted_per_second": if u.completion_tokens > 1 { rate(u.completion_tokens, predicted_ms) } else { 0.0 },
     })
 }
 

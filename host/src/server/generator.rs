@@ -21,6 +21,10 @@ pub trait Generator: Send + Sync + 'static {
     /// A snapshot of the engine's state now.
     fn stats(&self) -> EngineStats;
 
+    /// Takes no more requests and fails those waiting for a slot as shutting down (503), while the
+    /// running ones go on: a shutdown's first step.
+    fn refuse_waiting(&self) {}
+
     /// Ends every request in flight or waiting and takes no more (a shutdown past its grace period):
     /// cut short where it has an answer under way, failed as shutting down where it has none; blocks
     /// until the engine has stopped.

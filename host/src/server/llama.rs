@@ -602,8 +602,9 @@ fn llama_err(e: ApiError) -> Response {
 
 #[derive(Deserialize)]
 struct TokenizeRequest {
-    /// Text, or token ids and texts mixed (llama-server's `tokenize_mixed`: ids kept as they are).
-    content: TokenizeContent,
+    /// Text, or token ids and texts mixed (llama-server's `tokenize_mixed`: ids kept as they are);
+    /// none: no tokens, as llama-server answers.
+    content: Option<TokenizeContent>,
     add_special: Option<bool>,
     /// Special-token text read as special tokens (llama-server's default) or as plain text.
     parse_special: Option<bool>,
@@ -630,8 +631,9 @@ pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
             .map_err(|e| ApiError::internal(e.to_string()))
         };
         let ids = match &r.content {
-            TokenizeContent::Text(text) => encode(text, add_special)?,
-            TokenizeContent::Pieces(pieces) => {
+            None => vec![],
+            Some(TokenizeContent::Text(text)) => encode(text, add_special)?,
+            Some(TokenizeContent::Pieces(pieces)) => {
                 let vocab = model.facts.vocab_size as u32;
                 let outside = pieces.iter().enumerate().find_map(|(i, p)| match p {
                     Piece::Token(t) if *t >= vocab => Some((i, *t)),
@@ -665,6 +667,8 @@ pub async fn tokenize(State(state): State<Arc<AppState>>, body: Bytes) -> Respon
 
 #[derive(Deserialize)]
 struct DetokenizeRequest {
+    /// None: `""`, as llama-server answers.
+    #[serde(default)]
     tokens: Vec<u32>,
 }
 
@@ -841,7 +845,7 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         ));
     }
     if let Some(speech) = state.speech.get() {
-        return prometheus(speech.metrics_rows(state.started.elapsed().as_secs_f64()));
+        return prometheus(speech.metrics_rows(state.started.elapsed().as_secs_f64()), state.started_unix);
     }
     let model = match state.ready() {
         Ok(m) => m,
@@ -915,17 +919,23 @@ pub async fn metrics(State(state): State<Arc<AppState>>) -> Response {
         ("mlxcel_kv_blocks_total", "gauge", "KV blocks in the pool.", s.kv_blocks_total as f64),
         ("mlxcel_uptime_seconds", "gauge", "Seconds since the server started.", state.started.elapsed().as_secs_f64()),
     ];
-    prometheus(rows)
+    prometheus(rows, state.started_unix)
 }
 
 /// `(name, type, help, value)` rows in Prometheus' text format.
-fn prometheus(rows: Vec<(&str, &str, &str, f64)>) -> Response {
+/// The rows as Prometheus text, with llama-server's `Process-Start-Time-Unix` header (a scraper
+/// tells a restart by it).
+fn prometheus(rows: Vec<(&str, &str, &str, f64)>, started_unix: u64) -> Response {
     let mut text = String::new();
     for (name, kind, help, value) in rows {
         let _ = writeln!(text, "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value}");
     }
-    (StatusCode::OK, [(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text).into_response()
+    let started = started_unix.to_string();
+    let headers = [(header::CONTENT_TYPE, "text/plain; version=0.0.4"), (PROCESS_START, started.as_str())];
+    (StatusCode::OK, headers, text).into_response()
 }
+
+const PROCESS_START: header::HeaderName = header::HeaderName::from_static("process-start-time-unix");
 
 #[cfg(test)]
 mod tests {

@@ -281,6 +281,7 @@ async fn serve(config: ServerConfig) -> Result<()> {
     let read_timeout = listen::read_timeout(state.config.timeout);
     let failure = Arc::new(std::sync::Mutex::new(None::<String>));
     let failed = failure.clone();
+    let stopping = state.clone();
     let stop = async move {
         // A model that fails to load stops the server; a loader that succeeded drops its sender.
         let load_failed = async {
@@ -290,7 +291,13 @@ async fn serve(config: ServerConfig) -> Result<()> {
             }
         };
         tokio::select! {
-            _ = listen::shutdown_signal() => eprintln!("mlxcel-server: shutting down"),
+            _ = listen::shutdown_signal() => {
+                eprintln!("mlxcel-server: shutting down");
+                // Requests still waiting for a slot get their 503 now; the running ones may finish.
+                if let Some(model) = stopping.model.get() {
+                    model.generator.refuse_waiting();
+                }
+            }
             _ = load_failed => {},
         }
     };

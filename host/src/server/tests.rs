@@ -708,6 +708,9 @@ async fn tokenize_detokenize_and_apply_template() {
     assert_eq!(pieces, "Hello world");
     let (_, v) = s.post("/detokenize", json!({"tokens": ids})).await;
     assert_eq!(v["content"], "Hello world");
+    // Nothing to do is no error, as llama-server answers it.
+    assert_eq!(s.post("/tokenize", json!({})).await, (200, json!({"tokens": []})));
+    assert_eq!(s.post("/detokenize", json!({})).await, (200, json!({"content": ""})));
     // Ids and text mixed, as llama-server's tokenize_mixed: ids kept, text tokenized.
     let (status, v) = s.post("/tokenize", json!({"content": [ids[0], " world"]})).await;
     assert_eq!(status, 200, "{v}");
@@ -897,6 +900,9 @@ async fn health_props_slots_and_metrics() {
     s.post("/completion", json!({"prompt": "x"})).await;
     let (status, body) = s.get("/metrics").await;
     assert_eq!(status, 200);
+    let r = s.client.get(s.url("/metrics")).send().await.unwrap();
+    let started: u64 = r.headers()["process-start-time-unix"].to_str().unwrap().parse().unwrap();
+    assert!(started.abs_diff(crate::server::completion::unix_time()) < 600, "{started}");
     for name in [
         "llamacpp:prompt_tokens_total",
         "llamacpp:tokens_predicted_total 4",
@@ -1883,6 +1889,10 @@ async fn stream_progress_and_per_token_timings() {
                 t["predicted_n"].as_u64().unwrap() >= 1 && t["prompt_n"].as_u64() == Some(total - 2),
                 "{path}: {c}"
             );
+            // One token has no generation rate yet.
+            if t["predicted_n"] == 1 {
+                assert_eq!(t["predicted_per_second"], 0.0, "{path}: {c}");
+            }
         }
         if path == "/completion" {
             assert!(got.iter().all(|c| c["id_slot"] == 1), "{text}");
