@@ -25,7 +25,7 @@ pub struct ServerArgs {
     /// The model id clients see in /v1/models and answers (default: MODEL as given).
     #[arg(short = 'a', long = "alias", env = "LLAMA_ARG_ALIAS")]
     pub alias: Option<String>,
-    /// Address to listen on.
+    /// Address to listen on: one, several comma-separated, or a Unix socket (a path ending `.sock`).
     #[arg(long, env = "LLAMA_ARG_HOST", default_value = "127.0.0.1")]
     pub host: String,
     /// Port to listen on (0: any free port; the log line says which).

@@ -258,13 +258,10 @@ async fn serve(config: ServerConfig) -> Result<()> {
         Some((cert, key)) => Some(listen::tls_acceptor(cert, key)?),
         None => None,
     };
-    let addr = (config.host.as_str(), config.port);
-    let listener = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("cannot listen on {}:{}", config.host, config.port))?;
-    let local = listener.local_addr()?;
+    let listeners = listen::Listener::bind_all(&config.host, config.port).await?;
     let scheme = if tls.is_some() { "https" } else { "http" };
-    eprintln!("mlxcel-server: listening on {scheme}://{local} (loading {})", config.model);
+    let urls: Vec<String> = listeners.iter().map(|l| l.url(scheme)).collect();
+    eprintln!("mlxcel-server: listening on {} (loading {})", urls.join(", "), config.model);
 
     let state = AppState::new(config);
     let (failed_tx, failed_rx) = tokio::sync::oneshot::channel::<String>();
@@ -306,7 +303,7 @@ async fn serve(config: ServerConfig) -> Result<()> {
             model.generator.cut_all();
         }
     };
-    listen::serve(listener, tls, app, read_timeout, stop, cut).await;
+    listen::serve(listeners, tls, app, read_timeout, stop, cut).await;
     let failure = failure.lock().unwrap().take();
     match failure {
         Some(e) => Err(anyhow::anyhow!(e)),

@@ -263,7 +263,7 @@ async fn start_tokenized(
     let app = router(state);
     let done = tokio::spawn(async move {
         listen::serve(
-            listener,
+            vec![listen::Listener::Tcp(listener)],
             None,
             app,
             read_timeout,
@@ -1465,6 +1465,53 @@ async fn oversized_bodies_get_413_in_the_dialect_shape() {
     assert_eq!((status, v["error"]["code"].as_u64()), (413, Some(413)), "{v}");
 }
 
+/// `--host` takes llama-server's forms: several addresses, comma-separated, and Unix sockets
+/// (`PATH.sock`), whose file a stopped server leaves behind is taken over.
+#[cfg(unix)]
+#[tokio::test]
+async fn listens_on_unix_sockets_and_several_addresses() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("mlxcel.sock");
+    drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
+    assert!(sock.exists(), "a stale socket file");
+    let hosts = format!("{},127.0.0.1", sock.display());
+    let listeners = listen::Listener::bind_all(&hosts, 0).await.unwrap();
+    let urls: Vec<String> = listeners.iter().map(|l| l.url("http")).collect();
+    assert_eq!(urls[0], format!("unix://{}", sock.display()));
+    let tcp = urls[1].clone();
+    let state = AppState::new(config());
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let done = tokio::spawn(listen::serve(
+        listeners,
+        None,
+        router(state),
+        listen::READ_TIMEOUT,
+        async {
+            let _ = stopped.await;
+        },
+        || {},
+    ));
+    let mut unix = tokio::net::UnixStream::connect(&sock).await.unwrap();
+    unix.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").await.unwrap();
+    let mut got = String::new();
+    unix.read_to_string(&mut got).await.unwrap();
+    // (No model is loaded here: the health route answers that it is loading.)
+    assert!(got.starts_with("HTTP/1.1 503") && got.contains("Loading model"), "{got}");
+    let r = reqwest::get(format!("{tcp}/health")).await.unwrap();
+    assert_eq!(r.status(), 503);
+    // A second server on the same socket is refused while the first listens.
+    let e = listen::Listener::bind_all(sock.to_str().unwrap(), 0).await.err().unwrap();
+    assert!(e.to_string().contains("another server"), "{e}");
+    let _ = stop.send(());
+    done.await.unwrap();
+    assert!(!sock.exists(), "the socket file is removed at the end");
+    // A file that is not a socket is never replaced.
+    std::fs::write(&sock, "data").unwrap();
+    let e = listen::Listener::bind_all(sock.to_str().unwrap(), 0).await.err().unwrap();
+    assert!(e.to_string().contains("not a socket"), "{e}");
+}
+
 /// A client that sends half a request and stalls loses its connection after the read timeout
 /// (`--timeout` here): a half-sent head is closed, a half-sent body answered 408.
 #[tokio::test]
@@ -1678,7 +1725,7 @@ async fn https_with_a_pem_certificate() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     tokio::spawn(listen::serve(
-        listener,
+        vec![listen::Listener::Tcp(listener)],
         Some(acceptor),
         router(state),
         listen::READ_TIMEOUT,
