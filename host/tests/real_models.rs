@@ -44,8 +44,13 @@ fn cache_types() -> Option<KvCacheTypes> {
 }
 
 fn load(folder: &str) -> Option<(ModelRunner, TextTokenizer)> {
+    load_with(folder, RunnerOptions::default())
+}
+
+/// [`load`] with `opts` (the backend and cache types still from the environment).
+fn load_with(folder: &str, opts: RunnerOptions) -> Option<(ModelRunner, TextTokenizer)> {
     let dir = mlxcel::testing::test_models()?.join(folder);
-    let opts = RunnerOptions { backend: backend(), cache_types: cache_types(), ..Default::default() };
+    let opts = RunnerOptions { backend: backend(), cache_types: cache_types(), ..opts };
     let runner = ModelRunner::load(&mlxcel::testing::staged_catalog(), &dir, &opts)
         .unwrap_or_else(|e| panic!("{}: {e:#}", dir.display()));
     let tok =
@@ -210,6 +215,42 @@ const GEMMA3: &str = "gemma-3-270m-mlx-4bit";
 /// 0.018 (f16 cache, the scalar path); the bf16 cache 0.064.
 fn gemma3_tolerance(runner: &ModelRunner) -> f32 {
     kv_cache_tolerance(runner, 0.01, 0.07) + if cpu_int16() { 0.03 } else { 0.005 }
+}
+
+/// `--swa-full`: Gemma 3's sliding-window layers keep the whole context's KV, so prefixes can be
+/// reused (the prefix cache is off without it), and past the window they still attend only within
+/// it: the logits of a prompt computed in chunks across the window are those of the windowed cache.
+#[test]
+fn gemma3_with_whole_window_layers_answers_as_with_windowed_ones() {
+    let Some(models) = mlxcel::testing::test_models() else { return };
+    if !models.join(GEMMA3).join(".done").exists() {
+        assert!(std::env::var_os("MLXCEL_REQUIRE_TEST_MODELS").is_none(), "{GEMMA3} missing");
+        return;
+    }
+    let opts = |swa_full| RunnerOptions { ctx_size: 2048, swa_full, ..Default::default() };
+    let (mut windowed, tok) = load_with(GEMMA3, opts(false)).unwrap();
+    let (mut whole, _) = load_with(GEMMA3, opts(true)).unwrap();
+    assert!(!windowed.pool.prefix_reusable() && whole.pool.prefix_reusable());
+    let text = "The history of the river valley is long and full of change; each age left its mark. ".repeat(48);
+    let ids = tok.encode(&text, true).unwrap();
+    // Gemma 3's window is 512 tokens: the last chunks' local layers see only part of the prompt.
+    assert!(ids.len() > 512 + 256, "{} tokens: the window must be passed", ids.len());
+    let mut last_rows = |runner: &mut ModelRunner| {
+        let mut s = SeqBlocks::default();
+        let mut rows = Vec::new();
+        for start in (0..ids.len()).step_by(256) {
+            let end = (start + 256).min(ids.len());
+            runner.pool.reserve(&mut s, end).unwrap();
+            let chunk = SeqChunk { blocks: &s, tokens: &ids[start..end], start_pos: start, logits: Logits::All };
+            rows = runner.forward(&[chunk]).unwrap();
+        }
+        runner.pool.release(&mut s);
+        rows
+    };
+    let (a, b) = (last_rows(&mut windowed), last_rows(&mut whole));
+    assert_eq!(a.len(), b.len());
+    let worst = a.iter().zip(&b).map(|(x, y)| (x - y).abs()).fold(0f32, f32::max);
+    assert!(worst < 1e-3, "logits differ by {worst} between the windowed and the whole cache");
 }
 
 #[test]

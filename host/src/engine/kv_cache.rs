@@ -289,6 +289,11 @@ impl KvCache {
         self.state_slots == 0 && self.groups.iter().all(|g| g.window == 0)
     }
 
+    /// Whether a group keeps only a sliding window (letting go of the pages behind it).
+    pub fn has_windows(&self) -> bool {
+        self.groups.iter().any(|g| g.window > 0)
+    }
+
     /// The page ids of group `g` for `seq`.
     pub fn table<'a>(&self, seq: &'a SeqBlocks, g: usize) -> &'a [u32] {
         if g == 0 {

@@ -43,6 +43,11 @@ pub struct RunnerOptions {
     /// What the K and V caches keep their values in; `None`: [`KvCacheTypes::DEFAULT`] where the
     /// backend keeps it, else f32.
     pub cache_types: Option<KvCacheTypes>,
+    /// Keep the sliding-window layers' KV for the whole context, as full-attention layers keep it
+    /// (llama-server's `--swa-full`): more memory, and a prefix cache that works past the window
+    /// (pages a window would let go are what a later prompt reuses). The layers still attend only
+    /// within their window.
+    pub swa_full: bool,
 }
 
 /// llama-server's `--embedding` and `--pooling`.
@@ -63,6 +68,7 @@ impl Default for RunnerOptions {
             max_step_tokens: 512,
             embedding: None,
             cache_types: None,
+            swa_full: false,
         }
     }
 }
@@ -405,7 +411,17 @@ impl ModelRunner {
         }
         let (family, model) = family_model(catalog, &checkpoint)?;
         let backend_plugin = catalog.select_backend(opts.backend.as_deref())?;
-        let info = model.info().clone();
+        let mut info = model.info().clone();
+        if opts.swa_full {
+            // Planned (and estimated) as full-attention KV; the graph's attention keeps its window.
+            let mut windowed = info.kv_layers.iter_mut().filter(|l| l.kind == KvKind::SlidingWindow).peekable();
+            if windowed.peek().is_none() {
+                tracing::warn!("--swa-full: this model has no sliding-window layers; it changes nothing");
+            }
+            for l in windowed {
+                l.kind = KvKind::Full;
+            }
+        }
         if opts.embedding.is_some() && info.task == Task::Rerank {
             bail!(
                 "{}: this {} model is a cross-encoder (a reranker): it scores (query, document) pairs and has no \

@@ -445,7 +445,12 @@ impl<M: StepModel> Scheduler<M> {
         let opts = EngineOptions { parallel, ..opts };
         let reuse_prefixes = opts.prefix_cache && model.prefix_reuse_safe();
         if opts.prefix_cache && !reuse_prefixes {
-            tracing::info!("prefix cache off: this model keeps state outside its KV pages");
+            match model.kv_cache().has_windows() {
+                true => tracing::info!(
+                    "prefix cache off: this model's sliding-window layers let go of the pages behind their window (--swa-full keeps them, in more memory)"
+                ),
+                false => tracing::info!("prefix cache off: this model keeps state outside its KV pages"),
+            }
         }
         Scheduler {
             cache: PrefixCache::new(model.kv_cache().block_size),

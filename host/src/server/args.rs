@@ -120,6 +120,11 @@ pub struct ServerArgs {
     /// Never reuse prompt KV across requests.
     #[arg(long = "no-cache-prompt", env = "LLAMA_ARG_NO_CACHE_PROMPT", overrides_with = "cache_prompt", value_parser = truthy)]
     pub no_cache_prompt: bool,
+    /// Keep sliding-window layers' KV for the whole context (Gemma 2/3's local layers): more memory,
+    /// and a prompt cache that works past the window, which without it is off for such models.
+    #[arg(long = "swa-full", env = "LLAMA_ARG_SWA_FULL", value_parser = truthy, num_args = 0..=1,
+          default_missing_value = "true", value_name = "BOOL")]
+    pub swa_full: Option<bool>,
     /// A Jinja chat template (file) to use instead of the model's.
     #[arg(long = "chat-template-file", env = "LLAMA_ARG_CHAT_TEMPLATE_FILE", value_name = "FILE")]
     pub chat_template_file: Option<PathBuf>,
@@ -362,7 +367,6 @@ const REFUSED: &[(&[&str], &str, &str)] = &[
             "--no-context-shift",
             "-kvu",
             "--kv-unified",
-            "--swa-full",
             "-cram",
             "--cache-ram",
             "--cache-reuse",
@@ -433,7 +437,6 @@ const REFUSED_VARIABLES: &[(&str, &str, Option<bool>)] = &[
     ("LLAMA_ARG_CACHE_REUSE", "--cache-reuse", None),
     ("LLAMA_ARG_CACHE_RAM", "--cache-ram", None),
     ("LLAMA_ARG_KV_UNIFIED", "--kv-unified", None),
-    ("LLAMA_ARG_SWA_FULL", "--swa-full", Some(false)),
     ("LLAMA_ARG_CONTEXT_SHIFT", "--context-shift", Some(false)),
     ("LLAMA_ARG_NO_CONTEXT_SHIFT", "--no-context-shift", Some(true)),
     ("LLAMA_ARG_ENDPOINT_PROPS", "--props", Some(false)),
@@ -546,6 +549,8 @@ pub struct ServerConfig {
     pub metrics: bool,
     pub slots: bool,
     pub cache_prompt: bool,
+    /// `--swa-full`: sliding-window layers keep the whole context's KV.
+    pub swa_full: bool,
     /// Run a warm-up step after loading a text model.
     pub warmup: bool,
     /// Chat template source replacing the model's.
@@ -689,6 +694,7 @@ impl ServerArgs {
             metrics: self.metrics,
             slots: self.switch("slots", self.slots, "no_slots", self.no_slots),
             cache_prompt: self.switch("cache_prompt", self.cache_prompt, "no_cache_prompt", self.no_cache_prompt),
+            swa_full: self.swa_full.unwrap_or(false),
             warmup: !self.no_warmup,
             chat_template,
             chat_template_kwargs,

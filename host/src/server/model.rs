@@ -121,6 +121,7 @@ pub fn load(
         kv_pool_seqs: config.kv_pool_seqs,
         embedding: config.embedding,
         cache_types: config.cache_types,
+        swa_full: config.swa_full,
         ..Default::default()
     };
     let runner =

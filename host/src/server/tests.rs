@@ -169,6 +169,7 @@ fn config() -> ServerConfig {
         metrics: true,
         slots: true,
         cache_prompt: true,
+        swa_full: false,
         warmup: false,
         chat_template: None,
         chat_template_kwargs: Default::default(),
