@@ -235,7 +235,7 @@ fn gemma3_with_whole_window_layers_answers_as_with_windowed_ones() {
     let ids = tok.encode(&text, true).unwrap();
     // Gemma 3's window is 512 tokens: the last chunks' local layers see only part of the prompt.
     assert!(ids.len() > 512 + 256, "{} tokens: the window must be passed", ids.len());
-    let mut last_rows = |runner: &mut ModelRunner| {
+    let last_rows = |runner: &mut ModelRunner| {
         let mut s = SeqBlocks::default();
         let mut rows = Vec::new();
         for start in (0..ids.len()).step_by(256) {

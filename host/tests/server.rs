@@ -294,7 +294,15 @@ async fn echoed_completions_score_the_prompt_as_mlx_lm_does() {
                 assert_eq!(top.get(lp["tokens"][p + 1].as_str().unwrap()).and_then(Value::as_f64), Some(got), "{v}");
             }
         }
-        assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 0, "a scored prompt is computed whole");
+        // Each token's offset points at its text in the echoed answer (an end-of-sequence token
+        // listed last shows none: its offset is the text's end).
+        let text: Vec<char> = choice["text"].as_str().unwrap().chars().collect();
+        for (token, offset) in lp["tokens"].as_array().unwrap().iter().zip(lp["text_offset"].as_array().unwrap()) {
+            let (token, offset) = (token.as_str().unwrap(), offset.as_u64().unwrap() as usize);
+            let at: String = text[offset.min(text.len())..].iter().collect();
+            let shown = token.starts_with("bytes:") || at.starts_with(token) || offset == text.len();
+            assert!(shown, "{token:?} at {offset}: {at:?}");
+        }
     }
 
     // Streamed: the echo comes first and carries the prompt's scores; nothing generated at max_tokens 0.

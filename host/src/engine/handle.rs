@@ -169,8 +169,15 @@ impl EngineHandle {
         let cancel = Arc::new(AtomicBool::new(false));
         let id = s.next_id.fetch_add(1, Ordering::Relaxed);
         let submission = Submission { id, request, events, cancel: cancel.clone(), submitted, sampler };
-        let sent = s.commands.lock().unwrap_or_else(|e| e.into_inner()).send(Command::Submit(Box::new(submission)));
-        if sent.is_err() {
+        let commands = s.commands.lock().unwrap_or_else(|e| e.into_inner());
+        // Checked again under the lock [`refuse_waiting`](Self::refuse_waiting) takes: no request
+        // slips in behind its command.
+        let sent = match s.accepting.load(Ordering::SeqCst) {
+            true => commands.send(Command::Submit(Box::new(submission))).is_ok(),
+            false => false,
+        };
+        drop(commands);
+        if !sent {
             s.counts.leave();
             return Err(EngineError::ShuttingDown);
         }
@@ -213,8 +220,9 @@ impl EngineHandle {
     /// first part of a graceful shutdown: the running ones go on).
     pub fn refuse_waiting(&self) {
         let s = &self.shared;
+        let commands = s.commands.lock().unwrap_or_else(|e| e.into_inner());
         s.accepting.store(false, Ordering::SeqCst);
-        let _ = s.commands.lock().unwrap_or_else(|e| e.into_inner()).send(Command::RefuseWaiting);
+        let _ = commands.send(Command::RefuseWaiting);
     }
 
     /// Stops accepting new requests and waits up to `timeout` for those in flight or queued to finish;

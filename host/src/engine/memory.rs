@@ -17,11 +17,12 @@ pub const TOKENIZER_BYTES_PER_FILE_BYTE: u64 = 10;
 /// Prompt tokens computed per step (activations scale with it).
 pub const PREFILL_CHUNK: u64 = 512;
 
-/// Most bytes of logits rows a step brings back to score a prompt (`echo` with `logprobs`): a
-/// scored prompt is computed in chunks of as many rows as fit (at least one).
-pub const SCORING_ROWS_BYTES: u64 = 8 * 1024 * 1024;
+/// Most bytes of logits rows a step brings back to score prompts (`echo` with `logprobs`), all the
+/// scored prompts of the step together: they are computed in chunks of as many rows as fit (at
+/// least one).
+pub const SCORING_ROWS_BYTES: u64 = 32 * 1024 * 1024;
 
-/// The prompt tokens of one scored chunk for a vocabulary of `vocab` logits.
+/// The scored prompt tokens of one step for a vocabulary of `vocab` logits.
 pub fn scoring_chunk(vocab: usize) -> usize {
     (SCORING_ROWS_BYTES as usize / (vocab.max(1) * 4)).max(1)
 }

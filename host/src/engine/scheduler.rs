@@ -360,13 +360,10 @@ impl Sequence {
         })
     }
 
-    /// Most tokens of its next chunk: a prompt still to score is computed in chunks whose logits rows
-    /// fit [`SCORING_ROWS_BYTES`](super::memory::SCORING_ROWS_BYTES).
-    fn chunk_cap(&self, vocab: usize) -> usize {
-        match &self.scores {
-            Some(sc) if !sc.sent => scoring_chunk(vocab),
-            _ => usize::MAX,
-        }
+    /// Whether its prompt still has tokens to score (its chunks then bring back a logits row each,
+    /// which a step holds to [`SCORING_ROWS_BYTES`](super::memory::SCORING_ROWS_BYTES)).
+    fn scoring(&self) -> bool {
+        self.scores.as_ref().is_some_and(|sc| !sc.sent)
     }
 
     /// The grammar that holds the next token: none while a thought goes on (the answer's grammar
@@ -720,8 +717,8 @@ impl<M: StepModel> Scheduler<M> {
             // Reuse whole cached pages, but always compute the last token (its logits are needed) in a
             // page this sequence owns.
             let reusable = (seq.tokens.len() - 1) / bs;
-            // A scored prompt computes every row (its pages are still offered to the cache).
-            let reuse = self.reuse_prefixes && seq.cache_prompt && seq.scores.is_none();
+            // A prompt still to score computes every row (its pages are still offered to the cache).
+            let reuse = self.reuse_prefixes && seq.cache_prompt && !seq.scoring();
             let hit =
                 if reuse { self.cache.lookup(&seq.tokens[..reusable * bs], reusable) } else { Default::default() };
             if reuse && self.computing_shared_pages(seq, hit.pages.len()) {
@@ -824,7 +821,8 @@ impl<M: StepModel> Scheduler<M> {
     /// Returns `(index in running, tokens)` in `running` order.
     fn plan(&mut self) -> Vec<(usize, usize)> {
         let mut budget = self.opts.step_tokens();
-        let vocab = self.model.vocab_size();
+        // Logits rows the step may bring back for scored prompts, all of them together.
+        let mut scoring_rows = scoring_chunk(self.model.vocab_size());
         let mut planned = vec![0usize; self.running.len()];
         for decodes in [true, false] {
             let mut i = 0;
@@ -834,10 +832,19 @@ impl<M: StepModel> Scheduler<M> {
                     i += 1;
                     continue;
                 }
-                let cap = self.running[i].chunk_cap(vocab);
+                let scoring = self.running[i].scoring();
+                if scoring && scoring_rows == 0 {
+                    // Its next chunk waits for the next step's rows.
+                    i += 1;
+                    continue;
+                }
+                let cap = if scoring { scoring_rows } else { usize::MAX };
                 if let Some(n) = self.grow(i, pending.min(budget).min(cap)) {
                     planned[i] = n;
                     budget -= n;
+                    if scoring {
+                        scoring_rows -= n;
+                    }
                     i += 1;
                     continue;
                 }

@@ -916,7 +916,8 @@ fn prompt_scores_are_each_tokens_log_softmax_whatever_batches_caches_or_preempts
     assert_eq!(c[0].got.prompt_scores.as_deref(), Some(&expected_scores(&long, 3)[..]));
     assert!(c[0].got.tokens.is_empty() && c[0].got.finish == Some(FinishReason::Length));
     assert_eq!(c[1].got.prompt_scores, Some(vec![]));
-    assert_eq!(c[1].got.tokens.len(), 2);
+    // (Its sampling row comes after the other's rows of a scored chunk in the same step.)
+    same_answer(&c[1].got, &solo(&request(vec![9], 2)));
 
     // Preempted part way (a pool too small for all three), each is scored once, whole.
     let prompts: Vec<Vec<u32>> = (0..3).map(|i| prompt(50 + i, 14)).collect();
@@ -929,6 +930,27 @@ fn prompt_scores_are_each_tokens_log_softmax_whatever_batches_caches_or_preempts
         assert_eq!(c.got.prompt_scores.as_deref(), Some(&expected_scores(p, 3)[..]));
         same_answer(&c.got, &solo(&request(p.clone(), 12)));
     }
+    assert_no_leak(&s);
+
+    // Preempted while its prompt is being scored (the other's decode takes the pages it was about
+    // to fill): the scores so far are kept, the rest come after it is admitted again.
+    let (a, b) = (prompt(70, 20), prompt(71, 28));
+    let mut s = scheduler(CheckingModel::new(12, 4, 256), EngineOptions { ubatch_size: 4, ..opts(2) });
+    let mut c = [submit(&mut s, 1, request(a.clone(), 24)).unwrap(), submit(&mut s, 2, scored(b.clone(), 4)).unwrap()];
+    let mut preempted_while_scoring = false;
+    for _ in 0..10_000 {
+        let before = s.stats().counters.preemptions;
+        s.step();
+        c.iter_mut().for_each(Client::poll);
+        preempted_while_scoring |= s.stats().counters.preemptions > before && c[1].got.prompt_scores.is_none();
+        if s.is_idle() {
+            break;
+        }
+    }
+    assert!(preempted_while_scoring, "the scored prompt was never preempted part way");
+    assert_eq!(c[1].got.prompt_scores.as_deref(), Some(&expected_scores(&b, 3)[..]));
+    same_answer(&c[1].got, &solo(&request(b, 4)));
+    same_answer(&c[0].got, &solo(&request(a, 24)));
     assert_no_leak(&s);
 }
 

@@ -79,7 +79,7 @@ impl Job {
             j.sampling.seed = Some(s.wrapping_add(i as u64));
         }
         // Only the first keeps the slot asked for; the others run where there is room, as
-        // llama-server's child tasks do.
+        // llama-server's child tasks (`n_cmpl`) do.
         if i > 0 {
             j.slot = None;
         }

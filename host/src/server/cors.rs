@@ -36,13 +36,14 @@ impl Default for CorsConfig {
 }
 
 impl CorsConfig {
-    /// The flags' values: comma-separated lists, or `*`.
+    /// The flags' values: comma-separated lists, or `*` (also as one item of a list: any).
     pub fn parse(origins: &str, methods: &str, headers: &str, credentials: bool) -> Result<CorsConfig> {
         let list = |s: &str| -> Vec<String> {
             s.split(',').map(str::trim).filter(|s| !s.is_empty()).map(String::from).collect()
         };
+        let any = |s: &str| list(s).iter().any(|i| i == "*");
         let origins = match origins.trim() {
-            "*" => Origins::Any,
+            _ if any(origins) => Origins::Any,
             "localhost" => Origins::Localhost,
             s => {
                 let values: Result<Vec<HeaderValue>, _> = list(s).iter().map(|o| HeaderValue::from_str(o)).collect();
@@ -53,7 +54,7 @@ impl CorsConfig {
             }
         };
         let methods = match methods.trim() {
-            "*" => None,
+            _ if any(methods) => None,
             s => {
                 let parsed: Result<Vec<Method>, _> = list(s).iter().map(|m| Method::from_bytes(m.as_bytes())).collect();
                 match parsed {
@@ -63,7 +64,7 @@ impl CorsConfig {
             }
         };
         let headers = match headers.trim() {
-            "*" => None,
+            _ if any(headers) => None,
             s => {
                 let parsed: Result<Vec<HeaderName>, _> =
                     list(s).iter().map(|h| HeaderName::from_bytes(h.as_bytes())).collect();
@@ -132,6 +133,27 @@ mod tests {
         assert_eq!((c.methods, c.headers.map(|h| h.len())), (None, Some(2)));
         assert_eq!(CorsConfig::parse("localhost", "*", "*", true).unwrap().origins, Origins::Localhost);
         assert!(CorsConfig::parse("", "*", "*", true).is_err());
+        // A `*` among others is any (tower-http refuses it inside a list).
+        let c = CorsConfig::parse("https://a.test,*", "*, ", " *, ", true).unwrap();
+        assert_eq!((c.origins, c.methods, c.headers), (Origins::Any, None, None));
+    }
+
+    #[test]
+    fn every_combination_of_the_flags_makes_a_usable_layer() {
+        use tower::Layer;
+        // tower-http panics when the layer wraps a service if credentials meet a wildcard.
+        for origins in ["*", "https://a.test", "localhost", "https://a.test, *"] {
+            for methods in ["*", "GET, POST", "GET,*"] {
+                for headers in ["*", "authorization", "x-a, *"] {
+                    for credentials in [true, false] {
+                        let c = CorsConfig::parse(origins, methods, headers, credentials).unwrap();
+                        let _ = c.layer().layer(tower::service_fn(|_: axum::extract::Request| async {
+                            Ok::<_, std::convert::Infallible>(axum::response::Response::new(axum::body::Body::empty()))
+                        }));
+                    }
+                }
+            }
+        }
         assert!(CorsConfig::parse("*", "GET POST", "*", true).is_err());
         assert!(CorsConfig::parse("*", "*", "bad header", true).is_err());
     }

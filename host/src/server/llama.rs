@@ -380,10 +380,13 @@ async fn completion_inner(
         return Err(ApiError::field("response_fields", "response_fields applies to answers without stream: true"));
     }
     let with_probs = r.n_probs.is_some_and(|n| n > 0);
+    let slot = llama_samplers.slot()?;
     let mut texts = Vec::with_capacity(prompts.len() * n_cmpl);
     let mut jobs = Vec::with_capacity(prompts.len() * n_cmpl);
     for (text, ids) in prompts {
         let mut job = Job::new(ids, params.clone());
+        // Each prompt's first answer runs in the slot asked for (see `Job::with_seed_offset`).
+        job.slot = slot;
         job.max_tokens = n_predict.and_then(|n| usize::try_from(n).ok());
         job.stop = stops.clone();
         job.cache_prompt = r.cache_prompt;
@@ -403,10 +406,6 @@ async fn completion_inner(
         }
     }
 
-    // The first answer runs in the slot asked for, the others where there is room.
-    if let Some(first) = jobs.first_mut() {
-        first.slot = llama_samplers.slot()?;
-    }
     // (n_cmpl alone is held to the slots: too many answers come from the list of prompts.)
     let asked = Asked { prompt: "prompt", count: "prompt" };
     if stream {

@@ -503,20 +503,37 @@ impl<'a> LegacyLogprobs<'a> {
         LegacyLogprobs { tok, offset: start_offset, tokens, token_logprobs, top, offsets }
     }
 
-    /// An echoed prompt: its first token (which has no score, `null` as in OpenAI's answer), then
-    /// the scores of the others.
-    fn prompt(mut self, first: Option<u32>, scores: &[TokenLogprob]) -> Self {
-        if let Some(id) = first {
-            self.token(id, Value::Null, Value::Null);
+    /// An echoed prompt, `ids` echoed as `text`: the first token has no score (`null`, as in
+    /// OpenAI's answer), the others theirs (`null` where none came: a request cut before its prompt
+    /// was scored). Offsets count the characters the prompt decodes to before each token (a token
+    /// that shows no text, such as a BOS, adds none); what follows starts after `text`.
+    fn prompt(mut self, ids: &[u32], scores: Option<&[TokenLogprob]>, text: &str) -> Self {
+        let mut stream = self.tok.inner.decode_stream(true);
+        let mut at = self.offset;
+        for (k, &id) in ids.iter().enumerate() {
+            let scored = k.checked_sub(1).and_then(|i| scores?.get(i));
+            let (logprob, top) = match scored {
+                Some(l) => (json!(l.logprob), self.top_of(l)),
+                None => (Value::Null, Value::Null),
+            };
+            self.offsets.push(at);
+            at += stream.step(id).ok().flatten().map_or(0, |piece| piece.chars().count());
+            self.tokens.push(token_label(self.tok, id));
+            self.token_logprobs.push(logprob);
+            self.top.push(top);
         }
-        self.scored(scores)
+        self.offset += text.chars().count();
+        self
+    }
+
+    fn top_of(&self, l: &TokenLogprob) -> Value {
+        Value::Object(l.top.iter().map(|(id, lp)| (token_label(self.tok, *id), json!(lp))).collect())
     }
 
     fn scored(mut self, lps: &[TokenLogprob]) -> Self {
         for l in lps {
-            let m: serde_json::Map<String, Value> =
-                l.top.iter().map(|(id, lp)| (token_label(self.tok, *id), json!(lp))).collect();
-            self.token(l.token, json!(l.logprob), Value::Object(m));
+            let top = self.top_of(l);
+            self.token(l.token, json!(l.logprob), top);
         }
         self
     }
@@ -1113,6 +1130,7 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
     let model_name = r.model.filter(|m| !m.is_empty()).unwrap_or_else(|| model.facts.id.clone());
     let id = new_id("cmpl-");
     let limit = token_limit(&[("max_tokens", r.max_tokens), ("n_predict", r.n_predict)], 0)?;
+    let slot = llama_samplers.slot()?;
     let make_job = |ids: Vec<u32>| {
         let mut job = Job::new(ids, sampling.clone());
         job.max_tokens = limit;
@@ -1122,6 +1140,8 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
         job.logprobs = r.logprobs.map(|k| k as usize);
         // Echoed with logprobs, the prompt is scored too (what evaluation harnesses ask for).
         job.prompt_logprobs = job.logprobs.filter(|_| echo);
+        // Each prompt's first answer runs in the slot asked for (see `Job::with_seed_offset`).
+        job.slot = slot;
         job
     };
 
@@ -1130,11 +1150,6 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
     for (_, ids) in &prompts {
         let job = make_job(ids.clone());
         jobs.extend((0..n).map(|i| job.with_seed_offset(i)));
-    }
-    // The first answer runs in the slot asked for, the others where there is room (as llama-server's
-    // child tasks).
-    if let Some(first) = jobs.first_mut() {
-        first.slot = llama_samplers.slot()?;
     }
     let count = if n == 1 {
         "prompt"
@@ -1146,8 +1161,9 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
     let asked = Asked { prompt: "prompt", count };
     if stream {
         // Each answer is a choice of its own, its chunks interleaved with the others' by `index`.
-        let lens: Vec<(usize, Option<u32>)> =
-            jobs.iter().map(|j| (j.prompt.len(), j.prompt.first().copied())).collect();
+        // (The prompt's ids go with its echo, whose logprobs list them.)
+        let lens: Vec<(usize, Vec<u32>)> =
+            jobs.iter().map(|j| (j.prompt.len(), if echo { j.prompt.clone() } else { vec![] })).collect();
         let texts: Vec<String> = prompts.iter().flat_map(|(text, _)| std::iter::repeat_n(text.clone(), n)).collect();
         let created = unix_time();
         let include_usage = r.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
@@ -1156,7 +1172,7 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
             .zip(texts)
             .zip(lens)
             .enumerate()
-            .map(|(index, (((events, _), text), (prompt_tokens, first_prompt_token)))| {
+            .map(|(index, (((events, _), text), (prompt_tokens, prompt_ids)))| {
                 let dialect = CompletionStream {
                     id: id.clone(),
                     index,
@@ -1165,7 +1181,7 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
                     include_usage,
                     logprobs: r.logprobs.is_some(),
                     echo: echo.then_some(text),
-                    first_prompt_token,
+                    prompt_ids,
                     offset: 0,
                     tok: model.text.clone(),
                     extras,
@@ -1184,11 +1200,10 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
         let text = if echo { format!("{prompt_text}{}", c.text) } else { c.text.clone() };
         let logprobs = match r.logprobs {
             Some(_) => {
-                let lp = match &c.prompt_logprobs {
-                    Some(scores) => {
-                        LegacyLogprobs::new(&model.text, 0).prompt(prompts[i / n].1.first().copied(), scores)
-                    }
-                    None => LegacyLogprobs::new(&model.text, 0),
+                let (prompt_text, ids) = &prompts[i / n];
+                let lp = match echo {
+                    true => LegacyLogprobs::new(&model.text, 0).prompt(ids, c.prompt_logprobs.as_deref(), prompt_text),
+                    false => LegacyLogprobs::new(&model.text, 0),
                 };
                 lp.scored(&c.logprobs).scored(c.end_token.as_slice()).json()
             }
@@ -1224,13 +1239,22 @@ struct CompletionStream {
     logprobs: bool,
     /// The prompt, while it is still to be echoed.
     echo: Option<String>,
-    first_prompt_token: Option<u32>,
+    prompt_ids: Vec<u32>,
     offset: usize,
     tok: Arc<TextTokenizer>,
     extras: StreamExtras,
 }
 
 impl CompletionStream {
+    /// The echo chunk, with the prompt's logprobs (`null` scores where none came), if it is still
+    /// to be sent.
+    fn echo_prompt(&mut self, scores: Option<&[TokenLogprob]>) -> Vec<Event> {
+        let Some(p) = self.echo.take() else { return vec![] };
+        let lp = LegacyLogprobs::new(&self.tok, 0).prompt(&self.prompt_ids, scores, &p);
+        self.offset = lp.offset;
+        vec![data(&self.chunk(&p, None, lp.json()))]
+    }
+
     fn chunk(&self, text: &str, finish: Option<&str>, logprobs: Value) -> Value {
         let mut c = json!({
             "id": self.id,
@@ -1257,10 +1281,7 @@ impl StreamDialect for CompletionStream {
     }
 
     fn prompt_logprobs(&mut self, scores: &[TokenLogprob], _live: &Live) -> Vec<Event> {
-        let Some(p) = self.echo.take() else { return vec![] };
-        let lp = LegacyLogprobs::new(&self.tok, 0).prompt(self.first_prompt_token, scores);
-        self.offset = lp.offset;
-        vec![data(&self.chunk(&p, None, lp.json()))]
+        self.echo_prompt(Some(scores))
     }
 
     fn progress(&mut self, live: &Live, progress: Value) -> Vec<Event> {
@@ -1281,9 +1302,12 @@ impl StreamDialect for CompletionStream {
     }
 
     fn done(&mut self, ending: &Ending, usage: &Usage, _live: &Live) -> Vec<Event> {
+        // Cut short before the prompt was scored, the echo still comes first.
+        let mut out = self.echo_prompt(None);
         let mut last = self.chunk("", Some(ending.openai()), Value::Null);
         last["timings"] = timings(usage);
-        vec![data(&last)]
+        out.push(data(&last));
+        out
     }
 
     fn end(&mut self, total: &Usage) -> Vec<Event> {
