@@ -24,6 +24,15 @@ fn start(model: &Path, extra: &[&str]) -> TestServer {
     TestServer::start(env!("CARGO_BIN_EXE_mlxcel-server"), model, &args)
 }
 
+/// The JSON payloads of an SSE body's `data:` lines, `[DONE]` left out.
+fn sse_chunks(text: &str) -> Vec<Value> {
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
 fn smollm2() -> Option<PathBuf> {
     Some(mlxcel::testing::test_models()?.join("smollm2-135m-instruct-mlx-4bit"))
 }
@@ -141,12 +150,7 @@ async fn chat_answers_paris_plain_and_streamed_and_sigterm_exits_cleanly() {
         text += &String::from_utf8_lossy(&chunk);
     }
     assert!(text.trim_end().ends_with("data: [DONE]"), "{text}");
-    let chunks: Vec<Value> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let chunks = sse_chunks(&text);
     let ended = chunks.iter().find(|c| c["choices"][0]["finish_reason"].is_string()).expect("a last chunk");
     assert_eq!(ended["choices"][0]["finish_reason"], "length", "{ended}");
     let usage = &chunks.last().unwrap()["usage"];
@@ -309,12 +313,7 @@ async fn echoed_completions_score_the_prompt_as_mlx_lm_does() {
     let case = &reference["cases"][0];
     let body = json!({"prompt": case["text"], "max_tokens": 0, "logprobs": 2, "echo": true, "stream": true});
     let text = http.post(&url).bearer_auth(KEY).json(&body).send().await.unwrap().text().await.unwrap();
-    let chunks: Vec<Value> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let chunks = sse_chunks(&text);
     let echo = &chunks[0]["choices"][0];
     assert_eq!(echo["text"], case["text"], "{text}");
     let scores = echo["logprobs"]["token_logprobs"].as_array().unwrap_or_else(|| panic!("{text}"));
