@@ -234,7 +234,7 @@ pub fn chat_messages(messages: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiErro
             None if role == "assistant"
                 && (m.tool_calls.is_some() || m.refusal.is_some() || m.reasoning_content.is_some()) =>
             {
-                String::new()
+                (String::new(), None)
             }
             None => {
                 return Err(ApiError::field(
@@ -246,7 +246,7 @@ pub fn chat_messages(messages: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiErro
                     ),
                 ))
             }
-            Some(Content::Text(s)) => s.clone(),
+            Some(Content::Text(s)) => (s.clone(), None),
             Some(Content::Parts(parts)) => {
                 let mut texts = Vec::new();
                 for (j, p) in parts.iter().enumerate() {
@@ -266,12 +266,12 @@ pub fn chat_messages(messages: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiErro
                         }
                     }
                 }
-                texts.join("\n")
+                (texts.join("\n"), Some(texts.iter().map(|t| t.to_string()).collect()))
             }
         };
         // A refusal stands in for the content it refused to give.
-        let content = match (&m.refusal, content.is_empty()) {
-            (Some(r), true) => r.clone(),
+        let (content, parts) = match (&m.refusal, content.0.is_empty()) {
+            (Some(r), true) => (r.clone(), None),
             _ => content,
         };
         // (An empty list is no calls: templates test for its presence.)
@@ -282,6 +282,7 @@ pub fn chat_messages(messages: &[MessageIn]) -> Result<Vec<ChatMessage>, ApiErro
             tool_calls,
             tool_call_id: m.tool_call_id.clone(),
             reasoning_content: m.reasoning_content.clone(),
+            parts,
             ..ChatMessage::new(role, &content)
         });
     }

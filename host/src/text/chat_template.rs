@@ -22,6 +22,11 @@ pub struct ChatMessage {
     pub tool_call_id: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reasoning_content: Option<String>,
+    /// The text parts `content` was sent as (None: one string). A template that reads typed content
+    /// gets them as `[{"type": "text", "text": …}]`, as llama.cpp passes them; `content` joins them
+    /// with line breaks for one that reads strings only.
+    #[serde(skip)]
+    pub parts: Option<Vec<String>>,
 }
 
 impl ChatMessage {
@@ -34,6 +39,15 @@ pub struct ChatTemplate {
     env: Environment<'static>,
     bos_token: String,
     eos_token: String,
+    /// Which forms of `content` the template shows (probed once, as llama.cpp's template caps).
+    content: ContentForms,
+}
+
+/// Whether a template shows a message's `content` given as a string, and as a list of typed parts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContentForms {
+    pub string: bool,
+    pub typed: bool,
 }
 
 fn raise_exception(msg: String) -> Result<Value, Error> {
@@ -195,7 +209,39 @@ impl ChatTemplate {
         env.set_trim_blocks(true);
         env.set_lstrip_blocks(true);
         env.add_template_owned("chat", source.to_string()).map_err(|e| format!("chat template does not parse: {e}"))?;
-        Ok(ChatTemplate { env, bos_token: bos_token.to_string(), eos_token: eos_token.to_string() })
+        let mut t = ChatTemplate {
+            env,
+            bos_token: bos_token.to_string(),
+            eos_token: eos_token.to_string(),
+            content: ContentForms { string: true, typed: false },
+        };
+        t.content = t.probe_content_forms();
+        Ok(t)
+    }
+
+    /// Which forms of content the template shows: a one-message conversation rendered with each. A
+    /// list shown as a list (`[{'type': 'text', …}]`, by a template that prints whatever content
+    /// is) is not read; where strings render too, a list is read when it renders as its string.
+    /// One that shows neither (it needs more to render) is taken to read strings.
+    fn probe_content_forms(&self) -> ContentForms {
+        const PROBE: &str = "<mlxcel content probe>";
+        let render = |content: serde_json::Value| {
+            let messages = [serde_json::json!({"role": "user", "content": content})];
+            self.render_values(&messages, false, None, None).ok().filter(|s| s.contains(PROBE))
+        };
+        let as_string = render(serde_json::json!(PROBE));
+        let as_list = render(serde_json::json!([{"type": "text", "text": PROBE}]));
+        let typed = match (&as_string, &as_list) {
+            (_, None) => false,
+            (Some(s), Some(l)) => s == l,
+            (None, Some(l)) => !l.contains("'type'") && !l.contains("\"type\""),
+        };
+        ContentForms { string: as_string.is_some() || !typed, typed }
+    }
+
+    /// The forms of content the template shows.
+    pub fn content_forms(&self) -> ContentForms {
+        self.content
     }
 
     /// Finds the template of a model folder: `chat_template.jinja`, else `tokenizer_config.json`'s
@@ -233,6 +279,35 @@ impl ChatTemplate {
         extra: Option<&serde_json::Map<String, serde_json::Value>>,
         tools: Option<&[serde_json::Value]>,
     ) -> Result<String, String> {
+        // Content as the template reads it: sent parts stay a list where it reads lists (a string
+        // too where it reads lists only), else the joined string (llama.cpp's normalisation).
+        let messages: Vec<serde_json::Value> = messages
+            .iter()
+            .map(|m| {
+                let mut v = serde_json::to_value(m).unwrap_or_default();
+                let parts = match (&m.parts, self.content) {
+                    (Some(parts), ContentForms { typed: true, .. }) => Some(parts.clone()),
+                    (None, ContentForms { string: false, typed: true }) => Some(vec![m.content.clone()]),
+                    _ => None,
+                };
+                if let Some(parts) = parts {
+                    let list: Vec<serde_json::Value> =
+                        parts.into_iter().map(|t| serde_json::json!({"type": "text", "text": t})).collect();
+                    v["content"] = serde_json::Value::Array(list);
+                }
+                v
+            })
+            .collect();
+        self.render_values(&messages, add_generation_prompt, extra, tools)
+    }
+
+    fn render_values(
+        &self,
+        messages: &[serde_json::Value],
+        add_generation_prompt: bool,
+        extra: Option<&serde_json::Map<String, serde_json::Value>>,
+        tools: Option<&[serde_json::Value]>,
+    ) -> Result<String, String> {
         let tmpl = self.env.get_template("chat").map_err(|e| e.to_string())?;
         let extra = Value::from_serialize(extra.cloned().unwrap_or_default());
         tmpl.render(context! {
@@ -258,6 +333,38 @@ impl ChatTemplate {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Text parts reach a template that reads lists as a list (Gemma 3's trims each part), one that
+    /// reads strings joined, and a template that reads lists only gets strings as lists too — as
+    /// llama.cpp normalises content for its templates.
+    #[test]
+    fn content_parts_reach_each_template_in_the_form_it_reads() {
+        let with_parts = ChatMessage {
+            parts: Some(vec!["part one".into(), " part two".into()]),
+            ..ChatMessage::new("user", "part one\n part two")
+        };
+        let plain = ChatMessage::new("user", "plain");
+        let gemma = ChatTemplate::new(
+            "{% for m in messages %}{% if m.content is string %}{{ m.content | trim }}{% else %}{% for item in m.content %}{% if item.type == 'text' %}{{ item.text | trim }}{% endif %}{% endfor %}{% endif %}|{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        assert_eq!(gemma.content_forms(), ContentForms { string: true, typed: true });
+        assert_eq!(gemma.render(&[with_parts.clone(), plain.clone()], false).unwrap(), "part onepart two|plain|");
+        // A template that prints whatever content is (SmolLM2's ChatML) reads strings only.
+        let chatml = ChatTemplate::new("{% for m in messages %}{{ m.content }}|{% endfor %}", "", "").unwrap();
+        assert_eq!(chatml.content_forms(), ContentForms { string: true, typed: false });
+        assert_eq!(chatml.render(&[with_parts.clone(), plain.clone()], false).unwrap(), "part one\n part two|plain|");
+        let lists_only = ChatTemplate::new(
+            "{% for m in messages %}{% for item in m.content %}{{ item.text }}{% endfor %}|{% endfor %}",
+            "",
+            "",
+        )
+        .unwrap();
+        assert_eq!(lists_only.content_forms(), ContentForms { string: false, typed: true });
+        assert_eq!(lists_only.render(&[with_parts, plain], false).unwrap(), "part one part two|plain|");
+    }
 
     #[test]
     fn extra_variables_reach_the_template_but_never_replace_its_own() {
