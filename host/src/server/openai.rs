@@ -504,15 +504,15 @@ impl<'a> LegacyLogprobs<'a> {
         LegacyLogprobs { tok, offset: start_offset, tokens, token_logprobs, top, offsets }
     }
 
-    /// An echoed prompt, `ids` echoed as `text`: the first token has no score (`null`, as in
-    /// OpenAI's answer), the others theirs (`null` where none came: a request cut before its prompt
-    /// was scored). Offsets count the characters the prompt decodes to before each token (a token
-    /// that shows no text, such as a BOS, adds none); what follows starts after `text`.
-    fn prompt(mut self, ids: &[u32], scores: Option<&[TokenLogprob]>, text: &str) -> Self {
+    /// An echoed prompt, `ids` echoed as `text`, and `scores` of its tokens after the first (which
+    /// has none: `null`, as in OpenAI's answer). Offsets count the characters the prompt decodes to
+    /// before each token (a token that shows no text, such as a BOS, adds none); what follows
+    /// starts after `text`.
+    fn prompt(mut self, ids: &[u32], scores: &[TokenLogprob], text: &str) -> Self {
         let mut stream = self.tok.inner.decode_stream(true);
         let mut at = self.offset;
         for (k, &id) in ids.iter().enumerate() {
-            let scored = k.checked_sub(1).and_then(|i| scores?.get(i));
+            let scored = k.checked_sub(1).and_then(|i| scores.get(i));
             let (logprob, top) = match scored {
                 Some(l) => (json!(l.logprob), self.top_of(l)),
                 None => (Value::Null, Value::Null),
@@ -1194,6 +1194,11 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
     }
 
     let done = run_all(jobs, &state, model, asked, &log).await?;
+    // A prompt asked to be scored and cut short before it was (`--timeout`, shutdown) is an error:
+    // an answer with its scores missing would be read as one with them.
+    if r.logprobs.is_some() && echo && done.iter().any(|c| c.prompt_logprobs.is_none()) {
+        return Err(unscored());
+    }
     let mut choices = Vec::new();
     let (mut prompt_tokens, mut cached, mut completion_tokens) = (0, 0, 0);
     for (i, c) in done.iter().enumerate() {
@@ -1202,9 +1207,9 @@ async fn completions_inner(state: Arc<AppState>, log: RequestLog, body: &[u8]) -
         let logprobs = match r.logprobs {
             Some(_) => {
                 let (prompt_text, ids) = &prompts[i / n];
-                let lp = match echo {
-                    true => LegacyLogprobs::new(&model.text, 0).prompt(ids, c.prompt_logprobs.as_deref(), prompt_text),
-                    false => LegacyLogprobs::new(&model.text, 0),
+                let lp = match (echo, &c.prompt_logprobs) {
+                    (true, Some(scores)) => LegacyLogprobs::new(&model.text, 0).prompt(ids, scores, prompt_text),
+                    _ => LegacyLogprobs::new(&model.text, 0),
                 };
                 lp.scored(&c.logprobs).scored(c.end_token.as_slice()).json()
             }
@@ -1247,9 +1252,8 @@ struct CompletionStream {
 }
 
 impl CompletionStream {
-    /// The echo chunk, with the prompt's logprobs (`null` scores where none came), if it is still
-    /// to be sent.
-    fn echo_prompt(&mut self, scores: Option<&[TokenLogprob]>) -> Vec<Event> {
+    /// The echo chunk, with the prompt's logprobs, if it is still to be sent.
+    fn echo_prompt(&mut self, scores: &[TokenLogprob]) -> Vec<Event> {
         let Some(p) = self.echo.take() else { return vec![] };
         let lp = LegacyLogprobs::new(&self.tok, 0).prompt(&self.prompt_ids, scores, &p);
         self.offset = lp.offset;
@@ -1282,7 +1286,7 @@ impl StreamDialect for CompletionStream {
     }
 
     fn prompt_logprobs(&mut self, scores: &[TokenLogprob], _live: &Live) -> Vec<Event> {
-        self.echo_prompt(Some(scores))
+        self.echo_prompt(scores)
     }
 
     fn progress(&mut self, live: &Live, progress: Value) -> Vec<Event> {
@@ -1303,8 +1307,11 @@ impl StreamDialect for CompletionStream {
     }
 
     fn done(&mut self, ending: &Ending, usage: &Usage, _live: &Live) -> Vec<Event> {
-        // Cut short before the prompt was scored, the echo still comes first.
-        let mut out = self.echo_prompt(None);
+        // Cut short before the prompt was scored: an error, not an echo without its scores.
+        if self.logprobs && self.echo.take().is_some() {
+            return self.error(&unscored());
+        }
+        let mut out = vec![];
         let mut last = self.chunk("", Some(ending.openai()), Value::Null);
         last["timings"] = timings(usage);
         out.push(data(&last));
@@ -1320,6 +1327,14 @@ impl StreamDialect for CompletionStream {
     fn error(&mut self, e: &ApiError) -> Vec<Event> {
         vec![data(&e.clone().in_dialect(Dialect::OpenAi).body())]
     }
+}
+
+/// A scored prompt's request cut short before its prompt was scored.
+fn unscored() -> ApiError {
+    ApiError::new(
+        ErrorKind::Timeout,
+        "the request was cut short (--timeout, or the server shutting down) before its prompt was scored",
+    )
 }
 
 /// `/v1/models` (and `/models`): the one served model.

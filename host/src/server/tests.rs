@@ -1466,6 +1466,25 @@ async fn oversized_bodies_get_413_in_the_dialect_shape() {
     assert_eq!((status, v["error"]["code"].as_u64()), (413, Some(413)), "{v}");
 }
 
+/// A scored prompt whose scores never came (cut by `--timeout` or shutdown first; the Fake never
+/// scores) is an error, whole or streamed, not an answer that lacks them.
+#[tokio::test]
+async fn an_echoed_prompt_cut_before_its_scores_is_an_error() {
+    let s = start().await;
+    let body = json!({"prompt": "hello there", "max_tokens": 1, "logprobs": 1, "echo": true});
+    let (status, v) = s.post("/v1/completions", body.clone()).await;
+    assert_eq!(status, 504, "{v}");
+    assert!(v["error"]["message"].as_str().unwrap().contains("before its prompt was scored"), "{v}");
+    let mut streamed = body;
+    streamed["stream"] = json!(true);
+    let (status, text, _) = s.post_text("/v1/completions", streamed).await;
+    assert_eq!(status, 200);
+    assert!(text.contains("before its prompt was scored") && !text.contains("\"text\":\"hello there\""), "{text}");
+    // Echo alone needs no scores.
+    let (status, v) = s.post("/v1/completions", json!({"prompt": "hello there", "max_tokens": 1, "echo": true})).await;
+    assert_eq!((status, v["choices"][0]["text"].as_str().map(|t| t.starts_with("hello there"))), (200, Some(true)));
+}
+
 /// `--host` takes llama-server's forms: several addresses, comma-separated, and Unix sockets
 /// (`PATH.sock`), whose file a stopped server leaves behind is taken over.
 #[cfg(unix)]
