@@ -1311,11 +1311,9 @@ impl StreamDialect for CompletionStream {
         if self.logprobs && self.echo.take().is_some() {
             return self.error(&unscored());
         }
-        let mut out = vec![];
         let mut last = self.chunk("", Some(ending.openai()), Value::Null);
         last["timings"] = timings(usage);
-        out.push(data(&last));
-        out
+        vec![data(&last)]
     }
 
     fn end(&mut self, total: &Usage) -> Vec<Event> {
